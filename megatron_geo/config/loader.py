@@ -1,0 +1,127 @@
+"""YAML loading, ordered merge of several files, dotted ``key=value`` overrides, type checking.
+
+Errors are :class:`ConfigError` with a message that names the offending file/key/value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .schema import Config
+
+
+class ConfigError(ValueError):
+    """A bad config file, key, value or combination of sizes."""
+
+
+def _section_fields(obj) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(obj)}
+
+
+def _suggest(name: str, options) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    return f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(sorted(options))}."
+
+
+def _coerce(value: Any, typ: type, where: str) -> Any:
+    """Convert ``value`` (from YAML or a command-line string) to ``typ`` or raise ConfigError."""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(float(value)) if value.strip().lower().count("e") else int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if typ is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    raise ConfigError(f"{where}: unsupported field type {typ}")
+
+
+def _apply(cfg: Config, section: str, key: str, value: Any, origin: str) -> None:
+    sections = _section_fields(cfg)
+    if section not in sections:
+        raise ConfigError(f"{origin}: unknown section '{section}'.{_suggest(section, sections)}")
+    sec = getattr(cfg, section)
+    fields = _section_fields(sec)
+    if key not in fields:
+        raise ConfigError(f"{origin}: unknown key '{section}.{key}'.{_suggest(key, fields)}")
+    hints = typing.get_type_hints(type(sec))
+    setattr(sec, key, _coerce(value, hints[key], f"{origin}: {section}.{key}"))
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build a :class:`Config`: defaults, then each YAML file in order, then ``section.key=value`` overrides.
+
+    Raises:
+        ConfigError: missing file, YAML syntax error, unknown section/key (with the closest valid
+            key suggested), a value of the wrong type, or a malformed override.
+    """
+    cfg = Config()
+    for f in files:
+        path = Path(f)
+        if not path.is_file():
+            raise ConfigError(f"config file '{f}' not found (pass an existing YAML file to --config)")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file '{f}' is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file '{f}': top level must be a mapping of sections, got {type(data).__name__}")
+        for section, body in data.items():
+            if not isinstance(body, dict):
+                raise ConfigError(f"{f}: section '{section}' must be a mapping of key: value")
+            for key, value in body.items():
+                _apply(cfg, section, key, value, f)
+    for ov in overrides:
+        if "=" not in ov or "." not in ov.split("=", 1)[0]:
+            raise ConfigError(f"override '{ov}' is not of the form section.key=value (e.g. train.steps=20)")
+        dotted, value = ov.split("=", 1)
+        section, key = dotted.split(".", 1)
+        _apply(cfg, section.strip(), key.strip(), _parse_scalar(value), "override")
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict:
+    """Plain nested dict (YAML/JSON serialisable) of a config."""
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved config as YAML text, loadable again by :func:`load_config`."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)

@@ -1,0 +1,116 @@
+"""Dataclass schema of the resolved training config.
+
+Every key a YAML file or a ``dotted.key=value`` override may set is a field here; the loader
+(:mod:`megatron_geo.config.loader`) rejects anything else. Sections mirror the architecture in
+DESIGN.md section 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    """Llama shape. ``vocab_size`` is the tokenizer's vocab; the model pads it (see ``padded_vocab_size``)."""
+
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_attention_heads: int = 4
+    num_kv_heads: int = 2
+    ffn_hidden_size: int = 384
+    seq_length: int = 128
+    vocab_size: int = 2048
+    make_vocab_size_divisible_by: int = 64
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    transformer_impl: str = "local"
+
+
+@dataclass
+class ParallelConfig:
+    """Process layout: world = tensor x data. ``bucket_size`` is in elements (Megatron's unit)."""
+
+    tensor: int = 1
+    distributed_optimizer: bool = True
+    bucket_size: int = 4_000_000
+    overlap_grad_reduce: bool = True
+    backend: str = "auto"
+    timeout_minutes: float = 30.0
+
+
+@dataclass
+class OptimizerConfig:
+    """``name``: adamw (everything) or muon (Muon on 2-D hidden matrices, AdamW on the rest)."""
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    muon_momentum: float = 0.95
+    muon_adjust_lr_fn: str = "match_rms_adamw"
+    adamw_lr: float = -1.0  # learning rate of the AdamW part under muon; <0 means same as lr
+    clip_grad: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    """Batch sizes are in samples of ``model.seq_length`` tokens; intervals are in optimizer steps."""
+
+    steps: int = 200
+    global_batch_size: int = 16
+    micro_batch_size: int = 4
+    warmup_steps: int = 20
+    lr_decay_style: str = "cosine"
+    eval_interval: int = 50
+    eval_batches: int = 4
+    log_interval: int = 1
+    seed: int = 1234
+    run_dir: str = "runs/default"
+    device: str = "auto"
+    param_dtype: str = "fp32"
+    autocast_dtype: str = "auto"
+    progress: bool = True
+
+
+@dataclass
+class DataConfig:
+    """``source=shakespeare`` prepares the embedded corpus on first use; ``indexed`` reads your own files."""
+
+    source: str = "shakespeare"
+    cache_dir: str = "~/.cache/megatron_geo"
+    train_prefix: str = ""
+    valid_prefix: str = ""
+    tokenizer_model: str = ""
+
+
+@dataclass
+class CommConfig:
+    """Gradient-reduction wire format. This release: fp32 and bf16 (DESIGN.md section 2, ``comm``)."""
+
+    dtype: str = "fp32"
+
+
+@dataclass
+class LoggingConfig:
+    """``wandb``: offline (default), online or disabled. Group and tags default to the comm settings."""
+
+    wandb: str = "offline"
+    wandb_project: str = "megatron-geo"
+    wandb_group: str = ""
+    wandb_name: str = ""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

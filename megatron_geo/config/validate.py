@@ -1,0 +1,75 @@
+"""Cross-field checks that need no process group: run before any distributed work starts."""
+
+from __future__ import annotations
+
+from .loader import ConfigError
+from .schema import Config
+
+_CHOICES = {
+    ("optimizer", "name"): ("adamw", "muon"),
+    ("train", "lr_decay_style"): ("cosine", "linear", "constant"),
+    ("train", "device"): ("auto", "cpu", "cuda"),
+    ("train", "param_dtype"): ("fp32", "bf16"),
+    ("train", "autocast_dtype"): ("auto", "none", "bf16"),
+    ("parallel", "backend"): ("auto", "gloo", "nccl"),
+    ("data", "source"): ("shakespeare", "indexed"),
+    ("comm", "dtype"): ("fp32", "bf16"),
+    ("logging", "wandb"): ("offline", "online", "disabled"),
+    ("model", "transformer_impl"): ("local",),
+}
+
+_POSITIVE = [
+    ("model", "hidden_size"), ("model", "num_layers"), ("model", "num_attention_heads"),
+    ("model", "num_kv_heads"), ("model", "ffn_hidden_size"), ("model", "seq_length"),
+    ("model", "vocab_size"), ("model", "make_vocab_size_divisible_by"), ("parallel", "tensor"),
+    ("parallel", "bucket_size"), ("train", "steps"), ("train", "global_batch_size"),
+    ("train", "micro_batch_size"), ("train", "eval_interval"), ("train", "log_interval"),
+]
+
+
+def validate_config(cfg: Config, world_size: int) -> None:
+    """Check choices, positivity and size compatibility for ``world_size`` processes.
+
+    Raises:
+        ConfigError: naming the key, the bad value and how to fix it.
+    """
+    for (sec, key), choices in _CHOICES.items():
+        v = getattr(getattr(cfg, sec), key)
+        if v not in choices:
+            raise ConfigError(f"{sec}.{key}={v!r} is not supported; choose one of {', '.join(choices)}")
+    for sec, key in _POSITIVE:
+        v = getattr(getattr(cfg, sec), key)
+        if v <= 0:
+            raise ConfigError(f"{sec}.{key}={v} must be positive")
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if t.warmup_steps < 0 or t.eval_batches < 0:
+        raise ConfigError("train.warmup_steps and train.eval_batches must be >= 0")
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
+    if (m.hidden_size // m.num_attention_heads) % 2:
+        raise ConfigError(f"head dim {m.hidden_size // m.num_attention_heads} must be even for RoPE")
+    if m.num_attention_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"model.num_attention_heads={m.num_attention_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
+    if world_size % p.tensor:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.tensor={p.tensor}; launch a multiple of "
+            f"{p.tensor} processes or change parallel.tensor")
+    for name, v in (("num_attention_heads", m.num_attention_heads), ("num_kv_heads", m.num_kv_heads),
+                    ("ffn_hidden_size", m.ffn_hidden_size)):
+        if v % p.tensor:
+            raise ConfigError(f"model.{name}={v} is not divisible by parallel.tensor={p.tensor}")
+    dp = world_size // p.tensor
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
+            f"{t.micro_batch_size} x data-parallel size {dp} (= {t.micro_batch_size * dp}); pick a global batch "
+            f"that is a multiple of {t.micro_batch_size * dp}")
+    if cfg.optimizer.name == "muon" and p.tensor > 1:
+        raise ConfigError(
+            "optimizer.name=muon with parallel.tensor>1 is not supported: Muon orthogonalizes whole matrices and this "
+            "release does not gather TP shards for it. Use parallel.tensor=1 with muon, or optimizer.name=adamw with TP")
+    if cfg.data.source == "indexed" and not (cfg.data.train_prefix and cfg.data.tokenizer_model):
+        raise ConfigError("data.source=indexed needs data.train_prefix and data.tokenizer_model "
+                          "(make them with tools/train_tokenizer.py and tools/preprocess_data.py)")

@@ -1,0 +1,76 @@
+"""Backward hooks that accumulate gradients into the bucket buffers and start each bucket's DP reduction
+as soon as all of its gradients are ready, overlapping communication with the rest of backward.
+
+Usage per optimizer step::
+
+    grad_sync.start_step()
+    for i, mb in enumerate(micro_batches):
+        grad_sync.set_last_micro_batch(i == len(micro_batches) - 1)
+        loss(mb).backward()
+    grad_sync.finish()     # waits for every bucket's reduction
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm.reducer import PendingReduction, Reducer
+from .buckets import Bucket
+
+
+class GradSync:
+    """Owns the hooks and the in-flight reductions of all buckets.
+
+    ``sharded=True`` (distributed optimizer): reduce-scatter, each rank keeps its chunk's average.
+    ``sharded=False``: all-reduce, every rank holds the whole average.
+    """
+
+    def __init__(self, buckets: list[Bucket], reducer: Reducer, sharded: bool, overlap: bool = True):
+        self.buckets, self.reducer, self.sharded, self.overlap = buckets, reducer, sharded, overlap
+        self._pending: dict[int, PendingReduction] = {}
+        self._remaining: dict[int, int] = {}
+        self._last = True
+        self._handles = []
+        for b in buckets:
+            for p in b.params:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(b)))
+
+    def _make_hook(self, bucket: Bucket):
+        def hook(p: torch.nn.Parameter) -> None:
+            p.main_grad.add_(p.grad)
+            p.grad = None
+            if self._last and self.overlap:
+                self._remaining[bucket.index] -= 1
+                if self._remaining[bucket.index] == 0:
+                    self._launch(bucket)
+        return hook
+
+    def _launch(self, bucket: Bucket) -> None:
+        op = self.reducer.reduce_scatter if self.sharded else self.reducer.all_reduce
+        self._pending[bucket.index] = op(bucket.grad_data, async_op=True)
+
+    def start_step(self) -> None:
+        """Zero the FP32 gradient buffers and re-arm the readiness counters."""
+        for b in self.buckets:
+            b.grad_data.zero_()
+        self._pending.clear()
+        self._remaining = {b.index: len(b.params) for b in self.buckets}
+        self._last = True
+
+    def set_last_micro_batch(self, last: bool) -> None:
+        """Reductions start only during the backward of the last micro-batch of the step."""
+        self._last = last
+
+    def finish(self) -> None:
+        """Launch buckets not launched yet (unused parameters, overlap off) in bucket order, then wait all."""
+        for b in self.buckets:
+            if b.index not in self._pending:
+                self._launch(b)
+        for b in self.buckets:
+            self._pending[b.index].wait()
+        self._pending.clear()
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

@@ -1,0 +1,130 @@
+"""Distributed optimizer: FP32 main params and optimizer state for this DP rank's shard only.
+
+For each piece of a bucket this rank owns (see :mod:`.shard_plan`), a main param is created:
+the whole parameter (its own shape) for atomic pieces, or a flat FP32 slice for split pieces of
+element-wise (AdamW) parameters. ``main.grad`` is a persistent view into the bucket's FP32 gradient
+buffer, so the reduce-scatter writes straight into it. After the step the main params are copied into
+the bucket's parameter buffer and all-gathered over DP (Megatron's ZeRO-1 style distributed optimizer).
+
+With ``sharded=False`` every rank owns every parameter whole (the all-reduce path, no all-gather).
+
+Optimizers are torch's own: ``torch.optim.AdamW`` (fused on CUDA) and ``torch.optim.Muon`` for 2-D
+hidden matrices (Jordan et al. 2024; lr adjusted with ``match_rms_adamw`` so one lr serves both).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..config.schema import OptimizerConfig
+from ..parallel import ParallelContext
+from .buckets import Bucket
+
+
+@dataclass
+class MainParam:
+    """FP32 master copy of (part of) a parameter: ``param_start..param_end`` of ``param`` (flattened)."""
+
+    main: torch.Tensor
+    param: torch.nn.Parameter
+    name: str
+    bucket: Bucket
+    buffer_start: int
+    whole: bool
+    count_in_norm: bool
+
+
+def _make_main(bucket: Bucket, idx: int, start: int, end: int, buffer_start: int, tp_rank: int) -> MainParam:
+    p = bucket.params[idx]
+    whole = start == 0 and end == p.numel()
+    flat = p.detach().reshape(-1)[start:end]
+    main = flat.float().clone().view_as(p) if whole else flat.float().clone()
+    g = bucket.grad_data[buffer_start:buffer_start + (end - start)]
+    main.grad = g.view_as(main)
+    # TP-replicated parameters (norm weights) hold identical grads on all TP ranks: count once.
+    count = bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0
+    return MainParam(main, p, bucket.names[idx], bucket, buffer_start, whole, count)
+
+
+class DistributedOptimizer:
+    """Owns main params, the torch optimizers, global-norm clipping and the param all-gather."""
+
+    def __init__(self, buckets: list[Bucket], cfg: OptimizerConfig, pctx: ParallelContext, sharded: bool):
+        self.buckets, self.cfg, self.pctx, self.sharded = buckets, cfg, pctx, sharded
+        self.mains: list[MainParam] = []
+        for b in buckets:
+            if sharded:
+                for pc in b.plan.pieces[pctx.dp_rank]:
+                    self.mains.append(_make_main(b, pc.index, pc.param_start, pc.param_end, pc.buffer_start,
+                                                 pctx.tp_rank))
+            else:
+                for i, p in enumerate(b.params):
+                    self.mains.append(_make_main(b, i, 0, p.numel(), b.plan.offsets[i], pctx.tp_rank))
+        self.optimizers = self._build_optimizers()
+
+    def _build_optimizers(self) -> list[torch.optim.Optimizer]:
+        c = self.cfg
+        muon, decay, no_decay = [], [], []
+        for m in self.mains:
+            if c.name == "muon" and getattr(m.param, "use_muon", False):
+                if not m.whole:
+                    raise RuntimeError(f"Muon parameter {m.name} is split across DP ranks; it must be atomic")
+                muon.append(m.main)
+            elif m.param.ndim >= 2:
+                decay.append(m.main)
+            else:
+                no_decay.append(m.main)
+        opts: list[torch.optim.Optimizer] = []
+        adam_lr = c.lr if c.adamw_lr < 0 else c.adamw_lr
+        groups = [g for g in ({"params": decay, "weight_decay": c.weight_decay, "base_lr": adam_lr},
+                              {"params": no_decay, "weight_decay": 0.0, "base_lr": adam_lr}) if g["params"]]
+        if groups:
+            fused = all(m.main.is_cuda for m in self.mains)
+            opts.append(torch.optim.AdamW(groups, lr=adam_lr, betas=(c.beta1, c.beta2), eps=c.eps, fused=fused or None))
+        if muon:
+            opts.append(torch.optim.Muon([{"params": muon, "base_lr": c.lr}], lr=c.lr, weight_decay=c.weight_decay,
+                                        momentum=c.muon_momentum, adjust_lr_fn=c.muon_adjust_lr_fn))
+        return opts
+
+    # ---------------------------------------------------------------------------------------------
+    def grad_norm(self) -> float:
+        """Global L2 norm of the averaged gradient over TP x DP, each element counted once."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.pctx.device)
+        for m in self.mains:
+            if m.count_in_norm:
+                sq += m.main.grad.double().pow(2).sum()
+        if self.sharded:
+            dist.all_reduce(sq, group=self.pctx.world_group)
+        elif self.pctx.tp_size > 1:
+            dist.all_reduce(sq, group=self.pctx.tp_group)
+        return math.sqrt(sq.item()) if math.isfinite(sq.item()) else float("nan")
+
+    def clip(self, norm: float, max_norm: float) -> None:
+        """Scale gradients by ``max_norm / norm`` when the norm exceeds ``max_norm`` (> 0)."""
+        if max_norm > 0 and norm > max_norm:
+            coef = max_norm / (norm + 1e-6)
+            for m in self.mains:
+                m.main.grad.mul_(coef)
+
+    def step(self, lr_scale: float) -> None:
+        """One optimizer step at ``lr = base_lr * lr_scale``, then publish the new params to every rank."""
+        for opt in self.optimizers:
+            for g in opt.param_groups:
+                g["lr"] = g["base_lr"] * lr_scale
+            opt.step()
+        with torch.no_grad():
+            for m in self.mains:
+                n = m.main.numel()
+                m.bucket.param_data[m.buffer_start:m.buffer_start + n].copy_(m.main.reshape(-1))
+            if self.sharded and self.pctx.dp_size > 1:
+                for b in self.buckets:
+                    c = b.plan.chunk
+                    shard = b.param_data[self.pctx.dp_rank * c:(self.pctx.dp_rank + 1) * c].clone()
+                    dist.all_gather_into_tensor(b.param_data, shard, group=self.pctx.dp_group)
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [o.state_dict() for o in self.optimizers]}

@@ -1,0 +1,171 @@
+"""Llama built from tensor-parallel layers: RMSNorm, RoPE, grouped-query attention (SDPA), SwiGLU, no biases.
+
+Init follows torchtitan's Llama: embedding N(0, 1); linear weights truncated normal (std
+``init_std`` = 0.02, cut at 2 std); the projections that write into the residual stream (attention
+output and MLP down) use the depth-scaled std ``init_std / sqrt(2 * num_layers)``; the output layer
+uses std ``hidden_size ** -0.5`` cut at 3 std. Every weight is drawn in full from a generator seeded
+by (seed, parameter name), so the model is the same for every TP size and construction order.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..config.schema import ModelConfig
+from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                               vocab_parallel_cross_entropy)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """Round the vocab up to a multiple of ``divisible_by * tp_size`` (Megatron's rule)."""
+    m = divisible_by * tp_size
+    return (vocab_size + m - 1) // m * m
+
+
+def _init(seed: int, name: str, kind: str, std: float):
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+
+    def fn(t: torch.Tensor) -> None:
+        if kind == "normal":
+            t.normal_(0.0, std, generator=gen)
+        else:
+            cut = 3.0 if kind == "trunc3" else 2.0
+            nn.init.trunc_normal_(t, 0.0, std, -cut * std, cut * std, generator=gen)
+
+    return fn
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables ``[seq_len, head_dim / 2]`` float32 (Su et al., RoFormer, eq. 34)."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    ang = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv)
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of ``x`` ``[b, heads, s, head_dim]`` by position-dependent angles."""
+    x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
+    c, s = cos[: x.shape[-2]], sin[: x.shape[-2]]
+    out = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention; q/k/v column-parallel (heads split over TP), output row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, group, seed: int, prefix: str, dtype, device):
+        super().__init__()
+        tp = dist.get_world_size(group)
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.n_heads = cfg.num_attention_heads // tp
+        self.n_kv = cfg.num_kv_heads // tp
+        h, hd = cfg.hidden_size, self.head_dim
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        col = partial(ColumnParallelLinear, group=group, dtype=dtype, device=device)
+        self.q_proj = col(h, cfg.num_attention_heads * hd, init_fn=_init(seed, prefix + "q_proj", "trunc", std))
+        self.k_proj = col(h, cfg.num_kv_heads * hd, init_fn=_init(seed, prefix + "k_proj", "trunc", std))
+        self.v_proj = col(h, cfg.num_kv_heads * hd, init_fn=_init(seed, prefix + "v_proj", "trunc", std))
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, h, group,
+                                        _init(seed, prefix + "o_proj", "trunc", out_std), dtype, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)); gate/up column-parallel, down row-parallel (Shazeer 2020, eq. 6)."""
+
+    def __init__(self, cfg: ModelConfig, group, seed: int, prefix: str, dtype, device):
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.gate_proj = ColumnParallelLinear(h, f, group, _init(seed, prefix + "gate_proj", "trunc", std), dtype=dtype,
+                                              device=device)
+        self.up_proj = ColumnParallelLinear(h, f, group, _init(seed, prefix + "up_proj", "trunc", std), dtype=dtype,
+                                            device=device)
+        self.down_proj = RowParallelLinear(f, h, group, _init(seed, prefix + "down_proj", "trunc", out_std), dtype,
+                                           device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, group, seed: int, idx: int, dtype, device):
+        super().__init__()
+        p = f"layers.{idx}."
+        self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype, device=device)
+        self.attn = Attention(cfg, group, seed, p + "attn.", dtype, device)
+        self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype, device=device)
+        self.mlp = SwiGLU(cfg, group, seed, p + "mlp.", dtype, device)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    """Decoder-only Llama over a TP group.
+
+    Forward: ``tokens`` int64 ``[b, s]`` (s <= ``seq_length``), ``labels`` int64 ``[b, s]`` ->
+    per-token loss float32 ``[b, s]`` (nats), identical on all TP ranks.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp_group, seed: int, dtype=torch.float32, device=None):
+        super().__init__()
+        self.cfg, self.tp_group = cfg, tp_group
+        tp = dist.get_world_size(tp_group)
+        self.padded_vocab = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
+        self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, tp_group,
+                                            _init(seed, "embed", "normal", 1.0), dtype, device)
+        self.layers = nn.ModuleList(Block(cfg, tp_group, seed, i, dtype, device) for i in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype, device=device)
+        self.output = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab, tp_group,
+                                           _init(seed, "output", "trunc3", cfg.hidden_size ** -0.5), dtype=dtype,
+                                           device=device)
+        cos, sin = rope_tables(cfg.seq_length, cfg.hidden_size // cfg.num_attention_heads, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+        for name, p in self.named_parameters():
+            # Muon: 2-D hidden matrices inside the blocks; AdamW: embedding, output, norms.
+            p.use_muon = p.ndim == 2 and name.startswith("layers.")
+            if not hasattr(p, "tensor_model_parallel"):
+                p.tensor_model_parallel = False
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[-1] > self.cfg.seq_length:
+            raise ValueError(f"sequence of {tokens.shape[-1]} tokens exceeds model.seq_length={self.cfg.seq_length}")
+        x = self.embed(tokens)
+        for block in self.layers:
+            x = block(x, self.rope_cos, self.rope_sin)
+        logits = self.output(self.norm(x))
+        return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.tp_group)
+
+
+def count_parameters(cfg: ModelConfig) -> int:
+    """Parameters of the full (unsharded) model with the vocab padded for TP=1."""
+    h, f, L = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers
+    hd = h // cfg.num_attention_heads
+    v = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, 1)
+    attn = h * cfg.num_attention_heads * hd * 2 + h * cfg.num_kv_heads * hd * 2
+    return L * (attn + 3 * h * f + 2 * h) + 2 * v * h + h
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Training FLOPs per token: 6 N (dense matmuls, fwd + bwd) + 6 L s h (causal attention scores/values;
+    Kaplan et al. 2020 / PaLM appendix B counting with the causal half)."""
+    n = count_parameters(cfg) - cfg.vocab_size * cfg.hidden_size  # the embedding lookup costs no matmul
+    return 6.0 * n + 6.0 * cfg.num_layers * cfg.seq_length * cfg.hidden_size

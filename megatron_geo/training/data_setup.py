@@ -1,0 +1,61 @@
+"""Build the train/valid datasets from the config (preparing the embedded corpus on first use)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ..config import Config, ConfigError
+from ..data import GPTDataset, IndexedDataset, Tokenizer, collate, dp_batch_indices, prepare_default_corpus
+from ..parallel import ParallelContext
+
+
+@dataclass
+class DataBundle:
+    train: GPTDataset
+    valid: GPTDataset | None
+    tokenizer_model: str
+
+
+def build_data(cfg: Config, pctx: ParallelContext) -> DataBundle:
+    """Datasets for ``data.source``. With ``shakespeare`` rank 0 prepares (or finds cached) the corpus
+    first while the others wait at a barrier; then every rank opens the memory-mapped files.
+
+    Raises:
+        ConfigError: missing files, or a tokenizer whose vocab differs from ``model.vocab_size``.
+    """
+    d, m = cfg.data, cfg.model
+    if d.source == "shakespeare":
+        cache = os.path.expanduser(d.cache_dir)
+        if pctx.rank == 0:
+            prepare_default_corpus(cache, m.vocab_size)
+        dist.barrier(group=pctx.world_group)
+        paths = prepare_default_corpus(cache, m.vocab_size)
+        tok_path, train_prefix, valid_prefix = paths.tokenizer_model, paths.train_prefix, paths.valid_prefix
+    else:
+        tok_path, train_prefix, valid_prefix = d.tokenizer_model, d.train_prefix, d.valid_prefix
+    tok = Tokenizer(tok_path)
+    if tok.vocab_size != m.vocab_size:
+        raise ConfigError(f"tokenizer {tok_path} has vocab {tok.vocab_size} but model.vocab_size={m.vocab_size}; "
+                          f"set model.vocab_size={tok.vocab_size} or use a matching tokenizer")
+    seed = cfg.train.seed
+    train = GPTDataset(IndexedDataset(train_prefix), m.seq_length, seed, eod_id=tok.eod_id)
+    valid = GPTDataset(IndexedDataset(valid_prefix), m.seq_length, seed + 1, eod_id=tok.eod_id) if valid_prefix else None
+    return DataBundle(train, valid, tok_path)
+
+
+def train_micro_batches(ds: GPTDataset, consumed: int, cfg: Config, pctx: ParallelContext) -> list[dict]:
+    """This DP rank's micro-batches of the step that starts at global sample ``consumed``."""
+    t = cfg.train
+    ids = dp_batch_indices(consumed, t.global_batch_size, t.micro_batch_size, pctx.dp_rank, pctx.dp_size)
+    return [collate([ds[ds.sample_index(i)] for i in mb]) for mb in ids]
+
+
+def valid_micro_batches(ds: GPTDataset, cfg: Config, pctx: ParallelContext) -> list[dict]:
+    """``train.eval_batches`` micro-batches per DP rank: the same fixed validation samples at every eval."""
+    t = cfg.train
+    n = t.eval_batches * t.micro_batch_size * pctx.dp_size
+    ids = dp_batch_indices(0, n, t.micro_batch_size, pctx.dp_rank, pctx.dp_size)
+    return [collate([ds[ds.sample_index(i % len(ds))] for i in mb]) for mb in ids]

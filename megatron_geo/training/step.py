@@ -1,0 +1,84 @@
+"""One optimizer step: forward/backward over the micro-batches, DP reduction, clipping, update.
+
+The loss is the sum of per-token losses over all valid tokens of the global batch divided by the
+global valid-token count (DESIGN.md invariant 9). Each rank scales its local sum by
+``dp_size / global_tokens`` so that the reducer's single FP32 division by ``dp_size`` yields exactly
+the gradient of that global mean, however unevenly tokens fall on ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import DistributedOptimizer, GradSync
+from ..parallel import ParallelContext
+
+
+@dataclass
+class StepResult:
+    loss: float          # global mean per-token loss (nats)
+    grad_norm: float     # global L2 norm before clipping
+    tokens: int          # valid tokens in the global batch
+    skipped: bool        # True when the gradient was not finite and no update was made
+
+
+def autocast_context(pctx: ParallelContext, autocast_dtype: str):
+    """BF16 autocast on CUDA (``auto`` or ``bf16``); nothing on CPU or with ``none``."""
+    if pctx.device.type == "cuda" and autocast_dtype in ("auto", "bf16"):
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train_step(model: torch.nn.Module, micro_batches: list[dict], grad_sync: GradSync,
+               optimizer: DistributedOptimizer, pctx: ParallelContext, lr_scale: float, clip_grad: float,
+               autocast_dtype: str = "auto") -> StepResult:
+    """Run one step over this rank's ``micro_batches`` (dicts of ``tokens``, ``labels`` int64 ``[m, s]``
+    and ``loss_mask`` float ``[m, s]``) and update the parameters unless the gradient is non-finite."""
+    dev = pctx.device
+    local_tokens = sum(mb["loss_mask"].sum() for mb in micro_batches)
+    count = torch.tensor([float(local_tokens)], dtype=torch.float64, device=dev)
+    dist.all_reduce(count, group=pctx.dp_group)
+    global_tokens = count.item()
+    scale = pctx.dp_size / max(global_tokens, 1.0)
+
+    grad_sync.start_step()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+    for i, mb in enumerate(micro_batches):
+        grad_sync.set_last_micro_batch(i == len(micro_batches) - 1)
+        tokens, labels, mask = (mb[k].to(dev, non_blocking=True) for k in ("tokens", "labels", "loss_mask"))
+        with autocast_context(pctx, autocast_dtype):
+            per_token = model(tokens, labels)
+        masked = (per_token * mask).sum()
+        (masked * scale).backward()
+        loss_sum += masked.detach().double()
+    grad_sync.finish()
+
+    dist.all_reduce(loss_sum, group=pctx.dp_group)
+    norm = optimizer.grad_norm()
+    skipped = not math.isfinite(norm)
+    if not skipped:
+        optimizer.clip(norm, clip_grad)
+        optimizer.step(lr_scale)
+    return StepResult(loss_sum.item() / max(global_tokens, 1.0), norm, int(global_tokens), skipped)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, micro_batches: list[dict], pctx: ParallelContext,
+             autocast_dtype: str = "auto") -> float:
+    """Mean per-token validation loss over all ranks' ``micro_batches`` (nats)."""
+    model.eval()
+    acc = torch.zeros(2, dtype=torch.float64, device=pctx.device)
+    for mb in micro_batches:
+        tokens, labels, mask = (mb[k].to(pctx.device) for k in ("tokens", "labels", "loss_mask"))
+        with autocast_context(pctx, autocast_dtype):
+            per_token = model(tokens, labels)
+        acc[0] += (per_token * mask).sum().double()
+        acc[1] += mask.sum().double()
+    dist.all_reduce(acc, group=pctx.dp_group)
+    model.train()
+    return (acc[0] / acc[1].clamp(min=1)).item()

@@ -1,0 +1,159 @@
+"""The training entry point; reads top to bottom: config -> parallel context -> data -> model ->
+gradient buffers, reducer and optimizer -> loop (train step, eval, metrics) -> summary."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..comm import build_reducer
+from ..config import Config, ConfigError, config_to_dict, dump_config, load_config, validate_config
+from ..distributed import DistributedOptimizer, GradSync, build_buckets
+from ..model import Llama, count_parameters
+from ..parallel import LaunchError, ParallelContext, destroy_parallel, detect_launch_env, init_parallel
+from .data_setup import build_data, train_micro_batches, valid_micro_batches
+from .metrics import MetricsLogger
+from .schedule import lr_at
+from .step import evaluate, train_step
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Pretrain a Llama with TP x DP and pluggable gradient reduction.",
+                                epilog="Overrides: section.key=value, e.g. train.steps=20 comm.dtype=bf16")
+    p.add_argument("--config", action="append", default=[], metavar="FILE",
+                   help="YAML config; repeat to merge several in order (e.g. a model file, then a comm preset)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("overrides", nargs="*", help="dotted section.key=value overrides applied last")
+    return p.parse_args(argv)
+
+
+def _log0(pctx: ParallelContext, msg: str) -> None:
+    if pctx.is_main:
+        print(msg, flush=True)
+
+
+def build_model_and_optimizer(cfg: Config, pctx: ParallelContext):
+    """Model on the device, its bucketed gradient path, reducer and distributed optimizer."""
+    dtype = torch.bfloat16 if cfg.train.param_dtype == "bf16" else torch.float32
+    model = Llama(cfg.model, pctx.tp_group, cfg.train.seed, dtype=dtype, device=pctx.device)
+    muon = cfg.optimizer.name == "muon"
+    buckets = build_buckets(list(model.named_parameters()), cfg.parallel.bucket_size, pctx.dp_size,
+                            atomic_fn=lambda p: muon and getattr(p, "use_muon", False))
+    reducer = build_reducer(cfg.comm.dtype, pctx.dp_group, pctx.dp_size, pctx.dp_rank)
+    sharded = cfg.parallel.distributed_optimizer
+    grad_sync = GradSync(buckets, reducer, sharded=sharded, overlap=cfg.parallel.overlap_grad_reduce)
+    optimizer = DistributedOptimizer(buckets, cfg.optimizer, pctx, sharded=sharded)
+    return model, buckets, reducer, grad_sync, optimizer
+
+
+def train(cfg: Config, pctx: ParallelContext) -> dict:
+    """Train for ``train.steps`` steps; returns the summary dict (also printed on rank 0)."""
+    t = cfg.train
+    torch.manual_seed(t.seed)
+    run_dir = Path(t.run_dir)
+    if pctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+
+    data = build_data(cfg, pctx)
+    model, buckets, reducer, grad_sync, optimizer = build_model_and_optimizer(cfg, pctx)
+    n_params = count_parameters(cfg.model)
+    pad = sum(b.plan.padding([p.numel() for p in b.params]) for b in buckets)
+    _log0(pctx, f"parameters: {n_params:,}")
+    _log0(pctx, f"parallel: world={pctx.world_size} TP={pctx.tp_size} DP={pctx.dp_size} backend={pctx.backend} "
+                f"device={pctx.device} | {len(buckets)} buckets, shard padding {pad} elements | "
+                f"comm.dtype={cfg.comm.dtype} distributed_optimizer={cfg.parallel.distributed_optimizer}")
+
+    tags = [f"comm.dtype={cfg.comm.dtype}", f"opt={cfg.optimizer.name}", f"tp={pctx.tp_size}", f"dp={pctx.dp_size}"]
+    logger = MetricsLogger(str(run_dir), pctx.is_main, cfg.logging.wandb, cfg.logging.wandb_project,
+                           cfg.logging.wandb_group or f"comm-{cfg.comm.dtype}", cfg.logging.wandb_name, tags,
+                           config_to_dict(cfg))
+    valid_batches = valid_micro_batches(data.valid, cfg, pctx) if data.valid and t.eval_batches else []
+    progress = None
+    if pctx.is_main and t.progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=t.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
+
+    consumed, first_loss, last, val_loss = 0, None, None, None
+    tok_per_s_hist, bytes_hist = [], []
+    for step in range(t.steps):
+        t0 = time.perf_counter()
+        batches = train_micro_batches(data.train, consumed, cfg, pctx)
+        scale = lr_at(step, max_lr=1.0, min_lr=cfg.optimizer.min_lr / cfg.optimizer.lr, warmup_steps=t.warmup_steps,
+                      total_steps=t.steps, style=t.lr_decay_style)
+        res = train_step(model, batches, grad_sync, optimizer, pctx, scale, cfg.optimizer.clip_grad, t.autocast_dtype)
+        consumed += t.global_batch_size
+        dt = time.perf_counter() - t0
+        comm_bytes = reducer.reset_bytes()
+        record = {"step": step + 1, "loss": res.loss, "lr": cfg.optimizer.lr * scale, "grad_norm": res.grad_norm,
+                  "tokens_per_sec": res.tokens / dt, "comm_bytes": comm_bytes, "step_time_s": dt,
+                  "consumed_samples": consumed, "skipped": res.skipped}
+        if res.skipped:
+            _log0(pctx, f"step {step + 1}: non-finite gradient norm ({res.grad_norm}); update skipped on all ranks")
+        if valid_batches and ((step + 1) % t.eval_interval == 0 or step + 1 == t.steps):
+            val_loss = evaluate(model, valid_batches, pctx, t.autocast_dtype)
+            record["val_loss"] = val_loss
+        if (step + 1) % t.log_interval == 0 or "val_loss" in record or step + 1 == t.steps:
+            logger.log(record)
+        first_loss = res.loss if first_loss is None else first_loss
+        last = record
+        if step > 0:
+            tok_per_s_hist.append(record["tokens_per_sec"])
+        bytes_hist.append(comm_bytes)
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(loss=f"{res.loss:.3f}", **({"val": f"{val_loss:.3f}"} if val_loss else {}))
+    if progress is not None:
+        progress.close()
+    logger.close()
+    summary = {
+        "parameters": n_params, "steps": t.steps, "start_loss": first_loss, "final_loss": last["loss"],
+        "val_loss": val_loss,
+        "tokens_per_sec": sum(tok_per_s_hist) / len(tok_per_s_hist) if tok_per_s_hist else last["tokens_per_sec"],
+        "comm_bytes_per_step": sum(bytes_hist) / len(bytes_hist), "run_dir": str(run_dir.resolve()),
+    }
+    _log0(pctx, format_summary(summary, cfg))
+    return summary
+
+
+def format_summary(s: dict, cfg: Config) -> str:
+    val = f"{s['val_loss']:.4f}" if s["val_loss"] is not None else "n/a"
+    return "\n".join([
+        "=" * 72,
+        f"summary: {s['steps']} steps, {s['parameters']:,} parameters, comm.dtype={cfg.comm.dtype}",
+        f"  train loss      {s['start_loss']:.4f} (first step) -> {s['final_loss']:.4f} (last step)",
+        f"  validation loss {val}",
+        f"  throughput      {s['tokens_per_sec']:,.0f} tokens/s (global, excluding the first step)",
+        f"  DP grad comm    {s['comm_bytes_per_step']:,.0f} bytes sent per step per rank",
+        f"  outputs         {s['run_dir']}/ (config.yaml, metrics.jsonl, wandb/)",
+        "=" * 72,
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.print_config:
+            print(dump_config(cfg), end="")
+            return 0
+        env = detect_launch_env()
+        validate_config(cfg, env.world_size)
+    except (ConfigError, LaunchError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    pctx = init_parallel(cfg.parallel.tensor, cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_minutes,
+                         env)
+    try:
+        train(cfg, pctx)
+    except ConfigError as e:
+        print(f"error (rank {pctx.rank}): {e}", file=sys.stderr)
+        return 2
+    finally:
+        destroy_parallel()
+    return 0

@@ -1,0 +1,38 @@
+"""Shared builders for the distributed tests: a tiny config, synthetic batches, model + optimizer."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_geo.config import load_config
+from megatron_geo.parallel import build_groups
+import torch.distributed as dist
+
+
+def tiny_cfg(*overrides: str):
+    base = ["model.hidden_size=32", "model.num_layers=2", "model.num_attention_heads=4", "model.num_kv_heads=2",
+            "model.ffn_hidden_size=64", "model.seq_length=16", "model.vocab_size=131",
+            "model.make_vocab_size_divisible_by=1", "parallel.bucket_size=3000", "train.global_batch_size=8",
+            "train.micro_batch_size=2", "optimizer.lr=1e-2", "optimizer.min_lr=1e-2", "train.warmup_steps=0",
+            "logging.wandb=disabled"]
+    return load_config([], base + list(overrides))
+
+
+def pctx_for(tp: int = 1):
+    return build_groups(dist.get_rank(), dist.get_world_size(), tp, torch.device("cpu"), "gloo")
+
+
+def global_batch(cfg, step: int, seed: int = 0) -> dict:
+    """The whole global batch of a step: tokens/labels ``[G, s]`` and an all-ones mask."""
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    G, s, v = cfg.train.global_batch_size, cfg.model.seq_length, cfg.model.vocab_size
+    data = torch.randint(0, v, (G, s + 1), generator=g)
+    return {"tokens": data[:, :-1], "labels": data[:, 1:], "loss_mask": torch.ones(G, s)}
+
+
+def rank_micro_batches(batch: dict, micro: int, dp_rank: int, dp_size: int) -> list[dict]:
+    """Rank ``dp_rank``'s contiguous slice of the global batch, cut into micro-batches (as dp_batch_indices)."""
+    G = batch["tokens"].shape[0]
+    per = G // dp_size
+    lo = dp_rank * per
+    return [{k: v[lo + i:lo + i + micro] for k, v in batch.items()} for i in range(0, per, micro)]
