@@ -130,12 +130,13 @@ class Llama(nn.Module):
         tp = dist.get_world_size(tp_group)
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
         self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, tp_group,
-                                            _init(seed, "embed", "normal", 1.0), dtype, device)
+                                            _init(seed, "embed", "normal", 1.0), dtype, device,
+                                            vocab_size=cfg.vocab_size)
         self.layers = nn.ModuleList(Block(cfg, tp_group, seed, i, dtype, device) for i in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype, device=device)
         self.output = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab, tp_group,
                                            _init(seed, "output", "trunc3", cfg.hidden_size ** -0.5), dtype=dtype,
-                                           device=device)
+                                           device=device, valid_out_features=cfg.vocab_size)
         cos, sin = rope_tables(cfg.seq_length, cfg.hidden_size // cfg.num_attention_heads, cfg.rope_theta)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)

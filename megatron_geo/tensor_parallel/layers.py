@@ -20,9 +20,11 @@ from .mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 InitFn = Callable[[torch.Tensor], None]
 
 
-def _sharded_param(full_shape: tuple[int, int], dim: int, group, init_fn: InitFn, dtype, device) -> nn.Parameter:
-    full = torch.empty(full_shape, dtype=torch.float32)
-    init_fn(full)
+def _sharded_param(full_shape: tuple[int, int], dim: int, group, init_fn: InitFn, dtype, device,
+                   valid_rows: int | None = None) -> nn.Parameter:
+    full = torch.zeros(full_shape, dtype=torch.float32)
+    # Rows beyond ``valid_rows`` (vocab padding) stay zero, so the real rows do not depend on the padding.
+    init_fn(full[:valid_rows] if valid_rows is not None else full)
     n, r = dist.get_world_size(group), dist.get_rank(group)
     if full_shape[dim] % n:
         raise ValueError(f"dimension {dim} of a weight of shape {full_shape} is not divisible by TP size {n}")
@@ -41,10 +43,11 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, group, init_fn: InitFn, gather_output: bool = False,
-                 dtype=torch.float32, device=None):
+                 dtype=torch.float32, device=None, valid_out_features: int | None = None):
         super().__init__()
         self.group, self.gather_output = group, gather_output
-        self.weight = _sharded_param((out_features, in_features), 0, group, init_fn, dtype, device)
+        self.weight = _sharded_param((out_features, in_features), 0, group, init_fn, dtype, device,
+                                     valid_out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(copy_to_tp(x, self.group), self.weight)
@@ -72,12 +75,14 @@ class VocabParallelEmbedding(nn.Module):
 
     Input: int64 token ids of any shape, values in ``[0, padded_vocab)``. Output: ``[..., dim]``.
     Each rank looks up the ids in its vocab range, zeroes the rest, and the results are summed over TP.
+    Rows ``vocab_size .. padded_vocab - 1`` (padding) are initialised to zero.
     """
 
-    def __init__(self, padded_vocab: int, dim: int, group, init_fn: InitFn, dtype=torch.float32, device=None):
+    def __init__(self, padded_vocab: int, dim: int, group, init_fn: InitFn, dtype=torch.float32, device=None,
+                 vocab_size: int | None = None):
         super().__init__()
         self.group = group
-        self.weight = _sharded_param((padded_vocab, dim), 0, group, init_fn, dtype, device)
+        self.weight = _sharded_param((padded_vocab, dim), 0, group, init_fn, dtype, device, vocab_size)
         per = padded_vocab // dist.get_world_size(group)
         self.vocab_start = dist.get_rank(group) * per
         self.vocab_end = self.vocab_start + per

@@ -1,0 +1,77 @@
+"""Config loading, merging, overrides and the validation messages users see."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_geo.config import ConfigError, load_config, validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_merge_order_and_overrides(tmp_path):
+    a = tmp_path / "a.yaml"
+    a.write_text("train:\n  steps: 5\ncomm:\n  dtype: fp32\n")
+    b = tmp_path / "b.yaml"
+    b.write_text("comm:\n  dtype: bf16\n")
+    cfg = load_config([str(a), str(b)], ["train.steps=7", "optimizer.lr=2e-4", "parallel.distributed_optimizer=false"])
+    assert cfg.train.steps == 7 and cfg.comm.dtype == "bf16" and cfg.optimizer.lr == 2e-4
+    assert cfg.parallel.distributed_optimizer is False
+
+
+@pytest.mark.parametrize("override,message", [
+    (["train.stpes=3"], "Did you mean 'steps'"),
+    (["trian.steps=3"], "Did you mean 'train'"),
+    (["train.steps=abc"], "expected an integer, got 'abc'"),
+    (["parallel.distributed_optimizer=maybe"], "expected true/false"),
+    (["trainsteps"], "section.key=value"),
+])
+def test_bad_keys_and_types(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config([], override)
+
+
+def test_missing_and_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config([str(tmp_path / "nope.yaml")])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config([str(bad)])
+
+
+@pytest.mark.parametrize("overrides,world,message", [
+    (["parallel.tensor=2"], 3, "world size 3 is not divisible by parallel.tensor=2"),
+    (["parallel.tensor=4", "model.num_kv_heads=2"], 4, "model.num_kv_heads=2 is not divisible by parallel.tensor=4"),
+    (["parallel.tensor=8", "model.num_attention_heads=4", "model.num_kv_heads=4"], 8,
+     "model.num_attention_heads=4 is not divisible by parallel.tensor=8"),
+    (["train.global_batch_size=10", "train.micro_batch_size=4"], 2, "not divisible by train.micro_batch_size=4"),
+    (["comm.dtype=fp16"], 1, "comm.dtype='fp16' is not supported"),
+    (["optimizer.name=muon", "parallel.tensor=2"], 2, "muon with parallel.tensor>1"),
+    (["model.hidden_size=130"], 1, "not divisible by model.num_attention_heads"),
+])
+def test_size_validation(overrides, world, message):
+    cfg = load_config([str(ROOT / "configs/tiny.yaml")], overrides)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate_config(cfg, world)
+
+
+def test_cli_reports_config_errors_before_any_process_group():
+    out = subprocess.run([sys.executable, str(ROOT / "pretrain_llama.py"), "--config", str(ROOT / "configs/tiny.yaml"),
+                          "train.global_batch_size=6"], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "WORLD_SIZE": "2", "RANK": "0"})
+    assert out.returncode == 2
+    assert "train.global_batch_size=6 is not divisible" in out.stderr
+
+
+def test_print_config_roundtrip(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "pretrain_llama.py"), "--config", str(ROOT / "configs/tiny.yaml"),
+                          "--config", str(ROOT / "configs/comm/bf16.yaml"), "train.steps=3", "--print-config"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    f = tmp_path / "resolved.yaml"
+    f.write_text(out.stdout)
+    cfg = load_config([str(f)])
+    assert cfg.train.steps == 3 and cfg.comm.dtype == "bf16" and cfg.model.hidden_size == 128

@@ -1,0 +1,52 @@
+"""LR schedule table and the shard plan's ownership invariants."""
+
+import math
+import random
+
+import pytest
+
+from megatron_geo.distributed.shard_plan import plan_shards
+from megatron_geo.training.schedule import lr_at
+
+
+def test_lr_schedule_table():
+    kw = dict(max_lr=1.0, min_lr=0.1, warmup_steps=4, total_steps=14)
+    table = [lr_at(s, **kw) for s in range(16)]
+    assert table[:4] == [0.25, 0.5, 0.75, 1.0]          # warmup starts above zero, reaches the peak
+    assert table[4] == 1.0 and math.isclose(table[13], 0.1) and table[15] == pytest.approx(0.1)
+    mid = 4 + (13 - 4) / 2                                   # cosine midpoint
+    assert math.isclose(lr_at(int(mid * 2) // 2, **kw), 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 4 / 9)))
+    assert all(a >= b for a, b in zip(table[4:], table[5:]))
+    # no division by zero: no warmup, one step, warmup longer than training
+    assert lr_at(0, max_lr=1.0, min_lr=0.1, warmup_steps=0, total_steps=1) == pytest.approx(0.1)
+    assert lr_at(0, max_lr=1.0, min_lr=0.1, warmup_steps=10, total_steps=5) == pytest.approx(0.1)
+    assert lr_at(3, max_lr=2.0, min_lr=0.0, warmup_steps=0, total_steps=7, style="linear") == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="decay style"):
+        lr_at(5, max_lr=1.0, min_lr=0.1, warmup_steps=0, total_steps=10, style="exp")
+
+
+def test_shard_plan_covers_each_element_once():
+    for trial in range(500):
+        rnd = random.Random(trial)
+        k, dp, align = rnd.randint(1, 12), rnd.randint(1, 5), rnd.choice([1, 4, 16])
+        numels = [rnd.choice([0, 1, 3, 7, 64, 100, 1000]) for _ in range(k)]
+        atomic = [rnd.random() < 0.5 for _ in range(k)]
+        plan = plan_shards(numels, atomic, dp, align)
+        assert plan.chunk % align == 0
+        cover = [0] * plan.buffer_numel
+        owned = [0] * k
+        for r, pieces in enumerate(plan.pieces):
+            for pc in pieces:
+                assert r * plan.chunk <= pc.buffer_start and pc.buffer_start + pc.numel <= (r + 1) * plan.chunk
+                assert pc.buffer_start == plan.offsets[pc.index] + pc.param_start  # contiguous parameter
+                if atomic[pc.index]:
+                    assert (pc.param_start, pc.param_end) == (0, numels[pc.index])
+                for j in range(pc.numel):
+                    cover[pc.buffer_start + j] += 1
+                owned[pc.index] += pc.numel
+        assert max(cover, default=0) <= 1 and owned == numels
+
+
+def test_shard_plan_padding_is_small_for_splittable_params():
+    plan = plan_shards([1000, 10, 10, 3], [False] * 4, 3)
+    assert plan.chunk == math.ceil(1023 / 3) and plan.padding([1000, 10, 10, 3]) <= 2
