@@ -20,6 +20,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .collectives import all_gather_flat, reduce_scatter_flat
+
 
 class PendingReduction:
     """An in-flight reduction; ``wait()`` finishes it (waits for the collectives, runs the epilogue)."""
@@ -90,7 +92,7 @@ class Reducer:
             rs.wait()
             shard = self._chunk(buf).to(self.wire_dtype)
             out = torch.empty(buf.numel(), dtype=self.wire_dtype, device=buf.device)
-            dist.all_gather_into_tensor(out, shard, group=self.group)
+            all_gather_flat(out, shard, group=self.group)
             self._count(shard.numel(), self.wire_dtype)
             buf.copy_(out)
 
@@ -108,7 +110,7 @@ class FP32Reducer(Reducer):
 
     def _reduce_scatter(self, buf):
         out = torch.empty(buf.numel() // self.dp_size, dtype=torch.float32, device=buf.device)
-        work = dist.reduce_scatter_tensor(out, buf, group=self.group, async_op=True)
+        work = reduce_scatter_flat(out, buf, group=self.group, async_op=True)
         self._count(out.numel(), torch.float32)
 
         def epilogue():

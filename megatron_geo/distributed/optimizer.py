@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..comm.collectives import all_gather_flat
 from ..config.schema import OptimizerConfig
 from ..parallel import ParallelContext
 from .buckets import Bucket
@@ -124,7 +125,7 @@ class DistributedOptimizer:
                 for b in self.buckets:
                     c = b.plan.chunk
                     shard = b.param_data[self.pctx.dp_rank * c:(self.pctx.dp_rank + 1) * c].clone()
-                    dist.all_gather_into_tensor(b.param_data, shard, group=self.pctx.dp_group)
+                    all_gather_flat(b.param_data, shard, group=self.pctx.dp_group)
 
     def state_dict(self) -> dict:
         return {"optimizers": [o.state_dict() for o in self.optimizers]}

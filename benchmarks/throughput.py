@@ -1,0 +1,130 @@
+#!/usr/bin/env python
+"""Tokens/s of megatron-geo's training step against a plain PyTorch DDP reference, side by side.
+
+Both run in the same 2 gloo processes, on the same model (our Llama at TP=1, same init), the same
+synthetic batches (global batch, micro batch, sequence length from the config) and the same number of
+steps. The reference is the textbook loop: ``torch.nn.parallel.DistributedDataParallel`` (FP32
+all-reduce, ``no_sync`` on all but the last micro-batch), ``torch.optim.AdamW``, clip_grad_norm_.
+The two loops alternate in rounds so that machine noise hits both alike; the median step time is used.
+
+    python benchmarks/throughput.py [--config configs/tiny.yaml] [--steps 20] [--rounds 3] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_geo.config import load_config  # noqa: E402
+from megatron_geo.model import Llama  # noqa: E402
+from megatron_geo.parallel import build_groups  # noqa: E402
+from megatron_geo.training.step import train_step  # noqa: E402
+from megatron_geo.training.trainer import build_model_and_optimizer  # noqa: E402
+
+
+def _batches(cfg, dp_rank, dp_size, step):
+    g = torch.Generator().manual_seed(step)
+    t = cfg.train
+    data = torch.randint(0, cfg.model.vocab_size, (t.global_batch_size, cfg.model.seq_length + 1), generator=g)
+    per = t.global_batch_size // dp_size
+    mine = data[dp_rank * per:(dp_rank + 1) * per]
+    return [{"tokens": mine[i:i + t.micro_batch_size, :-1], "labels": mine[i:i + t.micro_batch_size, 1:],
+             "loss_mask": torch.ones(t.micro_batch_size, cfg.model.seq_length)} for i in range(0, per, t.micro_batch_size)]
+
+
+def _ours(cfg, pctx, steps):
+    model, _, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
+    times = []
+    for s in range(steps + 1):
+        mbs = _batches(cfg, pctx.dp_rank, pctx.dp_size, s)
+        dist.barrier()
+        t0 = time.perf_counter()
+        train_step(model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad)
+        times.append(time.perf_counter() - t0)
+    sync.remove_hooks()
+    return times[1:], reducer.reset_bytes() / (steps + 1)
+
+
+def _reference(cfg, pctx, steps):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(Llama(cfg.model, pctx.tp_group, cfg.train.seed))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay)
+    times = []
+    for s in range(steps + 1):
+        mbs = _batches(cfg, pctx.dp_rank, pctx.dp_size, s)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for i, mb in enumerate(mbs):
+            ctx = model.no_sync() if i < len(mbs) - 1 else torch.enable_grad()
+            with ctx:
+                (model(mb["tokens"], mb["labels"]).mean() / len(mbs)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.clip_grad)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return times[1:]
+
+
+def _worker(rank, world, port, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cfg = load_config(args.config, ["logging.wandb=disabled"] + args.overrides)
+    pctx = build_groups(rank, world, 1, torch.device("cpu"), "gloo")
+    ours, ref, sent = [], [], 0.0
+    for _ in range(args.rounds):
+        t, sent = _ours(cfg, pctx, args.steps)
+        ours += t
+        ref += _reference(cfg, pctx, args.steps)
+    if rank == 0:
+        queue.put((ours, ref, sent))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", action="append", default=None)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args()
+    args.config = args.config or ["configs/tiny.yaml"]
+    if not any(o.startswith("comm.dtype=") for o in args.overrides):
+        args.overrides.append("comm.dtype=bf16")
+    cfg = load_config(args.config, args.overrides)
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, args.nproc, port, args, queue)) for r in range(args.nproc)]
+    for pr in procs:
+        pr.start()
+    ours, ref, sent = queue.get(timeout=3600)
+    for pr in procs:
+        pr.join()
+    mo, mr = statistics.median(ours), statistics.median(ref)
+    print(f"config: {' '.join(args.config)} {' '.join(args.overrides)} | {args.nproc} DP processes (gloo, CPU), "
+          f"global batch {cfg.train.global_batch_size} x seq {cfg.model.seq_length} = {tokens} tokens/step, "
+          f"{args.rounds} rounds x {args.steps} steps each")
+    print(f"megatron-geo ({cfg.comm.dtype} reducer, distributed_optimizer={cfg.parallel.distributed_optimizer}): "
+          f"median step {mo * 1e3:8.1f} ms  {tokens / mo:10,.0f} tokens/s  ({sent:,.0f} grad bytes sent/step/rank)")
+    print(f"plain PyTorch DDP (fp32 all-reduce, AdamW):          median step {mr * 1e3:8.1f} ms  {tokens / mr:10,.0f} tokens/s")
+    print(f"ratio megatron-geo / DDP tokens/s: {mr / mo:.3f}  (target >= 0.9)")
+
+
+if __name__ == "__main__":
+    main()
