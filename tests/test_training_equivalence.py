@@ -1,9 +1,7 @@
 """DP / TP / accumulation equivalences against a single-process reference (CPU, gloo).
 
-Tolerances: FP32 everywhere; DP changes the summation order only, so with AdamW losses and parameters
-agree to atol 1e-5. torch's Muon runs Newton-Schulz in BF16, which turns those 1e-7 differences into BF16
-rounding differences of the update (2^-8 relative), so for Muon we assert that the parameter difference
-is below 2% of the total update ||p_ref - p_0|| (per tensor) and losses agree to 1e-4.
+Tolerance: FP32 everywhere (on CPU Muon's Newton-Schulz runs in FP32 too); DP changes the summation
+order only, so losses and parameters agree to atol 1e-5.
 """
 
 import pytest
@@ -40,15 +38,11 @@ CASES = [
 def test_dp2_matches_single_process(name, overrides):
     ref_losses, ref_params, init = run_distributed(_train, 1, overrides, 1, 3, 2)[0]
     out = run_distributed(_train, 2, overrides, 1, 3, 2)
-    muon = "muon" in name
     for losses, params, _ in out:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=1e-4 if muon else 1e-5)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=1e-5)
         for n, p in params.items():
-            if muon:
-                rel = (p - ref_params[n]).norm() / (ref_params[n] - init[n]).norm()
-                assert rel < 0.02, f"{name}: {n}: difference {rel:.3%} of the update"
-            else:
-                torch.testing.assert_close(p, ref_params[n], rtol=0, atol=1e-5, msg=lambda m: f"{name}: {n}: {m}")
+            assert not torch.equal(p, init[n]), f"{name}: {n} did not train"
+            torch.testing.assert_close(p, ref_params[n], rtol=0, atol=1e-5, msg=lambda m: f"{name}: {n}: {m}")
     # replicas identical bit for bit
     for n in out[0][1]:
         assert torch.equal(out[0][1][n], out[1][1][n]), n

@@ -53,6 +53,7 @@ class OptimizerConfig:
     eps: float = 1e-8
     muon_momentum: float = 0.95
     muon_adjust_lr_fn: str = "match_rms_adamw"
+    muon_ns_dtype: str = "auto"  # auto: bf16 (torch.optim.Muon) on CUDA, fp32 on CPU
     adamw_lr: float = -1.0  # learning rate of the AdamW part under muon; <0 means same as lr
     clip_grad: float = 1.0
 

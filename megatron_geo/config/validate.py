@@ -7,6 +7,8 @@ from .schema import Config
 
 _CHOICES = {
     ("optimizer", "name"): ("adamw", "muon"),
+    ("optimizer", "muon_ns_dtype"): ("auto", "bf16", "fp32"),
+    ("optimizer", "muon_adjust_lr_fn"): ("match_rms_adamw", "original"),
     ("train", "lr_decay_style"): ("cosine", "linear", "constant"),
     ("train", "device"): ("auto", "cpu", "cuda"),
     ("train", "param_dtype"): ("fp32", "bf16"),

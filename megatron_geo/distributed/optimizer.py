@@ -9,7 +9,8 @@ the bucket's parameter buffer and all-gathered over DP (Megatron's ZeRO-1 style 
 With ``sharded=False`` every rank owns every parameter whole (the all-reduce path, no all-gather).
 
 Optimizers are torch's own: ``torch.optim.AdamW`` (fused on CUDA) and ``torch.optim.Muon`` for 2-D
-hidden matrices (Jordan et al. 2024; lr adjusted with ``match_rms_adamw`` so one lr serves both).
+hidden matrices (Jordan et al. 2024; lr adjusted with ``match_rms_adamw`` so one lr serves both). On CPU
+Muon's Newton-Schulz runs in FP32 (see :mod:`megatron_geo.optim.muon`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from ..comm.collectives import all_gather_flat
 from ..config.schema import OptimizerConfig
+from ..optim import build_muon
 from ..parallel import ParallelContext
 from .buckets import Bucket
 
@@ -87,8 +89,9 @@ class DistributedOptimizer:
             fused = all(m.main.is_cuda for m in self.mains)
             opts.append(torch.optim.AdamW(groups, lr=adam_lr, betas=(c.beta1, c.beta2), eps=c.eps, fused=fused or None))
         if muon:
-            opts.append(torch.optim.Muon([{"params": muon, "base_lr": c.lr}], lr=c.lr, weight_decay=c.weight_decay,
-                                        momentum=c.muon_momentum, adjust_lr_fn=c.muon_adjust_lr_fn))
+            opts.append(build_muon([{"params": muon, "base_lr": c.lr}], on_cuda=self.pctx.device.type == "cuda",
+                                   ns_dtype=c.muon_ns_dtype, lr=c.lr, weight_decay=c.weight_decay,
+                                   momentum=c.muon_momentum, adjust_lr_fn=c.muon_adjust_lr_fn))
         return opts
 
     # ---------------------------------------------------------------------------------------------
