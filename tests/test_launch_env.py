@@ -1,0 +1,58 @@
+"""Launcher detection: torchrun, srun (one process per task) and a plain single process."""
+
+import pytest
+
+from megatron_geo.parallel.launch_env import LaunchError, _expand_first_host, detect_launch_env
+
+CLEAR = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
+         "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_JOB_ID"]
+
+
+@pytest.fixture
+def env(monkeypatch):
+    for k in CLEAR:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol: exercise our own node-list parser
+    return monkeypatch
+
+
+def test_single_process(env):
+    e = detect_launch_env()
+    assert (e.rank, e.world_size, e.launcher) == (0, 1, "single")
+
+
+def test_torchrun(env):
+    env.setenv("RANK", "3")
+    env.setenv("WORLD_SIZE", "4")
+    env.setenv("LOCAL_RANK", "1")
+    env.setenv("MASTER_ADDR", "node7")
+    env.setenv("MASTER_PORT", "1234")
+    e = detect_launch_env()
+    assert (e.rank, e.world_size, e.local_rank, e.master_addr, e.master_port, e.launcher) == \
+        (3, 4, 1, "node7", 1234, "torchrun")
+
+
+def test_srun(env):
+    env.setenv("SLURM_PROCID", "5")
+    env.setenv("SLURM_NTASKS", "64")
+    env.setenv("SLURM_LOCALID", "0")
+    env.setenv("SLURM_JOB_NODELIST", "gh[012-075],login1")
+    env.setenv("SLURM_JOB_ID", "4242")
+    e = detect_launch_env()
+    assert (e.rank, e.world_size, e.local_rank, e.master_addr, e.master_port, e.launcher) == \
+        (5, 64, 0, "gh012", 29500 + 242, "slurm")
+
+
+@pytest.mark.parametrize("nodelist,first", [("n1", "n1"), ("n[1-2]", "n1"), ("c[3,5-7]", "c3"), ("a,b", "a")])
+def test_nodelist_first_host(nodelist, first):
+    assert _expand_first_host(nodelist) == first
+
+
+def test_bad_rank(env):
+    env.setenv("RANK", "4")
+    env.setenv("WORLD_SIZE", "4")
+    with pytest.raises(LaunchError, match="outside world size 4"):
+        detect_launch_env()
+    env.setenv("RANK", "x")
+    with pytest.raises(LaunchError, match="RANK='x' is not an integer"):
+        detect_launch_env()
