@@ -68,25 +68,35 @@ class Reducer:
             raise ValueError(f"reducer expects a flat float32 buffer of dp_size x chunk elements, got "
                              f"{buf.dtype} {tuple(buf.shape)} with dp_size={self.dp_size}")
 
-    def reduce_scatter(self, buf: torch.Tensor, async_op: bool = True) -> PendingReduction:
-        """Average ``buf`` (FP32, ``[dp_size * chunk]``) over DP into this rank's chunk, in place."""
+    def register_bucket(self, key: int, offsets: list[int], numels: list[int], chunk: int, device) -> None:
+        """Tell the reducer the layout of bucket ``key`` (parameter offsets/sizes, chunk). Stateless here."""
+
+    def alignment(self) -> int:
+        """Chunk sizes must be a multiple of this many elements."""
+        return 1
+
+    def reduce_scatter(self, buf: torch.Tensor, key=None, async_op: bool = True) -> PendingReduction:
+        """Average ``buf`` (FP32, ``[dp_size * chunk]``) over DP into this rank's chunk, in place.
+
+        ``key`` names the bucket (see :meth:`register_bucket`) for reducers with per-bucket state.
+        """
         self._check(buf)
         if self.dp_size == 1:
             return PendingReduction(None)
-        pending = self._reduce_scatter(buf)
+        pending = self._reduce_scatter(buf, key)
         if not async_op:
             pending.wait()
         return pending
 
-    def _reduce_scatter(self, buf: torch.Tensor) -> PendingReduction:
+    def _reduce_scatter(self, buf: torch.Tensor, key=None) -> PendingReduction:
         raise NotImplementedError
 
-    def all_reduce(self, buf: torch.Tensor, async_op: bool = True) -> PendingReduction:
+    def all_reduce(self, buf: torch.Tensor, key=None, async_op: bool = True) -> PendingReduction:
         """Average all of ``buf`` over DP in place; every rank ends bitwise identical."""
         self._check(buf)
         if self.dp_size == 1:
             return PendingReduction(None)
-        rs = self._reduce_scatter(buf)
+        rs = self._reduce_scatter(buf, key)
 
         def gather() -> None:
             rs.wait()
@@ -108,7 +118,7 @@ class FP32Reducer(Reducer):
     name = "fp32"
     wire_dtype = torch.float32
 
-    def _reduce_scatter(self, buf):
+    def _reduce_scatter(self, buf, key=None):
         out = torch.empty(buf.numel() // self.dp_size, dtype=torch.float32, device=buf.device)
         work = reduce_scatter_flat(out, buf, group=self.group, async_op=True)
         self._count(out.numel(), torch.float32)
@@ -132,7 +142,7 @@ class CastReducer(Reducer):
         super().__init__(dp_group, dp_size, dp_rank)
         self.wire_dtype = wire_dtype
 
-    def _reduce_scatter(self, buf):
+    def _reduce_scatter(self, buf, key=None):
         send = buf.to(self.wire_dtype)
         recv = torch.empty_like(send)
         work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
@@ -145,16 +155,29 @@ class CastReducer(Reducer):
         return PendingReduction(work, epilogue)
 
 
-def build_reducer(dtype: str, dp_group, dp_size: int, dp_rank: int) -> Reducer:
-    """The reducer for ``comm.dtype``: ``fp32`` or ``bf16``.
+def build_reducer(comm, dp_group, dp_size: int, dp_rank: int, seed: int = 0, device=None) -> Reducer:
+    """The reducer for a ``comm`` config section (or just a ``comm.dtype`` string).
+
+    fp32 -> :class:`FP32Reducer`; bf16 -> :class:`CastReducer`; fp8_e4m3 / fp8_e5m2 / nvfp4 ->
+    :class:`~megatron_geo.comm.lowp.LowPrecisionReducer` with the section's scaling, rounding, error
+    feedback, transform and scale sync.
 
     Raises:
         ValueError: an unknown ``comm.dtype``.
     """
+    dtype = comm if isinstance(comm, str) else comm.dtype
     if dtype == "fp32":
         return FP32Reducer(dp_group, dp_size, dp_rank)
     if dtype == "bf16":
         r = CastReducer(dp_group, dp_size, dp_rank, torch.bfloat16)
         r.name = "bf16"
         return r
-    raise ValueError(f"comm.dtype={dtype!r} is not supported; choose fp32 or bf16")
+    if dtype in ("fp8_e4m3", "fp8_e5m2", "nvfp4"):
+        from .lowp import LowPrecisionReducer
+
+        kw = {} if isinstance(comm, str) else dict(
+            scaling=comm.scaling, block_size=comm.block_size, rounding=comm.rounding,
+            error_feedback=comm.error_feedback, transform=comm.transform, hadamard_block=comm.hadamard_block,
+            scale_sync=comm.scale_sync)
+        return LowPrecisionReducer(dp_group, dp_size, dp_rank, dtype, seed=seed, device=device, **kw)
+    raise ValueError(f"comm.dtype={dtype!r} is not supported; choose fp32, bf16, fp8_e4m3, fp8_e5m2 or nvfp4")

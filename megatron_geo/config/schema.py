@@ -76,6 +76,7 @@ class TrainConfig:
     param_dtype: str = "fp32"
     autocast_dtype: str = "auto"
     progress: bool = True
+    nonfinite: str = "skip"  # skip: skip the update on all ranks and log it | stop: stop with an error
 
 
 @dataclass
@@ -91,9 +92,16 @@ class DataConfig:
 
 @dataclass
 class CommConfig:
-    """Gradient-reduction wire format. This release: fp32 and bf16 (DESIGN.md section 2, ``comm``)."""
+    """Gradient-reduction wire format and its options (DESIGN.md section 2, ``comm``; orthogonal keys)."""
 
-    dtype: str = "fp32"
+    dtype: str = "fp32"            # fp32 | bf16 | fp8_e4m3 | fp8_e5m2 | nvfp4
+    scaling: str = "tensor"        # tensor (one FP32 scale per parameter) | block (one per block_size elements)
+    block_size: int = 128          # elements per scale with scaling=block
+    rounding: str = "nearest"      # nearest | stochastic (unbiased, seeded)
+    error_feedback: bool = False   # keep what quantisation lost and add it back next step
+    transform: str = "none"        # none | hadamard (fixed block-Hadamard rotation with shared signs)
+    hadamard_block: int = 128      # rotation block (power of two)
+    scale_sync: str = "none"       # none (per-rank scales, sent with the payload) | max (shared MAX scales)
 
 
 @dataclass

@@ -15,7 +15,12 @@ _CHOICES = {
     ("train", "autocast_dtype"): ("auto", "none", "bf16"),
     ("parallel", "backend"): ("auto", "gloo", "nccl"),
     ("data", "source"): ("shakespeare", "indexed"),
-    ("comm", "dtype"): ("fp32", "bf16"),
+    ("comm", "dtype"): ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4"),
+    ("comm", "scaling"): ("tensor", "block"),
+    ("comm", "rounding"): ("nearest", "stochastic"),
+    ("comm", "transform"): ("none", "hadamard"),
+    ("comm", "scale_sync"): ("none", "max"),
+    ("train", "nonfinite"): ("skip", "stop"),
     ("logging", "wandb"): ("offline", "online", "disabled"),
     ("model", "transformer_impl"): ("local",),
 }
@@ -43,7 +48,16 @@ def validate_config(cfg: Config, world_size: int) -> None:
         v = getattr(getattr(cfg, sec), key)
         if v <= 0:
             raise ConfigError(f"{sec}.{key}={v} must be positive")
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    m, p, t, c = cfg.model, cfg.parallel, cfg.train, cfg.comm
+    for name, v in (("comm.block_size", c.block_size), ("comm.hadamard_block", c.hadamard_block)):
+        if v <= 0 or v & (v - 1):
+            raise ConfigError(f"{name}={v} must be a positive power of two (e.g. 128)")
+    low = c.dtype in ("fp8_e4m3", "fp8_e5m2", "nvfp4")
+    if not low and (c.error_feedback or c.transform != "none" or c.scale_sync != "none" or c.rounding != "nearest"):
+        raise ConfigError(f"comm.error_feedback/transform/scale_sync/rounding need a low-precision comm.dtype "
+                          f"(fp8_e4m3, fp8_e5m2, nvfp4), got comm.dtype={c.dtype}")
+    if c.dtype == "nvfp4" and c.scale_sync != "none":
+        raise ConfigError("comm.scale_sync=max is supported for fp8 formats only; use comm.scale_sync=none with nvfp4")
     if t.warmup_steps < 0 or t.eval_batches < 0:
         raise ConfigError("train.warmup_steps and train.eval_batches must be >= 0")
     if m.hidden_size % m.num_attention_heads:

@@ -47,7 +47,7 @@ class GradSync:
 
     def _launch(self, bucket: Bucket) -> None:
         op = self.reducer.reduce_scatter if self.sharded else self.reducer.all_reduce
-        self._pending[bucket.index] = op(bucket.grad_data, async_op=True)
+        self._pending[bucket.index] = op(bucket.grad_data, key=bucket.index, async_op=True)
 
     def start_step(self) -> None:
         """Zero the FP32 gradient buffers and re-arm the readiness counters."""

@@ -21,6 +21,10 @@ from .schedule import lr_at
 from .step import evaluate, train_step
 
 
+class NonFiniteGradientError(RuntimeError):
+    """The global gradient norm was non-finite and ``train.nonfinite=stop``."""
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Pretrain a Llama with TP x DP and pluggable gradient reduction.",
                                 epilog="Overrides: section.key=value, e.g. train.steps=20 comm.dtype=bf16")
@@ -41,9 +45,12 @@ def build_model_and_optimizer(cfg: Config, pctx: ParallelContext):
     dtype = torch.bfloat16 if cfg.train.param_dtype == "bf16" else torch.float32
     model = Llama(cfg.model, pctx.tp_group, cfg.train.seed, dtype=dtype, device=pctx.device)
     muon = cfg.optimizer.name == "muon"
+    reducer = build_reducer(cfg.comm, pctx.dp_group, pctx.dp_size, pctx.dp_rank, seed=cfg.train.seed,
+                            device=pctx.device)
     buckets = build_buckets(list(model.named_parameters()), cfg.parallel.bucket_size, pctx.dp_size,
-                            atomic_fn=lambda p: muon and getattr(p, "use_muon", False))
-    reducer = build_reducer(cfg.comm.dtype, pctx.dp_group, pctx.dp_size, pctx.dp_rank)
+                            atomic_fn=lambda p: muon and getattr(p, "use_muon", False), align=reducer.alignment())
+    for b in buckets:
+        reducer.register_bucket(b.index, b.plan.offsets, [p.numel() for p in b.params], b.plan.chunk, pctx.device)
     sharded = cfg.parallel.distributed_optimizer
     grad_sync = GradSync(buckets, reducer, sharded=sharded, overlap=cfg.parallel.overlap_grad_reduce)
     optimizer = DistributedOptimizer(buckets, cfg.optimizer, pctx, sharded=sharded)
@@ -94,6 +101,13 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
                   "tokens_per_sec": res.tokens / dt, "comm_bytes": comm_bytes, "step_time_s": dt,
                   "consumed_samples": consumed, "skipped": res.skipped}
         if res.skipped:
+            if t.nonfinite == "stop":
+                raise NonFiniteGradientError(
+                    f"step {step + 1}: the gradient norm is {res.grad_norm} (non-finite) on every rank; stopping because "
+                    f"train.nonfinite=stop (set train.nonfinite=skip to skip such steps instead)")
+            reset = getattr(reducer, "reset_error_feedback", None)
+            if reset is not None:
+                reset()  # the residual of a skipped step may hold the non-finite values
             _log0(pctx, f"step {step + 1}: non-finite gradient norm ({res.grad_norm}); update skipped on all ranks")
         if valid_batches and ((step + 1) % t.eval_interval == 0 or step + 1 == t.steps):
             val_loss = evaluate(model, valid_batches, pctx, t.autocast_dtype)
@@ -130,7 +144,8 @@ def format_summary(s: dict, cfg: Config) -> str:
         f"  validation loss {val}",
         f"  throughput      {s['tokens_per_sec']:,.0f} tokens/s (global, excluding the first step)",
         f"  DP grad comm    {s['comm_bytes_per_step']:,.0f} bytes sent per step per rank",
-        f"  outputs         {s['run_dir']}/ (config.yaml, metrics.jsonl, wandb/)",
+        f"  outputs         {s['run_dir']}/ (config.yaml, metrics.jsonl"
+        f"{', wandb/' if cfg.logging.wandb != 'disabled' else ''})",
         "=" * 72,
     ])
 
@@ -154,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error (rank {pctx.rank}): {e}", file=sys.stderr)
         return 2
+    except NonFiniteGradientError as e:
+        print(f"error (rank {pctx.rank}): {e}", file=sys.stderr)
+        return 3
     finally:
         destroy_parallel()
     return 0

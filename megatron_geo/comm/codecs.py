@@ -1,0 +1,300 @@
+"""Quantize / dequantize kernels for low-precision gradient communication (pure PyTorch, CPU or CUDA).
+
+Two families, both "scaled": the wire carries small integer codes plus FP32 (or E4M3) scales, and
+``decode(encode(x))`` approximates ``x``.
+
+- Scaled FP8 (OCP 8-bit Floating Point Specification (OFP8), rev. 1.0): E4M3 in its "fn" variant
+  (no infinities, one NaN pattern per sign, max normal 448) and E5M2 (IEEE-like, max normal 57344).
+  The element casts are torch's own ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` conversions
+  (round to nearest, ties to even, subnormals as OFP8 defines them).
+- NVFP4 (NVIDIA Blackwell's 4-bit format, as described in NVIDIA's "Introducing NVFP4" note and
+  the PTX ISA ``e2m1`` type): E2M1 elements (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), one E4M3
+  scale per 16 consecutive elements, and one FP32 "global" scale that maps the block scales into
+  E4M3's range.
+
+Rounding is round-to-nearest-even or unbiased stochastic rounding (the two neighbouring representable
+values, chosen with probability proportional to closeness; ``E[decode] == x`` for in-range ``x``).
+
+NaN policy: NaN in, NaN out (never silently 0 or max). A non-finite amax gives a NaN scale, so a
+non-finite tensor decodes to NaN instead of being hidden by saturation; finite values beyond the
+format's range saturate to +-max.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+FP8_FORMATS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+_FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+
+NVFP4_BLOCK = 16
+_E2M1_MAX = 6.0
+_E4M3_MAX = 448.0
+# E2M1 magnitudes indexed by their 3-bit code (exponent bits 2-1, mantissa bit 0).
+_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Round-to-nearest boundaries: the midpoints between consecutive grid values, except that the
+# midpoints whose tie goes up to the even code (0.75, 1.75, 3.5) are replaced by the FP32 value just
+# below them (one FP32 ulp less: 2**-24, 2**-23, 2**-22).
+_E2M1_BOUNDS = (0.25, 0.75 - 2.0 ** -24, 1.25, 1.75 - 2.0 ** -23, 2.5, 3.5 - 2.0 ** -22, 5.0)
+
+
+def _check_fmt(fmt: str) -> None:
+    if fmt not in FP8_FORMATS:
+        raise ValueError(f"unknown fp8 format {fmt!r}; choose one of {sorted(FP8_FORMATS)}")
+
+
+def _check_rounding(rounding: str) -> None:
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+
+
+def _check_f32(x: Tensor, name: str) -> None:
+    if x.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {x.dtype}")
+
+
+def _check_u8(x: Tensor, name: str) -> None:
+    if x.dtype != torch.uint8:
+        raise TypeError(f"{name} must be uint8 codes, got {x.dtype}")
+
+
+def fp8_max(fmt: str) -> float:
+    """Largest finite magnitude of an FP8 format: 448.0 (``fp8_e4m3``) or 57344.0 (``fp8_e5m2``).
+
+    Raises:
+        ValueError: unknown ``fmt``.
+    """
+    _check_fmt(fmt)
+    return _FP8_MAX[fmt]
+
+
+def _scale_from_amax(amax: Tensor, denom: float) -> Tensor:
+    """``amax / denom`` in FP32; 0 -> 1.0; non-finite -> NaN; a positive amax never gives scale 0."""
+    a = amax.float()
+    s = a / denom
+    s = torch.where(a == 0, torch.ones_like(s), s)
+    # a tiny positive amax can underflow to 0 in FP32; 0 would turn x / scale into inf / NaN
+    s = torch.where((s == 0) & (a != 0), torch.full_like(s, torch.finfo(torch.float32).tiny), s)
+    return torch.where(torch.isfinite(a), s, torch.full_like(s, math.nan))
+
+
+def fp8_scale_from_amax(amax: Tensor, fmt: str) -> Tensor:
+    """FP32 scale ``amax / fp8_max(fmt)`` that maps ``[-amax, amax]`` onto the format's full range.
+
+    Args:
+        amax: max ``|x|`` (any shape, e.g. ``[]`` per tensor or ``[nblk, 1]`` per block), ``>= 0``.
+        fmt: ``"fp8_e4m3"`` or ``"fp8_e5m2"``.
+
+    Returns:
+        float32 tensor of ``amax``'s shape. Decoding multiplies by it. ``amax == 0`` gives 1.0; a
+        positive amax whose quotient underflows gives the smallest normal FP32; a non-finite amax
+        (inf or NaN) gives NaN, so the decoded tensor is NaN and overflow detection sees it.
+
+    Raises:
+        ValueError: unknown ``fmt``.
+    """
+    return _scale_from_amax(amax, fp8_max(fmt))
+
+
+def _stochastic_round(y: Tensor, mbits: int, emin: int, generator: torch.Generator | None) -> Tensor:
+    """Unbiased stochastic rounding of float32 ``y`` onto the grid of a binary float format with
+    ``mbits`` mantissa bits, smallest normal ``2**emin`` and subnormals below it; ``|y|`` must already
+    be within the format's range. Returns float32 grid values; NaN stays NaN; the sign is kept (also
+    of a zero result).
+
+    ``ulp`` is the grid spacing at ``|y|`` (a power of two, built from the FP32 exponent bits), so
+    ``v = y / ulp`` and ``frac = v - floor(v)`` are exact and ``floor(v) + (u < frac)`` picks the upper
+    neighbour with probability ``frac`` up to the resolution of the uniform draw ``u`` (exact on CPU,
+    whose FP32 draws lie on a 2**-24 lattice, wherever ``frac`` is a multiple of 2**-24, as it is in
+    the normal range; below that the error in probability is < 2**-24).
+    """
+    e = (y.view(torch.int32) >> 23) & 0xFF  # biased FP32 exponent (0 for FP32 subnormals)
+    ulp = ((e.clamp_(min=emin + 127) - mbits) << 23).view(torch.float32)
+    v = y / ulp
+    fl = torch.floor(v)
+    u = torch.rand(y.shape, generator=generator, device=y.device, dtype=torch.float32)
+    q = (fl + (u < v - fl)) * ulp  # floor-based, so unbiased for negative v as well
+    return q.copysign_(y)
+
+
+_FP8_EMIN_MBITS = {"fp8_e4m3": (-6, 3), "fp8_e5m2": (-14, 2)}
+
+
+def fp8_encode(x: Tensor, scale: Tensor, fmt: str, rounding: str = "nearest",
+               generator: torch.Generator | None = None) -> Tensor:
+    """Encode ``x / scale`` as FP8 codes.
+
+    Args:
+        x: float32, any shape.
+        scale: float32, broadcastable to ``x`` (e.g. ``[nblk, 1]`` against ``x`` of ``[nblk, blk]``).
+        fmt: ``"fp8_e4m3"`` (OCP E4M3fn) or ``"fp8_e5m2"``.
+        rounding: ``"nearest"`` (ties to even, torch's cast) or ``"stochastic"`` (unbiased, between
+            the two neighbouring representable values, subnormals included; exact values unchanged).
+        generator: source of the uniform draws for stochastic rounding (``torch.rand(...,
+            generator=generator)``), on ``x``'s device; ``None`` uses torch's default generator.
+
+    Returns:
+        uint8 codes of ``x``'s shape (the FP8 bit patterns). ``x / scale`` is clamped to
+        ``[-max, max]`` before rounding (finite overflow and inf saturate); NaN stays NaN.
+
+    Raises:
+        ValueError: unknown ``fmt`` or ``rounding``, or ``scale`` that broadcasts ``x`` to a larger shape.
+        TypeError: ``x`` is not float32.
+    """
+    _check_fmt(fmt)
+    _check_rounding(rounding)
+    _check_f32(x, "x")
+    m = _FP8_MAX[fmt]
+    y = (x / scale.float()).clamp_(-m, m)  # clamp keeps NaN
+    if y.shape != x.shape:
+        raise ValueError(f"scale of shape {tuple(scale.shape)} does not broadcast to x {tuple(x.shape)}")
+    if rounding == "stochastic":
+        emin, mbits = _FP8_EMIN_MBITS[fmt]
+        y = _stochastic_round(y, mbits, emin, generator)  # now exactly representable: the cast is exact
+    return y.to(FP8_FORMATS[fmt]).view(torch.uint8)
+
+
+def fp8_decode(codes: Tensor, scale: Tensor, fmt: str) -> Tensor:
+    """float32 ``codes.view(fp8).float() * scale``; ``scale`` broadcastable to ``codes``.
+
+    Raises:
+        ValueError: unknown ``fmt``.
+        TypeError: ``codes`` is not uint8.
+    """
+    _check_fmt(fmt)
+    _check_u8(codes, "codes")
+    return codes.view(FP8_FORMATS[fmt]).float() * scale.float()
+
+
+def nvfp4_global_scale(amax: Tensor) -> Tensor:
+    """FP32 per-tensor scale ``amax / (448 * 6)``, so the largest block scale fits E4M3.
+
+    ``amax == 0`` gives 1.0; non-finite amax gives NaN (the whole tensor then decodes to NaN).
+    """
+    return _scale_from_amax(amax, _E4M3_MAX * _E2M1_MAX)
+
+
+def _global_rows(global_scale: Tensor, nblk: int) -> Tensor:
+    try:
+        return torch.broadcast_to(global_scale.float(), (nblk, 1))
+    except RuntimeError as e:
+        raise ValueError(f"global_scale of shape {tuple(global_scale.shape)} is not broadcastable "
+                         f"to [nblk, 1] = [{nblk}, 1]") from e
+
+
+def _e2m1_index(a: Tensor, rounding: str, generator: torch.Generator | None) -> Tensor:
+    """Magnitude code (0-7, uint8) on the E2M1 grid of ``a`` in ``[0, 6]`` (NaN gives some code in 0-7)."""
+    if rounding == "nearest":
+        # bucketize counts boundaries strictly below a. At the midpoints whose tie goes up to the even
+        # code (0.75 -> 1.0, 1.75 -> 2.0, 3.5 -> 4.0) the boundary is the FP32 value just below the
+        # midpoint, so "a > boundary" means "a >= midpoint"; the other ties stay down (even code).
+        bounds = torch.tensor(_E2M1_BOUNDS, dtype=torch.float32, device=a.device)
+        idx = torch.bucketize(a, bounds, out_int32=True)
+    else:
+        q = _stochastic_round(a, 1, 0, generator)  # E2M1: 1 mantissa bit, min normal 1, subnormal 0.5
+        grid = torch.tensor(_E2M1_GRID, dtype=torch.float32, device=a.device)
+        idx = torch.bucketize(q, grid, out_int32=True).clamp_(max=7)  # q on the grid: its index
+    return idx.to(torch.uint8)
+
+
+def nvfp4_encode(x: Tensor, global_scale: Tensor, rounding: str = "nearest",
+                 generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Encode blocks of 16 FP32 values as NVFP4.
+
+    Per block: ``s = block_amax / (6 * global)`` rounded to E4M3 (nearest-even, saturating at 448;
+    the smallest positive E4M3, 2**-9, if that rounds to 0 for a non-zero block), then elements
+    ``x / (s * global)`` clamped to +-6 and rounded to the E2M1 grid (nearest-even or stochastic).
+
+    Args:
+        x: float32 ``[nblk, 16]``.
+        global_scale: float32 broadcastable to ``[nblk, 1]`` (one value per row is allowed, so rows
+            may belong to different tensors); normally :func:`nvfp4_global_scale` of the tensor amax.
+        rounding: ``"nearest"`` or ``"stochastic"`` (elements only; block scales are always nearest).
+        generator: uniform draws for stochastic rounding, on ``x``'s device.
+
+    Returns:
+        ``(packed, block_scale_codes)``: uint8 ``[nblk, 8]`` with element ``2i`` in the low nibble and
+        ``2i+1`` in the high nibble (code = sign bit 3 | magnitude index bits 0-2), and uint8
+        ``[nblk]`` E4M3 bit patterns. E2M1 has no NaN: a block holding NaN or inf (or a NaN global
+        scale) gets the NaN block scale code, so the whole block decodes to NaN.
+
+    Raises:
+        ValueError: ``x`` not ``[nblk, 16]``, ``global_scale`` not broadcastable, unknown ``rounding``.
+        TypeError: ``x`` is not float32.
+    """
+    _check_rounding(rounding)
+    _check_f32(x, "x")
+    if x.dim() != 2 or x.shape[1] != NVFP4_BLOCK:
+        raise ValueError(f"x must be [nblk, {NVFP4_BLOCK}], got {tuple(x.shape)}")
+    nblk = x.shape[0]
+    g = _global_rows(global_scale, nblk)
+    bamax = x.abs().amax(dim=1, keepdim=True)
+    s_units = bamax / (_E2M1_MAX * g)
+    s_units = torch.where(torch.isfinite(bamax), s_units, math.nan)
+    s_code = torch.clamp(s_units, max=_E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    s_code = torch.where((s_code == 0) & (bamax > 0), torch.ones_like(s_code), s_code)
+    denom = s_code.view(torch.float8_e4m3fn).float() * g
+    y = x / torch.where(denom == 0, 1.0, denom)  # denom == 0 only for all-zero blocks (or g == 0)
+    a = y.abs().clamp_(max=_E2M1_MAX)  # NaN elements get an arbitrary code; the block scale is NaN
+    codes = _e2m1_index(a, rounding, generator) | (y.signbit().to(torch.uint8) << 3)
+    pairs = codes.view(nblk, NVFP4_BLOCK // 2, 2)
+    packed = pairs[..., 0] | (pairs[..., 1] << 4)
+    return packed, s_code.view(nblk)
+
+
+def nvfp4_decode(packed: Tensor, block_scale_codes: Tensor, global_scale: Tensor) -> Tensor:
+    """float32 ``[nblk, 16]``: ``e2m1 * e4m3_block_scale * global_scale``.
+
+    Args:
+        packed: uint8 ``[nblk, 8]`` as produced by :func:`nvfp4_encode`.
+        block_scale_codes: uint8 ``[nblk]`` E4M3 bit patterns.
+        global_scale: float32 broadcastable to ``[nblk, 1]``.
+
+    Raises:
+        ValueError: wrong shapes.
+        TypeError: codes not uint8.
+    """
+    _check_u8(packed, "packed")
+    _check_u8(block_scale_codes, "block_scale_codes")
+    half = NVFP4_BLOCK // 2
+    if packed.dim() != 2 or packed.shape[1] != half or block_scale_codes.shape != packed.shape[:1]:
+        raise ValueError(f"expected packed [nblk, {half}] and block_scale_codes [nblk], got "
+                         f"{tuple(packed.shape)} and {tuple(block_scale_codes.shape)}")
+    nblk = packed.shape[0]
+    g = _global_rows(global_scale, nblk)
+    grid = torch.tensor(_E2M1_GRID, dtype=torch.float32, device=packed.device)
+    signed = torch.cat((grid, -grid))  # value of each 4-bit code
+    nib = torch.arange(256, device=packed.device)
+    byte_table = torch.stack((signed[nib & 15], signed[nib >> 4]), dim=1)  # [256, 2] (low, high)
+    vals = byte_table[packed.long()].view(nblk, NVFP4_BLOCK)
+    s = block_scale_codes.view(torch.float8_e4m3fn).float().view(nblk, 1)
+    return (vals * s) * g  # e2m1 * e4m3 is exact in FP32; one rounding for the global scale
+
+
+def bytes_per_element(fmt: str, block_size: int | None = None) -> float:
+    """Wire bytes per gradient element (documentation helper; the per-tensor FP32 scale is ignored).
+
+    ``fp32`` 4, ``bf16`` 2, ``fp8_e4m3``/``fp8_e5m2`` 1 (+ 4 / block_size with an FP32 scale per
+    block), ``nvfp4`` 0.5 + 1/16 (4-bit element + one E4M3 scale per 16; ``block_size`` None or 16).
+
+    Raises:
+        ValueError: unknown ``fmt``, non-positive ``block_size``, a block size for fp32/bf16, or
+            an nvfp4 block size other than 16.
+    """
+    if block_size is not None and block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if fmt in ("fp32", "bf16"):
+        if block_size is not None:
+            raise ValueError(f"{fmt} has no block scaling; block_size must be None")
+        return 4.0 if fmt == "fp32" else 2.0
+    if fmt in FP8_FORMATS:
+        return 1.0 + (4.0 / block_size if block_size else 0.0)
+    if fmt == "nvfp4":
+        if block_size not in (None, NVFP4_BLOCK):
+            raise ValueError(f"nvfp4 blocks are {NVFP4_BLOCK} elements, got block_size={block_size}")
+        return 0.5 + 1.0 / NVFP4_BLOCK
+    raise ValueError(f"unknown format {fmt!r}; choose fp32, bf16, fp8_e4m3, fp8_e5m2 or nvfp4")

@@ -1,0 +1,204 @@
+"""Low-precision reducer: FP8 (E4M3/E5M2) with tensor or block scaling, NVFP4; optional error
+feedback, Hadamard rotation, stochastic rounding and shared (MAX-synchronised) scales.
+
+Reduce-scatter of a bucket buffer ``[dp * chunk]`` (FP32):
+
+1. optional fixed block-Hadamard rotation (``comm.transform=hadamard``);
+2. optional error feedback: ``r = x + e`` (residual kept in the coordinates that are quantised);
+3. local scales from the amax of each scale group (:mod:`.scale_layout`), or, with
+   ``comm.scale_sync=max``, the MAX over the DP group (NaN mapped to +inf so it survives the MAX);
+4. encode every chunk; one uint8 all-to-all moves, to rank r, chunk r's codes followed by its scales;
+5. decode each source's chunk with that source's scales, sum in FP32 in rank order, divide by
+   ``dp_size`` once; undo the rotation. ``e <- r - decode(encode(r))`` (what this rank's quantiser lost).
+
+The all-reduce path re-encodes the averaged shard (no error feedback on that stage), all-gathers the
+uint8 payloads and decodes every chunk on every rank, so all ranks hold bitwise identical values.
+
+NVFP4 (E2M1 + one E4M3 scale per 16 elements) takes its FP32 "tensor" scale per chunk, i.e. per
+tensor sent on the wire; chunks are aligned to 16 elements.
+
+Non-finite inputs are never hidden: a NaN/inf in a group makes that group's scale NaN, the decoded
+values NaN, and the global gradient norm (all-reduced) non-finite on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .codecs import (FP8_FORMATS, NVFP4_BLOCK, fp8_decode, fp8_encode, fp8_scale_from_amax, nvfp4_decode,
+                     nvfp4_encode, nvfp4_global_scale)
+from .collectives import all_gather_flat
+from .hadamard import block_hadamard, block_hadamard_inverse, hadamard_signs
+from .reducer import PendingReduction, Reducer
+from .scale_layout import ScaleLayout, build_scale_layout
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``[m, k]`` float32 -> ``[m, 4k]`` uint8 (the scale bytes of a payload row)."""
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
+
+
+def _as_f32(b: torch.Tensor) -> torch.Tensor:
+    """``[m, 4k]`` uint8 (any strides/offset) -> ``[m, k]`` float32 copy."""
+    return b.reshape(-1).clone().view(torch.float32).view(b.shape[0], -1)
+
+
+class LowPrecisionReducer(Reducer):
+    """``comm.dtype`` in fp8_e4m3 | fp8_e5m2 | nvfp4 behind the common reducer interface.
+
+    Per-bucket state (scale layout, error-feedback residual) is registered with :meth:`register_bucket`
+    before the first reduction; ``key`` in the collectives selects it.
+    """
+
+    wire_dtype = torch.uint8
+
+    def __init__(self, dp_group, dp_size: int, dp_rank: int, fmt: str, scaling: str = "tensor",
+                 block_size: int = 128, rounding: str = "nearest", error_feedback: bool = False,
+                 transform: str = "none", hadamard_block: int = 128, scale_sync: str = "none", seed: int = 0,
+                 device=None):
+        super().__init__(dp_group, dp_size, dp_rank)
+        if fmt not in FP8_FORMATS and fmt != "nvfp4":
+            raise ValueError(f"comm.dtype={fmt!r} is not a low-precision format (fp8_e4m3, fp8_e5m2, nvfp4)")
+        if fmt == "nvfp4" and scale_sync != "none":
+            raise ValueError("comm.scale_sync=max is only supported for fp8 formats (nvfp4 block scales are data)")
+        self.name, self.fmt, self.scaling, self.block_size = fmt, fmt, scaling, block_size
+        self.rounding, self.error_feedback, self.transform = rounding, error_feedback, transform
+        self.hadamard_block, self.scale_sync = hadamard_block, scale_sync
+        self.layouts: dict[int, ScaleLayout] = {}
+        self._shard_in_wire_coords: dict[int, torch.Tensor] = {}
+        self.residuals: dict[int, torch.Tensor] = {}
+        self.signs = hadamard_signs(hadamard_block, seed) if transform == "hadamard" else None
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        self.generator = torch.Generator(device=dev)
+        self.generator.manual_seed(seed * 1_000_003 + dp_rank)
+
+    def alignment(self) -> int:
+        """Chunk sizes must be multiples of this (quantisation/rotation blocks never straddle ranks)."""
+        a = 1
+        if self.fmt == "nvfp4":
+            a = NVFP4_BLOCK
+        elif self.scaling == "block":
+            a = self.block_size
+        if self.signs is not None:
+            a = max(a, self.hadamard_block)  # both powers of two or block | hadamard_block checked by config
+        return a
+
+    def register_bucket(self, key: int, offsets: list[int], numels: list[int], chunk: int, device) -> None:
+        scaling = "block" if self.scaling == "block" and self.fmt != "nvfp4" else "tensor"
+        self.layouts[key] = build_scale_layout(offsets, numels, chunk, self.dp_size, scaling, self.block_size, device)
+        if self.error_feedback:
+            self.residuals[key] = torch.zeros(chunk * self.dp_size, dtype=torch.float32, device=device)
+
+    def reset_error_feedback(self) -> None:
+        """Zero every residual (after a skipped step, whose residual may hold non-finite values)."""
+        for r in self.residuals.values():
+            r.zero_()
+
+    # -- coordinates --------------------------------------------------------------------------------
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.signs is None else block_hadamard(x.view(-1, self.hadamard_block), self.signs).view(-1)
+
+    def _unrotate(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.signs is None else block_hadamard_inverse(x.view(-1, self.hadamard_block), self.signs).view(-1)
+
+    # -- encode / decode of whole chunks --------------------------------------------------------------
+    def _encode(self, x: torch.Tensor, layout: ScaleLayout, chunks: list[int], sync: bool):
+        """Encode ``x`` ``[len(chunks) * chunk]`` (those chunks of the bucket, in order).
+
+        Returns (payload uint8 ``[len(chunks), bytes_per_chunk]``, decoded FP32 of x (for error feedback),
+        the per-segment scales ``[dp, K]`` when ``sync`` (shared by all ranks, so not sent) else None).
+        """
+        n, c = len(chunks), layout.chunk
+        if self.fmt == "nvfp4":
+            blocks = x.view(n, -1, NVFP4_BLOCK)
+            g = nvfp4_global_scale(x.view(n, c).abs().amax(dim=1))                        # [n]
+            packed, bscale = nvfp4_encode(blocks.reshape(-1, NVFP4_BLOCK), g.repeat_interleave(c // NVFP4_BLOCK)
+                                          .unsqueeze(1), self.rounding, self.generator)
+            dec = nvfp4_decode(packed, bscale, g.repeat_interleave(c // NVFP4_BLOCK).unsqueeze(1)).view(-1)
+            payload = torch.cat([packed.view(n, -1), bscale.view(n, -1), _as_bytes(g.view(n, 1))], dim=1)
+            return payload, dec, None
+        if len(chunks) == layout.dp_size:
+            amax = layout.group_amax(x)
+            if sync:
+                amax = torch.nan_to_num(amax, nan=float("inf"))
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+                self._count_allreduce(amax.numel() * 4)
+                amax = torch.where(torch.isinf(amax), torch.full_like(amax, float("nan")), amax)
+            seg = layout.segment_values(fp8_scale_from_amax(amax, self.fmt))               # [dp, K]
+        else:  # a single chunk (all-gather stage): its own scales
+            (r,) = chunks
+            sub = torch.zeros(layout.dp_size * c, dtype=x.dtype, device=x.device)
+            sub[r * c:(r + 1) * c] = x
+            seg = layout.segment_values(fp8_scale_from_amax(layout.group_amax(sub), self.fmt))[r:r + 1]
+        scale = torch.stack([layout.expand(seg[i], ch) for i, ch in enumerate(chunks)]).view(-1)
+        codes = fp8_encode(x, scale, self.fmt, self.rounding, self.generator)
+        dec = fp8_decode(codes, scale, self.fmt)
+        parts = [codes.view(n, c)] + ([] if sync else [_as_bytes(seg.contiguous())])
+        return torch.cat(parts, dim=1), dec, (seg if sync else None)
+
+    def _decode(self, payload: torch.Tensor, layout: ScaleLayout, chunk_index: int, sync_scales) -> torch.Tensor:
+        """Decode ``payload`` ``[m, bytes_per_chunk]`` (m copies of chunk ``chunk_index``) to FP32 ``[m, chunk]``."""
+        m, c = payload.shape[0], layout.chunk
+        if self.fmt == "nvfp4":
+            nb = c // NVFP4_BLOCK
+            packed = payload[:, : c // 2].reshape(-1, NVFP4_BLOCK // 2)
+            bscale = payload[:, c // 2: c // 2 + nb].reshape(-1)
+            g = _as_f32(payload[:, c // 2 + nb:]).view(m)
+            return nvfp4_decode(packed, bscale, g.repeat_interleave(nb).unsqueeze(1)).view(m, c)
+        codes = payload[:, :c]
+        seg = sync_scales if sync_scales is not None else _as_f32(payload[:, c:])
+        scale = layout.expand(seg, chunk_index)
+        return fp8_decode(codes.contiguous(), scale.view(m, c), self.fmt)
+
+    def _count_allreduce(self, nbytes: int) -> None:
+        self.bytes_sent += 2 * (self.dp_size - 1) * nbytes // self.dp_size
+
+    # -- collectives --------------------------------------------------------------------------------
+    def _reduce_scatter(self, buf: torch.Tensor, key=None) -> PendingReduction:
+        layout = self.layouts[key]
+        dp, r, c = self.dp_size, self.dp_rank, layout.chunk
+        x = self._rotate(buf)
+        if self.error_feedback:
+            x = x + self.residuals[key]
+        sync = self.scale_sync == "max"
+        payload, dec, shared = self._encode(x, layout, list(range(dp)), sync)
+        if self.error_feedback:
+            self.residuals[key] = x - dec
+        # shared scales: every rank derived the same ones, so chunk r's scales are known locally
+        sync_scales = shared[r:r + 1].expand(dp, -1) if shared is not None else None
+        assert payload.dtype == torch.uint8, "the wire carries raw uint8 codes"
+        recv = torch.empty_like(payload)
+        work = dist.all_to_all_single(recv, payload, group=self.group, async_op=True)
+        self.bytes_sent += (dp - 1) * payload.shape[1]
+
+        def epilogue():
+            vals = self._decode(recv, layout, r, sync_scales)
+            avg = vals.sum(dim=0).div_(dp)
+            self._shard_in_wire_coords[key] = avg
+            buf[r * c:(r + 1) * c] = self._unrotate(avg)
+
+        return PendingReduction(work, epilogue)
+
+    def all_reduce(self, buf: torch.Tensor, key=None, async_op: bool = True) -> PendingReduction:
+        self._check(buf)
+        if self.dp_size == 1:
+            return PendingReduction(None)
+        layout = self.layouts[key]
+        dp, r, c = self.dp_size, self.dp_rank, layout.chunk
+        rs = self._reduce_scatter(buf, key)
+
+        def gather():
+            rs.wait()
+            shard = self._shard_in_wire_coords.pop(key)
+            payload, _, _ = self._encode(shard, layout, [r], False)
+            out = torch.empty((dp, payload.shape[1]), dtype=torch.uint8, device=buf.device)
+            all_gather_flat(out.view(-1), payload.reshape(-1), group=self.group)
+            self.bytes_sent += (dp - 1) * payload.shape[1]
+            vals = torch.cat([self._decode(out[i:i + 1], layout, i, None) for i in range(dp)], dim=1).view(-1)
+            buf.copy_(self._unrotate(vals))
+
+        pending = PendingReduction(None, gather)
+        if not async_op:
+            pending.wait()
+        return pending

@@ -1,0 +1,187 @@
+"""Low-precision reducers against an FP64 reference reduce of the same per-rank inputs (gloo, 2-3 ranks).
+
+The deterministic paths (FP8 nearest, tensor or block scaling, per-rank or shared scales) are checked
+against an independent re-implementation in this file built only on torch's own FP8 casts; the
+stochastic and NVFP4 paths against error bounds of the format.
+"""
+
+import math
+
+import pytest
+import torch
+
+from dist_harness import run_distributed
+from helpers import pctx_for
+from megatron_geo.comm import build_reducer
+from megatron_geo.config.schema import CommConfig
+from megatron_geo.distributed.shard_plan import plan_shards
+
+FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
+# parameters of one bucket: a matrix, a 1-D vector, a tiny one, a zero-size one, a larger one
+NUMELS = [40, 7, 1, 0, 61]
+
+
+def _rank_grads(world: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for r in range(world):
+        x = torch.randn(sum(NUMELS), generator=g, dtype=torch.float64)
+        x[:5] *= 50                      # anisotropy: a few large entries set the scale
+        out.append(x * (1000.0 ** (r % 2)))  # ranks differ by 1000x
+    return out
+
+
+def _layout(world, align):
+    plan = plan_shards(NUMELS, [False] * len(NUMELS), world, align)
+    return plan
+
+
+def _to_buffer(flat: torch.Tensor, plan) -> torch.Tensor:
+    buf = torch.zeros(plan.buffer_numel, dtype=torch.float64)
+    pos = 0
+    for off, n in zip(plan.offsets, NUMELS):
+        buf[off:off + n] = flat[pos:pos + n]
+        pos += n
+    return buf
+
+
+def _reference_fp8(world, fmt, scaling, block, sync, plan) -> torch.Tensor:
+    """Independent FP8 reduce: per-rank scales (or MAX-shared), torch casts, FP64 sum, / world."""
+    dt, fmax = FP8[fmt]
+    bufs = [_to_buffer(x, plan) for x in _rank_grads(world)]
+
+    def group_scales(buf):
+        s = torch.ones_like(buf)
+        if scaling == "block":
+            amax = buf.view(-1, block).abs().amax(1)
+            sc = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+            return sc.repeat_interleave(block), amax.repeat_interleave(block)
+        am = torch.zeros_like(buf)
+        for off, n in zip(plan.offsets, NUMELS):
+            if n:
+                a = buf[off:off + n].abs().max()
+                am[off:off + n] = a
+        return torch.where(am > 0, am / fmax, torch.ones_like(am)), am
+
+    scales = [group_scales(b.float().double())[0] for b in bufs]
+    if sync:
+        amax = torch.stack([group_scales(b.float().double())[1] for b in bufs]).max(0).values
+        shared = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+        scales = [shared] * world
+    total = torch.zeros_like(bufs[0])
+    for b, s in zip(bufs, scales):
+        s32 = s.float()
+        q = (b.float() / s32).clamp(-fmax, fmax).to(dt).float() * s32
+        total += q.double()
+    return total / world
+
+
+def _run(rank, world, comm_kwargs, mode, steps=1, inputs=None):
+    pctx = pctx_for(1)
+    comm = CommConfig(**comm_kwargs)
+    red = build_reducer(comm, pctx.dp_group, world, rank, seed=5)
+    plan = plan_shards(NUMELS, [False] * len(NUMELS), world, red.alignment())
+    red.register_bucket(0, plan.offsets, NUMELS, plan.chunk, "cpu")
+    outs = []
+    for step in range(steps):
+        flat = (inputs[step] if inputs is not None else _rank_grads(world, step)[rank]).float()
+        buf = _to_buffer(flat.double(), plan).float()
+        op = red.reduce_scatter if mode == "rs" else red.all_reduce
+        op(buf, key=0).wait()
+        outs.append(buf.clone())
+    resid = red.residuals.get(0).clone() if getattr(red, "residuals", None) else None
+    return outs, red.bytes_sent, plan.chunk, resid, plan.offsets
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("fmt,scaling,sync", [("fp8_e4m3", "tensor", "none"), ("fp8_e5m2", "tensor", "none"),
+                                              ("fp8_e4m3", "block", "none"), ("fp8_e4m3", "tensor", "max")])
+def test_fp8_reduce_scatter_matches_independent_reference(world, fmt, scaling, sync):
+    kw = dict(dtype=fmt, scaling=scaling, block_size=16, scale_sync=sync)
+    results = run_distributed(_run, world, kw, "rs")
+    chunk = results[0][2]
+    plan = plan_shards(NUMELS, [False] * len(NUMELS), world, 16 if scaling == "block" else 1)
+    assert plan.chunk == chunk
+    ref = _reference_fp8(world, fmt, scaling, 16, sync == "max", plan)
+    for r, (outs, sent, _, _, _) in enumerate(results):
+        got = outs[0][r * chunk:(r + 1) * chunk].double()
+        torch.testing.assert_close(got, ref[r * chunk:(r + 1) * chunk], rtol=1e-6, atol=1e-9)
+    # all-reduce: the same shards, then bitwise identical on every rank
+    ar = run_distributed(_run, world, kw, "ar")
+    for outs, _, _, _, _ in ar:
+        assert torch.equal(outs[0], ar[0][0][0])
+
+
+@pytest.mark.parametrize("fmt,bound", [("fp8_e4m3", 0.05), ("fp8_e5m2", 0.15), ("nvfp4", 0.2)])
+@pytest.mark.parametrize("extra", [{}, {"transform": "hadamard", "hadamard_block": 16},
+                                   {"rounding": "stochastic"}, {"error_feedback": True}])
+def test_lowp_all_reduce_close_to_fp64_and_identical(fmt, bound, extra):
+    world = 3
+    kw = dict(dtype=fmt, **extra)
+    out = run_distributed(_run, world, kw, "ar")
+    ref_flat = torch.stack(_rank_grads(world)).mean(0)
+    for outs, _, _, _, _ in out:
+        assert torch.equal(outs[0], out[0][0][0]), "all ranks bitwise identical"
+    # compare on the parameter elements (padding positions are zero in both)
+    offsets = out[0][4]
+    got = torch.cat([out[0][0][0][off:off + n] for off, n in zip(offsets, NUMELS)]).double()
+    rel = (got - ref_flat).norm() / ref_flat.norm()
+    assert rel < bound, f"RelL2 {rel:.4f} >= {bound}"
+
+
+def test_identical_inputs_round_trip_and_bytes():
+    world = 2
+    x = _rank_grads(1)[0].float()
+    kw = dict(dtype="fp8_e4m3")
+    out = run_distributed(_run, world, kw, "rs", 1, [x])
+    plan = plan_shards(NUMELS, [False] * len(NUMELS), world, 1)
+    buf = _to_buffer(x.double(), plan).float()
+    for r, (outs, sent, chunk, _, _) in enumerate(out):
+        got = outs[0][r * chunk:(r + 1) * chunk]
+        want = buf[r * chunk:(r + 1) * chunk]
+        # identical inputs: the average equals one rank's round trip; E4M3 relative step 2^-3 of the group max
+        assert ((got - want).abs() <= want.abs().max() * 2 ** -4 + 1e-12).all()
+        # bytes = codes + one FP32 scale per segment of each other rank's chunk, as handed to all_to_all
+        from megatron_geo.comm.scale_layout import build_scale_layout
+        lay = build_scale_layout(plan.offsets, NUMELS, chunk, world, "tensor", 128, "cpu")
+        assert sent == (world - 1) * (chunk + 4 * lay.K)
+
+
+def test_error_feedback_telescopes_and_stays_bounded():
+    """Same gradient stream on both ranks: sum of outputs == sum of inputs - last residual."""
+    world, steps = 2, 12
+    g = torch.Generator().manual_seed(9)
+    stream = [torch.randn(sum(NUMELS), generator=g) * (1 + 0.1 * t) for t in range(steps)]
+    plan = plan_shards(NUMELS, [False] * len(NUMELS), world, 1)
+    truth = torch.stack([_to_buffer(s.double(), plan) for s in stream]).sum(0)
+    rs_out = run_distributed(_run, world, dict(dtype="fp8_e4m3", error_feedback=True), "rs", steps, stream)
+    for r, (o, _, c, res, _) in enumerate(rs_out):
+        s = torch.stack(o).double()[:, r * c:(r + 1) * c].sum(0)
+        t = truth[r * c:(r + 1) * c]
+        torch.testing.assert_close(s, t - res.double()[r * c:(r + 1) * c], rtol=1e-5, atol=1e-5)
+        # bounded: the residual never exceeds one quantisation step of the current scale
+        assert res.abs().max() <= max(x.abs().max() for x in stream) * 2 * 2 ** -3
+
+
+def _nonfinite(rank, world, value, dtype):
+    from helpers import tiny_cfg
+    from megatron_geo.training.trainer import build_model_and_optimizer
+    from helpers import global_batch, rank_micro_batches
+
+    cfg = tiny_cfg(f"comm.dtype={dtype}", "parallel.overlap_grad_reduce=false")
+    pctx = pctx_for(1)
+    model, _, _, sync, opt = build_model_and_optimizer(cfg, pctx)
+    mb = rank_micro_batches(global_batch(cfg, 0), 4, rank, world)[0]
+    sync.start_step()
+    model(mb["tokens"], mb["labels"]).mean().backward()
+    if rank == 1:
+        next(iter(model.parameters())).main_grad.view(-1)[3] = value
+    sync.finish()
+    return opt.grad_norm()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "nvfp4", "bf16"])
+def test_nonfinite_on_one_rank_is_seen_by_all(value, dtype):
+    norms = run_distributed(_nonfinite, 2, value, dtype)
+    assert all(not math.isfinite(n) for n in norms), norms
