@@ -163,25 +163,74 @@ def test_error_feedback_telescopes_and_stays_bounded():
         assert res.abs().max() <= max(x.abs().max() for x in stream) * 2 * 2 ** -3
 
 
-def _nonfinite(rank, world, value, dtype):
-    from helpers import tiny_cfg
+def _nonfinite(rank, world, dtype):
+    from helpers import global_batch, rank_micro_batches, tiny_cfg
     from megatron_geo.training.trainer import build_model_and_optimizer
-    from helpers import global_batch, rank_micro_batches
 
     cfg = tiny_cfg(f"comm.dtype={dtype}", "parallel.overlap_grad_reduce=false")
     pctx = pctx_for(1)
     model, _, _, sync, opt = build_model_and_optimizer(cfg, pctx)
     mb = rank_micro_batches(global_batch(cfg, 0), 4, rank, world)[0]
-    sync.start_step()
-    model(mb["tokens"], mb["labels"]).mean().backward()
-    if rank == 1:
-        next(iter(model.parameters())).main_grad.view(-1)[3] = value
-    sync.finish()
-    return opt.grad_norm()
+    norms = []
+    for value in (float("nan"), float("inf"), float("-inf"), 1.0):
+        sync.start_step()
+        model(mb["tokens"], mb["labels"]).mean().backward()
+        if rank == 1:  # one rank only; the last value (finite) is the control
+            next(iter(model.parameters())).main_grad.view(-1)[3] = value
+        sync.finish()
+        norms.append(opt.grad_norm())
+    # the same through a full train step: every rank skips the update; replicas stay identical
+    from megatron_geo.training.step import train_step
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    p0 = next(iter(model.parameters()))
+    handle = p0.register_hook(lambda g: g * float("nan")) if rank == 1 else None
+    res = train_step(model, [mb], sync, opt, pctx, 1.0, 1.0)
+    if handle is not None:
+        handle.remove()
+    unchanged = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    return norms, res.skipped, unchanged, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("dtype", ["fp8_e4m3", "nvfp4", "bf16"])
-def test_nonfinite_on_one_rank_is_seen_by_all(value, dtype):
-    norms = run_distributed(_nonfinite, 2, value, dtype)
-    assert all(not math.isfinite(n) for n in norms), norms
+def test_nonfinite_on_one_rank_is_seen_by_all(dtype):
+    """NaN, +inf, -inf on rank 1 only: every rank's all-reduced gradient norm is non-finite."""
+    out = run_distributed(_nonfinite, 2, dtype)
+    for norms, skipped, unchanged, params in out:
+        assert [math.isfinite(n) for n in norms] == [False, False, False, True], norms
+        assert skipped and unchanged
+    for n in out[0][3]:
+        assert torch.equal(out[0][3][n], out[1][3][n])
+
+
+def _train_identical(rank, world, overrides):
+    from helpers import global_batch, rank_micro_batches, tiny_cfg
+    from megatron_geo.training.step import train_step
+    from megatron_geo.training.trainer import build_model_and_optimizer
+
+    cfg = tiny_cfg(*overrides)
+    pctx = pctx_for(1)
+    model, _, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
+    losses, sent = [], []
+    for step in range(8):
+        mbs = rank_micro_batches(global_batch(cfg, step % 2), 2, rank, world)
+        losses.append(train_step(model, mbs, sync, opt, pctx, 1.0, 1.0).loss)
+        sent.append(reducer.reset_bytes())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, sent
+
+
+@pytest.mark.parametrize("overrides", [
+    ["comm.dtype=fp8_e4m3", "comm.error_feedback=true"],
+    ["comm.dtype=nvfp4", "parallel.distributed_optimizer=false"],
+    ["comm.dtype=fp8_e4m3", "comm.scaling=block", "comm.block_size=32", "comm.transform=hadamard",
+     "comm.hadamard_block=64", "comm.rounding=stochastic"],
+    ["comm.dtype=fp8_e5m2", "comm.scale_sync=max", "optimizer.name=muon"],
+], ids=["fp8-ef", "nvfp4-allreduce", "fp8-block-hadamard-sr", "e5m2-shared-muon"])
+def test_dp2_training_keeps_replicas_identical(overrides):
+    out = run_distributed(_train_identical, 2, overrides)
+    (l0, p0, s0), (l1, p1, s1) = out
+    assert l0 == l1
+    for n in p0:
+        assert torch.equal(p0[n], p1[n]), n
+    assert all(math.isfinite(x) for x in l0) and l0[-1] < l0[0]   # the two alternating batches get learned
+    assert min(s0) > 0
