@@ -18,6 +18,7 @@
         [--codecs fp8_e4m3:tensor fp8_e4m3:block128 ...] [--out runs/grad_fidelity.json] [--per-layer]
         [section.key=value ...]
 
+Overrides may also follow ``--codecs`` (any value containing ``=`` is taken as an override).
 Codec specs: see megatron_geo/comm/fidelity.py (``fp8_e4m3:tensor``, ``fp8_e4m3:block128``,
 ``fp8_e4m3:tensor+hadamard128``, ``nvfp4``, ``bf16``, ``fp32``, ``...:stochastic``). The Hadamard
 signs use ``train.seed`` as the reducer does, unless the spec names ``seedN``.
