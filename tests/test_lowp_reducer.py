@@ -234,3 +234,39 @@ def test_dp2_training_keeps_replicas_identical(overrides):
         assert torch.equal(p0[n], p1[n]), n
     assert all(math.isfinite(x) for x in l0) and l0[-1] < l0[0]   # the two alternating batches get learned
     assert min(s0) > 0
+
+
+def _tiny_bucket(rank, world, dtype):
+    """A bucket smaller than the DP group: some ranks' shards hold only padding (empty shards)."""
+    pctx = pctx_for(1)
+    red = build_reducer(CommConfig(dtype=dtype), pctx.dp_group, world, rank, seed=1)
+    numels = [2, 0]
+    plan = plan_shards(numels, [False, False], world, red.alignment())
+    red.register_bucket(0, plan.offsets, numels, plan.chunk, "cpu")
+    buf = torch.zeros(plan.buffer_numel)
+    buf[plan.offsets[0]:plan.offsets[0] + 2] = torch.tensor([3.0, -0.5]) * (rank + 1)
+    red.all_reduce(buf, key=0).wait()
+    return buf[plan.offsets[0]:plan.offsets[0] + 2], plan.chunk
+
+
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "nvfp4", "bf16", "fp32"])
+def test_empty_shards_world3(dtype):
+    ref = torch.tensor([3.0, -0.5]) * 2.0  # mean of (1, 2, 3) x [3, -0.5]
+    out = run_distributed(_tiny_bucket, 3, dtype)
+    for got, chunk in out:
+        assert torch.equal(got, out[0][0])
+        # E4M3: 3 mantissa bits -> relative step 2^-3 of the group max; NVFP4: 2^-1 (E2M1) of the block max
+        tol = {"fp8_e4m3": 2 ** -4, "nvfp4": 0.25, "bf16": 2 ** -8, "fp32": 1e-7}[dtype] * 6.0
+        assert (got - ref).abs().max() <= tol, (dtype, got, ref)
+
+
+def test_nonfinite_actions():
+    from megatron_geo.training.trainer import NonFiniteGradientError, handle_nonfinite
+
+    red = build_reducer(CommConfig(dtype="fp8_e4m3", error_feedback=True), None, 2, 0)
+    red.register_bucket(0, [0], [4], 2, "cpu")
+    red.residuals[0].fill_(float("nan"))
+    handle_nonfinite(7, float("nan"), "skip", red)
+    assert torch.equal(red.residuals[0], torch.zeros(4))
+    with pytest.raises(NonFiniteGradientError, match="step 7: the gradient norm is inf .* train.nonfinite=stop"):
+        handle_nonfinite(7, float("inf"), "stop", red)

@@ -25,6 +25,21 @@ class NonFiniteGradientError(RuntimeError):
     """The global gradient norm was non-finite and ``train.nonfinite=stop``."""
 
 
+def handle_nonfinite(step: int, grad_norm: float, action: str, reducer) -> None:
+    """What every rank does after a step whose (all-reduced, hence identical) gradient norm is non-finite.
+
+    ``action="stop"`` raises :class:`NonFiniteGradientError`; ``"skip"`` (the update was already skipped)
+    zeroes the reducer's error-feedback residuals, which may hold the non-finite values.
+    """
+    if action == "stop":
+        raise NonFiniteGradientError(
+            f"step {step}: the gradient norm is {grad_norm} (non-finite) on every rank; stopping because "
+            f"train.nonfinite=stop (set train.nonfinite=skip to skip such steps instead)")
+    reset = getattr(reducer, "reset_error_feedback", None)
+    if reset is not None:
+        reset()
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Pretrain a Llama with TP x DP and pluggable gradient reduction.",
                                 epilog="Overrides: section.key=value, e.g. train.steps=20 comm.dtype=bf16")
@@ -101,13 +116,7 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
                   "tokens_per_sec": res.tokens / dt, "comm_bytes": comm_bytes, "step_time_s": dt,
                   "consumed_samples": consumed, "skipped": res.skipped}
         if res.skipped:
-            if t.nonfinite == "stop":
-                raise NonFiniteGradientError(
-                    f"step {step + 1}: the gradient norm is {res.grad_norm} (non-finite) on every rank; stopping because "
-                    f"train.nonfinite=stop (set train.nonfinite=skip to skip such steps instead)")
-            reset = getattr(reducer, "reset_error_feedback", None)
-            if reset is not None:
-                reset()  # the residual of a skipped step may hold the non-finite values
+            handle_nonfinite(step + 1, res.grad_norm, t.nonfinite, reducer)
             _log0(pctx, f"step {step + 1}: non-finite gradient norm ({res.grad_norm}); update skipped on all ranks")
         if valid_batches and ((step + 1) % t.eval_interval == 0 or step + 1 == t.steps):
             val_loss = evaluate(model, valid_batches, pctx, t.autocast_dtype)
