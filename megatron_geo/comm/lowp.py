@@ -34,6 +34,9 @@ from .reducer import PendingReduction, Reducer
 from .scale_layout import ScaleLayout, build_scale_layout
 
 
+_CAST = {"fp32": torch.float32, "bf16": torch.bfloat16}  # exact/cast wires, used with a transform
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """``[m, k]`` float32 -> ``[m, 4k]`` uint8 (the scale bytes of a payload row)."""
     return t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
@@ -58,8 +61,8 @@ class LowPrecisionReducer(Reducer):
                  transform: str = "none", hadamard_block: int = 128, scale_sync: str = "none", seed: int = 0,
                  device=None):
         super().__init__(dp_group, dp_size, dp_rank)
-        if fmt not in FP8_FORMATS and fmt != "nvfp4":
-            raise ValueError(f"comm.dtype={fmt!r} is not a low-precision format (fp8_e4m3, fp8_e5m2, nvfp4)")
+        if fmt not in FP8_FORMATS and fmt not in _CAST and fmt != "nvfp4":
+            raise ValueError(f"comm.dtype={fmt!r} is not supported here (fp32, bf16, fp8_e4m3, fp8_e5m2, nvfp4)")
         if fmt == "nvfp4" and scale_sync != "none":
             raise ValueError("comm.scale_sync=max is only supported for fp8 formats (nvfp4 block scales are data)")
         self.name, self.fmt, self.scaling, self.block_size = fmt, fmt, scaling, block_size
@@ -67,6 +70,8 @@ class LowPrecisionReducer(Reducer):
         self.hadamard_block, self.scale_sync = hadamard_block, scale_sync
         self.layouts: dict[int, ScaleLayout] = {}
         self._shard_in_wire_coords: dict[int, torch.Tensor] = {}
+        self.geo = None
+        self.geo_slots: dict[int, list[tuple[str, int, int, int]]] = {}
         self.residuals: dict[int, torch.Tensor] = {}
         self.signs = hadamard_signs(hadamard_block, seed) if transform == "hadamard" else None
         dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -95,12 +100,62 @@ class LowPrecisionReducer(Reducer):
         for r in self.residuals.values():
             r.zero_()
 
-    # -- coordinates --------------------------------------------------------------------------------
-    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.signs is None else block_hadamard(x.view(-1, self.hadamard_block), self.signs).view(-1)
+    # -- GeoFP8 -------------------------------------------------------------------------------------
+    def attach_geo(self, geo, buckets) -> None:
+        """Communicate the selected parameters' gradients as G T (see :mod:`megatron_geo.geometry`).
 
-    def _unrotate(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.signs is None else block_hadamard_inverse(x.view(-1, self.hadamard_block), self.signs).view(-1)
+        Each selected parameter must be owned whole by one DP rank (atomic in the shard plan).
+        """
+        self.geo = geo
+        want = {id(p): n for n, p in geo.params.items()}
+        for b in buckets:
+            slots = [(want[id(p)], off, p.shape[0], p.shape[1]) for p, off in zip(b.params, b.plan.offsets)
+                     if id(p) in want]
+            if slots:
+                self.geo_slots[b.index] = slots
+        geo.rebase_hook = self._rebase_error_feedback
+
+    def _rebase_error_feedback(self, old: dict, new: dict) -> None:
+        """At a refresh: R <- R T_old^-1 T_new (``geo.ef_on_refresh=rebase``) or R <- 0 (``reset``)."""
+        for key, slots in self.geo_slots.items():
+            if key not in self.residuals:
+                continue
+            res = self.residuals[key]
+            for name, off, rows, cols in slots:
+                view = res[off:off + rows * cols].view(rows, cols)
+                if self.geo.ef_on_refresh == "reset":
+                    view.zero_()
+                else:
+                    view.copy_(new[name].apply(old[name].apply_inverse(view)))
+
+    # -- coordinates --------------------------------------------------------------------------------
+    def _to_wire(self, x: torch.Tensor, key) -> torch.Tensor:
+        """The buffer in the coordinates that are quantised (a new tensor when transformed)."""
+        if self.signs is not None:
+            return block_hadamard(x.view(-1, self.hadamard_block), self.signs).view(-1)
+        slots = self.geo_slots.get(key)
+        if not slots:
+            return x
+        y = x.clone()
+        for name, off, rows, cols in slots:
+            n = rows * cols
+            y[off:off + n] = self.geo.transforms[name].apply(x[off:off + n].view(rows, cols)).view(-1)
+        return y
+
+    def _from_wire(self, y: torch.Tensor, key, start: int) -> torch.Tensor:
+        """Undo :meth:`_to_wire` on ``y``, the buffer range ``[start, start + len(y))`` (whole parameters)."""
+        if self.signs is not None:
+            return block_hadamard_inverse(y.view(-1, self.hadamard_block), self.signs).view(-1)
+        slots = self.geo_slots.get(key)
+        if not slots:
+            return y
+        end = start + y.numel()
+        for name, off, rows, cols in slots:
+            n = rows * cols
+            if start <= off and off + n <= end:
+                seg = y[off - start:off - start + n].view(rows, cols)
+                y[off - start:off - start + n] = self.geo.transforms[name].apply_inverse(seg).view(-1)
+        return y
 
     # -- encode / decode of whole chunks --------------------------------------------------------------
     def _encode(self, x: torch.Tensor, layout: ScaleLayout, chunks: list[int], sync: bool):
@@ -110,6 +165,9 @@ class LowPrecisionReducer(Reducer):
         the per-segment scales ``[dp, K]`` when ``sync`` (shared by all ranks, so not sent) else None).
         """
         n, c = len(chunks), layout.chunk
+        if self.fmt in _CAST:
+            wire = x.view(n, c).to(_CAST[self.fmt])
+            return wire.contiguous().view(torch.uint8).view(n, -1), wire.float().view(-1), None
         if self.fmt == "nvfp4":
             blocks = x.view(n, -1, NVFP4_BLOCK)
             g = nvfp4_global_scale(x.view(n, c).abs().amax(dim=1))                        # [n]
@@ -140,6 +198,8 @@ class LowPrecisionReducer(Reducer):
     def _decode(self, payload: torch.Tensor, layout: ScaleLayout, chunk_index: int, sync_scales) -> torch.Tensor:
         """Decode ``payload`` ``[m, bytes_per_chunk]`` (m copies of chunk ``chunk_index``) to FP32 ``[m, chunk]``."""
         m, c = payload.shape[0], layout.chunk
+        if self.fmt in _CAST:
+            return payload.reshape(-1).clone().view(_CAST[self.fmt]).view(m, c).float()
         if self.fmt == "nvfp4":
             nb = c // NVFP4_BLOCK
             packed = payload[:, : c // 2].reshape(-1, NVFP4_BLOCK // 2)
@@ -155,10 +215,10 @@ class LowPrecisionReducer(Reducer):
         self.bytes_sent += 2 * (self.dp_size - 1) * nbytes // self.dp_size
 
     # -- collectives --------------------------------------------------------------------------------
-    def _reduce_scatter(self, buf: torch.Tensor, key=None) -> PendingReduction:
+    def _reduce_scatter(self, buf: torch.Tensor, key=None, keep_wire: bool = False) -> PendingReduction:
         layout = self.layouts[key]
         dp, r, c = self.dp_size, self.dp_rank, layout.chunk
-        x = self._rotate(buf)
+        x = self._to_wire(buf, key)
         if self.error_feedback:
             x = x + self.residuals[key]
         sync = self.scale_sync == "max"
@@ -175,8 +235,9 @@ class LowPrecisionReducer(Reducer):
         def epilogue():
             vals = self._decode(recv, layout, r, sync_scales)
             avg = vals.sum(dim=0).div_(dp)
-            self._shard_in_wire_coords[key] = avg
-            buf[r * c:(r + 1) * c] = self._unrotate(avg)
+            if keep_wire:  # the all-gather stage re-encodes the shard in wire coordinates
+                self._shard_in_wire_coords[key] = avg
+            buf[r * c:(r + 1) * c] = self._from_wire(avg.clone(), key, r * c)
 
         return PendingReduction(work, epilogue)
 
@@ -186,7 +247,7 @@ class LowPrecisionReducer(Reducer):
             return PendingReduction(None)
         layout = self.layouts[key]
         dp, r, c = self.dp_size, self.dp_rank, layout.chunk
-        rs = self._reduce_scatter(buf, key)
+        rs = self._reduce_scatter(buf, key, keep_wire=True)
 
         def gather():
             rs.wait()
@@ -196,7 +257,7 @@ class LowPrecisionReducer(Reducer):
             all_gather_flat(out.view(-1), payload.reshape(-1), group=self.group)
             self.bytes_sent += (dp - 1) * payload.shape[1]
             vals = torch.cat([self._decode(out[i:i + 1], layout, i, None) for i in range(dp)], dim=1).view(-1)
-            buf.copy_(self._unrotate(vals))
+            buf.copy_(self._from_wire(vals, key, 0))
 
         pending = PendingReduction(None, gather)
         if not async_op:

@@ -166,13 +166,14 @@ def build_reducer(comm, dp_group, dp_size: int, dp_rank: int, seed: int = 0, dev
         ValueError: an unknown ``comm.dtype``.
     """
     dtype = comm if isinstance(comm, str) else comm.dtype
-    if dtype == "fp32":
+    plain = isinstance(comm, str) or comm.transform == "none"
+    if dtype == "fp32" and plain:
         return FP32Reducer(dp_group, dp_size, dp_rank)
-    if dtype == "bf16":
+    if dtype == "bf16" and plain:
         r = CastReducer(dp_group, dp_size, dp_rank, torch.bfloat16)
         r.name = "bf16"
         return r
-    if dtype in ("fp8_e4m3", "fp8_e5m2", "nvfp4"):
+    if dtype in ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4"):
         from .lowp import LowPrecisionReducer
 
         kw = {} if isinstance(comm, str) else dict(

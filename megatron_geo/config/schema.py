@@ -99,9 +99,24 @@ class CommConfig:
     block_size: int = 128          # elements per scale with scaling=block
     rounding: str = "nearest"      # nearest | stochastic (unbiased, seeded)
     error_feedback: bool = False   # keep what quantisation lost and add it back next step
-    transform: str = "none"        # none | hadamard (fixed block-Hadamard rotation with shared signs)
+    transform: str = "none"        # none | hadamard (fixed block-Hadamard rotation) | geo (GeoFP8, see geo.*)
     hadamard_block: int = 128      # rotation block (power of two)
     scale_sync: str = "none"       # none (per-rank scales, sent with the payload) | max (shared MAX scales)
+
+
+@dataclass
+class GeoConfig:
+    """GeoFP8 (``comm.transform=geo``): input-side transform from a damped rank-``rank`` K-FAC factor.
+
+    ``damping`` is relative to the mean eigenvalue of A (trace(A) / d_in), so it is scale-free.
+    ``layers``: comma-separated globs over parameter names (the paper: the MLP down projections).
+    """
+
+    layers: str = "layers.*.mlp.down_proj.weight"
+    rank: int = 32
+    damping: float = 1e-3
+    refresh_interval: int = 50
+    ef_on_refresh: str = "rebase"  # rebase: R <- R T_old^-1 T_new | reset: R <- 0
 
 
 @dataclass
@@ -122,4 +137,5 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    geo: GeoConfig = field(default_factory=GeoConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

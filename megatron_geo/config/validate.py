@@ -18,7 +18,8 @@ _CHOICES = {
     ("comm", "dtype"): ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4"),
     ("comm", "scaling"): ("tensor", "block"),
     ("comm", "rounding"): ("nearest", "stochastic"),
-    ("comm", "transform"): ("none", "hadamard"),
+    ("comm", "transform"): ("none", "hadamard", "geo"),
+    ("geo", "ef_on_refresh"): ("rebase", "reset"),
     ("comm", "scale_sync"): ("none", "max"),
     ("train", "nonfinite"): ("skip", "stop"),
     ("logging", "wandb"): ("offline", "online", "disabled"),
@@ -53,9 +54,14 @@ def validate_config(cfg: Config, world_size: int) -> None:
         if v <= 0 or v & (v - 1):
             raise ConfigError(f"{name}={v} must be a positive power of two (e.g. 128)")
     low = c.dtype in ("fp8_e4m3", "fp8_e5m2", "nvfp4")
-    if not low and (c.error_feedback or c.transform != "none" or c.scale_sync != "none" or c.rounding != "nearest"):
-        raise ConfigError(f"comm.error_feedback/transform/scale_sync/rounding need a low-precision comm.dtype "
+    if not low and (c.error_feedback or c.scale_sync != "none" or c.rounding != "nearest"):
+        raise ConfigError(f"comm.error_feedback/scale_sync/rounding need a low-precision comm.dtype "
                           f"(fp8_e4m3, fp8_e5m2, nvfp4), got comm.dtype={c.dtype}")
+    g = cfg.geo
+    if c.transform == "geo":
+        if g.rank < 1 or g.refresh_interval < 1 or not g.damping > 0:
+            raise ConfigError(f"geo.rank={g.rank} and geo.refresh_interval={g.refresh_interval} must be >= 1 and "
+                              f"geo.damping={g.damping} > 0")
     if c.dtype == "nvfp4" and c.scale_sync != "none":
         raise ConfigError("comm.scale_sync=max is supported for fp8 formats only; use comm.scale_sync=none with nvfp4")
     if t.warmup_steps < 0 or t.eval_batches < 0:

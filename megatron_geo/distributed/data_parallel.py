@@ -30,6 +30,7 @@ class GradSync:
         self._pending: dict[int, PendingReduction] = {}
         self._remaining: dict[int, int] = {}
         self._last = True
+        self._defer = False
         self._handles = []
         for b in buckets:
             for p in b.params:
@@ -39,7 +40,7 @@ class GradSync:
         def hook(p: torch.nn.Parameter) -> None:
             p.main_grad.add_(p.grad)
             p.grad = None
-            if self._last and self.overlap:
+            if self._last and self.overlap and not self._defer:
                 self._remaining[bucket.index] -= 1
                 if self._remaining[bucket.index] == 0:
                     self._launch(bucket)
@@ -49,8 +50,13 @@ class GradSync:
         op = self.reducer.reduce_scatter if self.sharded else self.reducer.all_reduce
         self._pending[bucket.index] = op(bucket.grad_data, key=bucket.index, async_op=True)
 
-    def start_step(self) -> None:
-        """Zero the FP32 gradient buffers and re-arm the readiness counters."""
+    def start_step(self, defer: bool = False) -> None:
+        """Zero the FP32 gradient buffers and re-arm the readiness counters.
+
+        ``defer=True`` launches no reduction during backward (all start in :meth:`finish`), e.g. on a
+        GeoFP8 refresh step whose new transform is built after backward.
+        """
+        self._defer = defer
         for b in self.buckets:
             b.grad_data.zero_()
         self._pending.clear()

@@ -36,9 +36,14 @@ def autocast_context(pctx: ParallelContext, autocast_dtype: str):
 
 def train_step(model: torch.nn.Module, micro_batches: list[dict], grad_sync: GradSync,
                optimizer: DistributedOptimizer, pctx: ParallelContext, lr_scale: float, clip_grad: float,
-               autocast_dtype: str = "auto") -> StepResult:
+               autocast_dtype: str = "auto", geo=None, step: int = 0) -> StepResult:
     """Run one step over this rank's ``micro_batches`` (dicts of ``tokens``, ``labels`` int64 ``[m, s]``
-    and ``loss_mask`` float ``[m, s]``) and update the parameters unless the gradient is non-finite."""
+    and ``loss_mask`` float ``[m, s]``) and update the parameters unless the gradient is non-finite.
+
+    With ``geo`` (a :class:`~megatron_geo.geometry.GeoState`) on a refresh step, the input statistics
+    are collected in the first micro-batch's forward and the transforms rebuilt after backward, before
+    any bucket is reduced (those reductions are deferred to the end of backward on that step only).
+    """
     dev = pctx.device
     local_tokens = sum(mb["loss_mask"].sum() for mb in micro_batches)
     count = torch.tensor([float(local_tokens)], dtype=torch.float64, device=dev)
@@ -46,16 +51,23 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict], grad_sync: Gra
     global_tokens = count.item()
     scale = pctx.dp_size / max(global_tokens, 1.0)
 
-    grad_sync.start_step()
+    refresh = geo is not None and geo.is_refresh_step(step)
+    grad_sync.start_step(defer=refresh)
     loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
     for i, mb in enumerate(micro_batches):
         grad_sync.set_last_micro_batch(i == len(micro_batches) - 1)
         tokens, labels, mask = (mb[k].to(dev, non_blocking=True) for k in ("tokens", "labels", "loss_mask"))
+        if refresh and i == 0:
+            geo.arm()
         with autocast_context(pctx, autocast_dtype):
             per_token = model(tokens, labels)
+        if refresh and i == 0:
+            geo.disarm()
         masked = (per_token * mask).sum()
         (masked * scale).backward()
         loss_sum += masked.detach().double()
+    if refresh:
+        geo.refresh(step)
     grad_sync.finish()
 
     dist.all_reduce(loss_sum, group=pctx.dp_group)

@@ -13,6 +13,7 @@ import torch
 from ..comm import build_reducer
 from ..config import Config, ConfigError, config_to_dict, dump_config, load_config, validate_config
 from ..distributed import DistributedOptimizer, GradSync, build_buckets
+from ..geometry import GeoState
 from ..model import Llama, count_parameters
 from ..parallel import LaunchError, ParallelContext, destroy_parallel, detect_launch_env, init_parallel
 from .data_setup import build_data, train_micro_batches, valid_micro_batches
@@ -60,12 +61,23 @@ def build_model_and_optimizer(cfg: Config, pctx: ParallelContext):
     dtype = torch.bfloat16 if cfg.train.param_dtype == "bf16" else torch.float32
     model = Llama(cfg.model, pctx.tp_group, cfg.train.seed, dtype=dtype, device=pctx.device)
     muon = cfg.optimizer.name == "muon"
+    geo = None
+    if cfg.comm.transform == "geo":
+        g = cfg.geo
+        try:
+            geo = GeoState(model, g.layers, g.rank, g.damping, g.refresh_interval, g.ef_on_refresh, pctx.dp_group)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    geo_ids = {id(p) for p in geo.params.values()} if geo else set()
     reducer = build_reducer(cfg.comm, pctx.dp_group, pctx.dp_size, pctx.dp_rank, seed=cfg.train.seed,
                             device=pctx.device)
     buckets = build_buckets(list(model.named_parameters()), cfg.parallel.bucket_size, pctx.dp_size,
-                            atomic_fn=lambda p: muon and getattr(p, "use_muon", False), align=reducer.alignment())
+                            atomic_fn=lambda p: (muon and getattr(p, "use_muon", False)) or id(p) in geo_ids,
+                            align=reducer.alignment())
     for b in buckets:
         reducer.register_bucket(b.index, b.plan.offsets, [p.numel() for p in b.params], b.plan.chunk, pctx.device)
+    if geo is not None:
+        reducer.attach_geo(geo, buckets)
     sharded = cfg.parallel.distributed_optimizer
     grad_sync = GradSync(buckets, reducer, sharded=sharded, overlap=cfg.parallel.overlap_grad_reduce)
     optimizer = DistributedOptimizer(buckets, cfg.optimizer, pctx, sharded=sharded)
@@ -108,7 +120,8 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
         batches = train_micro_batches(data.train, consumed, cfg, pctx)
         scale = lr_at(step, max_lr=1.0, min_lr=cfg.optimizer.min_lr / cfg.optimizer.lr, warmup_steps=t.warmup_steps,
                       total_steps=t.steps, style=t.lr_decay_style)
-        res = train_step(model, batches, grad_sync, optimizer, pctx, scale, cfg.optimizer.clip_grad, t.autocast_dtype)
+        res = train_step(model, batches, grad_sync, optimizer, pctx, scale, cfg.optimizer.clip_grad, t.autocast_dtype,
+                         geo=getattr(reducer, "geo", None), step=step)
         consumed += t.global_batch_size
         dt = time.perf_counter() - t0
         comm_bytes = reducer.reset_bytes()

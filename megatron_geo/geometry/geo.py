@@ -1,0 +1,102 @@
+"""GeoFP8 state: which parameters are transformed, their current transforms, refreshes, checksums.
+
+Lifecycle per refresh step (``step % geo.refresh_interval == 0``):
+``arm()`` before the first micro-batch's forward -> ``disarm()`` after it -> after backward,
+``refresh(step)``: all-reduce the input statistics over DP, eigendecompose, build T, compare a
+checksum of every T across the DP group (a mismatch is a hard error naming the layer), re-base the
+reducer's error feedback (R <- R T_old^-1 T_new, or zero it with ``geo.ef_on_refresh=reset``).
+The reducer then communicates G T and maps the reduced shard back with T^-1.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .stats import InputStats
+from .transform import LowRankTransform, build_transform, identity_transform
+
+
+class TransformMismatchError(RuntimeError):
+    """The GeoFP8 transform of a layer differs between DP ranks."""
+
+
+def select_parameters(model: nn.Module, patterns: str) -> dict[str, nn.Module]:
+    """Linear weights matching any comma-separated glob of ``patterns`` -> their modules.
+
+    Raises:
+        ValueError: a pattern matches no 2-D weight (names the pattern and lists a few valid names).
+    """
+    pats = [p.strip() for p in patterns.split(",") if p.strip()]
+    mods = dict(model.named_modules())
+    chosen: dict[str, nn.Module] = {}
+    weights = [n for n, p in model.named_parameters() if p.ndim == 2 and n.endswith(".weight")]
+    for pat in pats:
+        hits = [n for n in weights if fnmatch.fnmatchcase(n, pat)]
+        if not hits:
+            raise ValueError(f"geo.layers pattern {pat!r} matches no linear weight; e.g. {', '.join(weights[:4])}")
+        for n in hits:
+            chosen[n] = mods[n[: -len(".weight")]]
+    return chosen
+
+
+class GeoState:
+    """Transforms of the selected parameters, keyed by parameter name."""
+
+    def __init__(self, model: nn.Module, patterns: str, rank: int, damping: float, refresh_interval: int,
+                 ef_on_refresh: str, dp_group):
+        self.selected = select_parameters(model, patterns)
+        params = dict(model.named_parameters())
+        self.params = {n: params[n] for n in self.selected}
+        self.rank, self.damping, self.interval, self.ef_on_refresh = rank, damping, refresh_interval, ef_on_refresh
+        self.dp_group = dp_group
+        self.stats = InputStats({n: m for n, m in self.selected.items()})
+        self.transforms: dict[str, LowRankTransform] = {
+            n: identity_transform(p.shape[1], p.device) for n, p in self.params.items()}
+        self.last_refresh = -1
+        self.rebase_hook = None  # set by the reducer: fn(old: dict, new: dict) re-bases error feedback
+
+    def is_refresh_step(self, step: int) -> bool:
+        return step % self.interval == 0
+
+    def arm(self) -> None:
+        self.stats.arm()
+
+    def disarm(self) -> None:
+        self.stats.disarm()
+
+    def refresh(self, step: int) -> None:
+        """Build new transforms from the armed statistics (all DP ranks together)."""
+        factors = self.stats.reduce(self.dp_group)
+        new = {}
+        for pname, mod in self.selected.items():
+            A = factors[pname]
+            damping = self.damping * max(float(A.diagonal().mean()), 1e-30)
+            new[pname] = build_transform(A, self.rank, damping)
+        self.check_consistent(new)
+        old, self.transforms = self.transforms, new
+        if self.rebase_hook is not None:
+            self.rebase_hook(old, new)
+        self.last_refresh = step
+
+    def check_consistent(self, transforms: dict[str, LowRankTransform]) -> None:
+        """Compare a 63-bit digest of every transform across the DP group; raise on any difference."""
+        if dist.get_world_size(self.dp_group) == 1:
+            return
+        names = sorted(transforms)
+        digest = torch.tensor([int(transforms[n].checksum()[:15], 16) for n in names], dtype=torch.int64)
+        lo, hi = digest.clone(), digest.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.dp_group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.dp_group)
+        bad = [n for n, a, b in zip(names, lo.tolist(), hi.tolist()) if a != b]
+        if bad:
+            raise TransformMismatchError(
+                f"GeoFP8 transform differs across DP ranks for layer(s) {', '.join(bad)}: the input statistics "
+                f"or the eigendecomposition were not identical on every rank (checksum mismatch)")
+
+    def state_dict(self) -> dict:
+        return {"last_refresh": self.last_refresh, "selected": sorted(self.selected),
+                "transforms": {n: {"U": t.U, "d": t.d} for n, t in self.transforms.items()}}

@@ -1,0 +1,63 @@
+"""K-FAC input statistics A = E[a a^T] of the selected linear layers, collected only when armed.
+
+Forward pre-hooks are registered on the selected modules by :meth:`InputStats.arm` and removed by
+:meth:`InputStats.disarm`, so steps between refreshes pay nothing. :meth:`InputStats.reduce` sums the
+statistics and token counts over the DP group (never over TP: a row-parallel layer's input is its own
+d_in slice and gets its own factor, i.e. a block-diagonal transform of the full layer).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class InputStats:
+    """Accumulates ``sum_t a_t a_t^T`` (FP32, ``[d_in, d_in]``) and the token count per module name."""
+
+    def __init__(self, modules: dict[str, nn.Module]):
+        self.modules = modules
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, float] = {}
+        self._handles = []
+
+    def arm(self) -> None:
+        """Register the hooks (idempotent) and clear the previous statistics."""
+        self.disarm()
+        self.sums.clear()
+        self.counts.clear()
+        for name, mod in self.modules.items():
+            self._handles.append(mod.register_forward_pre_hook(self._hook(name)))
+
+    def disarm(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _hook(self, name: str):
+        def hook(module, args):
+            a = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            s = a.T @ a
+            if name in self.sums:
+                self.sums[name] += s
+                self.counts[name] += a.shape[0]
+            else:
+                self.sums[name], self.counts[name] = s, float(a.shape[0])
+        return hook
+
+    def reduce(self, dp_group) -> dict[str, torch.Tensor]:
+        """DP-averaged factors ``A = sum a a^T / count`` per module (identical on every DP rank).
+
+        Every rank must have collected the same module names (same model, same armed micro-batch).
+        """
+        out = {}
+        for name in sorted(self.modules):
+            if name not in self.sums:
+                raise RuntimeError(f"no input statistics were collected for {name}; was the module used in forward?")
+            s = self.sums[name].clone()
+            n = torch.tensor([self.counts[name]], dtype=torch.float64, device=s.device)
+            dist.all_reduce(s, group=dp_group)
+            dist.all_reduce(n, group=dp_group)
+            out[name] = s / n.item()
+        return out

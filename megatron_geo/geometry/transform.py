@@ -1,0 +1,102 @@
+"""GeoFP8's input-side coordinate transform from a low-rank, damped K-FAC input factor.
+
+Given the K-FAC input factor A = E[a a^T] (``d_in x d_in``, symmetric PSD) of a linear layer, with
+eigenpairs ``(lambda_i, u_i)`` sorted descending, U = ``[u_1 .. u_r]`` (the top ``r``), and
+``lambda_ref`` = the mean of the remaining eigenvalues ``lambda_{r+1..d_in}`` (0 if r >= d_in):
+
+    D   = diag( ((lambda_ref + damping) / (lambda_i + damping)) ** 1/2 ),   i = 1..r
+    T   = I + U (D - I) U^T
+    T^-1 = I + U (D^-1 - I) U^T
+
+T scales the r dominant input directions down to the level of the rest (whitening restricted to the
+top-r subspace) and leaves the complement untouched. Because U has orthonormal columns,
+T^-1 T = I exactly in exact arithmetic, and ``damping > 0`` bounds D^-1 <= sqrt((lambda_1 + damping) /
+damping) even for a rank-deficient A. The gradient is communicated as G T (right-multiplication mixes
+columns only, so rows stay independent) and mapped back as G^ T^-1; applying either costs
+``O(d_out d_in r)``: ``G T = G + ((G U) (D - I)) U^T``.
+
+Source: GeoFP8 / GIFT (arXiv 2607.07494), section "geometry-aware coordinates"; the paper leaves the
+damping and the exact form unspecified; this is the form of DESIGN.md section 1 / issue 4.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LowRankTransform:
+    """``T = I + U diag(d - 1) U^T`` for one layer (or one TP slice of it).
+
+    Attributes:
+        U: float32 ``[d_in, r]`` orthonormal columns.
+        d: float32 ``[r]`` the diagonal D (entries in (0, 1] when lambda_i >= lambda_ref).
+    """
+
+    U: torch.Tensor
+    d: torch.Tensor
+
+    @property
+    def d_in(self) -> int:
+        return self.U.shape[0]
+
+    def apply(self, g: torch.Tensor) -> torch.Tensor:
+        """``g T`` for ``g`` ``[..., d_in]`` (float32); returns a new tensor of the same shape."""
+        return g + ((g @ self.U) * (self.d - 1.0)) @ self.U.T
+
+    def apply_inverse(self, g: torch.Tensor) -> torch.Tensor:
+        """``g T^-1`` for ``g`` ``[..., d_in]``."""
+        return g + ((g @ self.U) * (1.0 / self.d - 1.0)) @ self.U.T
+
+    def dense(self) -> torch.Tensor:
+        """T as a dense ``[d_in, d_in]`` matrix (tests and small layers only)."""
+        eye = torch.eye(self.d_in, dtype=self.U.dtype, device=self.U.device)
+        return self.apply(eye)
+
+    def checksum(self) -> str:
+        """SHA-256 of the exact bytes of U and d: equal on every DP rank iff the transforms are identical."""
+        h = hashlib.sha256()
+        for t in (self.U, self.d):
+            h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+
+def identity_transform(d_in: int, device=None) -> LowRankTransform:
+    """T = I (r = 0): used before the first refresh."""
+    return LowRankTransform(torch.zeros(d_in, 0, device=device), torch.ones(0, device=device))
+
+
+def build_transform(A: torch.Tensor, rank: int, damping: float) -> LowRankTransform:
+    """The damped rank-``rank`` transform of a K-FAC input factor ``A`` (``[d_in, d_in]``, symmetric).
+
+    The eigendecomposition runs in FP64 (``torch.linalg.eigh``) for determinism and accuracy; the
+    result is float32 on A's device. Eigenvalues below zero (round-off) are clipped to zero.
+
+    Raises:
+        ValueError: A not square, ``rank < 0`` or ``damping <= 0``.
+    """
+    if A.dim() != 2 or A.shape[0] != A.shape[1]:
+        raise ValueError(f"K-FAC factor must be square [d_in, d_in], got {tuple(A.shape)}")
+    if rank < 0:
+        raise ValueError(f"geo.rank={rank} must be >= 0")
+    if not damping > 0:
+        raise ValueError(f"geo.damping={damping} must be > 0 (it bounds the inverse transform)")
+    d_in = A.shape[0]
+    r = min(rank, d_in)
+    if r == 0:
+        return identity_transform(d_in, A.device)
+    A64 = A.double()
+    evals, evecs = torch.linalg.eigh(0.5 * (A64 + A64.T))      # ascending
+    evals = evals.flip(0).clamp(min=0.0)
+    evecs = evecs.flip(1)
+    rest = evals[r:]
+    lam_ref = rest.mean() if rest.numel() else torch.zeros((), dtype=torch.float64, device=A.device)
+    d = ((lam_ref + damping) / (evals[:r] + damping)).sqrt()
+    # a deterministic sign for every eigenvector (largest-magnitude entry positive)
+    U = evecs[:, :r]
+    idx = U.abs().argmax(dim=0)
+    U = U * torch.where(U[idx, torch.arange(r, device=A.device)] < 0, -1.0, 1.0)
+    return LowRankTransform(U.float().contiguous(), d.float())

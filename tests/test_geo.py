@@ -1,0 +1,152 @@
+"""GeoFP8: exact invertibility, rank consistency, transform-only exactness, error-feedback re-basing."""
+
+import pytest
+import torch
+
+from dist_harness import run_distributed
+from helpers import global_batch, pctx_for, rank_micro_batches, tiny_cfg
+from megatron_geo.geometry import TransformMismatchError, build_transform
+
+
+def _factors():
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(400, 48, generator=g, dtype=torch.float64)
+    X[:, :4] *= 40                                     # anisotropic
+    full = X.T @ X / 400
+    low = X[:, :5] @ torch.randn(5, 48, generator=g, dtype=torch.float64)
+    deficient = low.T @ low / 400                      # rank 5
+    dup = torch.cat([X[:, :24], X[:, :24]], dim=1)     # duplicated features
+    duplicated = dup.T @ dup / 400
+    return {"full": full, "rank-deficient": deficient, "duplicated": duplicated}
+
+
+@pytest.mark.parametrize("kind", ["full", "rank-deficient", "duplicated"])
+@pytest.mark.parametrize("rank", [1, 8, 32, 64])
+def test_inverse_is_exact(kind, rank):
+    A = _factors()[kind]
+    T = build_transform(A, rank, damping=1e-3 * A.diagonal().mean().item())
+    eye = torch.eye(48, dtype=torch.float64)
+    M = T.dense().double()
+    Minv = T.apply_inverse(torch.eye(48)).double()
+    cond = (1 / T.d.min()).item() if T.d.numel() else 1.0  # damping keeps it bounded
+    # FP32 precision times the condition number of T
+    assert (Minv @ M - eye).abs().max() < 1e-6 * cond
+    G = torch.randn(7, 48)
+    assert ((T.apply_inverse(T.apply(G)) - G).norm() / G.norm()) < 1e-6 * cond
+    assert torch.equal(T.apply(torch.zeros(3, 48)), torch.zeros(3, 48))
+    # the dominant directions are scaled down, the complement is untouched
+    assert (T.d <= 1.0 + 1e-6).all()
+
+
+def test_transform_matches_formula_in_fp64():
+    A = _factors()["full"]
+    r, damp = 6, 1e-2
+    T = build_transform(A, r, damp)
+    lam, U = torch.linalg.eigh(A)
+    lam, U = lam.flip(0), U.flip(1)
+    ref_d = ((lam[r:].mean() + damp) / (lam[:r] + damp)).sqrt()
+    ref = torch.eye(48, dtype=torch.float64) + U[:, :r] @ torch.diag(ref_d - 1) @ U[:, :r].T
+    torch.testing.assert_close(T.dense().double(), ref, rtol=0, atol=1e-5)
+
+
+def _build_geo(rank, world, overrides, corrupt=False):
+    from megatron_geo.training.step import train_step
+    from megatron_geo.training.trainer import build_model_and_optimizer
+
+    cfg = tiny_cfg("comm.transform=geo", "geo.rank=8", "geo.refresh_interval=2", *overrides)
+    pctx = pctx_for(1)
+    model, _, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
+    return cfg, pctx, model, reducer, sync, opt, train_step
+
+
+def _consistency(rank, world):
+    cfg, pctx, model, reducer, sync, opt, train_step = _build_geo(rank, world, ["comm.dtype=fp8_e4m3"])
+    geo = reducer.geo
+    mb = rank_micro_batches(global_batch(cfg, 0), 2, rank, world)   # different data on each rank
+    train_step(model, mb, sync, opt, pctx, 1.0, 1.0, geo=geo, step=0)
+    sums = {n: t.checksum() for n, t in geo.transforms.items()}
+    # now corrupt one rank's transform and check again
+    name = sorted(geo.transforms)[1]
+    bad = dict(geo.transforms)
+    if rank == 1:
+        t = bad[name]
+        bad[name] = type(t)(t.U.clone(), t.d * (1 + 1e-6))
+    try:
+        geo.check_consistent(bad)
+        err = None
+    except TransformMismatchError as e:
+        err = str(e)
+    return sums, err, name, geo.last_refresh
+
+
+def test_rank_consistent_transform_and_mismatch_detection():
+    out = run_distributed(_consistency, 2)
+    assert out[0][0] == out[1][0] and len(out[0][0]) == 2        # tiny model: 2 down projections
+    for sums, err, name, last in out:
+        assert last == 0
+        assert err is not None and name in err and "differs across DP ranks" in err
+
+
+def _exact_wire(rank, world):
+    """fp32 wire + geo: the transform alone must not change the reduced gradient."""
+    cfg, pctx, model, reducer, sync, opt, _ = _build_geo(rank, world, ["comm.dtype=fp32",
+                                                                      "parallel.distributed_optimizer=false"])
+    geo = reducer.geo
+    mb = rank_micro_batches(global_batch(cfg, 0), 8 // world, rank, world)[0]
+    geo.arm()
+    model(mb["tokens"], mb["labels"]).mean()
+    geo.disarm()
+    geo.refresh(0)
+    sync.start_step(defer=True)
+    model(mb["tokens"], mb["labels"]).mean().backward()
+    local = {n: p.main_grad.clone().double() for n, p in model.named_parameters()}
+    sync.finish()
+    reduced = {n: p.main_grad.clone().double() for n, p in model.named_parameters()}
+    assert all(t.U.shape[1] == 8 for t in geo.transforms.values())
+    return local, reduced, sorted(geo.params)
+
+
+def test_geo_with_exact_wire_equals_fp64_average():
+    out = run_distributed(_exact_wire, 2)
+    names = out[0][2]
+    for n in out[0][0]:
+        ref = (out[0][0][n] + out[1][0][n]) / 2
+        for _, reduced, _ in out:
+            rel = (reduced[n] - ref).norm() / ref.norm().clamp(min=1e-30)
+            assert rel < 1e-5, (n, rel.item(), n in names)
+
+
+def _rebase(rank, world):
+    cfg, pctx, model, reducer, sync, opt, train_step = _build_geo(
+        rank, world, ["comm.dtype=fp8_e4m3", "comm.error_feedback=true"])
+    geo = reducer.geo
+    for step in range(2):  # refresh at step 0; builds a residual at steps 0 and 1
+        mb = rank_micro_batches(global_batch(cfg, step), 2, rank, world)
+        train_step(model, mb, sync, opt, pctx, 1.0, 1.0, geo=geo, step=step)
+    key, slots = next(iter(reducer.geo_slots.items()))
+    name, off, rows, cols = slots[0]
+    before = reducer.residuals[key][off:off + rows * cols].view(rows, cols).clone().double()
+    old = geo.transforms[name]
+    other = reducer.residuals[key].clone()
+    mb = rank_micro_batches(global_batch(cfg, 2), 2, rank, world)
+    geo.arm()
+    model(mb[0]["tokens"], mb[0]["labels"])
+    geo.disarm()
+    geo.refresh(2)
+    new = geo.transforms[name]
+    after = reducer.residuals[key][off:off + rows * cols].view(rows, cols).double()
+    # R T_old^-1 (the residual in gradient coordinates) is unchanged by the re-basing
+    grad_coords_before = old.apply_inverse(before.float()).double()
+    grad_coords_after = new.apply_inverse(after.float()).double()
+    mask = torch.ones_like(other, dtype=torch.bool)
+    for _, o, r_, c_ in slots:
+        mask[o:o + r_ * c_] = False
+    untouched = torch.equal(reducer.residuals[key][mask], other[mask])
+    return before.abs().max().item(), (grad_coords_after - grad_coords_before).abs().max().item(), untouched
+
+
+def test_error_feedback_rebase_is_exact():
+    for size, diff, untouched in run_distributed(_rebase, 2):
+        assert size > 0                       # there was a residual to re-base
+        assert diff <= 1e-5 * size + 1e-12    # nothing spurious injected
+        assert untouched                      # non-geo parameters' residuals are left alone
