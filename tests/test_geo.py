@@ -182,3 +182,38 @@ def test_tp2_geo_is_block_diagonal_of_the_full_factor():
             torch.testing.assert_close(A, block, rtol=1e-4, atol=1e-6)
             ref = build_transform(block, 4, 1e-3 * block.diagonal().mean().item()).dense()
             torch.testing.assert_close(dense[name], ref, rtol=0, atol=2e-3)
+
+
+def _auto(rank, world):
+    from megatron_geo.geometry import GeoState
+    from megatron_geo.model import Llama
+
+    cfg = tiny_cfg()
+    pctx = pctx_for(1)
+    model = Llama(cfg.model, pctx.tp_group, 0)
+    logs = []
+    geo = GeoState(model, "layers.*.weight", 4, 1e-3, 5, "rebase", pctx.dp_group, auto_layers=3, profile_steps=2,
+                   log=logs.append)
+    names = sorted(geo.candidates)
+    # rank-dependent profiles: rank 0 alone would pick names[0..2], the DP sum picks names[-3:]
+    for step in range(2):
+        assert not geo.is_refresh_step(step)
+        for i, n in enumerate(names):
+            g = torch.zeros(100)
+            hits = (3 - i) if rank == 0 else 3 * i        # number of underflowing non-zero entries
+            g[:50] = 1.0
+            g[50:50 + hits] = 1e-9
+            geo.record_bound_hits(n, g)
+        geo.end_profiled_step()
+    assert geo.is_refresh_step(2)                          # choosing happens here, then the first refresh
+    return sorted(geo.selected), logs, names
+
+
+def test_auto_selection_is_rank_consistent():
+    """Summed over DP the hit counts are 3 + 2 i, so the last three candidates win on every rank,
+    although rank 0's own profile ranks the first three highest."""
+    out = run_distributed(_auto, 2)
+    names = out[0][2]
+    for selected, logs, _ in out:
+        assert selected == sorted(names[-3:])
+    assert "after 2 profiled steps" in out[0][1][0]

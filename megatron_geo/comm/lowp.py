@@ -122,6 +122,8 @@ class LowPrecisionReducer(Reducer):
                 continue
             res = self.residuals[key]
             for name, off, rows, cols in slots:
+                if name not in new:
+                    continue
                 view = res[off:off + rows * cols].view(rows, cols)
                 if self.geo.ef_on_refresh == "reset":
                     view.zero_()
@@ -136,8 +138,14 @@ class LowPrecisionReducer(Reducer):
         slots = self.geo_slots.get(key)
         if not slots:
             return x
+        if self.geo.profiling:
+            for name, off, rows, cols in slots:
+                self.geo.record_bound_hits(name, x[off:off + rows * cols])
+            return x
         y = x.clone()
         for name, off, rows, cols in slots:
+            if name not in self.geo.selected:
+                continue
             n = rows * cols
             y[off:off + n] = self.geo.transforms[name].apply(x[off:off + n].view(rows, cols)).view(-1)
         return y
@@ -152,7 +160,7 @@ class LowPrecisionReducer(Reducer):
         end = start + y.numel()
         for name, off, rows, cols in slots:
             n = rows * cols
-            if start <= off and off + n <= end:
+            if name in self.geo.selected and start <= off and off + n <= end:
                 seg = y[off - start:off - start + n].view(rows, cols)
                 y[off - start:off - start + n] = self.geo.transforms[name].apply_inverse(seg).view(-1)
         return y

@@ -109,10 +109,15 @@ class GeoConfig:
     """GeoFP8 (``comm.transform=geo``): input-side transform from a damped rank-``rank`` K-FAC factor.
 
     ``damping`` is relative to the mean eigenvalue of A (trace(A) / d_in), so it is scale-free.
-    ``layers``: comma-separated globs over parameter names (the paper: the MLP down projections).
+    ``layers``: comma-separated globs over parameter names (the paper: the MLP down projections); with
+    ``select=auto`` they are the candidates, profiled for ``profile_steps`` steps under Euclidean FP8,
+    and the ``num_layers`` with the highest bound-hit rate get the transform.
     """
 
     layers: str = "layers.*.mlp.down_proj.weight"
+    select: str = "layers"         # layers: use geo.layers | auto: profile bound hits, then pick the top
+    num_layers: int = 13           # auto: how many layers get the transform (paper: 13)
+    profile_steps: int = 100       # auto: Euclidean steps profiled before choosing (paper: 100)
     rank: int = 32
     damping: float = 1e-3
     refresh_interval: int = 50

@@ -47,20 +47,65 @@ class GeoState:
     """Transforms of the selected parameters, keyed by parameter name."""
 
     def __init__(self, model: nn.Module, patterns: str, rank: int, damping: float, refresh_interval: int,
-                 ef_on_refresh: str, dp_group):
-        self.selected = select_parameters(model, patterns)
+                 ef_on_refresh: str, dp_group, auto_layers: int = 0, profile_steps: int = 0, fp8_max: float = 448.0,
+                 underflow_below: float = 2.0 ** -10, log=print):
+        self.candidates = select_parameters(model, patterns)
         params = dict(model.named_parameters())
-        self.params = {n: params[n] for n in self.selected}
+        self.params = {n: params[n] for n in self.candidates}   # every candidate is owned whole (atomic)
+        self.auto_layers, self.profile_steps, self.fp8_max, self.log = auto_layers, profile_steps, fp8_max, log
+        self.underflow_below = underflow_below  # half the format's smallest subnormal: rounds to zero
+        self.hits = {n: 0.0 for n in self.candidates}            # summed bound-hit fractions while profiling
+        self.profiled = 0
+        self.selected = dict(self.candidates) if not auto_layers else {}
         self.rank, self.damping, self.interval, self.ef_on_refresh = rank, damping, refresh_interval, ef_on_refresh
         self.dp_group = dp_group
-        self.stats = InputStats({n: m for n, m in self.selected.items()})
+        self.stats = InputStats(dict(self.selected))
         self.transforms: dict[str, LowRankTransform] = {
             n: identity_transform(p.shape[1], p.device) for n, p in self.params.items()}
         self.last_refresh = -1
         self.rebase_hook = None  # set by the reducer: fn(old: dict, new: dict) re-bases error feedback
 
+    @property
+    def profiling(self) -> bool:
+        return bool(self.auto_layers) and not self.selected
+
     def is_refresh_step(self, step: int) -> bool:
-        return step % self.interval == 0
+        """Refresh every ``refresh_interval`` steps (counted from the end of profiling with select=auto)."""
+        if self.profiling:
+            if step < self.profile_steps:
+                return False
+            self._choose()
+        start = self.profile_steps if self.auto_layers else 0
+        return step >= start and (step - start) % self.interval == 0
+
+    def record_bound_hits(self, name: str, grad: torch.Tensor) -> None:
+        """Accumulate the FP8 bound-hit fraction of a candidate's local gradient (tensor scaling):
+        elements at the format max after scaling plus non-zero elements that round to zero."""
+        g = grad.float()
+        amax = g.abs().max()
+        if not torch.isfinite(amax) or amax == 0:
+            return
+        y = g / (amax / self.fp8_max)
+        sat = (y.abs() >= self.fp8_max).sum()
+        under = ((y.abs() <= self.underflow_below) & (g != 0)).sum()
+        self.hits[name] += float(sat + under) / g.numel()
+
+    def end_profiled_step(self) -> None:
+        if self.profiling:
+            self.profiled += 1
+
+    def _choose(self) -> None:
+        """All-reduce the profile over DP (every rank picks the same set) and keep the top layers."""
+        names = sorted(self.hits)
+        rates = torch.tensor([self.hits[n] / max(self.profiled, 1) for n in names], dtype=torch.float64)
+        dist.all_reduce(rates, group=self.dp_group)
+        order = sorted(range(len(names)), key=lambda i: (-rates[i].item(), names[i]))
+        top = [names[i] for i in order[: self.auto_layers]]
+        self.selected = {n: self.candidates[n] for n in top}
+        self.stats = InputStats(dict(self.selected))
+        self.log("geo.select=auto: after %d profiled steps the transform goes to %s" % (
+            self.profiled, ", ".join(f"{n} ({rates[names.index(n)].item() / dist.get_world_size(self.dp_group):.2e})"
+                                      for n in top)))
 
     def arm(self) -> None:
         self.stats.arm()
@@ -71,7 +116,7 @@ class GeoState:
     def refresh(self, step: int) -> None:
         """Build new transforms from the armed statistics (all DP ranks together)."""
         factors = self.stats.reduce(self.dp_group)
-        new = {}
+        new = dict(self.transforms)
         for pname, mod in self.selected.items():
             A = factors[pname]
             damping = self.damping * max(float(A.diagonal().mean()), 1e-30)
@@ -98,5 +143,6 @@ class GeoState:
                 f"or the eigendecomposition were not identical on every rank (checksum mismatch)")
 
     def state_dict(self) -> dict:
-        return {"last_refresh": self.last_refresh, "selected": sorted(self.selected),
+        return {"last_refresh": self.last_refresh, "selected": sorted(self.selected), "hits": dict(self.hits),
+                "profiled": self.profiled,
                 "transforms": {n: {"U": t.U, "d": t.d} for n, t in self.transforms.items()}}

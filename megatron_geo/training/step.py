@@ -69,6 +69,8 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict], grad_sync: Gra
     if refresh:
         geo.refresh(step)
     grad_sync.finish()
+    if geo is not None:
+        geo.end_profiled_step()
 
     dist.all_reduce(loss_sum, group=pctx.dp_group)
     norm = optimizer.grad_norm()

@@ -65,7 +65,14 @@ def build_model_and_optimizer(cfg: Config, pctx: ParallelContext):
     if cfg.comm.transform == "geo":
         g = cfg.geo
         try:
-            geo = GeoState(model, g.layers, g.rank, g.damping, g.refresh_interval, g.ef_on_refresh, pctx.dp_group)
+            from ..comm.codecs import fp8_max
+
+            auto = g.select == "auto"
+            geo = GeoState(model, g.layers, g.rank, g.damping, g.refresh_interval, g.ef_on_refresh, pctx.dp_group,
+                           auto_layers=g.num_layers if auto else 0, profile_steps=g.profile_steps if auto else 0,
+                           fp8_max=fp8_max(cfg.comm.dtype) if auto else 448.0,
+                           underflow_below=2.0 ** -17 if cfg.comm.dtype == "fp8_e5m2" else 2.0 ** -10,
+                           log=lambda m: _log0(pctx, m))
         except ValueError as e:
             raise ConfigError(str(e)) from None
     geo_ids = {id(p) for p in geo.params.values()} if geo else set()
@@ -124,10 +131,16 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
                          geo=getattr(reducer, "geo", None), step=step)
         consumed += t.global_batch_size
         dt = time.perf_counter() - t0
+        geo = getattr(reducer, "geo", None)
+        if geo is not None and geo.last_refresh == step and (step == 0 or t.progress is False or step % 500 == 0):
+            _log0(pctx, f"step {step + 1}: GeoFP8 refresh of {len(geo.selected)} layer(s) (rank {cfg.geo.rank}); "
+                        f"transform checksums equal on all {pctx.dp_size} DP ranks")
         comm_bytes = reducer.reset_bytes()
         record = {"step": step + 1, "loss": res.loss, "lr": cfg.optimizer.lr * scale, "grad_norm": res.grad_norm,
                   "tokens_per_sec": res.tokens / dt, "comm_bytes": comm_bytes, "step_time_s": dt,
                   "consumed_samples": consumed, "skipped": res.skipped}
+        if geo is not None:
+            record["geo_refresh"] = geo.last_refresh == step
         if res.skipped:
             handle_nonfinite(step + 1, res.grad_norm, t.nonfinite, reducer)
             _log0(pctx, f"step {step + 1}: non-finite gradient norm ({res.grad_norm}); update skipped on all ranks")
