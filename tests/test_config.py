@@ -22,7 +22,7 @@ def test_merge_order_and_overrides(tmp_path):
 
 
 @pytest.mark.parametrize("override,message", [
-    (["train.stpes=3"], "Did you mean 'steps'"),
+    (["train.stpes=3"], "Did you mean 'train.steps'"),
     (["trian.steps=3"], "Did you mean 'train'"),
     (["train.steps=abc"], "expected an integer, got 'abc'"),
     (["parallel.distributed_optimizer=maybe"], "expected true/false"),
@@ -75,3 +75,42 @@ def test_print_config_roundtrip(tmp_path):
     f.write_text(out.stdout)
     cfg = load_config([str(f)])
     assert cfg.train.steps == 3 and cfg.comm.dtype == "bf16" and cfg.model.hidden_size == 128
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["optimizer.lr=-0.001"], "optimizer.lr=-0.001 must be a positive finite number"),
+    (["optimizer.lr=inf"], "optimizer.lr=inf must be a positive finite number"),
+    (["optimizer.min_lr=1.0"], "optimizer.min_lr=1.0 must be between 0 and optimizer.lr"),
+    (["optimizer.beta1=1.5"], r"optimizer.beta1=1.5 must be in \[0, 1\)"),
+    (["optimizer.clip_grad=-1"], "optimizer.clip_grad=-1.0 must be >= 0"),
+    (["parallel.backend=nccl", "train.device=cpu"], "parallel.backend=nccl needs CUDA"),
+])
+def test_optimizer_and_backend_validation(overrides, message):
+    cfg = load_config([str(ROOT / "configs/tiny.yaml")], overrides)
+    with pytest.raises(ConfigError, match=message):
+        validate_config(cfg, 1)
+
+
+def test_run_dir_that_is_a_file(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    cfg = load_config([str(ROOT / "configs/tiny.yaml")], [f"train.run_dir={f}/sub"])
+    with pytest.raises(ConfigError, match="exists and is not a directory"):
+        validate_config(cfg, 1)
+
+
+def test_dataset_from_another_tokenizer_is_rejected(tmp_path):
+    from megatron_geo.data import IndexedDatasetBuilder, train_tokenizer
+    from megatron_geo.training.data_setup import build_data
+
+    text = tmp_path / "t.txt"
+    text.write_text("\n".join(f"line {i} of a small corpus with some words {i * 7}" for i in range(300)))
+    tok = train_tokenizer([str(text)], str(tmp_path / "tok"), vocab_size=300)
+    b = IndexedDatasetBuilder(str(tmp_path / "train"), vocab_size=500)   # "another" tokenizer's vocab
+    b.add_document(list(range(400)) + [2])
+    b.finalize()
+    cfg = load_config([str(ROOT / "configs/tiny.yaml")], ["data.source=indexed", f"data.train_prefix={tmp_path}/train",
+                                                          f"data.tokenizer_model={tok}", "model.vocab_size=300",
+                                                          "model.seq_length=16"])
+    with pytest.raises(ConfigError, match="tokenized with a 500-token vocab but the tokenizer .* has 300"):
+        build_data(cfg, None)

@@ -23,6 +23,12 @@ Codec spec strings (CLI form, :func:`parse_codec` / :func:`codec_label`): ``DTYP
 ``tensor``, ``block`` or ``blockN``, ``hadamard`` or ``hadamardN``, ``stochastic``, ``nearest``, ``seedN``;
 ``+`` works as a separator too. Examples: ``fp8_e4m3:tensor``, ``fp8_e4m3:block128``,
 ``fp8_e4m3:tensor+hadamard128``, ``fp8_e4m3:tensor:stochastic``, ``nvfp4``, ``bf16``.
+
+Transformed coordinates (GeoFP8 and its ablations, DESIGN.md section 1): :func:`simulate_geo_reduce` sends
+``T_out^T G_r T_in`` instead of ``G_r`` through the same codec and maps the average back with the
+inverses; :func:`build_coordinate_transform` builds ``T`` from a K-FAC factor as the low-rank GeoFP8
+transform (:mod:`megatron_geo.geometry.transform`), at full rank, diagonal or block-diagonal, with the
+trainer's relative damping; :func:`output_factor_from_grads` estimates the output-side factor.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from torch import Tensor
 
 from .codecs import (FP8_FORMATS, NVFP4_BLOCK, fp8_decode, fp8_encode, fp8_max, fp8_scale_from_amax, nvfp4_decode,
                      nvfp4_encode, nvfp4_global_scale)
+from ..geometry.transform import build_transform
 from .hadamard import block_hadamard, block_hadamard_inverse, hadamard_signs
 
 DTYPES = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4")
@@ -304,6 +311,21 @@ def direction_errors(g_hat: Tensor, g: Tensor) -> dict:
     return {"dir_err_top": _median(e[:q]), "dir_err_tail": _median(e[-q:]), "n_directions": k}
 
 
+def _bound_hit_counts(rank_grads: list[Tensor], c: dict) -> dict:
+    """Bound-hit counts of N ranks' wire tensors (see :func:`fidelity_metrics`: ``saturated`` = elements
+    at the top of the range on at least one rank, ``underflow_count`` summed over ranks)."""
+    signs = _signs(c)
+    sat_any, und, nz, n = None, 0, 0, 0
+    for r, x in enumerate(rank_grads):
+        s, u, z, n = _rank_masks(x, c, r, signs)
+        sat_any = s if sat_any is None else sat_any | s
+        und += int(u.sum())
+        nz += int(z.sum())
+    n_sat = int(sat_any.sum())
+    return {"saturated": n_sat, "elements": n, "saturation": n_sat / n if n else 0.0, "underflow_count": und,
+            "nonzero": nz, "underflow": und / nz if nz else 0.0}
+
+
 def fidelity_metrics(g_hat: Tensor, rank_grads: list[Tensor], fmt: dict | str | None = None, *,
                      directions: bool = True) -> dict:
     """Fidelity of a reduced gradient ``g_hat`` against the exact average of ``rank_grads``.
@@ -350,17 +372,216 @@ def fidelity_metrics(g_hat: Tensor, rank_grads: list[Tensor], fmt: dict | str | 
            "underflow_count": None, "nonzero": None,
            "dir_err_top": None, "dir_err_tail": None, "n_directions": None}
     if fmt is not None:
-        c = normalize_codec(fmt)
-        signs = _signs(c)
-        sat_any, und, nz, n = None, 0, 0, 0
-        for r, x in enumerate(rank_grads):
-            s, u, z, n = _rank_masks(x, c, r, signs)
-            sat_any = s if sat_any is None else sat_any | s
-            und += int(u.sum())
-            nz += int(z.sum())
-        n_sat = int(sat_any.sum())
-        out.update(saturated=n_sat, elements=n, saturation=n_sat / n if n else 0.0, underflow_count=und, nonzero=nz,
-                   underflow=und / nz if nz else 0.0)
+        out.update(_bound_hit_counts(rank_grads, normalize_codec(fmt)))
     if directions and g.dim() == 2:
         out.update(direction_errors(gh, g))
+    return out
+
+
+# -- reduces in transformed coordinates (GeoFP8 and its ablations) -------------------------------------
+# A transform here is any object with ``apply(g) = g T`` and ``apply_inverse(g) = g T^-1`` acting on the
+# last dimension of ``g`` (``[..., d]``, float32): :class:`~megatron_geo.geometry.transform.LowRankTransform`
+# (GeoFP8's own, DESIGN.md section 1), or the two ablation forms below.
+class DiagonalTransform:
+    """``T = diag(s)``: the transform of a diagonal approximation of the K-FAC factor.
+
+    Attributes:
+        s: float32 ``[d]``, positive.
+    """
+
+    def __init__(self, s: Tensor):
+        self.s = s
+
+    @property
+    def d_in(self) -> int:
+        return self.s.shape[0]
+
+    def apply(self, g: Tensor) -> Tensor:
+        """``g T`` for ``g`` ``[..., d]`` (float32)."""
+        return g * self.s
+
+    def apply_inverse(self, g: Tensor) -> Tensor:
+        """``g T^-1`` for ``g`` ``[..., d]``."""
+        return g / self.s
+
+    def dense(self) -> Tensor:
+        """T as a dense ``[d, d]`` float32 matrix."""
+        return torch.diag(self.s)
+
+
+class BlockDiagonalTransform:
+    """``T = blockdiag(T_1, .., T_k)`` over consecutive groups of features (the last group may be shorter).
+
+    Attributes:
+        blocks: the per-group transforms (:class:`~megatron_geo.geometry.transform.LowRankTransform`),
+            in feature order; group j covers features ``offsets[j] .. offsets[j + 1] - 1``.
+    """
+
+    def __init__(self, blocks: list):
+        self.blocks = list(blocks)
+        self.offsets = [0]
+        for b in self.blocks:
+            self.offsets.append(self.offsets[-1] + b.d_in)
+
+    @property
+    def d_in(self) -> int:
+        return self.offsets[-1]
+
+    def _map(self, g: Tensor, inverse: bool) -> Tensor:
+        if g.shape[-1] != self.d_in:
+            raise ValueError(f"block-diagonal transform of size {self.d_in} applied to a last dimension of {g.shape[-1]}")
+        parts = []
+        for b, lo, hi in zip(self.blocks, self.offsets[:-1], self.offsets[1:]):
+            x = g[..., lo:hi]
+            parts.append(b.apply_inverse(x) if inverse else b.apply(x))
+        return torch.cat(parts, dim=-1)
+
+    def apply(self, g: Tensor) -> Tensor:
+        """``g T`` for ``g`` ``[..., d]`` (float32)."""
+        return self._map(g, False)
+
+    def apply_inverse(self, g: Tensor) -> Tensor:
+        """``g T^-1`` for ``g`` ``[..., d]``."""
+        return self._map(g, True)
+
+    def dense(self) -> Tensor:
+        """T as a dense ``[d, d]`` float32 matrix."""
+        return torch.block_diag(*[b.dense() for b in self.blocks])
+
+
+def relative_damping(A: Tensor, rel: float) -> float:
+    """Absolute damping ``rel * trace(A) / d`` (``rel`` times A's mean eigenvalue), as
+    :meth:`megatron_geo.geometry.geo.GeoState.refresh` computes it from ``geo.damping``."""
+    return rel * max(float(A.diagonal().double().mean()), 1e-30)
+
+
+def diagonal_transform(A: Tensor, damping: float) -> DiagonalTransform:
+    """``T = diag( ((mean_i A_ii + damping) / (A_jj + damping)) ** 1/2 )`` from the diagonal of ``A``
+    (``[d, d]``; FP64 arithmetic, float32 result); ``damping`` is absolute and must be > 0."""
+    if not damping > 0:
+        raise ValueError(f"damping={damping} must be > 0")
+    a = A.diagonal().double().clamp(min=0.0)
+    return DiagonalTransform(((a.mean() + damping) / (a + damping)).sqrt().float())
+
+
+def block_diagonal_transform(A: Tensor, block: int, damping: float) -> BlockDiagonalTransform:
+    """Block-diagonal transform: for every group of ``block`` consecutive features (the last one may be
+    shorter), :func:`~megatron_geo.geometry.transform.build_transform` of A's diagonal block at full rank
+    (rank = the group's size, so ``lambda_ref = 0`` and ``D = (damping / (lambda_i + damping)) ** 1/2``:
+    ``T_j = damping ** 1/2 (A_jj + damping I) ** -1/2``; the same absolute ``damping`` in every block keeps
+    the blocks on one scale). ``A``: ``[d, d]`` symmetric PSD; ``damping`` absolute, > 0."""
+    if block <= 0:
+        raise ValueError(f"block size {block} must be positive")
+    d = A.shape[0]
+    return BlockDiagonalTransform([build_transform(A[lo:min(lo + block, d), lo:min(lo + block, d)],
+                                                   min(block, d - lo), damping) for lo in range(0, d, block)])
+
+
+TRANSFORM_KINDS = ("lowrank", "full", "diag", "block")
+
+
+def build_coordinate_transform(A: Tensor, kind: str = "lowrank", rank: int = 32, damping: float = 1e-3,
+                               block: int = 128):
+    """A coordinate transform of one side of a linear layer's gradient from its K-FAC factor ``A``.
+
+    Args:
+        A: ``[d, d]`` symmetric PSD factor (input side: E[a a^T]; output side: E[g g^T]), any float dtype.
+        kind: ``lowrank`` (GeoFP8: :func:`~megatron_geo.geometry.transform.build_transform` at ``rank``),
+            ``full`` (the same at rank ``d``: ``T = damping ** 1/2 (A + damping I) ** -1/2``, damped
+            whitening), ``diag`` (:func:`diagonal_transform`) or ``block`` (:func:`block_diagonal_transform`
+            with blocks of ``block``).
+        damping: relative to A's mean eigenvalue (:func:`relative_damping`), as ``geo.damping``.
+
+    Returns:
+        an object with ``apply`` / ``apply_inverse`` / ``dense`` (float32).
+    """
+    damp = relative_damping(A, damping)
+    if kind == "lowrank":
+        return build_transform(A, rank, damp)
+    if kind == "full":
+        return build_transform(A, A.shape[0], damp)
+    if kind == "diag":
+        return diagonal_transform(A, damp)
+    if kind == "block":
+        return block_diagonal_transform(A, block, damp)
+    raise ValueError(f"unknown transform kind {kind!r}; choose one of {', '.join(TRANSFORM_KINDS)}")
+
+
+def output_factor_from_grads(rank_grads: list[Tensor]) -> Tensor:
+    """K-FAC output factor estimated from N ranks' weight gradients ``G_r`` (``[d_out, d_in]``):
+    ``S = sum_r G_r G_r^T / (N d_in)`` (FP64 accumulation, float32 ``[d_out, d_out]`` result). Each
+    ``G_r = sum_t g_t a_t^T``, so up to the input factor this is E[g g^T]; only its eigenvectors and the
+    ratios of its eigenvalues matter, because the damping is relative."""
+    _check_grads(rank_grads)
+    if rank_grads[0].dim() != 2:
+        raise ValueError(f"the output factor needs 2-D gradients, got shape {tuple(rank_grads[0].shape)}")
+    S = torch.zeros(rank_grads[0].shape[0], rank_grads[0].shape[0], dtype=torch.float64, device=rank_grads[0].device)
+    for g in rank_grads:
+        gd = g.double()
+        S += gd @ gd.T
+    return (S / (len(rank_grads) * rank_grads[0].shape[1])).float()
+
+
+def to_transformed(g: Tensor, t_in=None, t_out=None) -> Tensor:
+    """The wire tensor ``T_out^T G T_in`` of a ``[d_out, d_in]`` gradient (float32; a side whose transform
+    is None is left as it is). ``T_out^T G`` is computed as ``(G^T T_out)^T`` with ``t_out.apply``."""
+    y = g.float()
+    if t_in is not None:
+        y = t_in.apply(y)
+    if t_out is not None:
+        y = t_out.apply(y.T).T
+    return y.contiguous()
+
+
+def from_transformed(y: Tensor, t_in=None, t_out=None) -> Tensor:
+    """Inverse of :func:`to_transformed`: ``T_out^-T Y T_in^-1`` (float32 ``[d_out, d_in]``)."""
+    if t_out is not None:
+        y = t_out.apply_inverse(y.T).T
+    if t_in is not None:
+        y = t_in.apply_inverse(y)
+    return y.contiguous()
+
+
+def _check_2d(rank_grads: list[Tensor], t_in, t_out) -> None:
+    _check_grads(rank_grads)
+    shape = rank_grads[0].shape
+    if len(shape) != 2:
+        raise ValueError(f"a transformed reduce needs 2-D [d_out, d_in] gradients, got shape {tuple(shape)}")
+    if t_in is not None and t_in.d_in != shape[1]:
+        raise ValueError(f"input-side transform has size {t_in.d_in}, the gradient d_in = {shape[1]}")
+    if t_out is not None and t_out.d_in != shape[0]:
+        raise ValueError(f"output-side transform has size {t_out.d_in}, the gradient d_out = {shape[0]}")
+
+
+def simulate_geo_reduce(rank_grads: list[Tensor], codec: dict | str, t_in=None, t_out=None) -> Tensor:
+    """An N-rank reduce of one linear weight's gradient in transformed coordinates (DESIGN.md section 1,
+    steps 3-4): every rank sends ``W_r = T_out^T G_r T_in`` (:func:`to_transformed`; both transforms must
+    be the same on every rank, as the DP-all-reduced statistics make them in the trainer), the wires go
+    through :func:`simulate_reduce` (per-rank scales, FP32 sum, one division by N), and the average is
+    mapped back with :func:`from_transformed`. With both transforms None this is :func:`simulate_reduce`.
+
+    Args:
+        rank_grads: N float32 gradients ``[d_out, d_in]``.
+        codec: codec dict or spec string (module docstring).
+        t_in, t_out: input-side (size d_in) / output-side (size d_out) transform or None.
+
+    Returns:
+        float32 ``[d_out, d_in]``.
+    """
+    _check_2d(rank_grads, t_in, t_out)
+    wires = [to_transformed(g, t_in, t_out) for g in rank_grads]
+    return from_transformed(simulate_reduce(wires, codec), t_in, t_out)
+
+
+def geo_fidelity_metrics(rank_grads: list[Tensor], codec: dict | str, t_in=None, t_out=None, *,
+                         directions: bool = True) -> dict:
+    """:func:`fidelity_metrics` of :func:`simulate_geo_reduce` against the exact FP64 average of the
+    original ``rank_grads``; the bound-hit counts (saturation / underflow) are those of the wire tensors
+    ``T_out^T G_r T_in``, i.e. of what is actually quantized. Same keys as :func:`fidelity_metrics`."""
+    _check_2d(rank_grads, t_in, t_out)
+    c = normalize_codec(codec)
+    wires = [to_transformed(g, t_in, t_out) for g in rank_grads]
+    g_hat = from_transformed(simulate_reduce(wires, c), t_in, t_out)
+    out = fidelity_metrics(g_hat, rank_grads, None, directions=directions)
+    out.update(_bound_hit_counts(wires, c))
     return out

@@ -24,9 +24,9 @@ def _section_fields(obj) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(obj)}
 
 
-def _suggest(name: str, options) -> str:
+def _suggest(name: str, options, prefix: str = "") -> str:
     close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
-    return f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(sorted(options))}."
+    return f" Did you mean '{prefix}{close[0]}'?" if close else f" Valid keys: {', '.join(sorted(options))}."
 
 
 def _coerce(value: Any, typ: type, where: str) -> Any:
@@ -73,7 +73,7 @@ def _apply(cfg: Config, section: str, key: str, value: Any, origin: str) -> None
     sec = getattr(cfg, section)
     fields = _section_fields(sec)
     if key not in fields:
-        raise ConfigError(f"{origin}: unknown key '{section}.{key}'.{_suggest(key, fields)}")
+        raise ConfigError(f"{origin}: unknown key '{section}.{key}'.{_suggest(key, fields, section + '.')}")
     hints = typing.get_type_hints(type(sec))
     setattr(sec, key, _coerce(value, hints[key], f"{origin}: {section}.{key}"))
 

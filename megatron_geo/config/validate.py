@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import os
+
 from .loader import ConfigError
 from .schema import Config
 
@@ -51,6 +54,19 @@ def validate_config(cfg: Config, world_size: int) -> None:
         if v <= 0:
             raise ConfigError(f"{sec}.{key}={v} must be positive")
     m, p, t, c = cfg.model, cfg.parallel, cfg.train, cfg.comm
+    o = cfg.optimizer
+    if not (math.isfinite(o.lr) and o.lr > 0):
+        raise ConfigError(f"optimizer.lr={o.lr} must be a positive finite number")
+    if not (math.isfinite(o.min_lr) and 0 <= o.min_lr <= o.lr):
+        raise ConfigError(f"optimizer.min_lr={o.min_lr} must be between 0 and optimizer.lr={o.lr}")
+    for name, v in (("beta1", o.beta1), ("beta2", o.beta2), ("muon_momentum", o.muon_momentum)):
+        if not 0 <= v < 1:
+            raise ConfigError(f"optimizer.{name}={v} must be in [0, 1)")
+    for name, v in (("weight_decay", o.weight_decay), ("clip_grad", o.clip_grad)):
+        if not (math.isfinite(v) and v >= 0):
+            raise ConfigError(f"optimizer.{name}={v} must be >= 0 (clip_grad=0 turns clipping off)")
+    if not o.eps > 0:
+        raise ConfigError(f"optimizer.eps={o.eps} must be > 0")
     for name, v in (("comm.block_size", c.block_size), ("comm.hadamard_block", c.hadamard_block)):
         if v <= 0 or v & (v - 1):
             raise ConfigError(f"{name}={v} must be a positive power of two (e.g. 128)")
@@ -98,6 +114,14 @@ def validate_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(
             "optimizer.name=muon with parallel.tensor>1 is not supported: Muon orthogonalizes whole matrices and this "
             "release does not gather TP shards for it. Use parallel.tensor=1 with muon, or optimizer.name=adamw with TP")
+    if p.backend == "nccl" and t.device == "cpu":
+        raise ConfigError("parallel.backend=nccl needs CUDA; use parallel.backend=gloo (or auto) with train.device=cpu")
+    for name, path in (("train.run_dir", t.run_dir), ("data.cache_dir", os.path.expanduser(cfg.data.cache_dir))):
+        probe = path
+        while probe and not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        if probe and not os.path.isdir(probe):
+            raise ConfigError(f"{name}={path!r}: {probe!r} exists and is not a directory; choose another {name}")
     if cfg.data.source == "indexed" and not (cfg.data.train_prefix and cfg.data.tokenizer_model):
         raise ConfigError("data.source=indexed needs data.train_prefix and data.tokenizer_model "
                           "(make them with tools/train_tokenizer.py and tools/preprocess_data.py)")

@@ -79,6 +79,8 @@ def detect_launch_env() -> LaunchEnv:
                         addr, port, "slurm")
     else:
         env = LaunchEnv(0, 1, 0, "127.0.0.1", 0, "single")
+    if env.world_size == 1:  # e.g. one Slurm task: nothing to rendezvous with
+        env = LaunchEnv(0, 1, env.local_rank, "127.0.0.1", 0, "single")
     if not 0 <= env.rank < env.world_size:
         raise LaunchError(f"rank {env.rank} is outside world size {env.world_size} ({env.launcher} launch)")
     return env

@@ -41,8 +41,17 @@ def build_data(cfg: Config, pctx: ParallelContext) -> DataBundle:
         raise ConfigError(f"tokenizer {tok_path} has vocab {tok.vocab_size} but model.vocab_size={m.vocab_size}; "
                           f"set model.vocab_size={tok.vocab_size} or use a matching tokenizer")
     seed = cfg.train.seed
-    train = GPTDataset(IndexedDataset(train_prefix), m.seq_length, seed, eod_id=tok.eod_id)
-    valid = GPTDataset(IndexedDataset(valid_prefix), m.seq_length, seed + 1, eod_id=tok.eod_id) if valid_prefix else None
+    prefixes = {"train": train_prefix, "valid": valid_prefix}
+    sets = {"train": IndexedDataset(train_prefix)}
+    if valid_prefix:
+        sets["valid"] = IndexedDataset(valid_prefix)
+    for split, ds in sets.items():
+        if ds.vocab_size != tok.vocab_size:
+            raise ConfigError(f"the {split} dataset {prefixes[split]} was tokenized with a "
+                              f"{ds.vocab_size}-token vocab but the tokenizer {tok_path} has {tok.vocab_size}; rebuild it "
+                              f"with tools/preprocess_data.py --tokenizer-model {tok_path}")
+    train = GPTDataset(sets["train"], m.seq_length, seed, eod_id=tok.eod_id)
+    valid = GPTDataset(sets["valid"], m.seq_length, seed + 1, eod_id=tok.eod_id) if valid_prefix else None
     return DataBundle(train, valid, tok_path)
 
 

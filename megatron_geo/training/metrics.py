@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -21,7 +22,7 @@ class MetricsLogger:
         self._wandb = None
         if not enabled:
             return
-        self._file = open(self.path, "a", buffering=1)
+        self._file = open(self.path, "w", buffering=1)  # a new run starts a new file
         if wandb_mode != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
@@ -32,7 +33,9 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        self._file.write(json.dumps(record) + "\n")
+        # strict JSON: non-finite floats (a skipped step's norm) are written as null
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self._file.write(json.dumps(clean, allow_nan=False) + "\n")
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 

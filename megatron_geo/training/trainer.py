@@ -4,6 +4,7 @@ gradient buffers, reducer and optimizer -> loop (train step, eval, metrics) -> s
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -177,7 +178,8 @@ def format_summary(s: dict, cfg: Config) -> str:
         f"summary: {s['steps']} steps, {s['parameters']:,} parameters, comm.dtype={cfg.comm.dtype}",
         f"  train loss      {s['start_loss']:.4f} (first step) -> {s['final_loss']:.4f} (last step)",
         f"  validation loss {val}",
-        f"  throughput      {s['tokens_per_sec']:,.0f} tokens/s (global, excluding the first step)",
+        f"  throughput      {s['tokens_per_sec']:,.1f} tokens/s (global"
+        f"{', excluding the first step' if s['steps'] > 1 else ''})",
         f"  DP grad comm    {s['comm_bytes_per_step']:,.0f} bytes sent per step per rank",
         f"  outputs         {s['run_dir']}/ (config.yaml, metrics.jsonl"
         f"{', wandb/' if cfg.logging.wandb != 'disabled' else ''})",
@@ -189,14 +191,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        env = detect_launch_env()
+        validate_config(cfg, env.world_size)
         if args.print_config:
             print(dump_config(cfg), end="")
             return 0
-        env = detect_launch_env()
-        validate_config(cfg, env.world_size)
     except (ConfigError, LaunchError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) or 0) == 0:  # say it once
+            print(f"error: {e}", file=sys.stderr)
         return 2
+    if env.world_size > 1 and env.rank == 0:
+        print(f"waiting for {env.world_size} processes ({env.launcher} launch) at {env.master_addr}:{env.master_port}",
+              flush=True)
     pctx = init_parallel(cfg.parallel.tensor, cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_minutes,
                          env)
     try:
