@@ -105,12 +105,12 @@ def test_dataset_from_another_tokenizer_is_rejected(tmp_path):
 
     text = tmp_path / "t.txt"
     text.write_text("\n".join(f"line {i} of a small corpus with some words {i * 7}" for i in range(300)))
-    tok = train_tokenizer([str(text)], str(tmp_path / "tok"), vocab_size=300)
+    tok = train_tokenizer([str(text)], str(tmp_path / "tok"), vocab_size=64)
     b = IndexedDatasetBuilder(str(tmp_path / "train"), vocab_size=500)   # "another" tokenizer's vocab
     b.add_document(list(range(400)) + [2])
     b.finalize()
     cfg = load_config([str(ROOT / "configs/tiny.yaml")], ["data.source=indexed", f"data.train_prefix={tmp_path}/train",
-                                                          f"data.tokenizer_model={tok}", "model.vocab_size=300",
+                                                          f"data.tokenizer_model={tok}", "model.vocab_size=64",
                                                           "model.seq_length=16"])
-    with pytest.raises(ConfigError, match="tokenized with a 500-token vocab but the tokenizer .* has 300"):
+    with pytest.raises(ConfigError, match="tokenized with a 500-token vocab but the tokenizer .* has 64"):
         build_data(cfg, None)
