@@ -112,21 +112,27 @@ def test_fp8_reduce_scatter_matches_independent_reference(world, fmt, scaling, s
         assert torch.equal(outs[0], ar[0][0][0])
 
 
+EXTRAS = [{}, {"transform": "hadamard", "hadamard_block": 16}, {"rounding": "stochastic"}, {"error_feedback": True}]
+
+
+def _run_many(rank, world, fmt):
+    return [_run(rank, world, dict(dtype=fmt, **extra), "ar") for extra in EXTRAS]
+
+
 @pytest.mark.parametrize("fmt,bound", [("fp8_e4m3", 0.05), ("fp8_e5m2", 0.15), ("nvfp4", 0.2)])
-@pytest.mark.parametrize("extra", [{}, {"transform": "hadamard", "hadamard_block": 16},
-                                   {"rounding": "stochastic"}, {"error_feedback": True}])
-def test_lowp_all_reduce_close_to_fp64_and_identical(fmt, bound, extra):
+def test_lowp_all_reduce_close_to_fp64_and_identical(fmt, bound):
+    """Plain, Hadamard, stochastic rounding and error feedback (one spawn per format, world size 3)."""
     world = 3
-    kw = dict(dtype=fmt, **extra)
-    out = run_distributed(_run, world, kw, "ar")
+    per_rank = run_distributed(_run_many, world, fmt)
     ref_flat = torch.stack(_rank_grads(world)).mean(0)
-    for outs, _, _, _, _ in out:
-        assert torch.equal(outs[0], out[0][0][0]), "all ranks bitwise identical"
-    # compare on the parameter elements (padding positions are zero in both)
-    offsets = out[0][4]
-    got = torch.cat([out[0][0][0][off:off + n] for off, n in zip(offsets, NUMELS)]).double()
-    rel = (got - ref_flat).norm() / ref_flat.norm()
-    assert rel < bound, f"RelL2 {rel:.4f} >= {bound}"
+    for i, extra in enumerate(EXTRAS):
+        out = [r[i] for r in per_rank]
+        for outs, _, _, _, _ in out:
+            assert torch.equal(outs[0], out[0][0][0]), f"{extra}: all ranks bitwise identical"
+        offsets = out[0][4]  # compare on the parameter elements (padding positions are zero in both)
+        got = torch.cat([out[0][0][0][off:off + n] for off, n in zip(offsets, NUMELS)]).double()
+        rel = (got - ref_flat).norm() / ref_flat.norm()
+        assert rel < bound, f"{fmt} {extra}: RelL2 {rel:.4f} >= {bound}"
 
 
 def test_identical_inputs_round_trip_and_bytes():

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from .codecs import (FP8_FORMATS, NVFP4_BLOCK, fp8_decode, fp8_encode, fp8_max, fp8_scale_from_amax, nvfp4_decode,
                      nvfp4_encode, nvfp4_global_scale)
-from ..geometry.transform import build_transform
+from ..geometry.transform import LowRankTransform, build_transform
 from .hadamard import block_hadamard, block_hadamard_inverse, hadamard_signs
 
 DTYPES = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4")
@@ -522,10 +522,36 @@ def output_factor_from_grads(rank_grads: list[Tensor]) -> Tensor:
     return (S / (len(rank_grads) * rank_grads[0].shape[1])).float()
 
 
+def fp64_transform(t):
+    """An FP64 copy of a transform (None stays None), for applying it without FP32 round-off.
+
+    A :class:`~megatron_geo.geometry.transform.LowRankTransform`'s float32 ``U`` is orthonormal only to
+    ~1e-7, and the inverse formula amplifies that by up to ``1 / min(d)``; the copy re-orthonormalizes
+    ``U`` in FP64 (QR with the signs of R's diagonal made positive, i.e. Gram-Schmidt of U's columns,
+    a change of O(1e-7)) so that ``T^-1 T = I`` to FP64 round-off. Diagonal and block-diagonal
+    transforms are converted entry by entry / block by block.
+    """
+    if t is None:
+        return None
+    if isinstance(t, LowRankTransform):
+        U = t.U.double()
+        if U.shape[1]:
+            q, r = torch.linalg.qr(U)
+            sign = torch.sign(torch.diagonal(r))
+            U = q * torch.where(sign == 0, torch.ones_like(sign), sign)
+        return LowRankTransform(U, t.d.double())
+    if isinstance(t, DiagonalTransform):
+        return DiagonalTransform(t.s.double())
+    if isinstance(t, BlockDiagonalTransform):
+        return BlockDiagonalTransform([fp64_transform(b) for b in t.blocks])
+    raise TypeError(f"fp64_transform: unsupported transform type {type(t).__name__}")
+
+
 def to_transformed(g: Tensor, t_in=None, t_out=None) -> Tensor:
-    """The wire tensor ``T_out^T G T_in`` of a ``[d_out, d_in]`` gradient (float32; a side whose transform
-    is None is left as it is). ``T_out^T G`` is computed as ``(G^T T_out)^T`` with ``t_out.apply``."""
-    y = g.float()
+    """The wire tensor ``T_out^T G T_in`` of a ``[d_out, d_in]`` gradient, computed in ``g``'s dtype (the
+    transforms must have the same dtype); a side whose transform is None is left as it is.
+    ``T_out^T G`` is computed as ``(G^T T_out)^T`` with ``t_out.apply``."""
+    y = g
     if t_in is not None:
         y = t_in.apply(y)
     if t_out is not None:
@@ -534,7 +560,7 @@ def to_transformed(g: Tensor, t_in=None, t_out=None) -> Tensor:
 
 
 def from_transformed(y: Tensor, t_in=None, t_out=None) -> Tensor:
-    """Inverse of :func:`to_transformed`: ``T_out^-T Y T_in^-1`` (float32 ``[d_out, d_in]``)."""
+    """Inverse of :func:`to_transformed`: ``T_out^-T Y T_in^-1`` ``[d_out, d_in]`` in ``y``'s dtype."""
     if t_out is not None:
         y = t_out.apply_inverse(y.T).T
     if t_in is not None:
@@ -553,35 +579,48 @@ def _check_2d(rank_grads: list[Tensor], t_in, t_out) -> None:
         raise ValueError(f"output-side transform has size {t_out.d_in}, the gradient d_out = {shape[0]}")
 
 
-def simulate_geo_reduce(rank_grads: list[Tensor], codec: dict | str, t_in=None, t_out=None) -> Tensor:
+def _geo_reduce(rank_grads, c, t_in, t_out, fp64):
+    _check_2d(rank_grads, t_in, t_out)
+    if fp64:
+        t_in, t_out = fp64_transform(t_in), fp64_transform(t_out)
+        wires = [to_transformed(g.double(), t_in, t_out).float() for g in rank_grads]
+        g_hat = from_transformed(simulate_reduce(wires, c).double(), t_in, t_out).float()
+    else:
+        wires = [to_transformed(g.float(), t_in, t_out) for g in rank_grads]
+        g_hat = from_transformed(simulate_reduce(wires, c), t_in, t_out)
+    return g_hat, wires
+
+
+def simulate_geo_reduce(rank_grads: list[Tensor], codec: dict | str, t_in=None, t_out=None, *,
+                        fp64: bool = True) -> Tensor:
     """An N-rank reduce of one linear weight's gradient in transformed coordinates (DESIGN.md section 1,
     steps 3-4): every rank sends ``W_r = T_out^T G_r T_in`` (:func:`to_transformed`; both transforms must
     be the same on every rank, as the DP-all-reduced statistics make them in the trainer), the wires go
-    through :func:`simulate_reduce` (per-rank scales, FP32 sum, one division by N), and the average is
-    mapped back with :func:`from_transformed`. With both transforms None this is :func:`simulate_reduce`.
+    through :func:`simulate_reduce` (float32 wire, per-rank scales, FP32 sum, one division by N), and the
+    average is mapped back with :func:`from_transformed`. With both transforms None this is
+    :func:`simulate_reduce`.
 
     Args:
         rank_grads: N float32 gradients ``[d_out, d_in]``.
         codec: codec dict or spec string (module docstring).
         t_in, t_out: input-side (size d_in) / output-side (size d_out) transform or None.
+        fp64: apply the transforms in FP64 (:func:`fp64_transform`) so that only the codec loses (the
+            default; with an ``fp32`` codec the result is the exact average to ~1e-7); False: the
+            trainer's float32 arithmetic with the float32 transforms.
 
     Returns:
         float32 ``[d_out, d_in]``.
     """
-    _check_2d(rank_grads, t_in, t_out)
-    wires = [to_transformed(g, t_in, t_out) for g in rank_grads]
-    return from_transformed(simulate_reduce(wires, codec), t_in, t_out)
+    return _geo_reduce(rank_grads, normalize_codec(codec), t_in, t_out, fp64)[0]
 
 
 def geo_fidelity_metrics(rank_grads: list[Tensor], codec: dict | str, t_in=None, t_out=None, *,
-                         directions: bool = True) -> dict:
+                         directions: bool = True, fp64: bool = True) -> dict:
     """:func:`fidelity_metrics` of :func:`simulate_geo_reduce` against the exact FP64 average of the
     original ``rank_grads``; the bound-hit counts (saturation / underflow) are those of the wire tensors
     ``T_out^T G_r T_in``, i.e. of what is actually quantized. Same keys as :func:`fidelity_metrics`."""
-    _check_2d(rank_grads, t_in, t_out)
     c = normalize_codec(codec)
-    wires = [to_transformed(g, t_in, t_out) for g in rank_grads]
-    g_hat = from_transformed(simulate_reduce(wires, c), t_in, t_out)
+    g_hat, wires = _geo_reduce(rank_grads, c, t_in, t_out, fp64)
     out = fidelity_metrics(g_hat, rank_grads, None, directions=directions)
     out.update(_bound_hit_counts(wires, c))
     return out
