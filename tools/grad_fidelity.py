@@ -50,8 +50,10 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 from megatron_geo.comm.codecs import bytes_per_element  # noqa: E402
-from megatron_geo.comm.fidelity import fidelity_metrics, normalize_codec, parse_codec, simulate_reduce  # noqa: E402
+from megatron_geo.comm.fidelity import (build_coordinate_transform, fidelity_metrics, geo_reduce_and_metrics,  # noqa: E402
+                                        normalize_codec, output_factor_from_grads, parse_codec, simulate_reduce)
 from megatron_geo.config import ConfigError, load_config, validate_config  # noqa: E402
+from megatron_geo.geometry import InputStats, select_parameters  # noqa: E402
 from megatron_geo.parallel import LaunchEnv, destroy_parallel, init_parallel  # noqa: E402
 from megatron_geo.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from megatron_geo.training.data_setup import build_data, train_micro_batches  # noqa: E402
@@ -259,6 +261,412 @@ def write_json(path: str, obj: dict) -> None:
     with open(path, "w") as f:
         json.dump(_json_safe(obj), f, indent=1, allow_nan=False)
         f.write("\n")
+
+
+# -- --geo: GeoFP8 coordinate-system ablations ---------------------------------------------------------
+GEO_FP8 = "fp8_e4m3:tensor"
+GEO_FP4 = "nvfp4"
+TARGET_REDUCTION_PCT = 60.0   # issue target: RelL2 at r = 32 at least 60% below Euclidean FP8 (paper: 67.4%)
+TARGET_TAIL_RATIO = 5.0       # issue target: tail per-direction error at least 5x lower
+PAPER_REDUCTION_PCT = 67.4
+
+
+class _OutputGradStats:
+    """Sums ``sum_t g_t g_t^T`` (FP32 ``[d_out, d_out]``) of the gradient w.r.t. each module's output
+    (a forward hook registers a tensor hook on the output), i.e. the K-FAC output factor's numerator;
+    the per-token loss scaling cancels because the damping is relative."""
+
+    def __init__(self, modules: dict):
+        self.modules, self.sums, self._handles = modules, {}, []
+
+    def arm(self):
+        self.disarm()
+        self.sums.clear()
+        for name, mod in self.modules.items():
+            self._handles.append(mod.register_forward_hook(self._hook(name)))
+
+    def disarm(self):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _hook(self, name):
+        def on_grad(g):
+            x = g.detach().reshape(-1, g.shape[-1]).float()
+            s = x.T @ x
+            self.sums[name] = self.sums[name] + s if name in self.sums else s
+
+        def hook(module, args, out):
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(on_grad)
+        return hook
+
+
+@dataclass
+class GeoCapture:
+    """One capture: per-rank gradients and the K-FAC factors of the same micro-batches.
+
+    ``A[name]``: float32 ``[d_in, d_in]`` = sum over all ranks' tokens of a a^T / token count (the
+    DP-averaged input factor, via :class:`~megatron_geo.geometry.stats.InputStats` and its ``reduce``);
+    ``S_hooks[name]``: float32 ``[d_out, d_out]`` output factor from backward hooks (None unless asked).
+    """
+
+    step: int
+    names: list
+    grads: dict
+    loss: float
+    A: dict
+    S_hooks: dict | None
+    seconds: float
+
+
+def capture_geo(sess: Session, ranks: int, modules: dict, output_hooks: bool) -> GeoCapture:
+    """:func:`capture_rank_grads` with the input statistics (and optionally output-gradient statistics)
+    of ``modules`` (``{weight name: module}``) collected on the same micro-batches."""
+    t0 = time.perf_counter()
+    stats = InputStats(modules)
+    ostats = _OutputGradStats(modules) if output_hooks else None
+    stats.arm()
+    if ostats:
+        ostats.arm()
+    try:
+        names, grads, loss = capture_rank_grads(sess, ranks)
+    finally:
+        stats.disarm()
+        if ostats:
+            ostats.disarm()
+    A = {n: a.cpu() for n, a in stats.reduce(sess.pctx.dp_group).items()}  # world of one: the pooled mean
+    S = {n: (s / stats.counts[n]).cpu() for n, s in ostats.sums.items()} if ostats else None
+    grads = {n: [g.cpu() for g in gs] for n, gs in grads.items()}
+    return GeoCapture(sess.step, names, grads, loss, A, S, time.perf_counter() - t0)
+
+
+def _side(kind: str, rank: int | None = None, block: int | None = None, damping: float = 1e-3) -> dict:
+    return {"kind": kind, "rank": rank, "block": block, "damping": damping}
+
+
+def _side_label(sd: dict | None) -> str:
+    if sd is None:
+        return "-"
+    k = sd["kind"]
+    what = {"lowrank": f"r{sd['rank']}", "full": "full", "diag": "diag", "block": f"block{sd['block']}"}[k]
+    return f"{what} d{sd['damping']:g}"
+
+
+def geo_rows(rank: int, damping: float, lowranks: list[int], blocks: list[int], dampings: list[float],
+             staleness: list[int]) -> list[dict]:
+    """The ablation rows: ``{"key", "group", "label", "codec", "input", "output" (side dicts or None),
+    "capture" (step offset of the gradients), "stats" (offset of the factors), "baseline" (key)}``."""
+    geo = _side("lowrank", rank, damping=damping)
+    rows = []
+
+    def add(group, label, codec=GEO_FP8, inp=None, out=None, capture=0, stats=0, baseline=None):
+        key = f"{codec}|in={_side_label(inp)}|out={_side_label(out)}|g{capture}|A{stats}"
+        rows.append({"key": key, "group": group, "label": label, "codec": codec, "input": inp, "output": out,
+                     "capture": capture, "stats": stats, "baseline": baseline or key})
+        return key
+
+    eu = add("coordinates", "Euclidean (baseline)")
+    add("coordinates", f"input-side geo r{rank}", inp=geo, baseline=eu)
+    add("coordinates", f"output-side geo r{rank}", out=geo, baseline=eu)
+    add("coordinates", f"two-sided geo r{rank}", inp=geo, out=geo, baseline=eu)
+    add("A approx", "input full (r = d_in)", inp=_side("full", damping=damping), baseline=eu)
+    add("A approx", "input diagonal", inp=_side("diag", damping=damping), baseline=eu)
+    for b in blocks:
+        add("A approx", f"input block-diag {b}", inp=_side("block", block=b, damping=damping), baseline=eu)
+    for r in lowranks:
+        add("A approx", f"input low-rank {r}", inp=_side("lowrank", r, damping=damping), baseline=eu)
+    for dmp in dampings:
+        add("damping", f"input r{rank} damping {dmp:g}", inp=_side("lowrank", rank, damping=dmp), baseline=eu)
+    for k in staleness:
+        e = add("staleness", f"Euclidean @ t+{k}", capture=k, stats=k)
+        add("staleness", f"input r{rank}, A fresh @ t+{k}", inp=geo, capture=k, stats=k, baseline=e)
+        add("staleness", f"input r{rank}, A stale (t) @ t+{k}", inp=geo, capture=k, stats=0, baseline=e)
+    e4 = add("nvfp4", "NVFP4 Euclidean", codec=GEO_FP4)
+    add("nvfp4", f"NVFP4 input-side geo r{rank}", codec=GEO_FP4, inp=geo, baseline=e4)
+    # the same configuration listed in two groups is computed once (the rows share the key)
+    return rows
+
+
+class _Transforms:
+    """Cache of coordinate transforms per (capture, side, layer, spec)."""
+
+    def __init__(self, caps: dict, output_factor: str):
+        self.caps, self.output_factor, self.cache = caps, output_factor, {}
+        self.seconds = 0.0
+
+    def factor(self, offset: int, side: str, name: str) -> torch.Tensor:
+        cap = self.caps[offset]
+        if side == "input":
+            return cap.A[name]
+        if self.output_factor == "hooks":
+            return cap.S_hooks[name]
+        key = (offset, "S", name)
+        if key not in self.cache:
+            self.cache[key] = output_factor_from_grads(cap.grads[name])
+        return self.cache[key]
+
+    def get(self, offset: int, side: str, name: str, sd: dict | None):
+        if sd is None:
+            return None
+        key = (offset, side, name, sd["kind"], sd["rank"], sd["block"], sd["damping"])
+        if key not in self.cache:
+            t0 = time.perf_counter()
+            self.cache[key] = build_coordinate_transform(self.factor(offset, side, name), sd["kind"],
+                                                         sd["rank"] or 0, sd["damping"], sd["block"] or 128)
+            self.seconds += time.perf_counter() - t0
+        return self.cache[key]
+
+
+def _aggregate(names: list[str], per_layer: dict, hats: dict, grads: dict) -> dict:
+    """Overall metrics of a scope (concatenated layers), as :func:`evaluate_codec` reports them."""
+    ranks = len(grads[names[0]])
+    cat = [torch.cat([grads[n][r].reshape(-1) for n in names]) for r in range(ranks)]
+    o = fidelity_metrics(torch.cat([hats[n].reshape(-1) for n in names]), cat, None, directions=False)
+    for k in ("dir_err_top", "dir_err_tail", "n_directions", "saturation", "underflow", "saturated", "elements",
+              "underflow_count", "nonzero"):
+        o.pop(k)
+    ls = [per_layer[n] for n in names]
+    sat, el = sum(x["saturated"] for x in ls), sum(x["elements"] for x in ls)
+    und, nz = sum(x["underflow_count"] for x in ls), sum(x["nonzero"] for x in ls)
+    o.update(saturation=sat / el if el else 0.0, underflow=und / nz if nz else 0.0,
+             mean_layer_rel_l2=_mean([x["rel_l2"] for x in ls]),
+             mean_layer_dir_err_top=_mean([x["dir_err_top"] for x in ls]),
+             mean_layer_dir_err_tail=_mean([x["dir_err_tail"] for x in ls]))
+    return o
+
+
+def evaluate_geo_row(row: dict, caps: dict, tf: _Transforms, scopes: dict, directions: bool, fp64: bool) -> dict:
+    """Per-layer metrics of one row on every linear weight, and the overall metrics of each scope."""
+    cap = caps[row["capture"]]
+    per_layer, hats = {}, {}
+    for n in cap.names:
+        t_in = tf.get(row["stats"], "input", n, row["input"])
+        t_out = tf.get(row["stats"], "output", n, row["output"])
+        hats[n], per_layer[n] = geo_reduce_and_metrics(cap.grads[n], row["codec"], t_in, t_out,
+                                                       directions=directions, fp64=fp64)
+    out = {scope: _aggregate(names, per_layer, hats, cap.grads) for scope, names in scopes.items()}
+    out["layers"] = [{"name": n, "shape": list(hats[n].shape), **per_layer[n]} for n in cap.names]
+    return out
+
+
+def _energy_fraction(g: torch.Tensor, U: torch.Tensor) -> float:
+    gd = g.double()
+    return float((gd @ U.double()).norm() ** 2 / gd.norm() ** 2) if gd.norm() > 0 else 0.0
+
+
+def geo_diagnostics(cap: GeoCapture, names: list[str], rank: int, damping: float) -> list[dict]:
+    """Why the input-side transform helps or not, per layer (capture at t): the spectrum of A, the share
+    of the gradient's energy in A's top input directions, the cancellation between ranks, a white-noise
+    model of the RelL2 ratio, and the one-rank round trip (quantize + dequantize one gradient)."""
+    out = []
+    for n in names:
+        A, gs = cap.A[n].double(), cap.grads[n]
+        ev = torch.linalg.eigvalsh(0.5 * (A + A.T)).flip(0).clamp(min=0)
+        tr = float(ev.sum())
+        g = torch.stack([x.double() for x in gs]).mean(0)
+        t = build_coordinate_transform(cap.A[n], "lowrank", rank, damping)
+        U = t.U[:, :rank]
+        # white-noise model: per-element relative FP8 error -> error energy ~ c * ||wire||^2, spread evenly
+        # over the d_in input directions in wire coordinates; mapping back scales direction i by 1 / d_i.
+        wire_e = sum(float(t.apply(x).double().norm() ** 2) for x in gs)
+        raw_e = sum(float(x.double().norm() ** 2) for x in gs)
+        d = t.d.double()
+        inv2 = (float((1.0 / d ** 2).sum()) + (t.d_in - d.numel())) / t.d_in
+        model_ratio = math.sqrt(wire_e / raw_e * inv2) if raw_e > 0 else None
+        rt_e = fidelity_metrics(simulate_reduce(gs[:1], GEO_FP8), gs[:1], None, directions=False)["rel_l2"]
+        rt_g = geo_reduce_and_metrics(gs[:1], GEO_FP8, t, None, directions=False)[1]["rel_l2"]
+        out.append({
+            "name": n, "shape": list(gs[0].shape), "d_in": int(A.shape[0]),
+            "a_top8_trace_frac": float(ev[:8].sum()) / tr if tr else None,
+            "a_top16_trace_frac": float(ev[:16].sum()) / tr if tr else None,
+            "a_topr_trace_frac": float(ev[:rank].sum()) / tr if tr else None,
+            "a_participation_rank": tr ** 2 / float((ev ** 2).sum()) if tr else None,
+            "a_lambda1_over_mean": float(ev[0]) / (tr / ev.numel()) if tr else None,
+            "a_lambda_r_over_ref": float(ev[min(rank, ev.numel()) - 1] / ev[rank:].mean()) if ev.numel() > rank else None,
+            "d_min": float(t.d.min()) if t.d.numel() else None,
+            "grad_energy_topr": _energy_fraction(g, U),
+            "rank_grad_energy_topr": _mean([_energy_fraction(x, U) for x in gs]),
+            "rank_cancellation": math.sqrt(raw_e / len(gs)) / float(g.norm()) if float(g.norm()) > 0 else None,
+            "wire_energy_ratio": wire_e / raw_e if raw_e > 0 else None,
+            "model_rel_l2_ratio": model_ratio,
+            "roundtrip_rel_l2_euclid": rt_e, "roundtrip_rel_l2_geo": rt_g,
+        })
+    return out
+
+
+def _targets(rows: list[dict], key: str) -> dict:
+    r = next(x for x in rows if x["key"] == key)
+    s = r["selected"]
+    red, tail = s.get("rel_l2_reduction_pct"), s.get("tail_ratio")
+    return {"row": r["label"], "rel_l2_reduction_pct": red, "target_reduction_pct": TARGET_REDUCTION_PCT,
+            "paper_reduction_pct": PAPER_REDUCTION_PCT, "reduction_met": red is not None and red >= TARGET_REDUCTION_PCT,
+            "tail_ratio": tail, "target_tail_ratio": TARGET_TAIL_RATIO,
+            "tail_met": tail is not None and tail >= TARGET_TAIL_RATIO}
+
+
+def _add_relative(rows: list[dict]) -> None:
+    by_key = {r["key"]: r for r in rows}
+    for r in rows:
+        b = by_key[r["baseline"]]
+        for scope in ("selected", "all_linear"):
+            o, ob = r[scope], b[scope]
+            o["rel_l2_reduction_pct"] = (100.0 * (1.0 - o["rel_l2"] / ob["rel_l2"])
+                                         if o["rel_l2"] is not None and ob["rel_l2"] else None)
+            o["mean_layer_rel_l2_reduction_pct"] = (
+                100.0 * (1.0 - o["mean_layer_rel_l2"] / ob["mean_layer_rel_l2"])
+                if o["mean_layer_rel_l2"] is not None and ob["mean_layer_rel_l2"] else None)
+            t, tb = o["mean_layer_dir_err_tail"], ob["mean_layer_dir_err_tail"]
+            o["tail_ratio"] = tb / t if t and tb is not None else None
+            t, tb = o["mean_layer_dir_err_top"], ob["mean_layer_dir_err_top"]
+            o["top_ratio"] = tb / t if t and tb is not None else None
+
+
+_GEO_COLS = [("RelL2", "rel_l2", ".3e"), ("vs Eucl %", "rel_l2_reduction_pct", "+.1f"),
+             ("layer RelL2", "mean_layer_rel_l2", ".3e"), ("SQNR dB", "sqnr_db", ".2f"), ("cosine", "cosine", ".6f"),
+             ("dir top", "mean_layer_dir_err_top", ".2e"), ("dir tail", "mean_layer_dir_err_tail", ".2e"),
+             ("tail E/geo", "tail_ratio", ".2f"), ("underflow", "underflow", ".2e")]
+
+
+def format_geo_table(rows: list[dict], scope: str, markdown: bool = False) -> str:
+    """One line per row of the ablation for ``scope`` (``selected`` or ``all_linear``)."""
+    lines = []
+    if markdown:
+        lines.append("| group | coordinates | codec | " + " | ".join(c for c, _, _ in _GEO_COLS) + " |")
+        lines.append("|---|---|---|" + "---:|" * len(_GEO_COLS))
+    else:
+        h = f"{'group':<12} {'coordinates':<34} {'codec':<16} " + " ".join(f"{c:>11}" for c, _, _ in _GEO_COLS)
+        lines += [h, "-" * len(h)]
+    for r in rows:
+        o = r[scope]
+        vals = [_f(o.get(k), f) for _, k, f in _GEO_COLS]
+        if markdown:
+            lines.append(f"| {r['group']} | {r['label']} | {r['codec']} | " + " | ".join(vals) + " |")
+        else:
+            lines.append(f"{r['group']:<12} {r['label']:<34} {r['codec']:<16} " + " ".join(f"{v:>11}" for v in vals))
+    return "\n".join(lines)
+
+
+_DIAG_COLS = [("d_in", "d_in", "d"), ("A top8", "a_top8_trace_frac", ".3f"), ("A top-r", "a_topr_trace_frac", ".3f"),
+              ("A eff. rank", "a_participation_rank", ".1f"), ("l1/mean", "a_lambda1_over_mean", ".1f"),
+              ("d_min", "d_min", ".3f"), ("E(g) top-r", "grad_energy_topr", ".3f"),
+              ("E(g_r) top-r", "rank_grad_energy_topr", ".3f"), ("cancel", "rank_cancellation", ".2f"),
+              ("model ratio", "model_rel_l2_ratio", ".3f"), ("1-rank E", "roundtrip_rel_l2_euclid", ".3e"),
+              ("1-rank geo", "roundtrip_rel_l2_geo", ".3e")]
+
+
+def format_diag_table(diag: list[dict], markdown: bool = False) -> str:
+    if markdown:
+        lines = ["| layer | " + " | ".join(c for c, _, _ in _DIAG_COLS) + " |",
+                 "|---|" + "---:|" * len(_DIAG_COLS)]
+        for x in diag:
+            lines.append(f"| {x['name']} | " + " | ".join(_f(x[k], f) for _, k, f in _DIAG_COLS) + " |")
+        return "\n".join(lines)
+    h = f"{'layer':<30} " + " ".join(f"{c:>12}" for c, _, _ in _DIAG_COLS)
+    lines = [h, "-" * len(h)]
+    for x in diag:
+        lines.append(f"{x['name']:<30} " + " ".join(f"{_f(x[k], f):>12}" for _, k, f in _DIAG_COLS))
+    return "\n".join(lines)
+
+
+def _targets_text(tg: dict, n_sel: int) -> str:
+    red, tail = tg["rel_l2_reduction_pct"], tg["tail_ratio"]
+    return (f"targets (issue; {tg['row']} on the {n_sel} selected layers, FP8 E4M3 tensor scaling):\n"
+            f"  RelL2 reduction vs Euclidean >= {TARGET_REDUCTION_PCT:.0f}% (paper {PAPER_REDUCTION_PCT}%): "
+            f"measured {_f(red, '.1f')}% -> {'MET' if tg['reduction_met'] else 'NOT MET'}\n"
+            f"  tail per-direction error >= {TARGET_TAIL_RATIO:.0f}x lower: measured {_f(tail, '.2f')}x -> "
+            f"{'MET' if tg['tail_met'] else 'NOT MET'}")
+
+
+def _int_list(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def _float_list(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x.strip()]
+
+
+def run_geo(sess: Session, args) -> dict:
+    """The ``--geo`` ablation: capture at t (= after the warm-up), evaluate every row, train on and capture
+    at t + k for the staleness rows. Returns the ``geo`` JSON section."""
+    timings = {}
+    selected = list(select_parameters(sess.model, args.geo_layers))
+    mods = dict(sess.model.named_modules())
+    modules = {n: mods[n[: -len(".weight")]] for n, _ in linear_weights(sess.model)}
+    staleness = sorted(set(_int_list(args.geo_staleness)))
+    rows = geo_rows(args.geo_rank, args.geo_damping, _int_list(args.geo_lowranks), _int_list(args.geo_blocks),
+                    _float_list(args.geo_dampings), staleness)
+    hooks = args.output_factor == "hooks"
+    caps = {0: capture_geo(sess, args.ranks, modules, hooks)}
+    t0 = sess.step
+    timings["train_between_captures_s"] = 0.0
+    for k in staleness:
+        ts = time.perf_counter()
+        train_steps(sess, t0 + k - sess.step, label=f"staleness (to t+{k})")
+        timings["train_between_captures_s"] += time.perf_counter() - ts
+        caps[k] = capture_geo(sess, args.ranks, modules, hooks)
+    timings["capture_s"] = sum(c.seconds for c in caps.values())
+    names = caps[0].names
+    scopes = {"selected": [n for n in names if n in selected], "all_linear": names}
+    tf = _Transforms(caps, args.output_factor)
+    done, t_eval = {}, time.perf_counter()
+    for r in rows:
+        if r["key"] not in done:
+            ts = time.perf_counter()
+            done[r["key"]] = evaluate_geo_row(r, caps, tf, scopes, not args.no_directions,
+                                              args.geo_transform_precision == "fp64")
+            print(f"  {r['group']:<12} {r['label']:<36} RelL2(selected) {done[r['key']]['selected']['rel_l2']:.3e}"
+                  f"  ({time.perf_counter() - ts:.1f} s)", flush=True)
+        r.update(done[r["key"]])
+    timings["evaluate_s"] = time.perf_counter() - t_eval
+    timings["build_transforms_s"] = tf.seconds
+    _add_relative(rows)
+    geo_key = rows[1]["key"]
+    ts = time.perf_counter()
+    diag = geo_diagnostics(caps[0], scopes["selected"], args.geo_rank, args.geo_damping)
+    timings["diagnostics_s"] = time.perf_counter() - ts
+    return {"settings": {"layers": args.geo_layers, "rank": args.geo_rank, "damping": args.geo_damping,
+                         "damping_is_relative": True, "lowranks": _int_list(args.geo_lowranks),
+                         "blocks": _int_list(args.geo_blocks), "dampings": _float_list(args.geo_dampings),
+                         "staleness": staleness, "output_factor": args.output_factor,
+                         "transform_precision": args.geo_transform_precision, "fp8_codec": GEO_FP8,
+                         "fp4_codec": GEO_FP4},
+            "capture_steps": {str(k): c.step for k, c in caps.items()},
+            "capture_losses": {str(k): c.loss for k, c in caps.items()},
+            "selected_layers": scopes["selected"], "rows": rows, "targets": _targets(rows, geo_key),
+            "diagnostics": diag, "timings": timings}
+
+
+def geo_report(out: dict, markdown: bool = False) -> str:
+    """Text (or Markdown) report of a ``--geo`` run: targets, both tables, diagnostics."""
+    g = out["geo"]
+    n_sel = len(g["selected_layers"])
+    st = g["settings"]
+    head = (f"GeoFP8 coordinate ablation: {out['ranks']} ranks x {out['micro_batch_size']} samples, capture after "
+            f"{out['warmup_steps']} steps (t = {g['capture_steps']['0']}); rank {st['rank']}, damping {st['damping']:g} "
+            f"x mean eigenvalue; output factor from {st['output_factor']}; transforms applied in "
+            f"{st['transform_precision']}. RelL2 / SQNR / cosine: concatenated layers of the scope; layer RelL2, dir "
+            f"top / tail: means over layers of the per-layer values (medians over the first / last quarter of each "
+            f"gradient's singular directions); vs Eucl %: RelL2 reduction against the row's Euclidean baseline (same "
+            f"codec, same capture); tail E/geo: baseline tail error / this row's.")
+    sel_t, all_t = format_geo_table(g["rows"], "selected", markdown), format_geo_table(g["rows"], "all_linear", markdown)
+    diag = format_diag_table(g["diagnostics"], markdown)
+    tg = _targets_text(g["targets"], n_sel)
+    diag_note = ("diagnostics (capture t, input side r = {r}): A top8 / top-r = share of trace(A) in the top 8 / r "
+                 "eigenvalues; eff. rank = trace(A)^2 / trace(A^2); l1/mean = lambda_1 / mean eigenvalue; d_min = "
+                 "smallest D entry; E(g) top-r = share of the averaged gradient's energy in A's top-r input "
+                 "directions (E(g_r): mean over ranks); cancel = RMS rank-gradient norm / norm of the average; "
+                 "model ratio = sqrt(wire energy / raw energy * mean 1/d^2), the RelL2 ratio if the quantization "
+                 "error were white in wire coordinates; 1-rank E / geo = one gradient quantized and dequantized "
+                 "(no reduce), RelL2.").format(r=st["rank"])
+    if markdown:
+        return "\n\n".join([head, "```\n" + tg + "\n```",
+                            f"**Selected layers** (`{st['layers']}`, {n_sel} layers)", sel_t,
+                            f"**All linear weights** ({len(out['layers'])} layers, every one transformed)", all_t,
+                            "**Diagnostics** (" + diag_note + ")", diag])
+    return "\n\n".join([head, f"selected layers ({st['layers']}, {n_sel} layers):\n" + sel_t,
+                        f"all linear weights ({len(out['layers'])} layers, each transformed):\n" + all_t,
+                        diag_note + "\n" + diag, tg])
 
 
 def parse_args(argv):

@@ -614,13 +614,19 @@ def simulate_geo_reduce(rank_grads: list[Tensor], codec: dict | str, t_in=None, 
     return _geo_reduce(rank_grads, normalize_codec(codec), t_in, t_out, fp64)[0]
 
 
+def geo_reduce_and_metrics(rank_grads: list[Tensor], codec: dict | str, t_in=None, t_out=None, *,
+                           directions: bool = True, fp64: bool = True) -> tuple[Tensor, dict]:
+    """``(g_hat, metrics)``: :func:`simulate_geo_reduce` and :func:`geo_fidelity_metrics` of one reduce."""
+    c = normalize_codec(codec)
+    g_hat, wires = _geo_reduce(rank_grads, c, t_in, t_out, fp64)
+    out = fidelity_metrics(g_hat, rank_grads, None, directions=directions)
+    out.update(_bound_hit_counts(wires, c))
+    return g_hat, out
+
+
 def geo_fidelity_metrics(rank_grads: list[Tensor], codec: dict | str, t_in=None, t_out=None, *,
                          directions: bool = True, fp64: bool = True) -> dict:
     """:func:`fidelity_metrics` of :func:`simulate_geo_reduce` against the exact FP64 average of the
     original ``rank_grads``; the bound-hit counts (saturation / underflow) are those of the wire tensors
     ``T_out^T G_r T_in``, i.e. of what is actually quantized. Same keys as :func:`fidelity_metrics`."""
-    c = normalize_codec(codec)
-    g_hat, wires = _geo_reduce(rank_grads, c, t_in, t_out, fp64)
-    out = fidelity_metrics(g_hat, rank_grads, None, directions=directions)
-    out.update(_bound_hit_counts(wires, c))
-    return out
+    return geo_reduce_and_metrics(rank_grads, codec, t_in, t_out, directions=directions, fp64=fp64)[1]

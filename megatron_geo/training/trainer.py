@@ -57,25 +57,26 @@ def _log0(pctx: ParallelContext, msg: str) -> None:
         print(msg, flush=True)
 
 
+def build_geo(cfg: Config, model: torch.nn.Module, pctx: ParallelContext) -> GeoState:
+    """GeoFP8 state for ``comm.transform=geo`` (a bad ``geo.layers`` pattern is a ConfigError)."""
+    g, auto = cfg.geo, cfg.geo.select == "auto"
+    e5m2 = cfg.comm.dtype == "fp8_e5m2"
+    try:
+        return GeoState(model, g.layers, g.rank, g.damping, g.refresh_interval, g.ef_on_refresh, pctx.dp_group,
+                        auto_layers=g.num_layers if auto else 0, profile_steps=g.profile_steps if auto else 0,
+                        fp8_max=57344.0 if e5m2 else 448.0,
+                        underflow_below=2.0 ** -17 if e5m2 else 2.0 ** -10,  # half the smallest subnormal
+                        log=lambda m: _log0(pctx, m))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def build_model_and_optimizer(cfg: Config, pctx: ParallelContext):
     """Model on the device, its bucketed gradient path, reducer and distributed optimizer."""
     dtype = torch.bfloat16 if cfg.train.param_dtype == "bf16" else torch.float32
     model = Llama(cfg.model, pctx.tp_group, cfg.train.seed, dtype=dtype, device=pctx.device)
     muon = cfg.optimizer.name == "muon"
-    geo = None
-    if cfg.comm.transform == "geo":
-        g = cfg.geo
-        try:
-            from ..comm.codecs import fp8_max
-
-            auto = g.select == "auto"
-            geo = GeoState(model, g.layers, g.rank, g.damping, g.refresh_interval, g.ef_on_refresh, pctx.dp_group,
-                           auto_layers=g.num_layers if auto else 0, profile_steps=g.profile_steps if auto else 0,
-                           fp8_max=fp8_max(cfg.comm.dtype) if auto else 448.0,
-                           underflow_below=2.0 ** -17 if cfg.comm.dtype == "fp8_e5m2" else 2.0 ** -10,
-                           log=lambda m: _log0(pctx, m))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+    geo = build_geo(cfg, model, pctx) if cfg.comm.transform == "geo" else None
     geo_ids = {id(p) for p in geo.params.values()} if geo else set()
     reducer = build_reducer(cfg.comm, pctx.dp_group, pctx.dp_size, pctx.dp_rank, seed=cfg.train.seed,
                             device=pctx.device)
