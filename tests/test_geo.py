@@ -217,3 +217,30 @@ def test_auto_selection_is_rank_consistent():
     for selected, logs, _ in out:
         assert selected == sorted(names[-3:])
     assert "after 2 profiled steps" in out[0][1][0]
+
+
+def test_sketch_transform_is_exact_for_low_rank_factors():
+    """Nystrom from Y = A Omega recovers A exactly when rank(A) <= k: same transform as the full factor."""
+    from megatron_geo.geometry.transform import build_transform_from_sketch, sketch_matrix
+
+    A = _factors()["rank-deficient"]                   # rank 5, d_in 48
+    om = sketch_matrix(48, 16, seed=3)
+    damp = 1e-3 * A.diagonal().mean().item()
+    full = build_transform(A, 4, damp)
+    sk = build_transform_from_sketch(A.float() @ om, om, A.trace().item(), 4, damp)
+    torch.testing.assert_close(sk.dense(), full.dense(), rtol=0, atol=1e-4)
+
+
+def _sketch_train(rank, world):
+    cfg, pctx, model, reducer, sync, opt, train_step = _build_geo(
+        rank, world, ["comm.dtype=fp8_e4m3", "geo.statistics=sketch", "geo.sketch_size=16"])
+    geo = reducer.geo
+    for step in range(3):
+        mb = rank_micro_batches(global_batch(cfg, step), 2, rank, world)
+        res = train_step(model, mb, sync, opt, pctx, 1.0, 1.0, geo=geo, step=step)
+    return res.loss, {n: t.checksum() for n, t in geo.transforms.items()}, list(geo.stats.sketches)
+
+
+def test_sketch_statistics_train_and_stay_rank_consistent():
+    (l0, c0, s0), (l1, c1, s1) = run_distributed(_sketch_train, 2)
+    assert l0 == l1 and c0 == c1 and len(s0) == 2

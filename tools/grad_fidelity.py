@@ -474,6 +474,14 @@ def geo_diagnostics(cap: GeoCapture, names: list[str], rank: int, damping: float
         d = t.d.double()
         inv2 = (float((1.0 / d ** 2).sum()) + (t.d_in - d.numel())) / t.d_in
         model_ratio = math.sqrt(wire_e / raw_e * inv2) if raw_e > 0 else None
+        # the model's optimum over all D of a rank-r transform in A's eigenbasis (Cauchy-Schwarz):
+        # ratio^2 >= (sum_{i<=r} sqrt(e_i) + sqrt(e_rest (d_in - r)))^2 / (d_in E), e_i = sum_r ||G_r u_i||^2
+        V = torch.linalg.eigh(0.5 * (A + A.T))[1].flip(1)
+        e = sum(((x.double() @ V) ** 2).sum(0) for x in gs)
+        E, din = float(e.sum()), A.shape[0]
+        rr = min(rank, din)
+        best_r = (float(e[:rr].sqrt().sum()) + math.sqrt(float(e[rr:].sum()) * (din - rr))) ** 2 / (din * E) if E else None
+        best_full = float(e.sqrt().sum()) ** 2 / (din * E) if E else None
         rt_e = fidelity_metrics(simulate_reduce(gs[:1], GEO_FP8), gs[:1], None, directions=False)["rel_l2"]
         rt_g = geo_reduce_and_metrics(gs[:1], GEO_FP8, t, None, directions=False)[1]["rel_l2"]
         out.append({
@@ -490,6 +498,9 @@ def geo_diagnostics(cap: GeoCapture, names: list[str], rank: int, damping: float
             "rank_cancellation": math.sqrt(raw_e / len(gs)) / float(g.norm()) if float(g.norm()) > 0 else None,
             "wire_energy_ratio": wire_e / raw_e if raw_e > 0 else None,
             "model_rel_l2_ratio": model_ratio,
+            "model_best_ratio_r": math.sqrt(best_r) if best_r is not None else None,
+            "model_best_ratio_full": math.sqrt(best_full) if best_full is not None else None,
+            "rank_grad_energy_topr_sum": float(e[:rr].sum()) / E if E else None,
             "roundtrip_rel_l2_euclid": rt_e, "roundtrip_rel_l2_geo": rt_g,
         })
     return out
@@ -551,7 +562,9 @@ _DIAG_COLS = [("d_in", "d_in", "d"), ("A top8", "a_top8_trace_frac", ".3f"), ("A
               ("A eff. rank", "a_participation_rank", ".1f"), ("l1/mean", "a_lambda1_over_mean", ".1f"),
               ("d_min", "d_min", ".3f"), ("E(g) top-r", "grad_energy_topr", ".3f"),
               ("E(g_r) top-r", "rank_grad_energy_topr", ".3f"), ("cancel", "rank_cancellation", ".2f"),
-              ("model ratio", "model_rel_l2_ratio", ".3f"), ("1-rank E", "roundtrip_rel_l2_euclid", ".3e"),
+              ("meas. ratio", "measured_rel_l2_ratio", ".3f"), ("model ratio", "model_rel_l2_ratio", ".3f"),
+              ("best r", "model_best_ratio_r", ".3f"), ("best full", "model_best_ratio_full", ".3f"),
+              ("1-rank E", "roundtrip_rel_l2_euclid", ".3e"),
               ("1-rank geo", "roundtrip_rel_l2_geo", ".3e")]
 
 
@@ -625,6 +638,10 @@ def run_geo(sess: Session, args) -> dict:
     ts = time.perf_counter()
     diag = geo_diagnostics(caps[0], scopes["selected"], args.geo_rank, args.geo_damping)
     timings["diagnostics_s"] = time.perf_counter() - ts
+    lay_e = {x["name"]: x["rel_l2"] for x in rows[0]["layers"]}
+    lay_g = {x["name"]: x["rel_l2"] for x in rows[1]["layers"]}
+    for x in diag:
+        x["measured_rel_l2_ratio"] = lay_g[x["name"]] / lay_e[x["name"]] if lay_e[x["name"]] else None
     return {"settings": {"layers": args.geo_layers, "rank": args.geo_rank, "damping": args.geo_damping,
                          "damping_is_relative": True, "lowranks": _int_list(args.geo_lowranks),
                          "blocks": _int_list(args.geo_blocks), "dampings": _float_list(args.geo_dampings),
@@ -656,8 +673,11 @@ def geo_report(out: dict, markdown: bool = False) -> str:
                  "eigenvalues; eff. rank = trace(A)^2 / trace(A^2); l1/mean = lambda_1 / mean eigenvalue; d_min = "
                  "smallest D entry; E(g) top-r = share of the averaged gradient's energy in A's top-r input "
                  "directions (E(g_r): mean over ranks); cancel = RMS rank-gradient norm / norm of the average; "
-                 "model ratio = sqrt(wire energy / raw energy * mean 1/d^2), the RelL2 ratio if the quantization "
-                 "error were white in wire coordinates; 1-rank E / geo = one gradient quantized and dequantized "
+                 "meas. ratio = RelL2 geo / Euclidean of the layer (FP8); model ratio = sqrt(wire energy / raw energy "
+                 "* mean 1/d^2), that ratio if the quantization error were white in wire coordinates with energy "
+                 "proportional to the wire's; best r / best full = the smallest model ratio any rank-r (any "
+                 "full-rank) diagonal scaling in A's eigenbasis can reach (Cauchy-Schwarz over the gradient energy "
+                 "e_i per eigen-direction); 1-rank E / geo = one gradient quantized and dequantized "
                  "(no reduce), RelL2.").format(r=st["rank"])
     if markdown:
         return "\n\n".join([head, "```\n" + tg + "\n```",
@@ -682,6 +702,27 @@ def parse_args(argv):
     p.add_argument("--out", default="runs/grad_fidelity.json", help="JSON output (default %(default)s)")
     p.add_argument("--per-layer", action="store_true", help="also print one row per layer and codec")
     p.add_argument("--no-directions", action="store_true", help="skip the per-direction error (FP64 SVDs)")
+    g = p.add_argument_group("GeoFP8 ablation (--geo)")
+    g.add_argument("--geo", action="store_true",
+                   help="ablation mode: FP8 E4M3 (tensor scaling) and NVFP4 reduces in GeoFP8 coordinate systems "
+                        "instead of the --codecs table")
+    g.add_argument("--geo-layers", default="layers.*.mlp.down_proj.weight",
+                   help="comma-separated globs of the GeoFP8-selected weights (default %(default)s)")
+    g.add_argument("--geo-rank", type=int, default=32, help="rank of the GeoFP8 transform (default 32)")
+    g.add_argument("--geo-damping", type=float, default=1e-3,
+                   help="damping relative to the factor's mean eigenvalue (default 1e-3)")
+    g.add_argument("--geo-lowranks", default="8,16,32", help="low-rank sweep (default %(default)s)")
+    g.add_argument("--geo-blocks", default="32,128", help="block-diagonal block sizes (default %(default)s)")
+    g.add_argument("--geo-dampings", default="1e-4,1e-3,1e-2,1e-1", help="damping sweep at --geo-rank")
+    g.add_argument("--geo-staleness", default="10,25,50",
+                   help="steps after t at which the transform built at t is applied to new gradients; '' skips "
+                        "(default %(default)s)")
+    g.add_argument("--output-factor", choices=("grads", "hooks"), default="grads",
+                   help="output-side factor: sum_r G_r G_r^T / (R d_in) from the weight gradients, or E[g g^T] of "
+                        "the output gradients from backward hooks (default %(default)s)")
+    g.add_argument("--geo-transform-precision", choices=("fp64", "fp32"), default="fp64",
+                   help="apply the transforms in FP64 (only the codec loses) or in the trainer's FP32")
+    g.add_argument("--markdown", metavar="FILE", help="also write the report as Markdown")
     p.add_argument("overrides", nargs="*", help="dotted section.key=value overrides applied last")
     args = p.parse_args(argv)
     # --codecs takes one or more values, so overrides written after it land there: move them back
@@ -709,7 +750,11 @@ def main(argv=None) -> int:
         print(f"model: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, device {sess.pctx.device}; "
               f"training {args.warmup_steps} steps, then {args.ranks} ranks x {cfg.train.micro_batch_size} samples",
               flush=True)
+        t_train = time.perf_counter()
         losses = train_steps(sess, args.warmup_steps, label="warmup")
+        t_train = time.perf_counter() - t_train
+        if args.geo:
+            return _main_geo(sess, args, losses, t_train, t_start)
         names, grads, cap_loss = capture_rank_grads(sess, args.ranks)
         grads = {n: [g.cpu() for g in gs] for n, gs in grads.items()}
         results = []
@@ -732,6 +777,34 @@ def main(argv=None) -> int:
     print(format_table(results, args.per_layer))
     write_json(args.out, out)
     print(f"\nwrote {args.out} ({out['wall_s']:.1f} s)")
+    return 0
+
+
+def _main_geo(sess: Session, args, losses: list[float], t_train: float, t_start: float) -> int:
+    cfg = sess.cfg
+    try:
+        geo = run_geo(sess, args)
+    except ValueError as e:  # a --geo-layers pattern that matches nothing, a bad list
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    geo["timings"]["warmup_train_s"] = t_train
+    layers = [{"name": x["name"], "shape": x["shape"]} for x in geo["rows"][0]["layers"]]
+    out = {"mode": "geo", "config_files": args.config or [os.path.relpath(DEFAULT_CONFIG, REPO_ROOT)],
+           "overrides": args.overrides, "warmup_steps": args.warmup_steps, "ranks": args.ranks,
+           "micro_batch_size": cfg.train.micro_batch_size, "model": {k: getattr(cfg.model, k) for k in (
+               "hidden_size", "ffn_hidden_size", "num_layers", "seq_length", "vocab_size")},
+           "device": str(sess.pctx.device), "train_loss_first": losses[0] if losses else None,
+           "train_loss_last": losses[-1] if losses else None, "capture_loss": geo["capture_losses"]["0"],
+           "layers": layers, "geo": geo}
+    out["wall_s"] = time.perf_counter() - t_start
+    print()
+    print(geo_report(out))
+    write_json(args.out, out)
+    if args.markdown:
+        os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
+        with open(args.markdown, "w") as f:
+            f.write(geo_report(out, markdown=True) + "\n")
+    print(f"\nwrote {args.out}" + (f" and {args.markdown}" if args.markdown else "") + f" ({out['wall_s']:.1f} s)")
     return 0
 
 

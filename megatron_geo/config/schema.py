@@ -122,6 +122,8 @@ class GeoConfig:
     damping: float = 1e-3
     refresh_interval: int = 50
     ef_on_refresh: str = "rebase"  # rebase: R <- R T_old^-1 T_new | reset: R <- 0
+    statistics: str = "auto"       # full A (d_in^2) | sketch A·Omega (d_in x sketch_size) | auto: sketch if d_in > 1024
+    sketch_size: int = 64          # columns of Omega (>= rank; 2 x rank is a good choice)
 
 
 @dataclass

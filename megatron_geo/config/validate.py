@@ -24,6 +24,7 @@ _CHOICES = {
     ("comm", "transform"): ("none", "hadamard", "geo"),
     ("geo", "ef_on_refresh"): ("rebase", "reset"),
     ("geo", "select"): ("layers", "auto"),
+    ("geo", "statistics"): ("auto", "full", "sketch"),
     ("comm", "scale_sync"): ("none", "max"),
     ("train", "nonfinite"): ("skip", "stop"),
     ("logging", "wandb"): ("offline", "online", "disabled"),
@@ -81,6 +82,8 @@ def validate_config(cfg: Config, world_size: int) -> None:
                               f"geo.profile_steps={g.profile_steps} >= 1")
         if c.dtype not in ("fp8_e4m3", "fp8_e5m2") and g.select == "auto":
             raise ConfigError("geo.select=auto profiles FP8 bound hits; use comm.dtype=fp8_e4m3 or fp8_e5m2")
+        if g.sketch_size < g.rank:
+            raise ConfigError(f"geo.sketch_size={g.sketch_size} must be >= geo.rank={g.rank}")
         if g.rank < 1 or g.refresh_interval < 1 or not g.damping > 0:
             raise ConfigError(f"geo.rank={g.rank} and geo.refresh_interval={g.refresh_interval} must be >= 1 and "
                               f"geo.damping={g.damping} > 0")

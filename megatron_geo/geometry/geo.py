@@ -11,13 +11,15 @@ The reducer then communicates G T and maps the reduced shard back with T^-1.
 from __future__ import annotations
 
 import fnmatch
+import zlib
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .stats import InputStats
-from .transform import LowRankTransform, build_transform, identity_transform
+from .transform import (LowRankTransform, build_transform, build_transform_from_sketch, identity_transform,
+                        sketch_matrix)
 
 
 class TransformMismatchError(RuntimeError):
@@ -48,7 +50,7 @@ class GeoState:
 
     def __init__(self, model: nn.Module, patterns: str, rank: int, damping: float, refresh_interval: int,
                  ef_on_refresh: str, dp_group, auto_layers: int = 0, profile_steps: int = 0, fp8_max: float = 448.0,
-                 underflow_below: float = 2.0 ** -10, log=print):
+                 underflow_below: float = 2.0 ** -10, log=print, statistics: str = "full", sketch_size: int = 64):
         self.candidates = select_parameters(model, patterns)
         params = dict(model.named_parameters())
         self.params = {n: params[n] for n in self.candidates}   # every candidate is owned whole (atomic)
@@ -59,11 +61,27 @@ class GeoState:
         self.selected = dict(self.candidates) if not auto_layers else {}
         self.rank, self.damping, self.interval, self.ef_on_refresh = rank, damping, refresh_interval, ef_on_refresh
         self.dp_group = dp_group
-        self.stats = InputStats(dict(self.selected))
+        self.statistics, self.sketch_size = statistics, sketch_size
+        self.stats = self._make_stats()
         self.transforms: dict[str, LowRankTransform] = {
             n: identity_transform(p.shape[1], p.device) for n, p in self.params.items()}
         self.last_refresh = -1
         self.rebase_hook = None  # set by the reducer: fn(old: dict, new: dict) re-bases error feedback
+
+    def _use_sketch(self, d_in: int) -> bool:
+        if self.statistics == "auto":
+            return d_in > 1024 and d_in > 4 * self.sketch_size
+        return self.statistics == "sketch"
+
+    def _make_stats(self) -> InputStats:
+        """Statistics collectors for the selected layers: a full factor or a sketch, per geo.statistics."""
+        sketches = {}
+        for n in self.selected:
+            d_in = self.params[n].shape[1]
+            if self._use_sketch(d_in):
+                seed = zlib.crc32(n.encode())
+                sketches[n] = sketch_matrix(d_in, min(self.sketch_size, d_in), seed, self.params[n].device)
+        return InputStats(dict(self.selected), sketches)
 
     @property
     def profiling(self) -> bool:
@@ -102,7 +120,7 @@ class GeoState:
         order = sorted(range(len(names)), key=lambda i: (-rates[i].item(), names[i]))
         top = [names[i] for i in order[: self.auto_layers]]
         self.selected = {n: self.candidates[n] for n in top}
-        self.stats = InputStats(dict(self.selected))
+        self.stats = self._make_stats()
         self.log("geo.select=auto: after %d profiled steps the transform goes to %s" % (
             self.profiled, ", ".join(f"{n} ({rates[names.index(n)].item() / dist.get_world_size(self.dp_group):.2e})"
                                       for n in top)))
@@ -119,8 +137,13 @@ class GeoState:
         new = dict(self.transforms)
         for pname, mod in self.selected.items():
             A = factors[pname]
-            damping = self.damping * max(float(A.diagonal().mean()), 1e-30)
-            new[pname] = build_transform(A, self.rank, damping)
+            if isinstance(A, tuple):  # sketch: (Y = A Omega, trace A)
+                Y, trace = A
+                damping = self.damping * max(trace / Y.shape[0], 1e-30)
+                new[pname] = build_transform_from_sketch(Y, self.stats.sketches[pname], trace, self.rank, damping)
+            else:
+                damping = self.damping * max(float(A.diagonal().mean()), 1e-30)
+                new[pname] = build_transform(A, self.rank, damping)
         self.check_consistent(new)
         old, self.transforms = self.transforms, new
         if self.rebase_hook is not None:

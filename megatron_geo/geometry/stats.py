@@ -14,11 +14,18 @@ from torch import nn
 
 
 class InputStats:
-    """Accumulates ``sum_t a_t a_t^T`` (FP32, ``[d_in, d_in]``) and the token count per module name."""
+    """Accumulates ``sum_t a_t a_t^T`` (FP32, ``[d_in, d_in]``) and the token count per module name.
 
-    def __init__(self, modules: dict[str, nn.Module]):
+    With ``sketches`` (module name -> test matrix Omega ``[d_in, k]``), those modules accumulate the
+    randomized sketch ``sum_t a_t (a_t^T Omega)`` (``[d_in, k]``) and ``sum_t |a_t|^2`` (the trace)
+    instead, O(d_in k) memory (see :func:`~megatron_geo.geometry.transform.build_transform_from_sketch`).
+    """
+
+    def __init__(self, modules: dict[str, nn.Module], sketches: dict[str, torch.Tensor] | None = None):
         self.modules = modules
+        self.sketches = sketches or {}
         self.sums: dict[str, torch.Tensor] = {}
+        self.traces: dict[str, float] = {}
         self.counts: dict[str, float] = {}
         self._handles = []
 
@@ -38,7 +45,12 @@ class InputStats:
     def _hook(self, name: str):
         def hook(module, args):
             a = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            s = a.T @ a
+            omega = self.sketches.get(name)
+            if omega is None:
+                s = a.T @ a
+            else:
+                s = a.T @ (a @ omega.to(a.device))
+                self.traces[name] = self.traces.get(name, 0.0) + float(a.pow(2).sum())
             if name in self.sums:
                 self.sums[name] += s
                 self.counts[name] += a.shape[0]
@@ -47,7 +59,8 @@ class InputStats:
         return hook
 
     def reduce(self, dp_group) -> dict[str, torch.Tensor]:
-        """DP-averaged factors ``A = sum a a^T / count`` per module (identical on every DP rank).
+        """DP-averaged factors ``A = sum a a^T / count`` per module (identical on every DP rank); for
+        sketched modules ``(Y = A Omega, trace(A))``.
 
         Every rank must have collected the same module names (same model, same armed micro-batch).
         """
@@ -56,8 +69,9 @@ class InputStats:
             if name not in self.sums:
                 raise RuntimeError(f"no input statistics were collected for {name}; was the module used in forward?")
             s = self.sums[name].clone()
-            n = torch.tensor([self.counts[name]], dtype=torch.float64, device=s.device)
+            n = torch.tensor([self.counts[name], self.traces.get(name, 0.0)], dtype=torch.float64, device=s.device)
             dist.all_reduce(s, group=dp_group)
             dist.all_reduce(n, group=dp_group)
-            out[name] = s / n.item()
+            count, trace = n.tolist()
+            out[name] = s / count if name not in self.sketches else (s / count, trace / count)
         return out

@@ -100,3 +100,47 @@ def build_transform(A: torch.Tensor, rank: int, damping: float) -> LowRankTransf
     idx = U.abs().argmax(dim=0)
     U = U * torch.where(U[idx, torch.arange(r, device=A.device)] < 0, -1.0, 1.0)
     return LowRankTransform(U.float().contiguous(), d.float())
+
+
+def sketch_matrix(d_in: int, k: int, seed: int, device=None) -> torch.Tensor:
+    """Orthonormal test matrix Omega ``[d_in, k]`` (float32), the same on every rank for a given seed."""
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(d_in, k, generator=g, dtype=torch.float64))
+    return q.float().to(device)
+
+
+def build_transform_from_sketch(Y: torch.Tensor, omega: torch.Tensor, trace: float, rank: int,
+                                damping: float) -> LowRankTransform:
+    """The transform of :func:`build_transform` from a randomized sketch ``Y = A Omega`` instead of A.
+
+    Nystrom approximation of a PSD matrix from a sketch (Tropp, Yurtsever, Udell & Cevher 2017,
+    "Fixed-rank approximation of a positive-semidefinite matrix from streaming data", Alg. 3):
+    ``nu = eps ||Y||``, ``Y_nu = Y + nu Omega``, ``C = chol(Omega^T Y_nu)``, ``U S V^T = svd(Y_nu C^-T)``,
+    ``lambda = max(S^2 - nu, 0)``; the top ``rank`` pairs are used, and ``lambda_ref`` (the mean of the
+    remaining eigenvalues) comes from the exact ``trace(A)``: ``(trace - sum_top lambda) / (d_in - rank)``.
+    Exact when rank(A) <= k. Memory ``O(d_in k)`` instead of ``O(d_in^2)``.
+
+    Args:
+        Y: ``[d_in, k]`` float32 sketch (DP-averaged); omega: ``[d_in, k]`` the test matrix used.
+        trace: trace(A) (DP-averaged sum of squared inputs per token).
+    """
+    d_in, k = Y.shape
+    r = min(rank, k, d_in)
+    if r == 0:
+        return identity_transform(d_in, Y.device)
+    Y64, O64 = Y.double(), omega.double()
+    # shift by the precision of the sketch itself (FP32 accumulation), so B stays positive definite
+    nu = torch.finfo(Y.dtype).eps * max(float(Y64.norm()), 1e-300) * d_in ** 0.5
+    Yn = Y64 + nu * O64
+    B = O64.T @ Yn
+    C = torch.linalg.cholesky(0.5 * (B + B.T))
+    F = torch.linalg.solve_triangular(C, Yn.T, upper=False).T        # Yn C^-T
+    U, S, _ = torch.linalg.svd(F, full_matrices=False)
+    lam = (S ** 2 - nu).clamp(min=0.0)
+    top = lam[:r]
+    lam_ref = max(trace - float(top.sum()), 0.0) / (d_in - r) if d_in > r else 0.0
+    d = ((lam_ref + damping) / (top + damping)).sqrt()
+    Ur = U[:, :r]
+    idx = Ur.abs().argmax(dim=0)
+    Ur = Ur * torch.where(Ur[idx, torch.arange(r, device=Y.device)] < 0, -1.0, 1.0)
+    return LowRankTransform(Ur.float().contiguous(), d.float())
