@@ -104,7 +104,13 @@ def geo_memory(cfg) -> dict:
     sel = {n: s for n, s in shapes.items() if any(fnmatch.fnmatchcase(n, p) for p in pats)}
     r = cfg.geo.rank
     persistent = sum(4 * (s[1] * r + r) for s in sel.values())
-    transient = sum(4 * s[1] * s[1] for s in sel.values())
+    g = cfg.geo
+
+    def factor_bytes(d_in):  # what InputStats holds per layer during a refresh (geo.statistics)
+        sketch = g.statistics == "sketch" or (g.statistics == "auto" and d_in > 1024 and d_in > 4 * g.sketch_size)
+        return 4 * d_in * (min(g.sketch_size, d_in) if sketch else d_in)
+
+    transient = sum(factor_bytes(s[1]) for s in sel.values())
     n = count_parameters(cfg.model)
     training = 4 * n * 5  # params, main grads, main params, two optimizer moments (FP32)
     return {"layers": len(sel), "persistent_bytes": persistent, "refresh_transient_bytes": transient,
@@ -145,7 +151,7 @@ def main() -> None:
     cfg = load_config([args.memory_config])
     mem = geo_memory(cfg)
     print(f"memory ({args.memory_config}, {mem['parameters']:,} parameters, {mem['layers']} GeoFP8 layers, "
-          f"rank {cfg.geo.rank}): persistent state {mem['persistent_bytes'] / 2**20:.1f} MiB = "
+          f"rank {cfg.geo.rank}, geo.statistics={cfg.geo.statistics}): persistent state {mem['persistent_bytes'] / 2**20:.1f} MiB = "
           f"{100 * mem['persistent_bytes'] / mem['training_bytes_excl_activations']:.3f}% of "
           f"{mem['training_bytes_excl_activations'] / 2**30:.2f} GiB training state (FP32 params, grads, main params, "
           f"2 moments; activations excluded, so the true share is lower); K-FAC factors during a refresh "
