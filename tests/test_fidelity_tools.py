@@ -197,3 +197,119 @@ def test_profile_fp8_vulnerability_cli(tmp_path):
     for x in d["layers"]:
         assert x["bound_hits"] == pytest.approx(x["saturation"] + x["underflow"])
         assert 0 <= x["saturation"] <= 1 and 0 <= x["underflow"] <= 1
+
+
+# -- GeoFP8 coordinate systems (simulate_geo_reduce and the --geo ablation) ------------------------------
+from megatron_geo.comm.fidelity import (BlockDiagonalTransform, DiagonalTransform,  # noqa: E402
+                                        build_coordinate_transform, geo_fidelity_metrics, output_factor_from_grads,
+                                        relative_damping, simulate_geo_reduce, to_transformed)
+from megatron_geo.geometry.transform import build_transform  # noqa: E402
+
+
+def _anisotropic_layer(d_out=24, d_in=80, n_tok=160, ranks=3, seed=0):
+    """Per-rank gradients G_r = delta_r^T a_r / n of a linear layer whose inputs span 4 decades of
+    variance in a random basis, and the rank-averaged input factor A = mean_r a_r^T a_r / n."""
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(d_in, d_in, generator=g))
+    scale = torch.logspace(0, -2, d_in)
+    acts = [(torch.randn(n_tok, d_in, generator=g) * scale) @ q.T for _ in range(ranks)]
+    A = sum(a.T @ a for a in acts) / (n_tok * ranks)
+    grads = [torch.randn(d_out, n_tok, generator=g) @ a / n_tok for a in acts]
+    return A, grads
+
+
+def test_exact_wire_every_coordinate_system_returns_the_fp64_average():
+    A, grads = _anisotropic_layer()
+    S = output_factor_from_grads(grads)
+    ref = torch.stack([x.double() for x in grads]).mean(0)
+    ins = [build_coordinate_transform(A, "lowrank", r, dmp) for r in (8, 32) for dmp in (1e-4, 1e-1)]
+    ins += [build_coordinate_transform(A, "full", damping=1e-4), build_coordinate_transform(A, "diag"),
+            build_coordinate_transform(A, "block", block=32), build_coordinate_transform(A, "block", block=128)]
+    outs = [build_coordinate_transform(S, "lowrank", 8), build_coordinate_transform(S, "full", damping=1e-4)]
+    combos = [(None, None)] + [(t, None) for t in ins] + [(None, t) for t in outs] + [(ins[1], outs[0]),
+                                                                                       (ins[4], outs[1])]
+    for t_in, t_out in combos:
+        out = simulate_geo_reduce(grads, "fp32", t_in, t_out)
+        assert out.dtype == torch.float32 and out.shape == ref.shape
+        assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
+    # the transform really changes the wire, and FP8 through it is still a faithful reduce
+    assert not torch.allclose(to_transformed(grads[0], ins[1], outs[0]), grads[0])
+    m = geo_fidelity_metrics(grads, "fp8_e4m3:tensor", ins[1])
+    assert 0 < m["rel_l2"] < 0.1 and m["dir_err_tail"] is not None and m["elements"] == grads[0].numel()
+
+
+def test_geo_reduce_is_the_dense_two_sided_map():
+    A, grads = _anisotropic_layer(d_out=12, d_in=20, ranks=2)
+    t_in = build_coordinate_transform(A, "lowrank", 5)
+    t_out = build_coordinate_transform(output_factor_from_grads(grads), "diag")
+    Ti, To = t_in.dense().double(), t_out.dense().double()
+    assert torch.allclose(to_transformed(grads[0].double(), *(None, None)), grads[0].double())
+    w = to_transformed(grads[0], t_in, t_out).double()
+    torch.testing.assert_close(w, To.T @ grads[0].double() @ Ti, rtol=1e-5, atol=1e-7)
+    # the low-rank kind is the trainer's transform: build_transform with geo.damping x mean eigenvalue
+    ref = build_transform(A, 5, 1e-3 * float(A.diagonal().mean()))
+    assert torch.equal(t_in.U, ref.U) and torch.equal(t_in.d, ref.d)
+    assert relative_damping(A, 0.5) == pytest.approx(0.5 * float(A.diagonal().double().mean()))
+    S = output_factor_from_grads(grads)
+    torch.testing.assert_close(S.double(), sum(x.double() @ x.double().T for x in grads) / (2 * 20))
+
+
+def test_diagonal_and_block_diagonal_transforms_invert_exactly():
+    A, _ = _anisotropic_layer(d_in=70, ranks=1)
+    damp = relative_damping(A, 1e-3)
+    t = build_coordinate_transform(A, "diag", damping=1e-3)
+    assert isinstance(t, DiagonalTransform)
+    a = A.diagonal().double()
+    torch.testing.assert_close(t.s.double(), ((a.mean() + damp) / (a + damp)).sqrt(), rtol=1e-6, atol=0.0)
+    x = torch.randn(9, 70, dtype=torch.float64)
+    t64 = DiagonalTransform(t.s.double())
+    torch.testing.assert_close(t64.apply_inverse(t64.apply(x)), x, rtol=1e-14, atol=1e-14)
+    for block in (32, 128):  # 70 = 32 + 32 + 6 (an uneven last block) and one block of 70
+        b = build_coordinate_transform(A, "block", block=block)
+        assert isinstance(b, BlockDiagonalTransform) and b.d_in == 70
+        assert [blk.d_in for blk in b.blocks] == ([32, 32, 6] if block == 32 else [70])
+        dense = b.dense().double()
+        inv = b.apply_inverse(torch.eye(70)).double()
+        torch.testing.assert_close(inv @ dense, torch.eye(70, dtype=torch.float64), rtol=0, atol=1e-4)
+        # each block is the full-rank damped transform of A's diagonal block: damp^1/2 (A_jj + damp I)^-1/2,
+        # and nothing couples features of different blocks
+        lo, hi = (32, 64) if block == 32 else (0, 70)
+        ev, V = torch.linalg.eigh(A[lo:hi, lo:hi].double())
+        ref = V @ torch.diag((damp / (ev.clamp(min=0) + damp)).sqrt()) @ V.T
+        torch.testing.assert_close(dense[lo:hi, lo:hi], ref, rtol=0, atol=1e-5)
+        if block == 32:
+            mask = torch.block_diag(*[torch.ones(n, n) for n in (32, 32, 6)]).bool()
+            assert torch.count_nonzero(dense[~mask]) == 0
+        y = torch.randn(5, 70)
+        torch.testing.assert_close(b.apply_inverse(b.apply(y)), y, rtol=1e-4, atol=1e-4)
+
+
+def test_grad_fidelity_geo_cli(tmp_path):
+    out, md = tmp_path / "geo.json", tmp_path / "geo.md"
+    stdout = _run(["tools/grad_fidelity.py", "--geo", "--warmup-steps", "2", "--ranks", "2", "--geo-staleness", "1",
+                   "--geo-lowranks", "8", "--geo-dampings", "1e-2", "--geo-blocks", "32", "--out", str(out),
+                   "--markdown", str(md), "model.num_layers=1", "model.seq_length=32", "model.vocab_size=512",
+                   "train.global_batch_size=4", "train.micro_batch_size=2"], tmp_path)
+    assert "input-side geo r32" in stdout and "RelL2 reduction vs Euclidean >= 60%" in stdout
+    d = json.loads(out.read_text())
+    g = d["geo"]
+    assert d["mode"] == "geo" and g["selected_layers"] == ["layers.0.mlp.down_proj.weight"]
+    labels = [r["label"] for r in g["rows"]]
+    for want in ("Euclidean (baseline)", "input-side geo r32", "output-side geo r32", "two-sided geo r32",
+                 "input full (r = d_in)", "input diagonal", "input block-diag 32", "input low-rank 8",
+                 "input r32 damping 0.01", "Euclidean @ t+1", "input r32, A stale (t) @ t+1", "NVFP4 Euclidean",
+                 "NVFP4 input-side geo r32"):
+        assert want in labels, want
+    for r in g["rows"]:
+        assert len(r["layers"]) == 7 + 1
+        for scope in ("selected", "all_linear"):
+            o = r[scope]
+            for k in ("rel_l2", "rel_l2_reduction_pct", "sqnr_db", "cosine", "mean_layer_dir_err_top",
+                      "mean_layer_dir_err_tail", "tail_ratio"):
+                assert isinstance(o[k], float), (r["label"], scope, k)
+            assert 0 < o["rel_l2"] < 0.5
+    assert g["rows"][0]["selected"]["rel_l2_reduction_pct"] == 0.0
+    assert set(g["targets"]) >= {"rel_l2_reduction_pct", "reduction_met", "tail_ratio", "tail_met"}
+    assert g["capture_steps"] == {"0": 2, "1": 3}
+    assert {"a_topr_trace_frac", "grad_energy_topr", "model_rel_l2_ratio"} <= set(g["diagnostics"][0])
+    assert "| Euclidean (baseline) |" in md.read_text()

@@ -93,12 +93,17 @@ def _run(rank, world, comm_kwargs, mode, steps=1, inputs=None):
     return outs, red.bytes_sent, plan.chunk, resid, plan.offsets
 
 
+def _run_rs_ar(rank, world, kw):
+    return _run(rank, world, kw, "rs"), _run(rank, world, kw, "ar")
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("fmt,scaling,sync", [("fp8_e4m3", "tensor", "none"), ("fp8_e5m2", "tensor", "none"),
                                               ("fp8_e4m3", "block", "none"), ("fp8_e4m3", "tensor", "max")])
 def test_fp8_reduce_scatter_matches_independent_reference(world, fmt, scaling, sync):
     kw = dict(dtype=fmt, scaling=scaling, block_size=16, scale_sync=sync)
-    results = run_distributed(_run, world, kw, "rs")
+    both = run_distributed(_run_rs_ar, world, kw)
+    results, ar = [b[0] for b in both], [b[1] for b in both]
     chunk = results[0][2]
     plan = plan_shards(NUMELS, [False] * len(NUMELS), world, 16 if scaling == "block" else 1)
     assert plan.chunk == chunk
@@ -106,8 +111,7 @@ def test_fp8_reduce_scatter_matches_independent_reference(world, fmt, scaling, s
     for r, (outs, sent, _, _, _) in enumerate(results):
         got = outs[0][r * chunk:(r + 1) * chunk].double()
         torch.testing.assert_close(got, ref[r * chunk:(r + 1) * chunk], rtol=1e-6, atol=1e-9)
-    # all-reduce: the same shards, then bitwise identical on every rank
-    ar = run_distributed(_run, world, kw, "ar")
+    # all-reduce: bitwise identical on every rank
     for outs, _, _, _, _ in ar:
         assert torch.equal(outs[0], ar[0][0][0])
 

@@ -14,12 +14,16 @@ def _inputs(world: int, n: int) -> list[torch.Tensor]:
     return [torch.randn(n, generator=g, dtype=torch.float64) * (1000.0 ** r) for r in range(world)]
 
 
-def _reduce(rank, world, dtype, n, mode):
+def _reduce(rank, world, dtype, n):
+    """Both collectives in one spawn: [(buf, bytes) after reduce-scatter, (buf, bytes) after all-reduce]."""
     pctx = pctx_for(1)
-    red = build_reducer(dtype, pctx.dp_group, world, rank)
-    buf = _inputs(world, n)[rank].float().clone()
-    (red.reduce_scatter if mode == "rs" else red.all_reduce)(buf, async_op=True).wait()
-    return buf, red.bytes_sent
+    out = []
+    for mode in ("rs", "ar"):
+        red = build_reducer(dtype, pctx.dp_group, world, rank)
+        buf = _inputs(world, n)[rank].float().clone()
+        (red.reduce_scatter if mode == "rs" else red.all_reduce)(buf, async_op=True).wait()
+        out.append((buf, red.bytes_sent))
+    return out
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -32,12 +36,12 @@ def test_reducer_matches_fp64_average(world, dtype):
     tol = 1e-6 if dtype == "fp32" else 2.0 ** -8
     esize = 4 if dtype == "fp32" else 2
     scale = torch.stack(_inputs(world, n)).abs().max(0).values
-    rs = run_distributed(_reduce, world, dtype, n, "rs")
+    both = run_distributed(_reduce, world, dtype, n)
+    rs, ar = [b[0] for b in both], [b[1] for b in both]
     for r, (buf, sent) in enumerate(rs):
         sl = slice(r * chunk, (r + 1) * chunk)
         assert ((buf[sl].double() - ref[sl]).abs() <= tol * scale[sl] + 1e-30).all()
         assert sent == (world - 1) * chunk * esize
-    ar = run_distributed(_reduce, world, dtype, n, "ar")
     for buf, sent in ar:
         assert torch.equal(buf, ar[0][0]), "all-reduce results must be bitwise identical on every rank"
         assert ((buf.double() - ref).abs() <= 2 * tol * scale + 1e-30).all()
