@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_common import run_gloo, synthetic_batches  # noqa: E402
 from megatron_geo.config import load_config  # noqa: E402
 from megatron_geo.parallel import build_groups  # noqa: E402
 from megatron_geo.training.step import train_step  # noqa: E402
@@ -38,16 +38,6 @@ MODES = {"fp8": ["comm.dtype=fp8_e4m3", "comm.error_feedback=true"],
          "geofp8": ["comm.dtype=fp8_e4m3", "comm.error_feedback=true", "comm.transform=geo"]}
 
 
-def _batches(cfg, dp_rank, dp_size, step):
-    g = torch.Generator().manual_seed(step)
-    t = cfg.train
-    data = torch.randint(0, cfg.model.vocab_size, (t.global_batch_size, cfg.model.seq_length + 1), generator=g)
-    per = t.global_batch_size // dp_size
-    mine = data[dp_rank * per:(dp_rank + 1) * per]
-    return [{"tokens": mine[i:i + t.micro_batch_size, :-1], "labels": mine[i:i + t.micro_batch_size, 1:],
-             "loss_mask": torch.ones(t.micro_batch_size, cfg.model.seq_length)} for i in range(0, per, t.micro_batch_size)]
-
-
 def _run_mode(args, mode, pctx):
     cfg = load_config(args.config, ["logging.wandb=disabled", f"geo.refresh_interval={args.refresh_interval}"]
                       + args.overrides + MODES[mode])
@@ -55,7 +45,7 @@ def _run_mode(args, mode, pctx):
     geo = getattr(reducer, "geo", None)
     times, refresh_times = [], []
     for s in range(args.steps + 1):
-        mbs = _batches(cfg, pctx.dp_rank, pctx.dp_size, s)
+        mbs = synthetic_batches(cfg, pctx.dp_rank, pctx.dp_size, s)
         dist.barrier()
         t0 = time.perf_counter()
         train_step(model, mbs, sync, opt, pctx, 1.0, 1.0, geo=geo, step=s)
@@ -69,10 +59,7 @@ def _run_mode(args, mode, pctx):
     return times, refresh_times
 
 
-def _worker(rank, world, port, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank, world, args):
     pctx = build_groups(rank, world, 1, torch.device("cpu"), "gloo")
     res = {m: ([], []) for m in MODES}
     for _ in range(args.rounds):
@@ -80,9 +67,7 @@ def _worker(rank, world, port, args, queue):
             t, r = _run_mode(args, m, pctx)
             res[m][0].extend(t)
             res[m][1].extend(r)
-    if rank == 0:
-        queue.put(res)
-    dist.destroy_process_group()
+    return res
 
 
 def geo_memory(cfg) -> dict:
@@ -128,17 +113,7 @@ def main() -> None:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     args.config = args.config or ["configs/tiny.yaml"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.nproc, port, args, queue)) for r in range(args.nproc)]
-    for pr in procs:
-        pr.start()
-    res = queue.get(timeout=7200)
-    for pr in procs:
-        pr.join()
+    res = run_gloo(_worker, args.nproc, args)
     fp8, geo = statistics.mean(res["fp8"][0]), statistics.mean(res["geofp8"][0])
     print(f"config: {' '.join(args.config)} {' '.join(args.overrides)} | {args.nproc} DP processes (gloo, CPU) | "
           f"{args.rounds} rounds x {args.steps} steps, geo.refresh_interval={args.refresh_interval}")

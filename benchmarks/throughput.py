@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_common import run_gloo, synthetic_batches  # noqa: E402
 from megatron_geo.config import load_config  # noqa: E402
 from megatron_geo.model import Llama  # noqa: E402
 from megatron_geo.parallel import build_groups  # noqa: E402
@@ -32,21 +32,11 @@ from megatron_geo.training.step import train_step  # noqa: E402
 from megatron_geo.training.trainer import build_model_and_optimizer  # noqa: E402
 
 
-def _batches(cfg, dp_rank, dp_size, step):
-    g = torch.Generator().manual_seed(step)
-    t = cfg.train
-    data = torch.randint(0, cfg.model.vocab_size, (t.global_batch_size, cfg.model.seq_length + 1), generator=g)
-    per = t.global_batch_size // dp_size
-    mine = data[dp_rank * per:(dp_rank + 1) * per]
-    return [{"tokens": mine[i:i + t.micro_batch_size, :-1], "labels": mine[i:i + t.micro_batch_size, 1:],
-             "loss_mask": torch.ones(t.micro_batch_size, cfg.model.seq_length)} for i in range(0, per, t.micro_batch_size)]
-
-
 def _ours(cfg, pctx, steps):
     model, _, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
     times = []
     for s in range(steps + 1):
-        mbs = _batches(cfg, pctx.dp_rank, pctx.dp_size, s)
+        mbs = synthetic_batches(cfg, pctx.dp_rank, pctx.dp_size, s)
         dist.barrier()
         t0 = time.perf_counter()
         train_step(model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad)
@@ -62,7 +52,7 @@ def _reference(cfg, pctx, steps):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay)
     times = []
     for s in range(steps + 1):
-        mbs = _batches(cfg, pctx.dp_rank, pctx.dp_size, s)
+        mbs = synthetic_batches(cfg, pctx.dp_rank, pctx.dp_size, s)
         dist.barrier()
         t0 = time.perf_counter()
         for i, mb in enumerate(mbs):
@@ -76,10 +66,7 @@ def _reference(cfg, pctx, steps):
     return times[1:]
 
 
-def _worker(rank, world, port, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank, world, args):
     cfg = load_config(args.config, ["logging.wandb=disabled"] + args.overrides)
     pctx = build_groups(rank, world, 1, torch.device("cpu"), "gloo")
     ours, ref, sent = [], [], 0.0
@@ -87,9 +74,7 @@ def _worker(rank, world, port, args, queue):
         t, sent = _ours(cfg, pctx, args.steps)
         ours += t
         ref += _reference(cfg, pctx, args.steps)
-    if rank == 0:
-        queue.put((ours, ref, sent))
-    dist.destroy_process_group()
+    return (ours, ref, sent)
 
 
 def main() -> None:
@@ -105,17 +90,7 @@ def main() -> None:
         args.overrides.append("comm.dtype=bf16")
     cfg = load_config(args.config, args.overrides)
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.nproc, port, args, queue)) for r in range(args.nproc)]
-    for pr in procs:
-        pr.start()
-    ours, ref, sent = queue.get(timeout=3600)
-    for pr in procs:
-        pr.join()
+    ours, ref, sent = run_gloo(_worker, args.nproc, args)
     mo, mr = statistics.median(ours), statistics.median(ref)
     print(f"config: {' '.join(args.config)} {' '.join(args.overrides)} | {args.nproc} DP processes (gloo, CPU), "
           f"global batch {cfg.train.global_batch_size} x seq {cfg.model.seq_length} = {tokens} tokens/step, "
