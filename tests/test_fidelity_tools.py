@@ -201,8 +201,9 @@ def test_profile_fp8_vulnerability_cli(tmp_path):
 
 # -- GeoFP8 coordinate systems (simulate_geo_reduce and the --geo ablation) ------------------------------
 from megatron_geo.comm.fidelity import (BlockDiagonalTransform, DiagonalTransform,  # noqa: E402
-                                        build_coordinate_transform, geo_fidelity_metrics, output_factor_from_grads,
-                                        relative_damping, simulate_geo_reduce, to_transformed)
+                                        build_coordinate_transform, geo_fidelity_metrics, input_gram_from_grads,
+                                        output_factor_from_grads, relative_damping, simulate_geo_reduce,
+                                        to_transformed)
 from megatron_geo.geometry.transform import build_transform  # noqa: E402
 
 
@@ -225,6 +226,8 @@ def test_exact_wire_every_coordinate_system_returns_the_fp64_average():
     ins = [build_coordinate_transform(A, "lowrank", r, dmp) for r in (8, 32) for dmp in (1e-4, 1e-1)]
     ins += [build_coordinate_transform(A, "full", damping=1e-4), build_coordinate_transform(A, "diag"),
             build_coordinate_transform(A, "block", block=32), build_coordinate_transform(A, "block", block=128)]
+    ins += [build_coordinate_transform(A, "lowrank", 32, power=0.25),
+            build_coordinate_transform(input_gram_from_grads(grads), "full", power=0.25)]
     outs = [build_coordinate_transform(S, "lowrank", 8), build_coordinate_transform(S, "full", damping=1e-4)]
     combos = [(None, None)] + [(t, None) for t in ins] + [(None, t) for t in outs] + [(ins[1], outs[0]),
                                                                                        (ins[4], outs[1])]
@@ -249,6 +252,8 @@ def test_geo_reduce_is_the_dense_two_sided_map():
     # the low-rank kind is the trainer's transform: build_transform with geo.damping x mean eigenvalue
     ref = build_transform(A, 5, 1e-3 * float(A.diagonal().mean()))
     assert torch.equal(t_in.U, ref.U) and torch.equal(t_in.d, ref.d)
+    quarter = build_coordinate_transform(A, "lowrank", 5, power=0.25)  # D = ratio ** 1/4 = sqrt(GeoFP8's D)
+    torch.testing.assert_close(quarter.d, ref.d.sqrt(), rtol=1e-6, atol=0.0)
     assert relative_damping(A, 0.5) == pytest.approx(0.5 * float(A.diagonal().double().mean()))
     S = output_factor_from_grads(grads)
     torch.testing.assert_close(S.double(), sum(x.double() @ x.double().T for x in grads) / (2 * 20))
@@ -298,7 +303,7 @@ def test_grad_fidelity_geo_cli(tmp_path):
     for want in ("Euclidean (baseline)", "input-side geo r32", "output-side geo r32", "two-sided geo r32",
                  "input full (r = d_in)", "input diagonal", "input block-diag 32", "input low-rank 8",
                  "input r32 damping 0.01", "Euclidean @ t+1", "input r32, A stale (t) @ t+1", "NVFP4 Euclidean",
-                 "NVFP4 input-side geo r32"):
+                 "NVFP4 input-side geo r32", "input r32, D power 1/4", "input r32, grad Gram, power 1/4"):
         assert want in labels, want
     for r in g["rows"]:
         assert len(r["layers"]) == 7 + 1

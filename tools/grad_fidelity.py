@@ -74,7 +74,8 @@ if REPO_ROOT not in sys.path:
 
 from megatron_geo.comm.codecs import bytes_per_element  # noqa: E402
 from megatron_geo.comm.fidelity import (build_coordinate_transform, fidelity_metrics, geo_reduce_and_metrics,  # noqa: E402
-                                        normalize_codec, output_factor_from_grads, parse_codec, simulate_reduce)
+                                        input_gram_from_grads, normalize_codec, output_factor_from_grads,
+                                        parse_codec, simulate_reduce)
 from megatron_geo.config import ConfigError, load_config, validate_config  # noqa: E402
 from megatron_geo.geometry import InputStats, select_parameters  # noqa: E402
 from megatron_geo.parallel import LaunchEnv, destroy_parallel, init_parallel  # noqa: E402
@@ -364,8 +365,9 @@ def capture_geo(sess: Session, ranks: int, modules: dict, output_hooks: bool) ->
     return GeoCapture(sess.step, names, grads, loss, A, S, time.perf_counter() - t0)
 
 
-def _side(kind: str, rank: int | None = None, block: int | None = None, damping: float = 1e-3) -> dict:
-    return {"kind": kind, "rank": rank, "block": block, "damping": damping}
+def _side(kind: str, rank: int | None = None, block: int | None = None, damping: float = 1e-3, power: float = 0.5,
+          factor: str = "kfac") -> dict:
+    return {"kind": kind, "rank": rank, "block": block, "damping": damping, "power": power, "factor": factor}
 
 
 def _side_label(sd: dict | None) -> str:
@@ -373,11 +375,12 @@ def _side_label(sd: dict | None) -> str:
         return "-"
     k = sd["kind"]
     what = {"lowrank": f"r{sd['rank']}", "full": "full", "diag": "diag", "block": f"block{sd['block']}"}[k]
-    return f"{what} d{sd['damping']:g}"
+    extra = (f" p{sd['power']:g}" if sd["power"] != 0.5 else "") + (" gram" if sd["factor"] == "gram" else "")
+    return f"{what} d{sd['damping']:g}{extra}"
 
 
 def geo_rows(rank: int, damping: float, lowranks: list[int], blocks: list[int], dampings: list[float],
-             staleness: list[int]) -> list[dict]:
+             staleness: list[int], investigate: bool = True) -> list[dict]:
     """The ablation rows: ``{"key", "group", "label", "codec", "input", "output" (side dicts or None),
     "capture" (step offset of the gradients), "stats" (offset of the factors), "baseline" (key)}``."""
     geo = _side("lowrank", rank, damping=damping)
@@ -407,6 +410,15 @@ def geo_rows(rank: int, damping: float, lowranks: list[int], blocks: list[int], 
         add("staleness", f"input r{rank}, A stale (t) @ t+{k}", inp=geo, capture=k, stats=0, baseline=e)
     e4 = add("nvfp4", "NVFP4 Euclidean", codec=GEO_FP4)
     add("nvfp4", f"NVFP4 input-side geo r{rank}", codec=GEO_FP4, inp=geo, baseline=e4)
+    if investigate:
+        # why (docs/geofp8_fidelity.md): D's exponent, and a factor that measures the gradient's own energy
+        add("investigate", f"input r{rank}, D power 1/4", inp=_side("lowrank", rank, damping=damping, power=0.25),
+            baseline=eu)
+        add("investigate", "input full, D power 1/4", inp=_side("full", damping=damping, power=0.25), baseline=eu)
+        add("investigate", f"input r{rank}, grad Gram, power 1/4",
+            inp=_side("lowrank", rank, damping=damping, power=0.25, factor="gram"), baseline=eu)
+        add("investigate", f"NVFP4 input r{rank}, D power 1/4", codec=GEO_FP4,
+            inp=_side("lowrank", rank, damping=damping, power=0.25), baseline=e4)
     # the same configuration listed in two groups is computed once (the rows share the key)
     return rows
 
@@ -418,8 +430,13 @@ class _Transforms:
         self.caps, self.output_factor, self.cache = caps, output_factor, {}
         self.seconds = 0.0
 
-    def factor(self, offset: int, side: str, name: str) -> torch.Tensor:
+    def factor(self, offset: int, side: str, name: str, kind: str = "kfac") -> torch.Tensor:
         cap = self.caps[offset]
+        if side == "input" and kind == "gram":
+            key = (offset, "gram", name)
+            if key not in self.cache:
+                self.cache[key] = input_gram_from_grads(cap.grads[name])
+            return self.cache[key]
         if side == "input":
             return cap.A[name]
         if self.output_factor == "hooks":
@@ -432,11 +449,12 @@ class _Transforms:
     def get(self, offset: int, side: str, name: str, sd: dict | None):
         if sd is None:
             return None
-        key = (offset, side, name, sd["kind"], sd["rank"], sd["block"], sd["damping"])
+        key = (offset, side, name, sd["kind"], sd["rank"], sd["block"], sd["damping"], sd["power"], sd["factor"])
         if key not in self.cache:
             t0 = time.perf_counter()
-            self.cache[key] = build_coordinate_transform(self.factor(offset, side, name), sd["kind"],
-                                                         sd["rank"] or 0, sd["damping"], sd["block"] or 128)
+            self.cache[key] = build_coordinate_transform(self.factor(offset, side, name, sd["factor"]), sd["kind"],
+                                                         sd["rank"] or 0, sd["damping"], sd["block"] or 128,
+                                                         sd["power"])
             self.seconds += time.perf_counter() - t0
         return self.cache[key]
 
@@ -631,7 +649,7 @@ def run_geo(sess: Session, args) -> dict:
     modules = {n: mods[n[: -len(".weight")]] for n, _ in linear_weights(sess.model)}
     staleness = sorted(set(_int_list(args.geo_staleness)))
     rows = geo_rows(args.geo_rank, args.geo_damping, _int_list(args.geo_lowranks), _int_list(args.geo_blocks),
-                    _float_list(args.geo_dampings), staleness)
+                    _float_list(args.geo_dampings), staleness, not args.no_investigate)
     hooks = args.output_factor == "hooks"
     caps = {0: capture_geo(sess, args.ranks, modules, hooks)}
     t0 = sess.step
@@ -745,6 +763,8 @@ def parse_args(argv):
                         "the output gradients from backward hooks (default %(default)s)")
     g.add_argument("--geo-transform-precision", choices=("fp64", "fp32"), default="fp64",
                    help="apply the transforms in FP64 (only the codec loses) or in the trainer's FP32")
+    g.add_argument("--no-investigate", action="store_true",
+                   help="skip the 'investigate' rows (D power 1/4, gradient-Gram oracle factor)")
     g.add_argument("--markdown", metavar="FILE", help="also write the report as Markdown")
     p.add_argument("overrides", nargs="*", help="dotted section.key=value overrides applied last")
     args = p.parse_args(argv)

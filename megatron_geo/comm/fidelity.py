@@ -480,8 +480,19 @@ def block_diagonal_transform(A: Tensor, block: int, damping: float) -> BlockDiag
 TRANSFORM_KINDS = ("lowrank", "full", "diag", "block")
 
 
+def _with_power(t, power: float):
+    """The same transform with every scale raised to ``2 * power`` (``d = ratio ** 1/2`` -> ``ratio ** power``)."""
+    if power == 0.5:
+        return t
+    if isinstance(t, LowRankTransform):
+        return LowRankTransform(t.U, (t.d.double() ** (2.0 * power)).float())
+    if isinstance(t, DiagonalTransform):
+        return DiagonalTransform((t.s.double() ** (2.0 * power)).float())
+    return BlockDiagonalTransform([_with_power(b, power) for b in t.blocks])
+
+
 def build_coordinate_transform(A: Tensor, kind: str = "lowrank", rank: int = 32, damping: float = 1e-3,
-                               block: int = 128):
+                               block: int = 128, power: float = 0.5):
     """A coordinate transform of one side of a linear layer's gradient from its K-FAC factor ``A``.
 
     Args:
@@ -491,20 +502,25 @@ def build_coordinate_transform(A: Tensor, kind: str = "lowrank", rank: int = 32,
             whitening), ``diag`` (:func:`diagonal_transform`) or ``block`` (:func:`block_diagonal_transform`
             with blocks of ``block``).
         damping: relative to A's mean eigenvalue (:func:`relative_damping`), as ``geo.damping``.
+        power: exponent of the eigenvalue ratio in D, ``D = ((lambda_ref + damping) / (lambda_i +
+            damping)) ** power``; 1/2 is GeoFP8's whitening (DESIGN.md section 1), other values are an
+            ablation (1/4: half-way whitening in log scale; see docs/geofp8_fidelity.md).
 
     Returns:
         an object with ``apply`` / ``apply_inverse`` / ``dense`` (float32).
     """
     damp = relative_damping(A, damping)
     if kind == "lowrank":
-        return build_transform(A, rank, damp)
-    if kind == "full":
-        return build_transform(A, A.shape[0], damp)
-    if kind == "diag":
-        return diagonal_transform(A, damp)
-    if kind == "block":
-        return block_diagonal_transform(A, block, damp)
-    raise ValueError(f"unknown transform kind {kind!r}; choose one of {', '.join(TRANSFORM_KINDS)}")
+        t = build_transform(A, rank, damp)
+    elif kind == "full":
+        t = build_transform(A, A.shape[0], damp)
+    elif kind == "diag":
+        t = diagonal_transform(A, damp)
+    elif kind == "block":
+        t = block_diagonal_transform(A, block, damp)
+    else:
+        raise ValueError(f"unknown transform kind {kind!r}; choose one of {', '.join(TRANSFORM_KINDS)}")
+    return _with_power(t, power)
 
 
 def output_factor_from_grads(rank_grads: list[Tensor]) -> Tensor:
@@ -520,6 +536,12 @@ def output_factor_from_grads(rank_grads: list[Tensor]) -> Tensor:
         gd = g.double()
         S += gd @ gd.T
     return (S / (len(rank_grads) * rank_grads[0].shape[1])).float()
+
+
+def input_gram_from_grads(rank_grads: list[Tensor]) -> Tensor:
+    """``sum_r G_r^T G_r / (N d_out)`` (float32 ``[d_in, d_in]``): where the gradients' own energy lies
+    among the input directions (an oracle factor for ablations, not a K-FAC statistic)."""
+    return output_factor_from_grads([g.T for g in rank_grads])
 
 
 def fp64_transform(t):
