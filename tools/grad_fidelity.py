@@ -73,9 +73,9 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 from megatron_geo.comm.codecs import bytes_per_element  # noqa: E402
-from megatron_geo.comm.fidelity import (build_coordinate_transform, fidelity_metrics, geo_reduce_and_metrics,  # noqa: E402
-                                        input_gram_from_grads, normalize_codec, output_factor_from_grads,
-                                        parse_codec, simulate_reduce)
+from megatron_geo.comm.fidelity import (  # noqa: E402
+    build_coordinate_transform, fidelity_metrics, geo_reduce_and_metrics, input_gram_from_grads, normalize_codec,
+    output_factor_from_grads, parse_codec, simulate_reduce)
 from megatron_geo.config import ConfigError, load_config, validate_config  # noqa: E402
 from megatron_geo.geometry import InputStats, select_parameters  # noqa: E402
 from megatron_geo.parallel import LaunchEnv, destroy_parallel, init_parallel  # noqa: E402
@@ -521,7 +521,8 @@ def geo_diagnostics(cap: GeoCapture, names: list[str], rank: int, damping: float
         e = sum(((x.double() @ V) ** 2).sum(0) for x in gs)
         E, din = float(e.sum()), A.shape[0]
         rr = min(rank, din)
-        best_r = (float(e[:rr].sqrt().sum()) + math.sqrt(float(e[rr:].sum()) * (din - rr))) ** 2 / (din * E) if E else None
+        best_r = ((float(e[:rr].sqrt().sum()) + math.sqrt(float(e[rr:].sum()) * (din - rr))) ** 2 / (din * E)
+                  if E else None)
         best_full = float(e.sqrt().sum()) ** 2 / (din * E) if E else None
         rt_e = fidelity_metrics(simulate_reduce(gs[:1], GEO_FP8), gs[:1], None, directions=False)["rel_l2"]
         rt_g = geo_reduce_and_metrics(gs[:1], GEO_FP8, t, None, directions=False)[1]["rel_l2"]
@@ -532,7 +533,8 @@ def geo_diagnostics(cap: GeoCapture, names: list[str], rank: int, damping: float
             "a_topr_trace_frac": float(ev[:rank].sum()) / tr if tr else None,
             "a_participation_rank": tr ** 2 / float((ev ** 2).sum()) if tr else None,
             "a_lambda1_over_mean": float(ev[0]) / (tr / ev.numel()) if tr else None,
-            "a_lambda_r_over_ref": float(ev[min(rank, ev.numel()) - 1] / ev[rank:].mean()) if ev.numel() > rank else None,
+            "a_lambda_r_over_ref": (float(ev[min(rank, ev.numel()) - 1] / ev[rank:].mean())
+                                    if ev.numel() > rank else None),
             "d_min": float(t.d.min()) if t.d.numel() else None,
             "grad_energy_topr": _energy_fraction(g, U),
             "rank_grad_energy_topr": _mean([_energy_fraction(x, U) for x in gs]),
@@ -552,7 +554,8 @@ def _targets(rows: list[dict], key: str) -> dict:
     s = r["selected"]
     red, tail = s.get("rel_l2_reduction_pct"), s.get("tail_ratio")
     return {"row": r["label"], "rel_l2_reduction_pct": red, "target_reduction_pct": TARGET_REDUCTION_PCT,
-            "paper_reduction_pct": PAPER_REDUCTION_PCT, "reduction_met": red is not None and red >= TARGET_REDUCTION_PCT,
+            "paper_reduction_pct": PAPER_REDUCTION_PCT,
+            "reduction_met": red is not None and red >= TARGET_REDUCTION_PCT,
             "tail_ratio": tail, "target_tail_ratio": TARGET_TAIL_RATIO,
             "tail_met": tail is not None and tail >= TARGET_TAIL_RATIO}
 
@@ -701,13 +704,15 @@ def geo_report(out: dict, markdown: bool = False) -> str:
     n_sel = len(g["selected_layers"])
     st = g["settings"]
     head = (f"GeoFP8 coordinate ablation: {out['ranks']} ranks x {out['micro_batch_size']} samples, capture after "
-            f"{out['warmup_steps']} steps (t = {g['capture_steps']['0']}); rank {st['rank']}, damping {st['damping']:g} "
+            f"{out['warmup_steps']} steps (t = {g['capture_steps']['0']}); rank {st['rank']}, "
+            f"damping {st['damping']:g} "
             f"x mean eigenvalue; output factor from {st['output_factor']}; transforms applied in "
             f"{st['transform_precision']}. RelL2 / SQNR / cosine: concatenated layers of the scope; layer RelL2, dir "
             f"top / tail: means over layers of the per-layer values (medians over the first / last quarter of each "
             f"gradient's singular directions); vs Eucl %: RelL2 reduction against the row's Euclidean baseline (same "
             f"codec, same capture); tail E/geo: baseline tail error / this row's.")
-    sel_t, all_t = format_geo_table(g["rows"], "selected", markdown), format_geo_table(g["rows"], "all_linear", markdown)
+    sel_t = format_geo_table(g["rows"], "selected", markdown)
+    all_t = format_geo_table(g["rows"], "all_linear", markdown)
     diag = format_diag_table(g["diagnostics"], markdown)
     tg = _targets_text(g["targets"], n_sel)
     diag_note = ("diagnostics (capture t, input side r = {r}): A top8 / top-r = share of trace(A) in the top 8 / r "
@@ -724,7 +729,7 @@ def geo_report(out: dict, markdown: bool = False) -> str:
         return "\n\n".join([head, "```\n" + tg + "\n```",
                             f"**Selected layers** (`{st['layers']}`, {n_sel} layers)", sel_t,
                             f"**All linear weights** ({len(out['layers'])} layers, every one transformed)", all_t,
-                            "**Diagnostics** (" + diag_note + ")", diag])
+                            "**Diagnostics**: " + diag_note[len("diagnostics "):], diag])
     return "\n\n".join([head, f"selected layers ({st['layers']}, {n_sel} layers):\n" + sel_t,
                         f"all linear weights ({len(out['layers'])} layers, each transformed):\n" + all_t,
                         diag_note + "\n" + diag, tg])

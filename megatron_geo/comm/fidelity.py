@@ -429,7 +429,8 @@ class BlockDiagonalTransform:
 
     def _map(self, g: Tensor, inverse: bool) -> Tensor:
         if g.shape[-1] != self.d_in:
-            raise ValueError(f"block-diagonal transform of size {self.d_in} applied to a last dimension of {g.shape[-1]}")
+            raise ValueError(f"block-diagonal transform of size {self.d_in} applied to a last dimension of "
+                             f"{g.shape[-1]}")
         parts = []
         for b, lo, hi in zip(self.blocks, self.offsets[:-1], self.offsets[1:]):
             x = g[..., lo:hi]
