@@ -192,11 +192,17 @@ class LowPrecisionReducer(Reducer):
                 self._count_allreduce(amax.numel() * 4)
                 amax = torch.where(torch.isinf(amax), torch.full_like(amax, float("nan")), amax)
             seg = layout.segment_values(fp8_scale_from_amax(amax, self.fmt))               # [dp, K]
-        else:  # a single chunk (all-gather stage): its own scales
+        else:  # a single chunk (all-gather stage): per-segment scales of this chunk only
             (r,) = chunks
-            sub = torch.zeros(layout.dp_size * c, dtype=x.dtype, device=x.device)
-            sub[r * c:(r + 1) * c] = x
-            seg = layout.segment_values(fp8_scale_from_amax(layout.group_amax(sub), self.fmt))[r:r + 1]
+            if layout.block_size is not None:
+                amax = x.view(1, -1, layout.block_size).abs().amax(dim=2)
+            else:
+                lens = layout.lengths[r]
+                used = lens > 0  # padded (zero-length) segments sit at the end of the row
+                amax = torch.zeros(1, layout.K, dtype=torch.float32, device=x.device)
+                amax[0, : int(used.sum())] = torch.segment_reduce(x.abs(), "max", lengths=lens[used], unsafe=True,
+                                                                  initial=0.0)
+            seg = fp8_scale_from_amax(amax, self.fmt)
         scale = torch.stack([layout.expand(seg[i], ch) for i, ch in enumerate(chunks)]).view(-1)
         codes = fp8_encode(x, scale, self.fmt, self.rounding, self.generator)
         dec = fp8_decode(codes, scale, self.fmt)
