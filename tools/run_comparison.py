@@ -1,0 +1,199 @@
+#!/usr/bin/env python
+"""Run one training per (comm preset, seed) into one sweep folder, so the modes can be compared.
+
+    python tools/run_comparison.py --config configs/tiny.yaml --sweep-dir runs/sweep_tiny
+    python tools/run_comparison.py --config configs/llama_600m.yaml --sweep-dir runs/sweep_600m --slurm
+    python tools/run_comparison.py ... --presets bf16 fp8 geofp8 --seeds 2 train.steps=300
+
+Every run writes to ``SWEEP_DIR/<preset>-seed<k>/`` (``train.run_dir``), uses ``train.seed=<k>`` and
+``logging.wandb_group=<sweep name>`` (``logging.wandb_name=<preset>-seed<k>``), so the curves of one
+sweep line up in one wandb group. Extra ``section.key=value`` arguments are passed to every run (after
+the ones above, so they may override them, except run_dir/seed/group).
+
+Locally each run is ``torchrun --standalone --nproc-per-node N pretrain_llama.py --config MODEL
+--config configs/comm/<preset>.yaml OVERRIDES`` (one after the other; stdout+stderr go to
+``<run>/train.log``). With ``--slurm`` each run is instead submitted as
+``sbatch [--job-name ...] scripts/slurm/pretrain.sbatch --config MODEL --config PRESET OVERRIDES``
+(the sbatch script decides nodes and tasks). ``SWEEP_DIR/sweep.json`` records the presets, seeds and
+exact commands. ``tools/compare_runs.py SWEEP_DIR`` then makes the plots and tables.
+
+Exit status: 0 if every run finished (or was submitted), 1 if any failed (the others still run),
+2 for bad arguments (unknown preset, missing config file, missing sbatch script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PRESETS = ["fp32", "bf16", "fp8", "fp8_ef", "fp8_hadamard", "geofp8", "nvfp4", "geonvfp4"]
+PRESET_DIR = ROOT / "configs" / "comm"
+SBATCH_SCRIPT = ROOT / "scripts" / "slurm" / "pretrain.sbatch"
+RESERVED = ("train.run_dir", "train.seed", "logging.wandb_group", "logging.wandb_name")
+
+
+class SweepError(ValueError):
+    """Bad sweep arguments; the message names the value and the fix."""
+
+
+def resolve_preset(name: str) -> tuple[str, Path]:
+    """``(label, yaml path)`` of a preset given by name (``configs/comm/<name>.yaml``) or by path."""
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml"):
+        if not p.is_file():
+            raise SweepError(f"preset file '{name}' not found")
+        return p.stem, p
+    path = PRESET_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(f.stem for f in PRESET_DIR.glob("*.yaml"))
+        raise SweepError(f"unknown comm preset '{name}'; choose from {', '.join(known)} (configs/comm/) "
+                         f"or pass a YAML file path")
+    return name, path
+
+
+def plan_runs(configs: list[str], presets: list[str], seeds: list[int], sweep_dir: Path,
+              overrides: list[str]) -> list[dict]:
+    """One entry per (preset, seed): ``name``, ``run_dir``, ``preset``, ``seed``, ``config_args``
+    (``--config`` files then overrides, as pretrain_llama.py and the sbatch script take them)."""
+    for c in configs:
+        if not Path(c).is_file():
+            raise SweepError(f"model config '{c}' not found (pass an existing YAML file to --config)")
+    for ov in overrides:
+        key = ov.split("=", 1)[0]
+        if "=" not in ov or "." not in key:
+            raise SweepError(f"override '{ov}' is not of the form section.key=value (e.g. train.steps=300)")
+        if key in RESERVED:
+            raise SweepError(f"override '{ov}': {key} is set per run by the sweep; use --sweep-dir/--seeds instead")
+    if not seeds:
+        raise SweepError("no seeds: pass --seeds N (N >= 1) or --seed-list")
+    group = sweep_dir.name
+    runs = []
+    for preset in presets:
+        label, path = resolve_preset(preset)
+        for seed in seeds:
+            name = f"{label}-seed{seed}"
+            run_dir = sweep_dir / name
+            args = []
+            for c in configs:
+                args += ["--config", str(c)]
+            args += ["--config", os.path.relpath(path), f"train.run_dir={run_dir}", f"train.seed={seed}",
+                     f"logging.wandb_group={group}", f"logging.wandb_name={name}", *overrides]
+            runs.append({"name": name, "preset": label, "seed": seed, "run_dir": str(run_dir), "config_args": args})
+    return runs
+
+
+def run_finished(run_dir: Path) -> bool:
+    """True if ``run_dir/metrics.jsonl`` ends with the last step of ``config.yaml`` (``train.steps``)."""
+    import yaml
+
+    m, c = run_dir / "metrics.jsonl", run_dir / "config.yaml"
+    if not (m.is_file() and c.is_file()):
+        return False
+    try:
+        steps = yaml.safe_load(c.read_text())["train"]["steps"]
+        lines = [ln for ln in m.read_text().splitlines() if ln.strip()]
+        return bool(lines) and json.loads(lines[-1])["step"] == steps
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+def local_command(run: dict, nproc: int, python: str) -> list[str]:
+    torchrun = [python, "-m", "torch.distributed.run"]
+    return [*torchrun, "--standalone", "--nproc-per-node", str(nproc), str(ROOT / "pretrain_llama.py"),
+            *run["config_args"]]
+
+
+def slurm_command(run: dict, sbatch_args: list[str]) -> list[str]:
+    return ["sbatch", f"--job-name={run['name']}", *sbatch_args, str(SBATCH_SCRIPT), *run["config_args"]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", action="append", default=None,
+                    help="model config YAML (repeatable; default configs/tiny.yaml)")
+    ap.add_argument("--presets", nargs="+", default=DEFAULT_PRESETS,
+                    help=f"comm presets, space- or comma-separated (names in configs/comm/ or YAML paths; default: {' '.join(DEFAULT_PRESETS)})")
+    ap.add_argument("--seeds", type=int, default=3, help="number of seeds: train.seed = 1..N (default 3)")
+    ap.add_argument("--seed-list", type=int, nargs="+", default=None, help="explicit seeds (overrides --seeds)")
+    ap.add_argument("--sweep-dir", default="runs/sweep", help="output folder; its name is the wandb group")
+    ap.add_argument("--nproc", type=int, default=2, help="processes per local run (torchrun --nproc-per-node)")
+    ap.add_argument("--slurm", action="store_true",
+                    help="submit each run with sbatch scripts/slurm/pretrain.sbatch instead of running torchrun")
+    ap.add_argument("--sbatch-arg", action="append", default=[],
+                    help="extra sbatch option, e.g. --sbatch-arg=--nodes=64 (repeatable)")
+    ap.add_argument("--skip-finished", action="store_true",
+                    help="skip runs whose metrics.jsonl already reaches train.steps (resume a sweep)")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands and exit")
+    ap.add_argument("overrides", nargs="*", help="section.key=value passed to every run")
+    a = ap.parse_args(argv)
+
+    # `--presets a b key=value` : argparse gives the trailing overrides to --presets; move them back
+    presets = [x for item in a.presets if "=" not in item for x in item.split(",") if x]
+    overrides = [item for item in a.presets if "=" in item] + a.overrides
+    sweep_dir = Path(a.sweep_dir)
+    seeds = a.seed_list if a.seed_list else list(range(1, a.seeds + 1))
+    try:
+        if a.nproc < 1:
+            raise SweepError(f"--nproc {a.nproc} must be >= 1")
+        runs = plan_runs(a.config or [os.path.relpath(ROOT / "configs" / "tiny.yaml")], presets, seeds, sweep_dir,
+                         overrides)
+        if a.slurm and not SBATCH_SCRIPT.is_file():
+            raise SweepError(f"--slurm needs {SBATCH_SCRIPT} (not found)")
+        if a.slurm and not a.dry_run and shutil.which("sbatch") is None:
+            raise SweepError("--slurm: 'sbatch' is not on PATH; run on a Slurm login node or drop --slurm")
+    except SweepError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    cmds = [slurm_command(r, a.sbatch_arg) if a.slurm else local_command(r, a.nproc, sys.executable) for r in runs]
+    if a.dry_run:
+        for c in cmds:
+            print(shlex.join(c))
+        return 0
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    manifest = {"sweep": sweep_dir.name, "presets": [r["preset"] for r in runs[::len(seeds)]], "seeds": seeds,
+                "launcher": "slurm" if a.slurm else f"torchrun x{a.nproc}", "argv": sys.argv,
+                "runs": [{**r, "command": shlex.join(c)} for r, c in zip(runs, cmds)]}
+    (sweep_dir / "sweep.json").write_text(json.dumps(manifest, indent=1))
+
+    failed = []
+    for i, (run, cmd) in enumerate(zip(runs, cmds), 1):
+        run_dir = Path(run["run_dir"])
+        if a.skip_finished and run_finished(run_dir):
+            print(f"[{i}/{len(runs)}] {run['name']}: finished before, skipped", flush=True)
+            continue
+        if a.slurm:
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            msg = (res.stdout + res.stderr).strip()
+            print(f"[{i}/{len(runs)}] {run['name']}: {msg}", flush=True)
+            if res.returncode:
+                failed.append(run["name"])
+            continue
+        run_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        print(f"[{i}/{len(runs)}] {run['name']}: {shlex.join(cmd)}", flush=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(run_dir / "train.log", "w") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+        status = "ok" if rc == 0 else f"FAILED (exit {rc}; see {run_dir / 'train.log'})"
+        print(f"[{i}/{len(runs)}] {run['name']}: {status} in {time.time() - t0:.0f} s", flush=True)
+        if rc:
+            failed.append(run["name"])
+    if failed:
+        print(f"error: {len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    print(f"sweep done: {len(runs)} runs in {sweep_dir}/; next: python tools/compare_runs.py {sweep_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
