@@ -1,0 +1,119 @@
+"""tools/compare_runs.py on synthetic sweeps whose statistics are computed by hand here."""
+
+import csv
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("compare_runs", REPO / "tools" / "compare_runs.py")
+cr = importlib.util.module_from_spec(_spec)
+sys.modules["compare_runs"] = cr
+_spec.loader.exec_module(cr)
+
+# final validation losses per (mode, seed); bf16: mean 4.1, sample std 0.1; fp8: mean 4.3, std 0.1
+FINAL_VAL = {"bf16": {1: 4.0, 2: 4.2, 3: 4.1}, "fp8": {1: 4.3, 2: 4.4, 3: 4.2}}
+BYTES = {"bf16": [2000, 2000, 2000, 2000], "fp8": [1000, 1000, 1000, 1400]}   # means 2000 and 1100
+TOKS = {"bf16": [1.0, 100.0, 200.0, 300.0], "fp8": [5.0, 50.0, 50.0, 50.0]}  # first step left out: 200, 50
+
+
+def _write_run(d: Path, mode: str, seed: int, n_steps: int = 4, extra_val_shift: float = 0.0):
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(f"train:\n  seed: {seed}\n  steps: {n_steps}\ncomm:\n  dtype: {mode}\n")
+    with open(d / "metrics.jsonl", "w") as f:
+        for i in range(n_steps):
+            rec = {"step": i + 1, "loss": 8.0 - i - (seed / 10), "comm_bytes": BYTES[mode][i],
+                   "tokens_per_sec": TOKS[mode][i], "skipped": False}
+            if i + 1 == 2:
+                rec["val_loss"] = 6.0 + seed  # an earlier evaluation: must not count as final
+            if i + 1 == n_steps:
+                rec["val_loss"] = FINAL_VAL[mode][seed] + extra_val_shift
+            f.write(json.dumps(rec) + "\n")
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    root = tmp_path / "sw"
+    for mode in ("bf16", "fp8"):
+        for seed in (1, 2, 3):
+            _write_run(root / f"{mode}-seed{seed}", mode, seed)
+    return root
+
+
+def test_summary_known_answers(sweep):
+    rows = {r["mode"]: r for r in cr.summarize(cr.group_modes(cr.load_sweep(sweep)), "bf16")}
+    b, f = rows["bf16"], rows["fp8"]
+    assert b["seeds"] == 3 and b["steps"] == 4
+    assert b["final_val_loss_mean"] == pytest.approx(4.1) and b["final_val_loss_std"] == pytest.approx(0.1)
+    assert f["final_val_loss_mean"] == pytest.approx(4.3) and f["final_val_loss_std"] == pytest.approx(0.1)
+    assert f["gap"] == pytest.approx(0.2) and f["gap_sigma"] == pytest.approx(2.0)
+    assert f["paired_gap"] == pytest.approx((0.3 + 0.2 + 0.1) / 3)
+    assert b["gap"] == pytest.approx(0.0) and b["gap_sigma"] == pytest.approx(0.0)
+    assert b["comm_bytes_per_step"] == 2000 and f["comm_bytes_per_step"] == pytest.approx(1100)
+    assert f["bytes_rel"] == pytest.approx(0.55) and b["bytes_rel"] == 1.0
+    assert b["tokens_per_sec"] == pytest.approx(200.0) and f["tokens_per_sec"] == pytest.approx(50.0)
+    # final train loss: last step 8 - 3 - seed/10, mean over seeds 1..3
+    assert f["final_train_loss_mean"] == pytest.approx(5.0 - 0.2)
+
+
+def test_gap_series_is_same_seed_difference(sweep):
+    modes = cr.group_modes(cr.load_sweep(sweep))
+    steps, gaps = cr.gap_series(modes["fp8"], modes["bf16"], "val_loss")
+    assert steps == [2, 4]
+    assert [g[0] for g in gaps] == [0.0, 0.0, 0.0]  # the step-2 val loss depends on the seed only
+    assert [g[1] for g in gaps] == pytest.approx([0.3, 0.2, 0.1])
+    steps, gaps = cr.gap_series(modes["fp8"], modes["bf16"], "loss", smooth=2)
+    assert steps == [1, 2, 3, 4] and all(v == pytest.approx(0.0) for g in gaps for v in g)
+
+
+def test_moving_average():
+    assert cr._moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert cr._moving_average([1.0, 3.0], 1) == [1.0, 3.0]
+
+
+def test_cli_writes_tables_and_plots(sweep, tmp_path):
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, str(REPO / "tools" / "compare_runs.py"), str(sweep), "--out", str(out),
+                          "--smooth", "2"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert [r["mode"] for r in rows] == ["bf16", "fp8"]
+    assert float(rows[1]["gap_sigma"]) == pytest.approx(2.0) and float(rows[1]["bytes_rel"]) == pytest.approx(0.55)
+    md = (out / "results.md").read_text()
+    assert "| fp8 | 3 | 4.3000 ± 0.1000 | +0.2000 | +2.00 |" in md
+    for name in ("loss.png", "gap_to_bf16.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_missing_baseline_gives_nan_columns(tmp_path):
+    _write_run(tmp_path / "sw" / "fp8-seed1", "fp8", 1)
+    rows = cr.summarize(cr.group_modes(cr.load_sweep(tmp_path / "sw")), "bf16")
+    assert math.isnan(rows[0]["gap"]) and math.isnan(rows[0]["bytes_rel"]) and math.isnan(rows[0]["final_val_loss_std"])
+
+
+def test_bad_inputs(tmp_path, sweep):
+    tool = [sys.executable, str(REPO / "tools" / "compare_runs.py")]
+    res = subprocess.run(tool + [str(tmp_path / "nope")], capture_output=True, text=True)
+    assert res.returncode == 2 and "nope" in res.stderr and "not found" in res.stderr
+    # a run that has not written metrics yet: named, with the fix
+    (sweep / "geofp8-seed1").mkdir()
+    (sweep / "geofp8-seed1" / "config.yaml").write_text("train:\n  seed: 1\n")
+    res = subprocess.run(tool + [str(sweep), "--no-plots"], capture_output=True, text=True)
+    assert res.returncode == 2 and "geofp8-seed1" in res.stderr and "--skip-incomplete" in res.stderr
+    res = subprocess.run(tool + [str(sweep), "--no-plots", "--skip-incomplete"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    # a truncated line: file and line number named
+    with open(sweep / "fp8-seed2" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "loss"\n')
+    with pytest.raises(cr.CompareError, match=r"fp8-seed2.metrics\.jsonl:5"):
+        cr.load_sweep(sweep, skip_incomplete=True)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(cr.CompareError, match="no runs"):
+        cr.load_sweep(empty)

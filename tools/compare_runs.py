@@ -1,0 +1,372 @@
+#!/usr/bin/env python
+"""Compare the comm modes of a sweep: loss-curve plots and a summary table (no network).
+
+    python tools/compare_runs.py runs/sweep_tiny [--out docs/sweep_tiny] [--baseline bf16] [--smooth 10]
+
+Reads every run folder under SWEEP_DIR that holds ``metrics.jsonl`` and ``config.yaml`` (written by
+``pretrain_llama.py``; see ``tools/run_comparison.py``). The mode of a run is the part of its folder name
+before ``-seed<k>`` (else ``comm.dtype`` [+transform, +ef] from its config); the seed is ``train.seed``.
+
+Writes into ``--out`` (default ``SWEEP_DIR``):
+- ``loss.png``: train loss (moving average over ``--smooth`` logged steps) and validation loss vs step,
+  one line per mode = mean over seeds, band = min..max over seeds;
+- ``gap_to_<baseline>.png``: loss minus the baseline run *of the same seed*, vs step (mean, min..max band);
+- ``results.md`` and ``results.csv``, one row per mode:
+  - ``final_val_loss_mean`` / ``_std``: last validation loss of each run, mean and sample std (ddof=1) over seeds;
+  - ``gap`` = mean(mode) - mean(baseline); ``gap_sigma`` = gap / std(baseline) (DESIGN.md section 4,
+    "loss gap to the BF16 run in units of the seed-to-seed std"); ``paired_gap`` = mean over shared seeds of
+    (mode - baseline) of the same seed;
+  - ``comm_bytes_per_step``: mean of ``comm_bytes`` over all logged steps and seeds (bytes one rank sent
+    for DP gradient reduction per step) and ``bytes_rel`` = that / the baseline's;
+  - ``tokens_per_sec``: mean over steps after the first, then over seeds (global tokens/s).
+
+Errors (exit status 2, one ``error:`` line): SWEEP_DIR missing or without runs; a run folder without
+metrics (use ``--skip-incomplete`` to leave it out); a malformed metrics line (file and line named).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import re
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+DEFAULT_ORDER = ["fp32", "bf16", "fp8", "fp8_ef", "fp8_hadamard", "geofp8", "nvfp4", "geonvfp4"]
+
+
+class CompareError(ValueError):
+    """Bad sweep input; the message names the file or value and the fix."""
+
+
+@dataclass
+class Run:
+    """One training run: ``records`` are the metrics.jsonl objects in file order."""
+
+    path: Path
+    mode: str
+    seed: int
+    records: list[dict] = field(default_factory=list)
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """``(steps, values)`` of the records that carry a finite ``key``."""
+        pts = [(r["step"], float(r[key])) for r in self.records
+               if r.get(key) is not None and math.isfinite(float(r[key]))]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    @property
+    def final_val_loss(self) -> float:
+        _, v = self.series("val_loss")
+        return v[-1] if v else math.nan
+
+    @property
+    def final_loss(self) -> float:
+        _, v = self.series("loss")
+        return v[-1] if v else math.nan
+
+    @property
+    def comm_bytes_per_step(self) -> float:
+        _, v = self.series("comm_bytes")
+        return sum(v) / len(v) if v else math.nan
+
+    @property
+    def tokens_per_sec(self) -> float:
+        steps, v = self.series("tokens_per_sec")
+        v = [x for s, x in zip(steps, v) if s > 1] or v  # the first step includes warm-up
+        return sum(v) / len(v) if v else math.nan
+
+
+def _mode_from_config(cfg: dict) -> str:
+    c = cfg.get("comm", {})
+    name = str(c.get("dtype", "unknown"))
+    if c.get("transform", "none") not in ("none", None):
+        name += f"_{c['transform']}"
+    if c.get("error_feedback"):
+        name += "_ef"
+    return name
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Records of a metrics.jsonl file. Raises CompareError naming the file and line of a bad record."""
+    out = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise CompareError(f"{path}:{i}: not valid JSON ({e.msg}); was the run interrupted while writing? "
+                               f"delete the partial line or rerun the run") from None
+        if not isinstance(rec, dict) or "step" not in rec:
+            raise CompareError(f"{path}:{i}: a metrics record must be an object with a 'step' key")
+        out.append(rec)
+    return out
+
+
+def load_sweep(sweep_dir: str | Path, skip_incomplete: bool = False) -> list[Run]:
+    """Every run under ``sweep_dir`` (searched recursively for ``config.yaml`` / ``metrics.jsonl``)."""
+    root = Path(sweep_dir)
+    if not root.is_dir():
+        raise CompareError(f"sweep folder '{root}' not found; pass the --sweep-dir of tools/run_comparison.py")
+    dirs = sorted({p.parent for pat in ("config.yaml", "metrics.jsonl") for p in root.rglob(pat)
+                   if "wandb" not in p.parts})
+    runs = []
+    for d in dirs:
+        m, c = d / "metrics.jsonl", d / "config.yaml"
+        recs = read_metrics(m) if m.is_file() else []
+        if not recs or not c.is_file():
+            if skip_incomplete:
+                print(f"warning: skipping '{d}' ({'no config.yaml' if recs else 'no metrics'})", file=sys.stderr)
+                continue
+            what = "config.yaml" if recs else "metrics (metrics.jsonl missing or empty)"
+            raise CompareError(f"run '{d}' has no {what}; let the run finish, rerun it "
+                               f"(tools/run_comparison.py --skip-finished), or pass --skip-incomplete")
+        cfg = yaml.safe_load(c.read_text()) or {}
+        match = re.fullmatch(r"(.+)-seed(\d+)", d.name)
+        mode = match.group(1) if match else _mode_from_config(cfg)
+        seed = cfg.get("train", {}).get("seed", int(match.group(2)) if match else 0)
+        runs.append(Run(d, mode, int(seed), recs))
+    if not runs:
+        raise CompareError(f"no runs (folders with metrics.jsonl and config.yaml) under '{root}'")
+    seen = {}
+    for r in runs:
+        if (r.mode, r.seed) in seen:
+            raise CompareError(f"two runs of mode '{r.mode}' with seed {r.seed}: '{seen[r.mode, r.seed]}' and "
+                               f"'{r.path}'; remove one")
+        seen[r.mode, r.seed] = r.path
+    return runs
+
+
+def group_modes(runs: list[Run], order: list[str] | None = None) -> dict[str, list[Run]]:
+    """Runs per mode (each sorted by seed), modes in ``order`` (default DEFAULT_ORDER) then alphabetical."""
+    order = order or DEFAULT_ORDER
+    modes: dict[str, list[Run]] = {}
+    for r in runs:
+        modes.setdefault(r.mode, []).append(r)
+    key = lambda m: (order.index(m) if m in order else len(order), m)  # noqa: E731
+    return {m: sorted(modes[m], key=lambda r: r.seed) for m in sorted(modes, key=key)}
+
+
+def _mean(xs):
+    xs = [x for x in xs if not math.isnan(x)]
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def _std(xs):
+    xs = [x for x in xs if not math.isnan(x)]
+    return statistics.stdev(xs) if len(xs) > 1 else math.nan
+
+
+def summarize(modes: dict[str, list[Run]], baseline: str = "bf16") -> list[dict]:
+    """One row per mode (see the module docstring for the columns); baseline columns are NaN without it."""
+    base = modes.get(baseline)
+    b_val = [r.final_val_loss for r in base] if base else []
+    b_mean, b_std = _mean(b_val), _std(b_val)
+    b_bytes = _mean([r.comm_bytes_per_step for r in base]) if base else math.nan
+    b_by_seed = {r.seed: r.final_val_loss for r in base} if base else {}
+    rows = []
+    for mode, rs in modes.items():
+        val = [r.final_val_loss for r in rs]
+        mean, std = _mean(val), _std(val)
+        paired = [r.final_val_loss - b_by_seed[r.seed] for r in rs if r.seed in b_by_seed]
+        by = _mean([r.comm_bytes_per_step for r in rs])
+        gap = mean - b_mean
+        rows.append({
+            "mode": mode, "seeds": len(rs), "steps": max(r.records[-1]["step"] for r in rs),
+            "final_val_loss_mean": mean, "final_val_loss_std": std,
+            "gap": gap, "gap_sigma": gap / b_std if b_std and b_std > 0 else math.nan,
+            "paired_gap": _mean(paired) if paired else math.nan,
+            "final_train_loss_mean": _mean([r.final_loss for r in rs]),
+            "comm_bytes_per_step": by, "bytes_rel": by / b_bytes if b_bytes and b_bytes > 0 else math.nan,
+            "tokens_per_sec": _mean([r.tokens_per_sec for r in rs]),
+        })
+    return rows
+
+
+CSV_COLUMNS = ["mode", "seeds", "steps", "final_val_loss_mean", "final_val_loss_std", "gap", "gap_sigma",
+               "paired_gap", "final_train_loss_mean", "comm_bytes_per_step", "bytes_rel", "tokens_per_sec"]
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if isinstance(r[k], float) and math.isnan(r[k]) else r[k]) for k in CSV_COLUMNS})
+
+
+def _f(x: float, fmt: str) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def markdown_table(rows: list[dict], baseline: str) -> str:
+    head = (f"| mode | seeds | final val loss (mean ± std) | gap to {baseline} | gap / {baseline} std | "
+            f"paired gap | final train loss | bytes/step | bytes vs {baseline} | tokens/s |")
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        lines.append(
+            f"| {r['mode']} | {r['seeds']} | {_f(r['final_val_loss_mean'], '.4f')} ± {_f(r['final_val_loss_std'], '.4f')}"
+            f" | {_f(r['gap'], '+.4f')} | {_f(r['gap_sigma'], '+.2f')} | {_f(r['paired_gap'], '+.4f')}"
+            f" | {_f(r['final_train_loss_mean'], '.4f')} | {_f(r['comm_bytes_per_step'], ',.0f')}"
+            f" | {_f(r['bytes_rel'], '.3f')} | {_f(r['tokens_per_sec'], ',.0f')} |")
+    return "\n".join(lines)
+
+
+def _moving_average(v: list[float], w: int) -> list[float]:
+    if w <= 1:
+        return list(v)
+    out, acc = [], 0.0
+    for i, x in enumerate(v):
+        acc += x
+        if i >= w:
+            acc -= v[i - w]
+        out.append(acc / min(i + 1, w))
+    return out
+
+
+def aligned(rs: list[Run], key: str, smooth: int = 1) -> tuple[list[int], list[list[float]]]:
+    """Steps logged in every run of ``rs`` and, per run, ``key`` at those steps (moving average first)."""
+    per = []
+    for r in rs:
+        s, v = r.series(key)
+        per.append(dict(zip(s, _moving_average(v, smooth))))
+    steps = sorted(set.intersection(*(set(d) for d in per))) if per else []
+    return steps, [[d[s] for s in steps] for d in per]
+
+
+def gap_series(rs: list[Run], base: list[Run], key: str, smooth: int = 1) -> tuple[list[int], list[list[float]]]:
+    """Per shared seed, ``key`` of the run minus ``key`` of the baseline run of the same seed, at common steps."""
+    by_seed = {b.seed: b for b in base}
+    pairs = [(r, by_seed[r.seed]) for r in rs if r.seed in by_seed]
+    if not pairs:
+        return [], []
+    steps, vals = aligned([p for pair in pairs for p in pair], key, smooth)
+    return steps, [[a - b for a, b in zip(vals[2 * i], vals[2 * i + 1])] for i in range(len(pairs))]
+
+
+def _band(ax, steps, vals, label, color):
+    mean = [sum(c) / len(c) for c in zip(*vals)]
+    ax.plot(steps, mean, label=label, color=color, lw=1.3)
+    if len(vals) > 1:
+        ax.fill_between(steps, [min(c) for c in zip(*vals)], [max(c) for c in zip(*vals)], color=color, alpha=0.18,
+                        lw=0)
+
+
+def plot(modes: dict[str, list[Run]], out: Path, baseline: str, smooth: int, title: str) -> list[Path]:
+    """Write loss.png and (with a baseline) gap_to_<baseline>.png; returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = plt.get_cmap("tab10")
+    written = []
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    for i, (mode, rs) in enumerate(modes.items()):
+        for ax, key, sm in ((axes[0], "loss", smooth), (axes[1], "val_loss", 1)):
+            steps, vals = aligned(rs, key, sm)
+            if steps:
+                _band(ax, steps, vals, f"{mode} (n={len(rs)})", colors(i % 10))
+    axes[0].set_title(f"train loss (moving average over {smooth} steps)" if smooth > 1 else "train loss")
+    axes[1].set_title("validation loss")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats/token)")
+        ax.grid(alpha=0.3)
+    # zoom the validation panel on the part after the first evaluation, where the modes differ
+    _zoom(axes[1], modes, "val_loss")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"{title}: seed mean, band = min..max over seeds")
+    fig.tight_layout()
+    p = out / "loss.png"
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    written.append(p)
+
+    base = modes.get(baseline)
+    if base:
+        fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+        for i, (mode, rs) in enumerate(modes.items()):
+            if mode == baseline:
+                continue
+            for ax, key, sm in ((axes[0], "loss", smooth), (axes[1], "val_loss", 1)):
+                steps, vals = gap_series(rs, base, key, sm)
+                if steps:
+                    _band(ax, steps, vals, mode, colors(i % 10))
+        for ax, what in zip(axes, ("train loss", "validation loss")):
+            ax.axhline(0.0, color="k", lw=0.8)
+            ax.set_title(f"{what} minus {baseline} (same seed)")
+            ax.set_xlabel("step")
+            ax.set_ylabel("loss gap (nats/token)")
+            ax.grid(alpha=0.3)
+        axes[1].legend(fontsize=8)
+        fig.suptitle(f"{title}: gap to {baseline}, seed mean, band = min..max over seeds")
+        fig.tight_layout()
+        p = out / f"gap_to_{baseline}.png"
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        written.append(p)
+    return written
+
+
+def _zoom(ax, modes, key):
+    vals = [v for rs in modes.values() for r in rs for s, v in zip(*r.series(key))][::1]
+    finals = [r.final_val_loss for rs in modes.values() for r in rs if not math.isnan(r.final_val_loss)]
+    if vals and finals:
+        lo, hi = min(vals), max(vals)
+        top = min(hi, max(finals) + 1.5 * (max(finals) - lo) + 0.05)
+        ax.set_ylim(lo - 0.02 * (top - lo + 1e-9), top)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("sweep_dir", help="folder of runs (tools/run_comparison.py --sweep-dir)")
+    ap.add_argument("--out", default=None, help="output folder (default: SWEEP_DIR)")
+    ap.add_argument("--baseline", default="bf16", help="mode the gaps are taken to (default bf16)")
+    ap.add_argument("--smooth", type=int, default=10, help="moving-average window for the train-loss curves")
+    ap.add_argument("--skip-incomplete", action="store_true", help="leave out run folders without metrics")
+    ap.add_argument("--no-plots", action="store_true", help="tables only")
+    a = ap.parse_args(argv)
+    try:
+        if a.smooth < 1:
+            raise CompareError(f"--smooth {a.smooth} must be >= 1")
+        runs = load_sweep(a.sweep_dir, a.skip_incomplete)
+        order = None
+        manifest = Path(a.sweep_dir) / "sweep.json"
+        if manifest.is_file():
+            order = json.loads(manifest.read_text()).get("presets")
+        modes = group_modes(runs, order)
+    except CompareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(a.out or a.sweep_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = summarize(modes, a.baseline)
+    if a.baseline not in modes:
+        print(f"warning: baseline mode '{a.baseline}' not in the sweep (modes: {', '.join(modes)}); gap and "
+              f"relative-bytes columns are n/a (choose one with --baseline)", file=sys.stderr)
+    write_csv(rows, out / "results.csv")
+    table = markdown_table(rows, a.baseline)
+    note = (f"Sweep `{Path(a.sweep_dir).name}`: {len(runs)} runs, {len(modes)} modes. Final val loss = last "
+            f"validation loss of each run; std is the sample std over seeds; gap / {a.baseline} std = "
+            f"(mean - {a.baseline} mean) / {a.baseline} std; paired gap = mean over seeds of (run - {a.baseline} "
+            f"run of the same seed); bytes/step = bytes one rank sent for DP gradient reduction per step; "
+            f"tokens/s = global, mean over steps after the first.")
+    (out / "results.md").write_text(f"{note}\n\n{table}\n")
+    print(table)
+    if not a.no_plots:
+        for p in plot(modes, out, a.baseline, a.smooth, Path(a.sweep_dir).name):
+            print(f"wrote {p}")
+    print(f"wrote {out / 'results.md'} and {out / 'results.csv'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
