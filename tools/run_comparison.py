@@ -61,7 +61,7 @@ def resolve_preset(name: str) -> tuple[str, Path]:
 
 def plan_runs(configs: list[str], presets: list[str], seeds: list[int], sweep_dir: Path,
               overrides: list[str]) -> list[dict]:
-    """One entry per (preset, seed): ``name``, ``run_dir``, ``preset``, ``seed``, ``config_args``
+    """One entry per (seed, preset), seed-major: ``name``, ``run_dir``, ``preset``, ``seed``, ``config_args``
     (``--config`` files then overrides, as pretrain_llama.py and the sbatch script take them)."""
     for c in configs:
         if not Path(c).is_file():
@@ -76,9 +76,11 @@ def plan_runs(configs: list[str], presets: list[str], seeds: list[int], sweep_di
         raise SweepError("no seeds: pass --seeds N (N >= 1) or --seed-list")
     group = sweep_dir.name
     runs = []
-    for preset in presets:
-        label, path = resolve_preset(preset)
-        for seed in seeds:
+    resolved = [resolve_preset(p) for p in presets]
+    # seed-major: every preset with the first seed, then the next seed, so a sweep stopped early
+    # still compares all modes
+    for seed in seeds:
+        for label, path in resolved:
             name = f"{label}-seed{seed}"
             run_dir = sweep_dir / name
             args = []
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             print(shlex.join(c))
         return 0
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    manifest = {"sweep": sweep_dir.name, "presets": [r["preset"] for r in runs[::len(seeds)]], "seeds": seeds,
+    manifest = {"sweep": sweep_dir.name, "presets": list(dict.fromkeys(r["preset"] for r in runs)), "seeds": seeds,
                 "launcher": "slurm" if a.slurm else f"torchrun x{a.nproc}", "argv": sys.argv,
                 "runs": [{**r, "command": shlex.join(c)} for r, c in zip(runs, cmds)]}
     (sweep_dir / "sweep.json").write_text(json.dumps(manifest, indent=1))
