@@ -77,6 +77,8 @@ class TrainConfig:
     autocast_dtype: str = "auto"
     progress: bool = True
     nonfinite: str = "skip"  # skip: skip the update on all ranks and log it | stop: stop with an error
+    exit_interval: int = 0  # save a checkpoint and exit (code 0) when the step is a multiple of this; 0: off
+    max_skipped_steps: int = 10  # this many consecutive skipped steps stop the run (after a last checkpoint)
 
 
 @dataclass
@@ -127,6 +129,24 @@ class GeoConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Sharded torch.distributed.checkpoint saves under ``dir`` (default ``<train.run_dir>/checkpoints``).
+
+    ``interval``: save every this many steps (0: only on a stop signal, a non-finite stop or at the end
+    with ``save_at_end``). ``keep_latest``: complete checkpoints kept (older ones are removed only after a
+    newer one is complete; 0 keeps all). ``load``: ``auto`` (resume from the latest complete checkpoint
+    in ``dir`` if there is one), ``latest`` (the same, but it must exist), ``none`` (start fresh), or a
+    checkpoint folder path.
+    """
+
+    dir: str = ""
+    interval: int = 0
+    keep_latest: int = 2
+    load: str = "auto"
+    save_at_end: bool = True
+
+
+@dataclass
 class LoggingConfig:
     """``wandb``: offline (default), online or disabled. Group and tags default to the comm settings."""
 
@@ -145,4 +165,5 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     geo: GeoConfig = field(default_factory=GeoConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

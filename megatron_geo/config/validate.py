@@ -125,6 +125,21 @@ def validate_config(cfg: Config, world_size: int) -> None:
             probe = os.path.dirname(probe)
         if probe and not os.path.isdir(probe):
             raise ConfigError(f"{name}={path!r}: {probe!r} exists and is not a directory; choose another {name}")
+    ck = cfg.checkpoint
+    if t.exit_interval < 0:
+        raise ConfigError(f"train.exit_interval={t.exit_interval} must be >= 0 (0 disables it)")
+    for key in ("interval", "keep_latest"):
+        if getattr(ck, key) < 0:
+            raise ConfigError(f"checkpoint.{key}={getattr(ck, key)} must be >= 0 (0 disables it)")
+    if t.max_skipped_steps < 1:
+        raise ConfigError(f"train.max_skipped_steps={t.max_skipped_steps} must be >= 1")
+    if not ck.load:
+        raise ConfigError("checkpoint.load is empty; use auto, latest, none or a checkpoint folder")
+    if ck.load not in ("auto", "latest", "none") and not os.path.isdir(os.path.expanduser(ck.load)):
+        raise ConfigError(f"checkpoint.load={ck.load!r} is not a folder; use auto, latest, none or the path of a "
+                          f"checkpoint folder (e.g. {t.run_dir}/checkpoints/step_00000100)")
+    if not (math.isfinite(p.timeout_minutes) and p.timeout_minutes > 0):
+        raise ConfigError(f"parallel.timeout_minutes={p.timeout_minutes} must be a positive number of minutes")
     if cfg.data.source == "indexed" and not (cfg.data.train_prefix and cfg.data.tokenizer_model):
         raise ConfigError("data.source=indexed needs data.train_prefix and data.tokenizer_model "
                           "(make them with tools/train_tokenizer.py and tools/preprocess_data.py)")

@@ -39,6 +39,7 @@ class MainParam:
     buffer_start: int
     whole: bool
     count_in_norm: bool
+    param_start: int = 0
 
 
 def _make_main(bucket: Bucket, idx: int, start: int, end: int, buffer_start: int, tp_rank: int) -> MainParam:
@@ -50,7 +51,7 @@ def _make_main(bucket: Bucket, idx: int, start: int, end: int, buffer_start: int
     main.grad = g.view_as(main)
     # TP-replicated parameters (norm weights) hold identical grads on all TP ranks: count once.
     count = bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0
-    return MainParam(main, p, bucket.names[idx], bucket, buffer_start, whole, count)
+    return MainParam(main, p, bucket.names[idx], bucket, buffer_start, whole, count, start)
 
 
 class DistributedOptimizer:
@@ -120,6 +121,10 @@ class DistributedOptimizer:
             for g in opt.param_groups:
                 g["lr"] = g["base_lr"] * lr_scale
             opt.step()
+        self.publish()
+
+    def publish(self) -> None:
+        """Copy every main param into the model's parameter buffer and all-gather it over DP."""
         with torch.no_grad():
             for m in self.mains:
                 n = m.main.numel()
@@ -130,5 +135,10 @@ class DistributedOptimizer:
                     shard = b.param_data[self.pctx.dp_rank * c:(self.pctx.dp_rank + 1) * c].clone()
                     all_gather_flat(b.param_data, shard, group=self.pctx.dp_group)
 
-    def state_dict(self) -> dict:
-        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+    def optimizer_of(self, m: MainParam) -> torch.optim.Optimizer:
+        """The torch optimizer that updates ``m.main``."""
+        for opt in self.optimizers:
+            for g in opt.param_groups:
+                if any(p is m.main for p in g["params"]):
+                    return opt
+        raise KeyError(m.name)

@@ -11,24 +11,45 @@ from pathlib import Path
 class MetricsLogger:
     """Append one JSON object per logged step to ``run_dir/metrics.jsonl`` and mirror it to wandb.
 
+    A fresh run (``resume_step=0``) starts a new file; a run resumed from the checkpoint of step
+    ``resume_step`` keeps the records up to that step and continues the same wandb run (its id is kept
+    in ``run_dir/wandb_run_id``).
+
     ``wandb_mode``: offline | online | disabled. The wandb group defaults to the comm settings, so runs of
     different comm modes line up in one project.
     """
 
     def __init__(self, run_dir: str, enabled: bool, wandb_mode: str, project: str, group: str, name: str,
-                 tags: list[str], config: dict):
+                 tags: list[str], config: dict, resume_step: int = 0):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self._wandb = None
         if not enabled:
             return
+        kept = []
+        if resume_step > 0 and self.path.is_file():  # a resumed run keeps the records up to its checkpoint
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line).get("step", 0) <= resume_step:
+                        kept.append(line)
+                except ValueError:
+                    break  # a line cut by a crash: drop it and what follows
         self._file = open(self.path, "w", buffering=1)  # a new run starts a new file
+        for line in kept:
+            self._file.write(line + "\n")
         if wandb_mode != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
 
+            id_file = Path(run_dir) / "wandb_run_id"
+            if resume_step > 0 and id_file.is_file():
+                run_id = id_file.read_text().strip()
+            else:
+                run_id = wandb.util.generate_id()
+                id_file.write_text(run_id + "\n")
             self._wandb = wandb.init(project=project, group=group or None, name=name or None, tags=tags,
-                                     config=config, dir=run_dir, mode=wandb_mode, reinit=True)
+                                     config=config, dir=run_dir, mode=wandb_mode, reinit=True, id=run_id,
+                                     resume="allow")
 
     def log(self, record: dict) -> None:
         if not self.enabled:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..comm import build_reducer
 from ..config import Config, ConfigError, config_to_dict, dump_config, load_config, validate_config
@@ -18,8 +19,10 @@ from ..geometry import GeoState
 from ..model import Llama, count_parameters
 from ..parallel import LaunchError, ParallelContext, destroy_parallel, detect_launch_env, init_parallel
 from .data_setup import build_data, train_micro_batches, valid_micro_batches
+from .checkpointing import Checkpointer
 from .metrics import MetricsLogger
 from .schedule import lr_at
+from .signals import StopRequest
 from .step import evaluate, train_step
 
 
@@ -27,16 +30,23 @@ class NonFiniteGradientError(RuntimeError):
     """The global gradient norm was non-finite and ``train.nonfinite=stop``."""
 
 
-def handle_nonfinite(step: int, grad_norm: float, action: str, reducer) -> None:
+def handle_nonfinite(step: int, grad_norm: float, action: str, reducer, in_a_row: int = 1,
+                     max_in_a_row: int = 10**9) -> None:
     """What every rank does after a step whose (all-reduced, hence identical) gradient norm is non-finite.
 
-    ``action="stop"`` raises :class:`NonFiniteGradientError`; ``"skip"`` (the update was already skipped)
-    zeroes the reducer's error-feedback residuals, which may hold the non-finite values.
+    ``action="stop"`` or ``in_a_row >= max_in_a_row`` raises :class:`NonFiniteGradientError`; otherwise
+    (the update was already skipped) the reducer's error-feedback residuals, which may hold the
+    non-finite values, are zeroed.
     """
     if action == "stop":
         raise NonFiniteGradientError(
             f"step {step}: the gradient norm is {grad_norm} (non-finite) on every rank; stopping because "
             f"train.nonfinite=stop (set train.nonfinite=skip to skip such steps instead)")
+    if in_a_row >= max_in_a_row:
+        raise NonFiniteGradientError(
+            f"step {step}: {in_a_row} consecutive steps had a non-finite gradient norm (train.max_skipped_steps="
+            f"{max_in_a_row}); stopping. The last checkpoint holds the last good parameters; lower optimizer.lr or "
+            f"check the data before resuming")
     reset = getattr(reducer, "reset_error_feedback", None)
     if reset is not None:
         reset()
@@ -49,7 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="YAML config; repeat to merge several in order (e.g. a model file, then a comm preset)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("overrides", nargs="*", help="dotted section.key=value overrides applied last")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # --config may come after overrides too
 
 
 def _log0(pctx: ParallelContext, msg: str) -> None:
@@ -93,8 +103,19 @@ def build_model_and_optimizer(cfg: Config, pctx: ParallelContext):
     return model, buckets, reducer, grad_sync, optimizer
 
 
+class StopRequested(Exception):
+    """A stop signal arrived; a checkpoint was saved (exit code 4)."""
+
+
 def train(cfg: Config, pctx: ParallelContext) -> dict:
-    """Train for ``train.steps`` steps; returns the summary dict (also printed on rank 0)."""
+    """Train up to ``train.steps`` steps (resuming from a checkpoint when there is one); returns the
+    summary dict (also printed on rank 0).
+
+    Raises:
+        NonFiniteGradientError: ``train.nonfinite=stop`` or ``train.max_skipped_steps`` skips in a row
+            (after saving a checkpoint of the last good state).
+        StopRequested: SIGTERM/SIGUSR1 arrived (after saving a checkpoint).
+    """
     t = cfg.train
     torch.manual_seed(t.seed)
     run_dir = Path(t.run_dir)
@@ -104,64 +125,94 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
 
     data = build_data(cfg, pctx)
     model, buckets, reducer, grad_sync, optimizer = build_model_and_optimizer(cfg, pctx)
+    geo = getattr(reducer, "geo", None)
     n_params = count_parameters(cfg.model)
     pad = sum(b.plan.padding([p.numel() for p in b.params]) for b in buckets)
     _log0(pctx, f"parameters: {n_params:,}")
     _log0(pctx, f"parallel: world={pctx.world_size} TP={pctx.tp_size} DP={pctx.dp_size} backend={pctx.backend} "
                 f"device={pctx.device} | {len(buckets)} buckets, shard padding {pad} elements | "
                 f"comm.dtype={cfg.comm.dtype} distributed_optimizer={cfg.parallel.distributed_optimizer}")
+    ckpt = Checkpointer(cfg, pctx, model, optimizer, reducer, geo, lambda m: _log0(pctx, m))
+    start_step, consumed, skipped_in_a_row = ckpt.resume()
 
     tags = [f"comm.dtype={cfg.comm.dtype}", f"opt={cfg.optimizer.name}", f"tp={pctx.tp_size}", f"dp={pctx.dp_size}"]
     logger = MetricsLogger(str(run_dir), pctx.is_main, cfg.logging.wandb, cfg.logging.wandb_project,
                            cfg.logging.wandb_group or f"comm-{cfg.comm.dtype}", cfg.logging.wandb_name, tags,
-                           config_to_dict(cfg))
+                           config_to_dict(cfg), resume_step=start_step)
     valid_batches = valid_micro_batches(data.valid, cfg, pctx) if data.valid and t.eval_batches else []
     progress = None
     if pctx.is_main and t.progress:
         from tqdm import tqdm
 
-        progress = tqdm(total=t.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
+        progress = tqdm(total=t.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                        file=sys.stdout)
+    stop = StopRequest()
+    every = cfg.checkpoint.interval
 
-    consumed, first_loss, last, val_loss = 0, None, None, None
+    first_loss, last, val_loss = None, None, None
     tok_per_s_hist, bytes_hist = [], []
-    for step in range(t.steps):
-        t0 = time.perf_counter()
-        batches = train_micro_batches(data.train, consumed, cfg, pctx)
-        scale = lr_at(step, max_lr=1.0, min_lr=cfg.optimizer.min_lr / cfg.optimizer.lr, warmup_steps=t.warmup_steps,
-                      total_steps=t.steps, style=t.lr_decay_style)
-        res = train_step(model, batches, grad_sync, optimizer, pctx, scale, cfg.optimizer.clip_grad, t.autocast_dtype,
-                         geo=getattr(reducer, "geo", None), step=step)
-        consumed += t.global_batch_size
-        dt = time.perf_counter() - t0
-        geo = getattr(reducer, "geo", None)
-        if geo is not None and geo.last_refresh == step and (step == 0 or t.progress is False or step % 500 == 0):
-            _log0(pctx, f"step {step + 1}: GeoFP8 refresh of {len(geo.selected)} layer(s) (rank {cfg.geo.rank}); "
-                        f"transform checksums equal on all {pctx.dp_size} DP ranks")
-        comm_bytes = reducer.reset_bytes()
-        record = {"step": step + 1, "loss": res.loss, "lr": cfg.optimizer.lr * scale, "grad_norm": res.grad_norm,
-                  "tokens_per_sec": res.tokens / dt, "comm_bytes": comm_bytes, "step_time_s": dt,
-                  "consumed_samples": consumed, "skipped": res.skipped}
-        if geo is not None:
-            record["geo_refresh"] = geo.last_refresh == step
-        if res.skipped:
-            handle_nonfinite(step + 1, res.grad_norm, t.nonfinite, reducer)
-            _log0(pctx, f"step {step + 1}: non-finite gradient norm ({res.grad_norm}); update skipped on all ranks")
-        if valid_batches and ((step + 1) % t.eval_interval == 0 or step + 1 == t.steps):
-            val_loss = evaluate(model, valid_batches, pctx, t.autocast_dtype)
-            record["val_loss"] = val_loss
-        if (step + 1) % t.log_interval == 0 or "val_loss" in record or step + 1 == t.steps:
-            logger.log(record)
-        first_loss = res.loss if first_loss is None else first_loss
-        last = record
-        if step > 0:
-            tok_per_s_hist.append(record["tokens_per_sec"])
-        bytes_hist.append(comm_bytes)
+    try:
+        for step in range(start_step, t.steps):
+            t0 = time.perf_counter()
+            batches = train_micro_batches(data.train, consumed, cfg, pctx)
+            scale = lr_at(step, max_lr=1.0, min_lr=cfg.optimizer.min_lr / cfg.optimizer.lr,
+                          warmup_steps=t.warmup_steps, total_steps=t.steps, style=t.lr_decay_style)
+            res = train_step(model, batches, grad_sync, optimizer, pctx, scale, cfg.optimizer.clip_grad,
+                             t.autocast_dtype, geo=geo, step=step)
+            consumed += t.global_batch_size
+            dt = time.perf_counter() - t0
+            if geo is not None and geo.last_refresh == step and (step == 0 or t.progress is False or step % 500 == 0):
+                _log0(pctx, f"step {step + 1}: GeoFP8 refresh of {len(geo.selected)} layer(s) (rank {cfg.geo.rank}); "
+                            f"transform checksums equal on all {pctx.dp_size} DP ranks")
+            comm_bytes = reducer.reset_bytes()
+            record = {"step": step + 1, "loss": res.loss, "lr": cfg.optimizer.lr * scale, "grad_norm": res.grad_norm,
+                      "tokens_per_sec": res.tokens / dt, "comm_bytes": comm_bytes, "step_time_s": dt,
+                      "consumed_samples": consumed, "skipped": res.skipped}
+            if geo is not None:
+                record["geo_refresh"] = geo.last_refresh == step
+            skipped_in_a_row = skipped_in_a_row + 1 if res.skipped else 0
+            if res.skipped:
+                _log0(pctx, f"step {step + 1}: non-finite gradient norm ({res.grad_norm}); update skipped on all "
+                            f"ranks ({skipped_in_a_row} in a row)")
+                if t.nonfinite == "stop" or skipped_in_a_row >= t.max_skipped_steps:
+                    logger.log(record)
+                    ckpt.save(step + 1, consumed, skipped_in_a_row)  # the parameters are the last good state
+                handle_nonfinite(step + 1, res.grad_norm, t.nonfinite, reducer, skipped_in_a_row, t.max_skipped_steps)
+            if valid_batches and ((step + 1) % t.eval_interval == 0 or step + 1 == t.steps):
+                val_loss = evaluate(model, valid_batches, pctx, t.autocast_dtype)
+                record["val_loss"] = val_loss
+            if res.skipped or ((step + 1) % t.log_interval == 0 or "val_loss" in record or step + 1 == t.steps):
+                logger.log(record)
+            first_loss = res.loss if first_loss is None else first_loss
+            last = record
+            if step > start_step:
+                tok_per_s_hist.append(record["tokens_per_sec"])
+            bytes_hist.append(comm_bytes)
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(loss=f"{res.loss:.3f}", **({"val": f"{val_loss:.3f}"} if val_loss else {}))
+            if every and (step + 1) % every == 0:
+                ckpt.save(step + 1, consumed, skipped_in_a_row)
+            if t.exit_interval and (step + 1) % t.exit_interval == 0 and step + 1 < t.steps:
+                ckpt.save(step + 1, consumed, skipped_in_a_row)
+                _log0(pctx, f"step {step + 1}: exiting (train.exit_interval={t.exit_interval}); relaunch to resume")
+                break
+            if stop.requested(pctx.world_group, pctx.device):
+                ckpt.save(step + 1, consumed, skipped_in_a_row)
+                raise StopRequested(f"stopped by signal {stop.signal} after step {step + 1}; checkpoint saved to "
+                                    f"{ckpt.root}; relaunch with the same train.run_dir to resume")
+        else:
+            if cfg.checkpoint.save_at_end and t.steps > 0:
+                ckpt.save(t.steps, consumed, skipped_in_a_row)
+    finally:
+        stop.restore()
         if progress is not None:
-            progress.update(1)
-            progress.set_postfix(loss=f"{res.loss:.3f}", **({"val": f"{val_loss:.3f}"} if val_loss else {}))
-    if progress is not None:
-        progress.close()
-    logger.close()
+            progress.close()
+        logger.close()
+    if last is None:
+        _log0(pctx, f"nothing to do: the checkpoint is already at step {start_step} of train.steps={t.steps}")
+        return {"parameters": n_params, "steps": t.steps, "start_loss": None, "final_loss": None, "val_loss": None,
+                "tokens_per_sec": 0.0, "comm_bytes_per_step": 0.0, "run_dir": str(run_dir.resolve())}
     summary = {
         "parameters": n_params, "steps": t.steps, "start_loss": first_loss, "final_loss": last["loss"],
         "val_loss": val_loss,
@@ -214,6 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteGradientError as e:
         print(f"error (rank {pctx.rank}): {e}", file=sys.stderr)
         return 3
+    except StopRequested as e:
+        if pctx.is_main:
+            print(str(e), flush=True)
+        return 4
+    except dist.DistError as e:
+        print(f"error (rank {pctx.rank}): a collective failed: another rank died or did not answer within "
+              f"parallel.timeout_minutes={cfg.parallel.timeout_minutes} ({type(e).__name__}: {e})", file=sys.stderr)
+        return 5
     finally:
         destroy_parallel()
     return 0

@@ -1,0 +1,196 @@
+"""Checkpoint folders: atomic publication, ``latest`` pointer, retention, resume resolution, and the
+compatibility check between a checkpoint and the run that loads it.
+
+On disk (``checkpoint.dir``, default ``<train.run_dir>/checkpoints``)::
+
+    step_00000100/      .metadata + __*_*.distcp (torch.distributed.checkpoint) + meta.json
+    step_00000200/
+    latest              "step_00000200" (rewritten atomically, only after the folder is complete)
+
+A save writes into ``.tmp-step_N``, rank 0 adds ``meta.json`` last, renames the folder to ``step_N``
+and then replaces ``latest``; older folders are removed only after that. A crash at any point leaves
+the previous complete checkpoint loadable and ``latest`` pointing to it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config, ConfigError, config_to_dict
+
+FORMAT = "megatron-geo-dcp-v1"
+META = "meta.json"
+# Model keys that change parameter shapes: a checkpoint only loads into the same values.
+SHAPE_KEYS = ("hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size")
+
+
+def checkpoint_root(cfg: Config) -> Path:
+    return Path(os.path.expanduser(cfg.checkpoint.dir or os.path.join(cfg.train.run_dir, "checkpoints")))
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / META).is_file() and (path / ".metadata").is_file()
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoint folders under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.glob("step_*") if p.is_dir() and is_complete(p)), key=lambda p: p.name)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The folder ``latest`` names (if complete), else the newest complete folder, else None."""
+    pointer = root / "latest"
+    if pointer.is_file():
+        cand = root / pointer.read_text().strip()
+        if is_complete(cand):
+            return cand
+    done = complete_checkpoints(root)
+    return done[-1] if done else None
+
+
+def resolve_load(cfg: Config) -> Path | None:
+    """The checkpoint folder this run starts from (None: start fresh), per ``checkpoint.load``.
+
+    Raises:
+        ConfigError: ``latest`` with no complete checkpoint, or a path that is not a complete checkpoint.
+    """
+    mode, root = cfg.checkpoint.load, checkpoint_root(cfg)
+    if mode == "none":
+        return None
+    if mode in ("auto", "latest"):
+        found = latest_checkpoint(root)
+        if found is None and mode == "latest":
+            raise ConfigError(f"checkpoint.load=latest but {root} holds no complete checkpoint; use checkpoint.load="
+                              f"auto (resume only if there is one) or none")
+        return found
+    path = Path(os.path.expanduser(mode))
+    if (path / "latest").is_file() or (not is_complete(path) and complete_checkpoints(path)):
+        found = latest_checkpoint(path)
+        if found is not None:
+            return found
+    if not is_complete(path):
+        raise ConfigError(f"checkpoint.load={mode!r} is not a complete checkpoint (no {META} and .metadata in it); "
+                          f"point it at a step_* folder or a checkpoints folder with a 'latest' file")
+    return path
+
+
+def read_meta(path: Path) -> dict:
+    """``meta.json`` of a checkpoint folder.
+
+    Raises:
+        ConfigError: unreadable or of another format.
+    """
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"checkpoint {path}: cannot read {META} ({e}); the folder is damaged or not a "
+                          f"megatron-geo checkpoint") from None
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"checkpoint {path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
+
+
+def check_compatible(meta: dict, cfg: Config, dp_size: int, tp_size: int) -> tuple[bool, list[str]]:
+    """Whether a checkpoint can resume this run, and what differs.
+
+    Returns:
+        ``(same_layout, notes)``: ``same_layout`` when DP and TP sizes are unchanged (error feedback,
+        RNG and GeoFP8 transforms are restored only then); ``notes`` are changes worth logging.
+
+    Raises:
+        ConfigError: a different model shape or optimizer (naming the key and both values).
+    """
+    saved = meta["config"]
+    for k in SHAPE_KEYS:
+        if saved["model"][k] != getattr(cfg.model, k):
+            raise ConfigError(f"checkpoint {meta.get('path', '')} was saved with model.{k}={saved['model'][k]} but this "
+                              f"run has model.{k}={getattr(cfg.model, k)}; use the same model shape, or "
+                              f"checkpoint.load=none to start fresh")
+    if saved["optimizer"]["name"] != cfg.optimizer.name:
+        raise ConfigError(f"checkpoint was saved with optimizer.name={saved['optimizer']['name']} but this run has "
+                          f"optimizer.name={cfg.optimizer.name}; the optimizer state cannot be converted")
+    notes = []
+    now = config_to_dict(cfg)
+    for sec in ("comm", "geo"):
+        for k, v in saved.get(sec, {}).items():
+            if now[sec].get(k) != v:
+                notes.append(f"{sec}.{k} changed on resume: {v!r} -> {now[sec].get(k)!r}")
+    for sec, k in (("model", "seq_length"), ("train", "global_batch_size"), ("train", "steps"), ("optimizer", "lr")):
+        if saved[sec][k] != now[sec][k]:
+            notes.append(f"{sec}.{k} changed on resume: {saved[sec][k]!r} -> {now[sec][k]!r}")
+    same = meta["dp_size"] == dp_size and meta["tp_size"] == tp_size
+    if not same:
+        notes.append(f"resharding: saved at DP={meta['dp_size']} TP={meta['tp_size']}, loading at DP={dp_size} "
+                     f"TP={tp_size}")
+    return same, notes
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(root: Path, step: int, state: dict, meta: dict, keep_latest: int, group, is_main: bool) -> Path:
+    """Write ``state`` (a DCP state dict; every rank its own part) as ``root/step_N`` and publish it.
+
+    Collective over ``group`` (the world). Returns the final folder.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    name = step_dir_name(step)
+    tmp, final = root / f".tmp-{name}", root / name
+    if is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    dcp.save(state, checkpoint_id=str(tmp))
+    dist.barrier(group=group)  # every rank's files are written
+    if is_main:
+        meta = dict(meta, format=FORMAT, step=step, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                    save_seconds=round(time.perf_counter() - t0, 3), torch=torch.__version__)
+        _write_atomic(tmp / META, json.dumps(meta, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_atomic(root / "latest", name + "\n")
+        prune(root, keep_latest)
+    dist.barrier(group=group)
+    return final
+
+
+def prune(root: Path, keep_latest: int) -> list[Path]:
+    """Remove complete checkpoints older than the newest ``keep_latest`` (0 keeps all), never the one
+    ``latest`` names; also removes leftovers of interrupted saves older than the newest complete one."""
+    done = complete_checkpoints(root)
+    latest = latest_checkpoint(root)
+    removed = []
+    if keep_latest > 0:
+        for p in done[:-keep_latest]:
+            if p != latest:
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    if latest is not None:
+        for p in root.glob(".tmp-step_*"):
+            if p.name[len(".tmp-"):] < latest.name:
+                shutil.rmtree(p, ignore_errors=True)
+    return removed

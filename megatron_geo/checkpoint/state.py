@@ -1,0 +1,318 @@
+"""The training state as a torch.distributed.checkpoint (DCP) state dict, for saving and for loading.
+
+Layout-independent entries (reshardable to any DP x TP):
+
+- ``model/<name>``: the FP32 main params (the master weights; a BF16 model is their cast), one tensor
+  of the parameter's global logical shape (TP = 1, vocabulary padding dropped; see :mod:`.layout`).
+  Each element is written once, by the DP rank that owns it in the distributed optimizer (and by TP
+  rank 0 for TP-replicated parameters): a ``ShardedTensor`` whose local shards are the rank's pieces.
+- ``optim/<name>/<state>``: the per-element optimizer state in the same layout (AdamW ``exp_avg``,
+  ``exp_avg_sq``; Muon ``momentum_buffer``), without any padding of the shard plan.
+- ``optim/<name>/step``: AdamW's step count (a replicated scalar).
+
+Layout-specific entries (restored only when DP and TP sizes are unchanged, otherwise reset and logged):
+
+- ``dp<d>.tp<t>/ef/<name>``: the error-feedback residual of a parameter (DP rank d's own, in the
+  coordinates it is quantized in: transformed coordinates for GeoFP8 layers).
+- ``dp<d>.tp<t>/rng/*``: torch CPU (and CUDA) RNG state and the reducer's stochastic-rounding generator.
+- ``dp<d>.tp<t>/geo/hits``: GeoFP8 bound-hit profile (select=auto) of this rank.
+- ``tp<t>/geo/<name>/U`` and ``/d``: GeoFP8 transforms (identical on every DP rank; needs the same TP).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from ..distributed.optimizer import DistributedOptimizer, MainParam
+from ..parallel import ParallelContext
+from .layout import global_shape, piece_rects
+
+ADAMW_STATES = ("exp_avg", "exp_avg_sq")
+MUON_STATES = ("momentum_buffer",)
+
+
+def _sharded_tensor(shards: list[tuple[tuple[int, ...], torch.Tensor]], size: tuple[int, ...], rank: int, group):
+    """A ShardedTensor of global ``size`` from this rank's ``(offsets, tensor)`` shards (collective)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ShardedTensor carries a deprecation warning; DCP still reads it
+        from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
+
+        local = [Shard(t, ShardMetadata(list(off), list(t.shape), f"rank:{rank}/{t.device.type}"))
+                 for off, t in shards]
+        return init_from_local_shards(local, *size, process_group=group)
+
+
+class StateLayout:
+    """Which elements of which parameter this rank writes (and reads back), in global coordinates."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: DistributedOptimizer, pctx: ParallelContext,
+                 vocab_size: int, optimizer_name: str):
+        self.pctx, self.optimizer = pctx, optimizer
+        self.params = dict(model.named_parameters())
+        self.padded_vocab = getattr(model, "padded_vocab", None)
+        self.vocab_size = vocab_size
+        self.muon = optimizer_name == "muon"
+        self.by_name: dict[str, list[MainParam]] = {}
+        for m in optimizer.mains:
+            self.by_name.setdefault(m.name, []).append(m)
+
+    def partition_dim(self, p: torch.nn.Parameter) -> int | None:
+        return p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+
+    def logical_rows(self, name: str, p: torch.nn.Parameter) -> int | None:
+        if self.padded_vocab is not None and name in ("embed.weight", "output.weight"):
+            return self.vocab_size
+        return None
+
+    def global_shape(self, name: str) -> tuple[int, ...]:
+        p = self.params[name]
+        return global_shape(tuple(p.shape), self.partition_dim(p), self.pctx.tp_size, self.logical_rows(name, p))
+
+    def writes(self, m: MainParam) -> bool:
+        """True when this rank is the one that writes (and reads) ``m``'s elements."""
+        tp_ok = self.pctx.tp_rank == 0 or self.partition_dim(m.param) is not None
+        dp_ok = self.optimizer.sharded or self.pctx.dp_rank == 0
+        return tp_ok and dp_ok
+
+    def state_names(self, name: str) -> tuple[str, ...]:
+        return MUON_STATES if self.muon and getattr(self.params[name], "use_muon", False) else ADAMW_STATES
+
+    def shards(self, name: str, tensor_of) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+        """``(global offsets, view)`` of every rectangle this rank writes of ``name``; ``tensor_of(m)``
+        gives the flat FP32 tensor (main param or a state) of each main param ``m``."""
+        p = self.params[name]
+        out = []
+        for m in self.by_name.get(name, []):
+            if not self.writes(m):
+                continue
+            flat = tensor_of(m).reshape(-1)
+            lo = m.param_start
+            for r in piece_rects(tuple(p.shape), self.partition_dim(p), self.pctx.tp_rank, lo,
+                                 lo + m.main.numel(), self.logical_rows(name, p)):
+                out.append((r.offsets, flat[r.flat_lo - lo:r.flat_hi - lo].view(r.sizes)))
+        return out
+
+    @property
+    def tag(self) -> str:
+        return f"dp{self.pctx.dp_rank}.tp{self.pctx.tp_rank}"
+
+
+def optimizer_state_ready(optimizer: DistributedOptimizer, group) -> bool:
+    """True when every main param on every rank has optimizer state (False before the first update)."""
+    ok = all(len(opt.state.get(m.main, {})) > 0 for m in optimizer.mains for opt in [optimizer.optimizer_of(m)])
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def build_save_state(layout: StateLayout, reducer, geo, with_optimizer_state: bool) -> dict:
+    """The DCP state dict to save (collective: every rank calls it with the same parameter order)."""
+    pctx, opt = layout.pctx, layout.optimizer
+    world = pctx.world_group
+    sd: dict = {}
+    for name in layout.params:
+        if not layout.params[name].requires_grad:
+            continue
+        size = layout.global_shape(name)
+        sd[f"model/{name}"] = _sharded_tensor(layout.shards(name, lambda m: m.main.detach()), size, pctx.rank, world)
+        if not with_optimizer_state:
+            continue
+        for s in layout.state_names(name):
+            sd[f"optim/{name}/{s}"] = _sharded_tensor(
+                layout.shards(name, lambda m, s=s: opt.optimizer_of(m).state[m.main][s]), size, pctx.rank, world)
+        for m in layout.by_name.get(name, []):
+            st = opt.optimizer_of(m).state[m.main]
+            if "step" in st:
+                sd[f"optim/{name}/step"] = torch.as_tensor(st["step"]).detach().to("cpu", torch.float64).clone()
+    tag = layout.tag
+    sd[f"{tag}/rng/torch"] = torch.get_rng_state()
+    if pctx.device.type == "cuda":
+        sd[f"{tag}/rng/cuda"] = torch.cuda.get_rng_state(pctx.device)
+    gen = getattr(reducer, "generator", None)
+    if gen is not None:
+        sd[f"{tag}/rng/reducer"] = gen.get_state()
+    for name, res in residual_views(layout, reducer).items():
+        sd[f"{tag}/ef/{name}"] = res.detach().clone()
+    if geo is not None:
+        sd[f"{tag}/geo/hits"] = torch.tensor([geo.hits[n] for n in sorted(geo.hits)], dtype=torch.float64)
+        for name, t in geo.transforms.items():
+            sd[f"tp{pctx.tp_rank}/geo/{name}/U"] = t.U.detach().cpu().clone()
+            sd[f"tp{pctx.tp_rank}/geo/{name}/d"] = t.d.detach().cpu().clone()
+    return sd
+
+
+def residual_views(layout: StateLayout, reducer) -> dict[str, torch.Tensor]:
+    """Per-parameter views of the reducer's error-feedback residuals (empty without error feedback)."""
+    residuals = getattr(reducer, "residuals", None) or {}
+    out = {}
+    for b in layout.optimizer.buckets:
+        res = residuals.get(b.index)
+        if res is None:
+            continue
+        for name, p, off in zip(b.names, b.params, b.plan.offsets):
+            out[name] = res[off:off + p.numel()]
+    return out
+
+
+def _ensure_optimizer_state(layout: StateLayout) -> None:
+    """Create zero optimizer state for every main param (torch creates it lazily at the first step)."""
+    opt = layout.optimizer
+    for m in opt.mains:
+        o = opt.optimizer_of(m)
+        st = o.state[m.main]
+        for s in layout.state_names(m.name):
+            if s not in st:
+                st[s] = torch.zeros_like(m.main, memory_format=torch.preserve_format)
+        if layout.state_names(m.name) == ADAMW_STATES and "step" not in st:
+            g = o.param_groups[0]
+            on_dev = bool(g.get("fused") or g.get("capturable"))
+            st["step"] = torch.zeros((), dtype=torch.float32, device=m.main.device if on_dev else "cpu")
+
+
+def load_state(path: str, layout: StateLayout, reducer, geo, same_layout: bool, geo_meta: dict | None, log) -> None:
+    """Load a checkpoint written by :func:`build_save_state` into the live training state (collective).
+
+    Model and optimizer state are resharded to this run's DP x TP layout; error feedback, RNG and the
+    GeoFP8 profile are restored only when ``same_layout`` (else they start fresh, which is logged).
+    Finally the main params are published to the model parameters (all-gathered over DP).
+
+    Raises:
+        ValueError: a parameter of this model is missing from the checkpoint.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    pctx, opt = layout.pctx, layout.optimizer
+    keys = FileSystemReader(path).read_metadata().state_dict_metadata
+    names = [n for n, p in layout.params.items() if p.requires_grad]
+    missing = [n for n in names if f"model/{n}" not in keys]
+    if missing:
+        raise ValueError(f"checkpoint {path} has no entry for parameter(s) {', '.join(missing[:5])}: it was saved "
+                         f"from a different model")
+    with_state = all(f"optim/{n}/{s}" in keys for n in names for s in layout.state_names(n))
+    if with_state:
+        _ensure_optimizer_state(layout)
+    elif any(k.startswith("optim/") for k in keys):
+        raise ValueError(f"checkpoint {path} holds optimizer state of another kind (e.g. AdamW vs Muon) than "
+                         f"optimizer.name selects; use the optimizer it was saved with")
+    else:
+        log("checkpoint: no optimizer state saved (before the first update); the optimizer starts fresh")
+
+    sd: dict = {}
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (loaded rectangle, destination view)
+    world = pctx.world_group
+    for name in names:
+        size = layout.global_shape(name)
+        kinds = [(f"model/{name}", lambda m: m.main.data)]
+        if with_state:
+            kinds += [(f"optim/{name}/{s}", lambda m, s=s: opt.optimizer_of(m).state[m.main][s])
+                      for s in layout.state_names(name)]
+        for key, tensor_of in kinds:
+            shards = []
+            for off, view in layout.shards(name, tensor_of):
+                buf = torch.empty(view.shape, dtype=torch.float32, device=view.device)
+                shards.append((off, buf))
+                copies.append((buf, view))
+            sd[key] = _sharded_tensor(shards, size, pctx.rank, world)
+        if with_state and f"optim/{name}/step" in keys and name in layout.by_name:
+            sd[f"optim/{name}/step"] = torch.zeros((), dtype=torch.float64)
+    tag = layout.tag
+    ef = residual_views(layout, reducer)
+    if same_layout:
+        for k in ("rng/torch", "rng/cuda", "rng/reducer"):
+            if f"{tag}/{k}" in keys and (k != "rng/cuda" or pctx.device.type == "cuda") and \
+                    (k != "rng/reducer" or getattr(reducer, "generator", None) is not None):
+                sd[f"{tag}/{k}"] = torch.empty(keys[f"{tag}/{k}"].size, dtype=torch.uint8)
+        for name in ef:
+            if f"{tag}/ef/{name}" in keys:
+                sd[f"{tag}/ef/{name}"] = torch.empty_like(ef[name])
+        if geo is not None and f"{tag}/geo/hits" in keys and len(keys[f"{tag}/geo/hits"].size) == 1 and \
+                keys[f"{tag}/geo/hits"].size[0] == len(geo.hits):
+            sd[f"{tag}/geo/hits"] = torch.zeros(len(geo.hits), dtype=torch.float64)
+    geo_tp = f"tp{pctx.tp_rank}/geo/"
+    if geo is not None and geo_meta is not None and same_layout:
+        for name in geo.transforms:
+            if f"{geo_tp}{name}/U" in keys:
+                sd[f"{geo_tp}{name}/U"] = torch.empty(keys[f"{geo_tp}{name}/U"].size, dtype=torch.float32)
+                sd[f"{geo_tp}{name}/d"] = torch.empty(keys[f"{geo_tp}{name}/d"].size, dtype=torch.float32)
+
+    dcp.load(sd, checkpoint_id=path)
+
+    with torch.no_grad():
+        for buf, view in copies:
+            view.copy_(buf)
+        for m in opt.mains:
+            if with_state and f"optim/{m.name}/step" in sd:
+                st = opt.optimizer_of(m).state[m.main]
+                st["step"].fill_(float(sd[f"optim/{m.name}/step"]))
+        _broadcast_non_writers(layout, with_state)
+        if f"{tag}/rng/torch" in sd:
+            torch.set_rng_state(sd[f"{tag}/rng/torch"])
+        if f"{tag}/rng/cuda" in sd:
+            torch.cuda.set_rng_state(sd[f"{tag}/rng/cuda"], pctx.device)
+        if f"{tag}/rng/reducer" in sd:
+            reducer.generator.set_state(sd[f"{tag}/rng/reducer"])
+        restored_ef = [n for n in ef if f"{tag}/ef/{n}" in sd]
+        for n in restored_ef:
+            ef[n].copy_(sd[f"{tag}/ef/{n}"])
+        if ef and len(restored_ef) < len(ef):
+            for n in ef:
+                if n not in restored_ef:
+                    ef[n].zero_()
+            log(f"checkpoint: error-feedback residuals of {len(ef) - len(restored_ef)} parameter(s) start at zero "
+                f"({'the DP x TP layout changed' if not same_layout else 'not in the checkpoint'})")
+    if geo is not None:
+        _restore_geo(geo, geo_meta, sd, geo_tp, f"{tag}/geo/hits", same_layout, log)
+    opt.publish()
+
+
+def _broadcast_non_writers(layout: StateLayout, with_state: bool) -> None:
+    """Copy loaded values to the ranks that did not read them: TP-replicated parameters from TP rank 0,
+    and (without the distributed optimizer) everything from DP rank 0."""
+    pctx, opt = layout.pctx, layout.optimizer
+
+    def tensors(m):
+        yield m.main.data
+        if with_state:
+            st = opt.optimizer_of(m).state[m.main]
+            for s in layout.state_names(m.name):
+                yield st[s]
+
+    if pctx.tp_size > 1:
+        for m in opt.mains:
+            if layout.partition_dim(m.param) is None:
+                for t in tensors(m):
+                    dist.broadcast(t, src=pctx.tp_ranks[0], group=pctx.tp_group)
+    if not opt.sharded and pctx.dp_size > 1:
+        for m in opt.mains:
+            for t in tensors(m):
+                dist.broadcast(t, src=pctx.dp_ranks[0], group=pctx.dp_group)
+
+
+def _restore_geo(geo, geo_meta, sd, geo_tp, hits_key, same_layout, log) -> None:
+    """GeoFP8 selection, profile, refresh step and transforms from the checkpoint."""
+    from ..geometry.transform import LowRankTransform
+
+    if geo_meta is None:
+        log("checkpoint: it was saved without comm.transform=geo; GeoFP8 starts fresh")
+        return
+    geo.profiled = int(geo_meta["profiled"])
+    if hits_key in sd:
+        for n, v in zip(sorted(geo.hits), sd[hits_key].tolist()):
+            geo.hits[n] = v
+    selected = [n for n in geo_meta["selected"] if n in geo.candidates]
+    if geo.auto_layers or set(selected) != set(geo.selected):
+        geo.selected = {n: geo.candidates[n] for n in selected}
+        geo.stats = geo._make_stats()
+    loaded = [n for n in geo.transforms if f"{geo_tp}{n}/U" in sd]
+    for n in loaded:
+        dev = geo.params[n].device
+        geo.transforms[n] = LowRankTransform(sd[f"{geo_tp}{n}/U"].to(dev), sd[f"{geo_tp}{n}/d"].to(dev))
+    if loaded:
+        geo.last_refresh = int(geo_meta["last_refresh"])
+    elif geo_meta["last_refresh"] >= 0:
+        log("checkpoint: the TP size changed, so the GeoFP8 transforms restart from the identity until the next "
+            "scheduled refresh")
