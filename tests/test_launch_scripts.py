@@ -1,0 +1,141 @@
+"""The launch scripts without a cluster: the 64-node wrappers' sbatch command lines and configs, the
+sbatch script's refusal outside a job, launch_local.sh on CPU, and the ETA helper."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_geo.config import ConfigError, load_config, validate_config
+from megatron_geo.training.eta import eta_line, eta_seconds, format_duration, metrics_eta_line, read_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+PRESETS = sorted(p.stem for p in (ROOT / "configs" / "comm").glob("*.yaml"))
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd, env=None, **kw):
+    return subprocess.run(cmd, cwd=ROOT, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=120, **kw)
+
+
+@pytest.mark.parametrize("model", ["llama_300m", "llama_600m"])
+def test_paper_wrappers_build_the_64_node_command_for_every_preset(model):
+    assert len(PRESETS) >= 11
+    for preset in PRESETS:
+        r = _run([f"scripts/slurm/{model}.sh", preset, "train.steps=7"], env={"DRY_RUN": "1"})
+        assert r.returncode == 0, r.stderr
+        argv = shlex.split(r.stdout)
+        assert argv[0] == "sbatch"
+        assert "--nodes=64" in argv and "--ntasks-per-node=1" in argv and "--gpus-per-node=1" in argv
+        i = argv.index("scripts/slurm/pretrain.sbatch")
+        train_args = argv[i + 1:]
+        assert train_args[:4] == ["--config", f"configs/{model}.yaml", "--config", f"configs/comm/{preset}.yaml"]
+        assert f"train.run_dir=runs/{model}_{preset}_n64" in train_args and train_args[-1] == "train.steps=7"
+        # the resolved config is valid for 64 processes (global batch 512 = micro 4 x DP 64 x 2)
+        cfg = load_config([str(ROOT / train_args[1]), str(ROOT / train_args[3])], train_args[4:])
+        validate_config(cfg, 64)
+        assert cfg.train.global_batch_size == 512 and cfg.train.steps == 7
+
+
+def test_wrapper_rejects_bad_preset_and_nodes():
+    r = _run(["scripts/slurm/llama_600m.sh", "fp9"], env={"DRY_RUN": "1"})
+    assert r.returncode == 2 and "comm preset 'fp9' not found" in r.stderr and "geofp8" in r.stderr
+    r = _run(["scripts/slurm/llama_300m.sh", "bf16"], env={"DRY_RUN": "1", "NODES": "sixty"})
+    assert r.returncode == 2 and "NODES=sixty" in r.stderr
+    r = _run(["scripts/slurm/llama_300m.sh", "bf16"], env={"DRY_RUN": "1", "NODES": "8", "GPUS_PER_NODE": "0",
+                                                           "PARTITION": "gh", "TIME": "02:00:00"})
+    argv = shlex.split(r.stdout)
+    assert "--nodes=8" in argv and "--partition=gh" in argv and "--time=02:00:00" in argv
+    assert not any(a.startswith("--gpus-per-node") for a in argv)
+    assert "train.run_dir=runs/llama_300m_bf16_n8" in argv
+
+
+def test_sbatch_script_outside_a_job_says_how_to_run_it():
+    r = _run(["bash", "scripts/slurm/pretrain.sbatch", "--config", "configs/tiny.yaml"])
+    assert r.returncode == 2 and "submit it with sbatch" in r.stderr
+
+
+def test_sbatch_script_declares_preemption_and_per_job_logs():
+    text = (ROOT / "scripts" / "slurm" / "pretrain.sbatch").read_text()
+    directives = [ln.split(None, 1)[1] for ln in text.splitlines() if ln.startswith("#SBATCH")]
+    assert "--requeue" in directives and "--open-mode=append" in directives
+    assert any(d.startswith("--signal=USR1@") for d in directives)
+    assert any(d.startswith("--output=") and "%j" in d for d in directives)
+    assert "scontrol requeue" in text and "NCCL_IB_HCA" in text
+
+
+def test_launch_local_trains_two_cpu_processes(tmp_path):
+    r = _run(["scripts/launch_local.sh", "--config", "configs/tiny.yaml", "train.steps=2", "train.device=cpu",
+              "train.eval_batches=0", "train.progress=false", "logging.wandb=disabled", f"train.run_dir={tmp_path}",
+              "model.num_layers=1"], env={"NPROC": "2", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[launch_local] 2 process(es)" in r.stdout
+    assert "parallel: world=2 TP=1 DP=2" in r.stdout
+    recs = read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert [x["step"] for x in recs] == [1, 2]
+
+
+def test_launch_local_rejects_bad_nproc():
+    r = _run(["scripts/launch_local.sh", "--config", "configs/tiny.yaml"], env={"NPROC": "two"})
+    assert r.returncode == 2 and "NPROC=two" in r.stderr
+
+
+# -- ETA ---------------------------------------------------------------------------------------------------------
+
+def test_format_duration_and_eta_seconds():
+    assert format_duration(5) == "5s"
+    assert format_duration(185) == "3m05s"
+    assert format_duration(2 * 3600 + 3 * 60 + 29) == "2h03m"
+    assert format_duration(86400 + 2 * 3600 + 3 * 60) == "1d02h03m"
+    assert format_duration(float("nan")) == "?"
+    assert eta_seconds(100, 1100, 1.5) == 1500.0
+    assert eta_seconds(1100, 1100, 1.5) == 0.0
+    with pytest.raises(ValueError, match="step=1200"):
+        eta_seconds(1200, 1100, 1.0)
+    with pytest.raises(ValueError, match="total_steps=0"):
+        eta_seconds(0, 0, 1.0)
+    with pytest.raises(ValueError, match="seconds_per_step=-1"):
+        eta_seconds(1, 10, -1.0)
+
+
+def test_eta_line_values():
+    import time as _t
+
+    now = _t.mktime((2025, 5, 1, 12, 0, 0, 0, 0, -1))
+    line = eta_line(120, 20000, [1.0, 1.5], 512 * 4096, now=now)
+    # mean 1.25 s/step, 19880 steps left -> 24850 s = 6h54m10s; 2,097,152 tokens / 1.25 s
+    assert line == ("step 120/20000 (0.6%) | 1.250 s/step | 1,677,722 tok/s | ETA 6h54m "
+                    "(finish 2025-05-01 18:54)")
+    with pytest.raises(ValueError, match="recent_step_times is empty"):
+        eta_line(1, 2, [], 10)
+
+
+def test_metrics_eta_line_skips_first_step_and_partial_lines(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    recs = [{"step": 1, "step_time_s": 9.0, "tokens_per_sec": 100.0},
+            {"step": 2, "step_time_s": 2.0, "tokens_per_sec": 1000.0},
+            {"step": 3, "step_time_s": 2.0, "tokens_per_sec": 1000.0}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"step": 4, "step_ti')
+    got = read_metrics(str(p))
+    assert [r["step"] for r in got] == [1, 2, 3]
+    line = metrics_eta_line(got, 10, now=0)
+    assert line.startswith("step 3/10 (30.0%) | 2.000 s/step | 1,000 tok/s | ETA 14s")
+    assert metrics_eta_line([], 10) is None
+    (tmp_path / "config.yaml").write_text("train:\n  steps: 10\n")
+    r = subprocess.run([sys.executable, str(ROOT / "megatron_geo/training/eta.py"), "--run-dir", str(tmp_path),
+                        "--once", "--prefix", "[eta]"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("[eta] step 3/10 (30.0%) | 2.000 s/step"), r.stdout + r.stderr
