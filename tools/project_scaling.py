@@ -1,0 +1,388 @@
+#!/usr/bin/env python
+"""Project the step time of every gradient-communication mode to a GPU cluster (alpha-beta model).
+
+    python tools/project_scaling.py [--gpus 8 16 32 64 128 256] [--net-gbs 50] [--mfu 0.4] [--plot FILE]
+
+Model (DESIGN.md section 5), TP = 1, data parallel over all n GPUs, per step:
+
+- compute  T_c = flops_per_token(model) * global_batch * seq_length / (n * peak * MFU)
+  (``megatron_geo.model.llama.flops_per_token``: 6 N + 6 L s h, Kaplan et al. 2020 / PaLM app. B);
+- gradient all-reduce in the mode's wire format, ring: 2 [(n-1) alpha + (n-1)/n * N b / B]
+  (reduce-scatter or all-to-all + all-gather, each (n-1) alpha + (n-1)/n S / B), b = bytes per element
+  (FP32 4, BF16 2, FP8 1 + 4 bytes per parameter tensor scale, NVFP4 0.5 + 1/16 + 4 per 1024-element chunk);
+  B = per-GPU network bandwidth (``--net-gbs``; NVLink ``--intra-gbs`` when n <= GPUs per node);
+- exposed communication = T_comm - min(overlap * T_comm, window * T_c) with ``--overlap`` the fraction of
+  the collective that can hide behind compute and window = 2/3 (the backward pass, where bucket reductions
+  start); exposed-comm fraction = 1 - overlap;
+- codec: two quantize+dequantize round trips of the N-element gradient per step (the reduce stage encodes
+  the whole buffer and decodes every source's chunk, the all-gather stage the same for the averaged shard),
+  time = 2 * 4N / (ratio_to_copy * ``--copy-gbs``), ``ratio_to_copy`` = the mode's codec throughput over a
+  plain memory copy measured by ``benchmarks/codec.py`` (so the CPU measurement is carried to the GPU as a
+  fraction of its copy bandwidth); Hadamard adds two rotations (forward and inverse), error feedback one
+  extra copy-speed pass;
+- GeoFP8 / GeoNVFP4 = the Euclidean mode with error feedback times (1 + o), o = the added step time measured
+  by ``benchmarks/geo_overhead.py`` (geofp8 vs fp8 + EF, side by side).
+
+Step time = T_c + exposed comm + codec. Reduction vs a reference mode = 1 - T_mode / T_ref.
+
+Calibration (``--calibrate``, on by default): the paper (arXiv 2607.07494) reports, for Llama-600M on 64
+GH200 (one GPU per node, global batch 512, seq 2048), an end-to-end time reduction of 10.8% for Euclidean
+FP8 vs FP32 gradient communication and 7.6% for GeoFP8. With MFU fixed (``--mfu``), the overlap that makes
+the model's FP8 reduction equal 10.8% is found by bisection (if none in [0, 1], the MFU is solved instead
+with no overlap); GeoFP8's reduction is then projected with our measured overhead.
+
+Every input is printed with its source. Benchmark outputs are read from ``--codec-output`` and
+``--geo-output`` (saved stdout of the two benchmarks; default ``docs/bench/*_cpu.txt``) or measured now with
+``--run-benchmarks``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from megatron_geo.config import load_config  # noqa: E402
+from megatron_geo.model.llama import count_parameters, flops_per_token  # noqa: E402
+
+MODES = ["fp32", "bf16", "fp8", "fp8_ef", "fp8_hadamard", "geofp8", "nvfp4", "geonvfp4"]
+PAPER = {"fp8_vs_fp32": 0.108, "geofp8_vs_fp32": 0.076, "gpus": 64, "model": "configs/llama_600m.yaml"}
+# codec benchmark row used by each mode ("ratio to copy"); None = no codec
+CODEC_ROW = {"fp32": None, "bf16": "bf16 cast", "fp8": "fp8_e4m3 tensor", "fp8_ef": "fp8_e4m3 tensor",
+             "fp8_hadamard": "fp8_e4m3 tensor", "geofp8": "fp8_e4m3 tensor", "nvfp4": "nvfp4", "geonvfp4": "nvfp4"}
+
+
+class ProjectionError(ValueError):
+    """A missing or unreadable benchmark output or a bad parameter; the message names the fix."""
+
+
+# -- collectives (alpha-beta) --------------------------------------------------------------------------------
+def ring_phase_time(n: int, nbytes: float, bw: float, alpha: float) -> float:
+    """One ring reduce-scatter / all-gather, or a pairwise all-to-all, of ``nbytes`` (the full buffer) per
+    rank: (n-1) alpha + (n-1)/n * nbytes / bw seconds (bw in bytes/s, alpha in s). 0 for n = 1."""
+    if n < 1:
+        raise ProjectionError(f"GPU count {n} must be >= 1")
+    return 0.0 if n == 1 else (n - 1) * alpha + (n - 1) / n * nbytes / bw
+
+
+def allreduce_time(n: int, nbytes: float, bw: float, alpha: float) -> float:
+    """Ring all-reduce = reduce-scatter + all-gather: 2 [(n-1) alpha + (n-1)/n * nbytes / bw]."""
+    return 2.0 * ring_phase_time(n, nbytes, bw, alpha)
+
+
+def bytes_per_element(mode: str, numel: int, n_tensors: int) -> float:
+    """Wire bytes per gradient element of ``mode`` including its scales."""
+    base = {"fp32": "fp32", "bf16": "bf16", "fp8": "fp8", "fp8_ef": "fp8", "fp8_hadamard": "fp8", "geofp8": "fp8",
+            "nvfp4": "nvfp4", "geonvfp4": "nvfp4"}.get(mode)
+    if base == "fp32":
+        return 4.0
+    if base == "bf16":
+        return 2.0
+    if base == "fp8":
+        return 1.0 + 4.0 * n_tensors / numel
+    if base == "nvfp4":
+        return 0.5 + 1.0 / 16 + 4.0 / 1024
+    raise ProjectionError(f"unknown mode '{mode}'")
+
+
+# -- inputs ----------------------------------------------------------------------------------------------------
+@dataclass
+class Cluster:
+    gpus_per_node: int = 1
+    net_gbs: float = 50.0        # per-GPU network bandwidth, GB/s (NDR 400 Gb/s)
+    intra_gbs: float = 450.0     # NVLink per GPU, GB/s (used when n <= gpus_per_node)
+    alpha_us: float = 5.0        # per-hop latency, microseconds
+    peak_tflops: float = 989.0   # dense BF16 peak per GPU (H100/GH200 SXM), TFLOP/s
+    mfu: float = 0.4
+    overlap: float = 0.0         # fraction of the collective hidden behind compute
+    window: float = 2.0 / 3.0    # share of T_c during which reductions can overlap (backward)
+    copy_gbs: float = 2000.0     # device memory-copy throughput (bytes of FP32 input per second / 1e9)
+
+
+@dataclass
+class Costs:
+    """Measured inputs: codec throughput ratios to a memory copy, and the GeoFP8 step overhead."""
+
+    ratio_to_copy: dict
+    geo_overhead: float
+    sources: dict
+
+
+def parse_codec_output(text: str, source: str) -> dict[str, float]:
+    """``{operation: ratio to copy}`` from benchmarks/codec.py stdout."""
+    rows = {}
+    for line in text.splitlines():
+        m = re.match(r"^(\S.*?)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$", line)
+        if m and not line.startswith("operation"):
+            rows[m.group(1).strip()] = float(m.group(4))
+    need = {r for r in CODEC_ROW.values() if r} | {"hadamard128 rot+inv", "copy"}
+    missing = need - rows.keys()
+    if missing:
+        raise ProjectionError(f"{source}: benchmarks/codec.py output lacks rows {sorted(missing)}; rerun "
+                              f"`python benchmarks/codec.py > {source}` or pass --run-benchmarks")
+    return rows
+
+
+def parse_geo_output(text: str, source: str) -> float:
+    """GeoFP8's added step time as a fraction, from benchmarks/geo_overhead.py stdout ("added +X% ...")."""
+    m = re.search(r"added\s+([+-]?[\d.]+)%", text)
+    if not m:
+        raise ProjectionError(f"{source}: no 'added ...%' line from benchmarks/geo_overhead.py; rerun "
+                              f"`python benchmarks/geo_overhead.py > {source}` or pass --run-benchmarks")
+    return float(m.group(1)) / 100.0
+
+
+def load_costs(codec_path: str | None, geo_path: str | None, run: bool, geo_overhead: float | None) -> Costs:
+    sources = {}
+    if run:
+        codec_text = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "codec.py"), "--numel", "4194304"],
+                                    capture_output=True, text=True, check=True).stdout
+        sources["codec"] = "benchmarks/codec.py --numel 4194304 (run now)"
+    else:
+        p = Path(codec_path)
+        if not p.is_file():
+            raise ProjectionError(f"codec benchmark output '{p}' not found; save `python benchmarks/codec.py` "
+                                  f"stdout there, pass --codec-output FILE, or --run-benchmarks")
+        codec_text, sources["codec"] = p.read_text(), str(p)
+    ratios = parse_codec_output(codec_text, sources["codec"])
+    if geo_overhead is not None:
+        o, sources["geo"] = geo_overhead, "--geo-overhead (given)"
+    elif run:
+        text = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "geo_overhead.py")], capture_output=True,
+                              text=True, check=True, cwd=ROOT).stdout
+        o, sources["geo"] = parse_geo_output(text, "geo_overhead"), "benchmarks/geo_overhead.py (run now)"
+    else:
+        p = Path(geo_path)
+        if not p.is_file():
+            raise ProjectionError(f"geo overhead output '{p}' not found; save `python benchmarks/geo_overhead.py` "
+                                  f"stdout there, pass --geo-output FILE, --geo-overhead PCT/100, or --run-benchmarks")
+        o, sources["geo"] = parse_geo_output(p.read_text(), str(p)), str(p)
+    return Costs(ratios, max(o, 0.0), sources)
+
+
+# -- the step-time model -------------------------------------------------------------------------------------
+@dataclass
+class Model:
+    name: str
+    params: int
+    n_tensors: int
+    flops_per_token: float
+    tokens_per_step: int
+
+
+def model_from_config(path: str, global_batch: int | None = None) -> Model:
+    cfg = load_config([path])
+    n_tensors = 2 + 9 * cfg.model.num_layers + 1  # embed, output, final norm; 7 linears + 2 norms per layer
+    gb = global_batch or cfg.train.global_batch_size
+    return Model(Path(path).stem, count_parameters(cfg.model), n_tensors, flops_per_token(cfg.model),
+                 gb * cfg.model.seq_length)
+
+
+def step_breakdown(mode: str, n: int, m: Model, c: Cluster, costs: Costs) -> dict[str, float]:
+    """Seconds per step: ``compute``, ``comm`` (full collective), ``exposed``, ``codec``, ``step``."""
+    tc = m.flops_per_token * m.tokens_per_step / (n * c.peak_tflops * 1e12 * c.mfu)
+    bw = (c.intra_gbs if n <= c.gpus_per_node else c.net_gbs) * 1e9
+    b = bytes_per_element(mode, m.params, m.n_tensors)
+    comm = allreduce_time(n, m.params * b, bw, c.alpha_us * 1e-6)
+    exposed = comm - min(c.overlap * comm, c.window * tc)
+    buf = 4.0 * m.params  # FP32 gradient bytes: the unit of the codec throughput
+    copy_s = buf / (c.copy_gbs * 1e9)
+    codec = 0.0
+    row = CODEC_ROW[mode]
+    if row:
+        codec = 2 * copy_s / costs.ratio_to_copy[row]
+    if mode == "fp8_hadamard":
+        codec += 2 * copy_s / costs.ratio_to_copy["hadamard128 rot+inv"]  # rotation + inverse, both stages
+    if mode.endswith("_ef") or mode.startswith("geo"):
+        codec += copy_s
+    step = tc + exposed + codec
+    if mode.startswith("geo"):
+        step *= 1.0 + costs.geo_overhead
+    return {"compute": tc, "comm": comm, "exposed": exposed, "codec": codec, "step": step}
+
+
+def reduction(mode: str, ref: str, n: int, m: Model, c: Cluster, costs: Costs) -> float:
+    """1 - T_mode / T_ref (positive = faster than the reference)."""
+    return 1.0 - step_breakdown(mode, n, m, c, costs)["step"] / step_breakdown(ref, n, m, c, costs)["step"]
+
+
+def _bisect(f, lo: float, hi: float, iters: int = 100) -> float | None:
+    flo, fhi = f(lo), f(hi)
+    if flo * fhi > 0:
+        return None
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        if f(mid) * flo > 0:
+            lo, flo = mid, f(mid)
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+def calibrate(m: Model, c: Cluster, costs: Costs, target: float = PAPER["fp8_vs_fp32"], n: int = PAPER["gpus"]):
+    """Cluster with the overlap (given c.mfu) or, failing that, the MFU (no overlap) for which the fp8 vs fp32
+    reduction equals ``target``; returns (cluster, what was solved)."""
+    ov = _bisect(lambda o: reduction("fp8", "fp32", n, m, replace(c, overlap=o), costs) - target, 0.0, 1.0)
+    if ov is not None:
+        return replace(c, overlap=ov), "overlap"
+    mfu = _bisect(lambda u: reduction("fp8", "fp32", n, m, replace(c, overlap=0.0, mfu=u), costs) - target,
+                  1e-3, 1.0)
+    if mfu is None:
+        raise ProjectionError(f"no MFU in (0, 1] and overlap in [0, 1] reproduce {target:.1%} for fp8 vs fp32; "
+                              f"check --net-gbs/--peak-tflops")
+    return replace(c, overlap=0.0, mfu=mfu), "mfu"
+
+
+def projection_table(models: list[Model], gpus: list[int], c: Cluster, costs: Costs) -> list[dict]:
+    rows = []
+    for m in models:
+        for n in gpus:
+            for mode in MODES:
+                s = step_breakdown(mode, n, m, c, costs)
+                rows.append({"model": m.name, "gpus": n, "mode": mode, **s,
+                             "vs_fp32": reduction(mode, "fp32", n, m, c, costs),
+                             "vs_bf16": reduction(mode, "bf16", n, m, c, costs)})
+    return rows
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.6), squeeze=False)
+    for ax, mname in zip(axes[0], models):
+        for i, mode in enumerate(MODES[1:]):
+            pts = [(r["gpus"], 100 * r["vs_fp32"]) for r in rows if r["model"] == mname and r["mode"] == mode]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode, color=plt.get_cmap("tab10")(i + 1))
+        ax.set_xscale("log", base=2)
+        ax.axhline(0, color="k", lw=0.8)
+        ax.set_xlabel("GPUs (data parallel)")
+        ax.set_ylabel("projected step-time reduction vs fp32 (%)")
+        ax.set_title(mname)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = Cluster()
+    ap.add_argument("--models", nargs="+", default=["configs/llama_300m.yaml", "configs/llama_600m.yaml"])
+    ap.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
+    ap.add_argument("--global-batch", type=int, default=None, help="samples per step (default: each config's)")
+    ap.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
+    ap.add_argument("--net-gbs", type=float, default=d.net_gbs, help="per-GPU network bandwidth, GB/s")
+    ap.add_argument("--intra-gbs", type=float, default=d.intra_gbs, help="intra-node bandwidth per GPU, GB/s")
+    ap.add_argument("--alpha-us", type=float, default=d.alpha_us, help="latency per ring hop, microseconds")
+    ap.add_argument("--peak-tflops", type=float, default=d.peak_tflops, help="dense BF16 peak per GPU")
+    ap.add_argument("--mfu", type=float, default=d.mfu, help="model FLOPs utilisation of the compute")
+    ap.add_argument("--overlap", type=float, default=None,
+                    help="fraction of the collective hidden behind compute (default: calibrated to the paper)")
+    ap.add_argument("--copy-gbs", type=float, default=d.copy_gbs, help="device memory-copy throughput, GB/s")
+    ap.add_argument("--codec-output", default=str(ROOT / "docs" / "bench" / "codec_cpu.txt"))
+    ap.add_argument("--geo-output", default=str(ROOT / "docs" / "bench" / "geo_overhead_cpu.txt"))
+    ap.add_argument("--codec-ratio", type=float, default=None,
+                    help="assume every codec runs at this fraction of copy speed (e.g. 0.5 for fused GPU kernels) "
+                         "instead of the measured ratios")
+    ap.add_argument("--geo-overhead", type=float, default=None, help="GeoFP8 added step fraction (overrides)")
+    ap.add_argument("--run-benchmarks", action="store_true", help="measure codec and geo overhead now")
+    ap.add_argument("--plot", default=None, help="write the reduction-vs-GPUs plot (PNG) here")
+    ap.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
+    a = ap.parse_args(argv)
+    try:
+        for name in ("net_gbs", "intra_gbs", "peak_tflops", "mfu", "copy_gbs"):
+            if getattr(a, name) <= 0:
+                raise ProjectionError(f"--{name.replace('_', '-')} {getattr(a, name)} must be > 0")
+        if a.overlap is not None and not 0 <= a.overlap <= 1:
+            raise ProjectionError(f"--overlap {a.overlap} must be in [0, 1]")
+        costs = load_costs(a.codec_output, a.geo_output, a.run_benchmarks, a.geo_overhead)
+        if a.codec_ratio is not None:
+            if not 0 < a.codec_ratio:
+                raise ProjectionError(f"--codec-ratio {a.codec_ratio} must be > 0")
+            costs.ratio_to_copy = {k: a.codec_ratio for k in costs.ratio_to_copy}
+            costs.sources["codec"] = f"--codec-ratio {a.codec_ratio} (assumption, replaces the measured ratios)"
+        models = [model_from_config(p, a.global_batch) for p in a.models]
+        paper_model = model_from_config(PAPER["model"], 512)
+    except ProjectionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    c = Cluster(a.gpus_per_node, a.net_gbs, a.intra_gbs, a.alpha_us, a.peak_tflops, a.mfu, a.overlap or 0.0,
+                copy_gbs=a.copy_gbs)
+
+    print("inputs (value | source):")
+    for m in list({m.name: m for m in models + [paper_model]}.values()):
+        print(f"  {m.name}: {m.params:,} parameters, {m.n_tensors} tensors, {m.flops_per_token / 1e9:.3f} GFLOP/token, "
+              f"{m.tokens_per_step:,} tokens/step | megatron_geo.model.llama count_parameters / flops_per_token")
+    print(f"  network {c.net_gbs} GB/s per GPU, intra-node {c.intra_gbs} GB/s, {c.gpus_per_node} GPU(s)/node, "
+          f"alpha {c.alpha_us} us | assumption (DESIGN.md section 5: NDR 400 Gb/s)")
+    print(f"  peak {c.peak_tflops} TFLOP/s per GPU, MFU {c.mfu:.2f}, device copy {c.copy_gbs} GB/s | assumption "
+          f"(H100/GH200 dense BF16; HBM copy)")
+    for row in sorted({r for r in CODEC_ROW.values() if r} | {"hadamard128 rot+inv"}):
+        print(f"  codec '{row}' throughput / copy = {costs.ratio_to_copy[row]:.3f} | {costs.sources['codec']}")
+    print(f"  GeoFP8 added step time {costs.geo_overhead:+.2%} of fp8+EF | {costs.sources['geo']} (measured on the "
+          f"tiny config; a large model's ratio of transform to step work may differ)")
+    for mode in MODES:
+        print(f"  {mode}: {bytes_per_element(mode, models[-1].params, models[-1].n_tensors):.4f} bytes/element "
+              f"({models[-1].name}) | wire format incl. scales")
+
+    # calibration to the paper's setting
+    pc = replace(c, gpus_per_node=1)
+    solved_what = "given"
+    if a.overlap is None:
+        try:
+            pc, solved_what = calibrate(paper_model, pc, costs)
+        except ProjectionError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    n0 = PAPER["gpus"]
+    fp8_red = reduction("fp8", "fp32", n0, paper_model, pc, costs)
+    geo_red = reduction("geofp8", "fp32", n0, paper_model, pc, costs)
+    print(f"\ncalibration (Llama-600M, {n0} GPUs, 1 GPU/node, global batch 512, seq 2048): solved {solved_what}: "
+          f"MFU {pc.mfu:.3f}, overlap {pc.overlap:.3f} (exposed-comm fraction {1 - pc.overlap:.3f}); "
+          f"fp8 vs fp32 {fp8_red:+.1%} (paper {PAPER['fp8_vs_fp32']:.1%}); "
+          f"geofp8 vs fp32 {geo_red:+.1%} with our overhead (paper {PAPER['geofp8_vs_fp32']:.1%})")
+    bd = {mode: step_breakdown(mode, n0, paper_model, pc, costs) for mode in ("fp32", "fp8", "geofp8")}
+    for mode, s in bd.items():
+        print(f"  {mode}: compute {s['compute'] * 1e3:.1f} ms, all-reduce {s['comm'] * 1e3:.1f} ms "
+              f"(exposed {s['exposed'] * 1e3:.1f}), codec {s['codec'] * 1e3:.2f} ms, step {s['step'] * 1e3:.1f} ms")
+    print("  other (MFU, exposed fraction) pairs reproducing the same 10.8%:", end="")
+    for u in (0.2, 0.3, 0.5):
+        ov = _bisect(lambda o: reduction("fp8", "fp32", n0, paper_model, replace(pc, mfu=u, overlap=o), costs)
+                     - PAPER["fp8_vs_fp32"], 0.0, 1.0)
+        print(f" ({u:.2f}, {1 - ov:.3f})" if ov is not None else f" ({u:.2f}, none)", end="")
+    print()
+
+    rows = projection_table(models, a.gpus, pc if a.overlap is None else c, costs)
+    sep = " | " if a.markdown else "  "
+    head = ["model", "GPUs"] + [f"{m} ms (vs fp32 / vs bf16)" for m in MODES]
+    print("\nprojected step time (calibrated cluster) and end-to-end reduction:")
+    if a.markdown:
+        print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for mname in dict.fromkeys(r["model"] for r in rows):
+        for n in a.gpus:
+            cells = [mname, str(n)]
+            for mode in MODES:
+                r = next(x for x in rows if x["model"] == mname and x["gpus"] == n and x["mode"] == mode)
+                cells.append(f"{r['step'] * 1e3:.1f} ({r['vs_fp32']:+.1%} / {r['vs_bf16']:+.1%})")
+            print(("| " if a.markdown else "") + sep.join(cells) + (" |" if a.markdown else ""))
+    if a.plot:
+        plot(rows, a.plot)
+        print(f"wrote {a.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
