@@ -21,13 +21,11 @@ cd "$ROOT" || exit 2
 if [[ -z "${MG_PYTHON:-}" ]]; then
     if [[ -x "$ROOT/.venv/bin/python" ]]; then MG_PYTHON="$ROOT/.venv/bin/python"; else MG_PYTHON=python3; fi
 fi
-if ! "$MG_PYTHON" -c 'import torch' 2>/dev/null; then
-    echo "error: MG_PYTHON=$MG_PYTHON cannot import torch; run 'make install' or set MG_PYTHON" >&2
-    exit 2
-fi
-
 if [[ -z "${NPROC:-}" ]]; then
-    NPROC="$("$MG_PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 2)')"
+    if ! NPROC="$("$MG_PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 2)')"; then
+        echo "error: MG_PYTHON=$MG_PYTHON cannot import torch; run 'make install' or set MG_PYTHON" >&2
+        exit 2
+    fi
 fi
 if ! [[ "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
     echo "error: NPROC=$NPROC is not a positive integer (e.g. NPROC=2)" >&2
