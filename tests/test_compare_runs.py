@@ -117,3 +117,29 @@ def test_bad_inputs(tmp_path, sweep):
     empty.mkdir()
     with pytest.raises(cr.CompareError, match="no runs"):
         cr.load_sweep(empty)
+
+
+def test_offline_wandb_run_is_read(tmp_path, sweep):
+    """A run folder with only an offline wandb run (written here by wandb itself) counts like metrics.jsonl."""
+    pytest.importorskip("wandb")
+    run_dir = sweep / "geofp8-seed2"
+    run_dir.mkdir()
+    script = (
+        "import wandb\n"
+        f"r = wandb.init(mode='offline', dir={str(run_dir)!r}, project='p', group='sw', name='geofp8-seed2',\n"
+        "               config={'train': {'seed': 2}, 'comm': {'dtype': 'fp8_e4m3'}})\n"
+        "for s in (1, 2, 3, 4):\n"
+        "    rec = {'loss': 9.0 - s, 'comm_bytes': 1000, 'tokens_per_sec': 10.0 * s}\n"
+        "    if s == 4:\n"
+        "        rec['val_loss'] = 4.25\n"
+        "    r.log(rec, step=s)\n"
+        "r.finish()\n")
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    runs = {(r.mode, r.seed): r for r in cr.load_sweep(sweep)}
+    r = runs["geofp8", 2]
+    assert [x["step"] for x in r.records] == [1, 2, 3, 4]
+    assert r.final_val_loss == 4.25 and r.final_loss == 5.0 and r.tokens_per_sec == pytest.approx(30.0)
+    with pytest.raises(cr.CompareError, match="not a wandb transaction log"):
+        cr._wandb_records(b"garbage", Path("x.wandb"))

@@ -4,7 +4,8 @@
     python tools/compare_runs.py runs/sweep_tiny [--out docs/sweep_tiny] [--baseline bf16] [--smooth 10]
 
 Reads every run folder under SWEEP_DIR that holds ``metrics.jsonl`` and ``config.yaml`` (written by
-``pretrain_llama.py``; see ``tools/run_comparison.py``). The mode of a run is the part of its folder name
+``pretrain_llama.py``; see ``tools/run_comparison.py``), or, for a folder without ``metrics.jsonl``, its offline
+wandb run (``wandb/offline-run-*/run-*.wandb``, read locally: config, run name and logged history). The mode of a run is the part of its folder name
 before ``-seed<k>`` (else ``comm.dtype`` [+transform, +ef] from its config); the seed is ``train.seed``.
 
 Writes into ``--out`` (default ``SWEEP_DIR``):
@@ -109,15 +110,88 @@ def read_metrics(path: Path) -> list[dict]:
     return out
 
 
+def _wandb_records(data: bytes, path: Path) -> list[bytes]:
+    """Payloads of a wandb transaction log (``run-*.wandb``): a 7-byte header (``:W&B``, magic, version),
+    then LevelDB-log framing: 32 KiB blocks of records ``crc32:u32 length:u16 type:u8 payload``
+    (type 1 full, 2 first, 3 middle, 4 last), a block tail shorter than 7 bytes is padding."""
+    if data[:4] != b":W&B":
+        raise CompareError(f"{path}: not a wandb transaction log (no ':W&B' header)")
+    out, part, i, block = [], b"", 7, 32768
+    while i + 7 <= len(data):
+        left = block - i % block
+        if left < 7:
+            i += left
+            continue
+        length, kind = int.from_bytes(data[i + 4:i + 6], "little"), data[i + 6]
+        i += 7
+        if kind == 0 and length == 0:
+            break  # zero padding at the end of a file that is still being written
+        chunk, i = data[i:i + length], i + length
+        if kind == 1:
+            out.append(chunk)
+        elif kind == 2:
+            part = chunk
+        elif kind == 3:
+            part += chunk
+        elif kind == 4:
+            out.append(part + chunk)
+            part = b""
+    return out
+
+
+def read_wandb_offline(path: Path) -> tuple[dict, list[dict], str]:
+    """``(config, records, run name)`` of an offline wandb run file; records carry ``step`` = wandb's ``_step``
+    (pretrain_llama.py logs with ``step=`` the training step) and every logged key."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    cfg, recs, name = {}, [], ""
+    for payload in _wandb_records(path.read_bytes(), path):
+        r = pb.Record()
+        r.ParseFromString(payload)
+        kind = r.WhichOneof("record_type")
+        if kind == "run":
+            name = r.run.display_name
+            cfg = {u.key: json.loads(u.value_json) for u in r.run.config.update if not u.key.startswith("_")}
+        elif kind == "config":
+            cfg.update({u.key: json.loads(u.value_json) for u in r.config.update if not u.key.startswith("_")})
+        elif kind == "history":
+            item = {(it.key or "/".join(it.nested_key)): json.loads(it.value_json) for it in r.history.item}
+            if "_step" in item:
+                item["step"] = item["_step"]
+                recs.append({k: v for k, v in item.items() if not k.startswith("_")})
+    return cfg, recs, name
+
+
 def load_sweep(sweep_dir: str | Path, skip_incomplete: bool = False) -> list[Run]:
-    """Every run under ``sweep_dir`` (searched recursively for ``config.yaml`` / ``metrics.jsonl``)."""
+    """Every run under ``sweep_dir``: folders with ``metrics.jsonl`` + ``config.yaml`` (searched
+    recursively), and offline wandb runs (``wandb/offline-run-*/run-*.wandb``, the latest per folder) of
+    folders without ``metrics.jsonl``."""
     root = Path(sweep_dir)
     if not root.is_dir():
         raise CompareError(f"sweep folder '{root}' not found; pass the --sweep-dir of tools/run_comparison.py")
     dirs = sorted({p.parent for pat in ("config.yaml", "metrics.jsonl") for p in root.rglob(pat)
-                   if "wandb" not in p.parts})
+                   if "wandb" not in p.relative_to(root).parts})
+    wandb_runs: dict[Path, Path] = {}
+    for f in sorted(root.rglob("run-*.wandb")):
+        parts = f.relative_to(root).parts
+        if "wandb" in parts and f.parent.name.startswith("offline-run-"):
+            owner = root.joinpath(*parts[:parts.index("wandb")])
+            if not (owner / "metrics.jsonl").is_file():
+                wandb_runs[owner] = f  # sorted: the latest offline run of a folder wins
     runs = []
+    for d, f in wandb_runs.items():
+        cfg, recs, name = read_wandb_offline(f)
+        if not recs:
+            if skip_incomplete:
+                continue
+            raise CompareError(f"wandb run '{f}' has no logged steps; rerun it or pass --skip-incomplete")
+        match = re.fullmatch(r"(.+)-seed(\d+)", name) or re.fullmatch(r"(.+)-seed(\d+)", d.name)
+        mode = match.group(1) if match else _mode_from_config(cfg)
+        seed = cfg.get("train", {}).get("seed", int(match.group(2)) if match else 0)
+        runs.append(Run(d, mode, int(seed), recs))
     for d in dirs:
+        if d in wandb_runs:
+            continue
         m, c = d / "metrics.jsonl", d / "config.yaml"
         recs = read_metrics(m) if m.is_file() else []
         if not recs or not c.is_file():
