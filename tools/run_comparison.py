@@ -14,7 +14,8 @@ Locally each run is ``torchrun --standalone --nproc-per-node N pretrain_llama.py
 --config configs/comm/<preset>.yaml OVERRIDES`` (one after the other; stdout+stderr go to
 ``<run>/train.log``). With ``--slurm`` each run is instead submitted as
 ``sbatch [--job-name ...] scripts/slurm/pretrain.sbatch --config MODEL --config PRESET OVERRIDES``
-(the sbatch script decides nodes and tasks). ``SWEEP_DIR/sweep.json`` records the presets, seeds and
+(nodes, GPUs and time go in ``--sbatch-arg``; submit from the repository root, which the job uses as
+``MG_ROOT``; Slurm logs go to ``logs/``). ``SWEEP_DIR/sweep.json`` records the presets, seeds and
 exact commands. ``tools/compare_runs.py SWEEP_DIR`` then makes the plots and tables.
 
 Exit status: 0 if every run finished (or was submitted), 1 if any failed (the others still run),
@@ -174,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{i}/{len(runs)}] {run['name']}: finished before, skipped", flush=True)
             continue
         if a.slurm:
+            Path("logs").mkdir(exist_ok=True)  # pretrain.sbatch writes logs/%x-%j.out under the submit folder
             res = subprocess.run(cmd, capture_output=True, text=True)
             msg = (res.stdout + res.stderr).strip()
             print(f"[{i}/{len(runs)}] {run['name']}: {msg}", flush=True)

@@ -1,0 +1,69 @@
+"""tools/run_comparison.py: the run plan (folders, seeds, wandb group, overrides), the sbatch submission
+through a stand-in sbatch, skip-finished, and bad arguments."""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TOOL = [sys.executable, str(REPO / "tools" / "run_comparison.py")]
+
+
+def test_dry_run_plan(tmp_path):
+    res = subprocess.run(TOOL + ["--dry-run", "--presets", "bf16", "geofp8", "--seeds", "2", "--sweep-dir",
+                                 str(tmp_path / "sw"), "--nproc", "3", "train.steps=7"],
+                         capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 4
+    # seed-major order; every run: its folder, seed, the sweep's wandb group, then the extra overrides
+    for line, (preset, seed) in zip(lines, [("bf16", 1), ("geofp8", 1), ("bf16", 2), ("geofp8", 2)]):
+        assert "--nproc-per-node 3" in line and "--config configs/tiny.yaml" in line
+        assert f"--config configs/comm/{preset}.yaml" in line
+        assert f"train.run_dir={tmp_path / 'sw'}/{preset}-seed{seed} train.seed={seed}" in line
+        assert "logging.wandb_group=sw" in line and f"logging.wandb_name={preset}-seed{seed}" in line
+        assert line.endswith("train.steps=7")
+
+
+def test_slurm_submission_uses_sbatch_with_the_same_args(tmp_path):
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'calls.txt'}\necho Submitted batch job 42\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    res = subprocess.run(TOOL + ["--slurm", "--sbatch-arg=--nodes=64", "--presets", "fp8", "--seed-list", "5",
+                                 "--sweep-dir", str(tmp_path / "sw"), "train.steps=9"],
+                         capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stderr
+    call = (tmp_path / "calls.txt").read_text().split()
+    script = call.index(str(REPO / "scripts" / "slurm" / "pretrain.sbatch"))
+    assert call[:script] == ["--job-name=fp8-seed5", "--nodes=64"]
+    assert call[script + 1:] == ["--config", os.path.relpath(REPO / "configs" / "tiny.yaml", tmp_path), "--config",
+                                 os.path.relpath(REPO / "configs" / "comm" / "fp8.yaml", tmp_path),
+                                 f"train.run_dir={tmp_path / 'sw'}/fp8-seed5", "train.seed=5",
+                                 "logging.wandb_group=sw", "logging.wandb_name=fp8-seed5", "train.steps=9"]
+    assert "Submitted batch job 42" in res.stdout
+    manifest = json.loads((tmp_path / "sw" / "sweep.json").read_text())
+    assert manifest["presets"] == ["fp8"] and manifest["seeds"] == [5] and manifest["launcher"] == "slurm"
+
+
+def test_skip_finished(tmp_path):
+    d = tmp_path / "sw" / "bf16-seed1"
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text("train:\n  steps: 2\n")
+    (d / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    res = subprocess.run(TOOL + ["--skip-finished", "--presets", "bf16", "--seeds", "1", "--sweep-dir",
+                                 str(tmp_path / "sw")], capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 0 and "finished before, skipped" in res.stdout
+
+
+def test_bad_arguments(tmp_path):
+    res = subprocess.run(TOOL + ["--dry-run", "--presets", "fp9"], capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 2 and "unknown comm preset 'fp9'" in res.stderr and "fp8_ef" in res.stderr
+    res = subprocess.run(TOOL + ["--dry-run", "--config", "nope.yaml"], capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 2 and "'nope.yaml' not found" in res.stderr
+    res = subprocess.run(TOOL + ["--dry-run", "train.seed=3"], capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 2 and "train.seed is set per run" in res.stderr
