@@ -28,7 +28,7 @@ _CHOICES = {
     ("comm", "scale_sync"): ("none", "max"),
     ("train", "nonfinite"): ("skip", "stop"),
     ("logging", "wandb"): ("offline", "online", "disabled"),
-    ("model", "transformer_impl"): ("local",),
+    ("model", "transformer_impl"): ("local", "transformer_engine"),
 }
 
 _POSITIVE = [

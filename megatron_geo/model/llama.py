@@ -145,6 +145,10 @@ class Llama(nn.Module):
             p.use_muon = p.ndim == 2 and name.startswith("layers.")
             if not hasattr(p, "tensor_model_parallel"):
                 p.tensor_model_parallel = False
+        if cfg.transformer_impl == "transformer_engine":  # the local path never imports TE
+            from .te import use_transformer_engine
+
+            use_transformer_engine(self)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if tokens.shape[-1] > self.cfg.seq_length:

@@ -20,6 +20,14 @@ from .mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 InitFn = Callable[[torch.Tensor], None]
 
 
+def _local_matmul(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x W^T`` with the layer's own weight shard: F.linear, or a Transformer Engine Linear sharing the same
+    weight Parameter when :func:`megatron_geo.model.te.use_transformer_engine` attached one (``te_linear``,
+    kept out of the module tree so parameter names and state dicts do not change)."""
+    te = layer.__dict__.get("te_linear")
+    return F.linear(x, layer.weight) if te is None else te(x)
+
+
 def _sharded_param(full_shape: tuple[int, int], dim: int, group, init_fn: InitFn, dtype, device,
                    valid_rows: int | None = None) -> nn.Parameter:
     full = torch.zeros(full_shape, dtype=torch.float32)
@@ -50,7 +58,7 @@ class ColumnParallelLinear(nn.Module):
                                      valid_out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tp(x, self.group), self.weight)
+        y = _local_matmul(self, copy_to_tp(x, self.group))
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 
@@ -67,7 +75,7 @@ class RowParallelLinear(nn.Module):
         self.weight = _sharded_param((out_features, in_features), 1, group, init_fn, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_from_tp(F.linear(x, self.weight), self.group)
+        return reduce_from_tp(_local_matmul(self, x), self.group)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,0 +1,193 @@
+"""GPU-path pieces checked on CPU: MFU arithmetic, per-block compile, the Transformer Engine switch
+(with a stand-in TE module), and the CUDA-only parts skipped with the reason when there is no GPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from helpers import tiny_cfg
+from megatron_geo.config import ConfigError, load_config, validate_config
+from megatron_geo.model import Llama, flops_per_token
+from megatron_geo.model.compile import compile_blocks, is_compiled
+from megatron_geo.model.te import use_transformer_engine
+from megatron_geo.training.mfu import gpu_flops_metrics, mfu, peak_bf16_flops, tflops_per_gpu
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def world():
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+
+
+# -- MFU ---------------------------------------------------------------------------------------------------------
+
+def test_peak_table_matches_device_names():
+    assert peak_bf16_flops("NVIDIA GH200 480GB") == ("GH200 (H100/H200 die)", 989.4e12)
+    assert peak_bf16_flops("NVIDIA H200")[1] == 989.4e12
+    assert peak_bf16_flops("NVIDIA H100 80GB HBM3")[1] == 989.4e12
+    assert peak_bf16_flops("NVIDIA H100 PCIe")[1] == 756.0e12
+    assert peak_bf16_flops("NVIDIA H100 NVL")[1] == 835.5e12
+    assert peak_bf16_flops("NVIDIA A100-SXM4-80GB")[1] == 312.0e12
+    assert peak_bf16_flops("NVIDIA L40S")[1] == 362.05e12
+    assert peak_bf16_flops("Tesla T4") is None
+
+
+def test_mfu_values_for_llama_600m():
+    cfg = load_config([str(ROOT / "configs/llama_600m.yaml")])
+    fpt = flops_per_token(cfg.model)
+    assert 3.5e9 < fpt < 4.0e9  # 6 x ~0.59B non-embedding-lookup params + attention
+    # 100k tokens/s on one GPU of an H100: fpt * 1e5 FLOP/s
+    assert tflops_per_gpu(1e5, fpt) == pytest.approx(fpt * 1e5 / 1e12)
+    assert mfu(1e5, fpt, 989.4e12) == pytest.approx(fpt * 1e5 / 989.4e12)
+    m = gpu_flops_metrics(64e5, 64, fpt, "NVIDIA GH200 480GB")
+    assert m["tflops_per_gpu"] == pytest.approx(fpt * 1e5 / 1e12)
+    assert m["mfu"] == pytest.approx(fpt * 1e5 / 989.4e12) and m["peak_tflops"] == pytest.approx(989.4)
+    unknown = gpu_flops_metrics(1e5, 1, fpt, "Tesla T4")
+    assert unknown["mfu"] is None and unknown["gpu"] == "Tesla T4"
+    assert gpu_flops_metrics(1e5, 1, fpt, "Tesla T4", peak_flops=65e12)["mfu"] == pytest.approx(fpt * 1e5 / 65e12)
+
+
+def test_mfu_rejects_bad_input():
+    with pytest.raises(ValueError, match="peak_flops=0"):
+        mfu(1.0, 1.0, 0)
+    with pytest.raises(ValueError, match="tokens_per_sec_per_gpu=-1"):
+        tflops_per_gpu(-1, 1.0)
+    with pytest.raises(ValueError, match="num_gpus=0"):
+        gpu_flops_metrics(1.0, 0, 1.0, "H100")
+
+
+# -- per-block compile -------------------------------------------------------------------------------------------
+
+def test_compile_blocks_keeps_names_outputs_and_gradients(world):
+    cfg = tiny_cfg()
+    ref, comp = Llama(cfg.model, world, 3), Llama(cfg.model, world, 3)
+    names = [n for n, _ in comp.named_parameters()]
+    assert compile_blocks(comp, backend="eager") == cfg.model.num_layers
+    assert all(is_compiled(b) for b in comp.layers) and not is_compiled(ref.layers[0])
+    assert [n for n, _ in comp.named_parameters()] == names
+    assert list(comp.state_dict()) == list(ref.state_dict())
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 131, (2, 16), generator=g), torch.randint(0, 131, (2, 16), generator=g)
+    a, b = ref(x, y), comp(x, y)
+    torch.testing.assert_close(b, a, rtol=0, atol=0)
+    a.sum().backward()
+    b.sum().backward()
+    for (n, p), q in zip(ref.named_parameters(), comp.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=n)
+
+
+def test_compile_blocks_rejects_other_models():
+    with pytest.raises(ValueError, match="non-empty `layers` ModuleList"):
+        compile_blocks(nn.Linear(2, 2))
+
+
+# -- Transformer Engine switch -----------------------------------------------------------------------------------
+
+def _fake_te():
+    """A stand-in for transformer_engine.pytorch with the same constructor arguments (CPU, plain torch)."""
+    calls = {"linear": 0, "norm": 0}
+
+    class Linear(nn.Module):
+        def __init__(self, in_features, out_features, bias=True, params_dtype=None, device=None):
+            super().__init__()
+            assert bias is False
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype, device=device))
+
+        def forward(self, x):
+            calls["linear"] += 1
+            return F.linear(x, self.weight)
+
+    class RMSNorm(nn.Module):
+        def __init__(self, hidden, eps=1e-5, params_dtype=None, device=None):
+            super().__init__()
+            self.eps = eps
+            self.weight = nn.Parameter(torch.empty(hidden, dtype=params_dtype, device=device))
+
+        def forward(self, x):
+            calls["norm"] += 1
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    return types.SimpleNamespace(Linear=Linear, RMSNorm=RMSNorm), calls
+
+
+def test_te_swap_shares_parameters_and_matches_local(world):
+    cfg = tiny_cfg()
+    ref, te_model = Llama(cfg.model, world, 5), Llama(cfg.model, world, 5)
+    params_before = dict(te_model.named_parameters())
+    te, calls = _fake_te()
+    L = cfg.model.num_layers
+    assert use_transformer_engine(te_model, te_pt=te, require_cuda=False) == L * 7 + 1 + L * 2 + 1
+    after = dict(te_model.named_parameters())
+    assert list(after) == list(params_before) and all(after[k] is params_before[k] for k in after)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 131, (2, 16), generator=g), torch.randint(0, 131, (2, 16), generator=g)
+    out = te_model(x, y)
+    assert calls["linear"] == L * 7 + 1 and calls["norm"] == L * 2 + 1
+    torch.testing.assert_close(out, ref(x, y), rtol=1e-6, atol=1e-6)
+
+
+def test_te_requested_without_cuda_or_package_is_a_config_error(world):
+    cfg = tiny_cfg("model.transformer_impl=transformer_engine")
+    validate_config(cfg, 1)  # a valid choice
+    with pytest.raises(ConfigError, match="transformer_impl"):
+        Llama(cfg.model, world, 0)  # either TE is missing here, or it needs CUDA: both name the key and the fix
+    bad = tiny_cfg("model.transformer_impl=te")
+    with pytest.raises(ConfigError, match="choose one of local, transformer_engine"):
+        validate_config(bad, 1)
+
+
+def test_local_impl_never_imports_transformer_engine(tmp_path):
+    # a transformer_engine package that fails loudly if anything imports it
+    pkg = tmp_path / "transformer_engine"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise RuntimeError('transformer_engine was imported')\n")
+    code = ("import sys, torch, torch.distributed as dist\n"
+            "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+            "from megatron_geo.config import load_config\nfrom megatron_geo.model import Llama\n"
+            "m = Llama(load_config([], ['model.num_layers=1']).model, dist.group.WORLD, 0)\n"
+            "assert 'transformer_engine' not in sys.modules\n"
+            "cfg = load_config([], ['model.num_layers=1', 'model.transformer_impl=transformer_engine'])\n"
+            "try:\n    Llama(cfg.model, dist.group.WORLD, 0)\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("ConfigError model.transformer_impl=transformer_engine but Transformer Engine cannot "
+                               "be imported (RuntimeError: transformer_engine was imported)"), r.stdout
+    assert "model.transformer_impl=local" in r.stdout
+
+
+# -- CUDA only ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run benchmarks/gpu_check.sh on a GPU machine)")
+def test_cuda_step_on_one_gpu_bf16_autocast():
+    from megatron_geo.parallel import init_parallel
+    from megatron_geo.parallel.launch_env import LaunchEnv
+    from megatron_geo.training.step import train_step
+    from megatron_geo.training.trainer import build_model_and_optimizer
+    from helpers import global_batch, rank_micro_batches
+
+    pctx = init_parallel(1, "cuda", "auto", env=LaunchEnv(0, 1, 0, "127.0.0.1", 0, "single"))
+    assert pctx.device.type == "cuda" and pctx.backend == "nccl"
+    cfg = tiny_cfg()
+    model, _, _, sync, opt = build_model_and_optimizer(cfg, pctx)
+    losses = []
+    for s in range(3):
+        mbs = rank_micro_batches(global_batch(cfg, s), cfg.train.micro_batch_size, 0, 1)
+        res = train_step(model, mbs, sync, opt, pctx, 1.0, 1.0)
+        losses.append(res.loss)
+        assert not res.skipped
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # FP32 params, BF16 autocast compute
+    assert losses[-1] < losses[0]
+    sync.remove_hooks()
