@@ -108,6 +108,12 @@ def test_bad_inputs(tmp_path, sweep):
     assert res.returncode == 2 and "geofp8-seed1" in res.stderr and "--skip-incomplete" in res.stderr
     res = subprocess.run(tool + [str(sweep), "--no-plots", "--skip-incomplete"], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+    # a run that stopped before train.steps (still running, or failed)
+    (sweep / "geofp8-seed1" / "config.yaml").write_text("train:\n  seed: 1\n  steps: 10\n")
+    (sweep / "geofp8-seed1" / "metrics.jsonl").write_text('{"step": 1, "loss": 8.0}\n')
+    with pytest.raises(cr.CompareError, match="geofp8-seed1' stopped at step 1 of train.steps=10"):
+        cr.load_sweep(sweep)
+    assert ("geofp8", 1) not in {(r.mode, r.seed) for r in cr.load_sweep(sweep, skip_incomplete=True)}
     # a truncated line: file and line number named
     with open(sweep / "fp8-seed2" / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "loss"\n')

@@ -22,7 +22,7 @@ Writes into ``--out`` (default ``SWEEP_DIR``):
   - ``tokens_per_sec``: mean over steps after the first, then over seeds (global tokens/s).
 
 Errors (exit status 2, one ``error:`` line): SWEEP_DIR missing or without runs; a run folder without
-metrics (use ``--skip-incomplete`` to leave it out); a malformed metrics line (file and line named).
+metrics or stopped before ``train.steps`` (use ``--skip-incomplete`` to leave it out); a malformed metrics line (file and line named).
 """
 
 from __future__ import annotations
@@ -202,6 +202,14 @@ def load_sweep(sweep_dir: str | Path, skip_incomplete: bool = False) -> list[Run
             raise CompareError(f"run '{d}' has no {what}; let the run finish, rerun it "
                                f"(tools/run_comparison.py --skip-finished), or pass --skip-incomplete")
         cfg = yaml.safe_load(c.read_text()) or {}
+        steps = cfg.get("train", {}).get("steps")
+        if isinstance(steps, int) and recs[-1]["step"] < steps:
+            if skip_incomplete:
+                print(f"warning: skipping '{d}' (stopped at step {recs[-1]['step']} of {steps})", file=sys.stderr)
+                continue
+            raise CompareError(f"run '{d}' stopped at step {recs[-1]['step']} of train.steps={steps} (still running, "
+                               f"or failed: see its train.log); wait, rerun it (tools/run_comparison.py "
+                               f"--skip-finished), or pass --skip-incomplete")
         match = re.fullmatch(r"(.+)-seed(\d+)", d.name)
         mode = match.group(1) if match else _mode_from_config(cfg)
         seed = cfg.get("train", {}).get("seed", int(match.group(2)) if match else 0)
@@ -326,7 +334,7 @@ def gap_series(rs: list[Run], base: list[Run], key: str, smooth: int = 1) -> tup
 
 def _band(ax, steps, vals, label, color):
     mean = [sum(c) / len(c) for c in zip(*vals)]
-    ax.plot(steps, mean, label=label, color=color, lw=1.3)
+    ax.plot(steps, mean, label=label, color=color, lw=1.3, marker="o" if len(steps) <= 30 else None, ms=3)
     if len(vals) > 1:
         ax.fill_between(steps, [min(c) for c in zip(*vals)], [max(c) for c in zip(*vals)], color=color, alpha=0.18,
                         lw=0)
@@ -349,12 +357,13 @@ def plot(modes: dict[str, list[Run]], out: Path, baseline: str, smooth: int, tit
                 _band(ax, steps, vals, f"{mode} (n={len(rs)})", colors(i % 10))
     axes[0].set_title(f"train loss (moving average over {smooth} steps)" if smooth > 1 else "train loss")
     axes[1].set_title("validation loss")
+    zoom_from = _zoom(axes[1], modes, "val_loss")
+    if zoom_from is not None:
+        axes[1].set_title(f"validation loss (y range of steps >= {zoom_from})")
     for ax in axes:
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats/token)")
         ax.grid(alpha=0.3)
-    # zoom the validation panel on the part after the first evaluation, where the modes differ
-    _zoom(axes[1], modes, "val_loss")
     axes[1].legend(fontsize=8)
     fig.suptitle(f"{title}: seed mean, band = min..max over seeds")
     fig.tight_layout()
@@ -389,13 +398,18 @@ def plot(modes: dict[str, list[Run]], out: Path, baseline: str, smooth: int, tit
     return written
 
 
-def _zoom(ax, modes, key):
-    vals = [v for rs in modes.values() for r in rs for s, v in zip(*r.series(key))][::1]
-    finals = [r.final_val_loss for rs in modes.values() for r in rs if not math.isnan(r.final_val_loss)]
-    if vals and finals:
-        lo, hi = min(vals), max(vals)
-        top = min(hi, max(finals) + 1.5 * (max(finals) - lo) + 0.05)
-        ax.set_ylim(lo - 0.02 * (top - lo + 1e-9), top)
+def _zoom(ax, modes, key) -> int | None:
+    """Limit the y axis to the values of the last 60% of steps (where the modes differ); returns the first
+    step of that range."""
+    pts = [(st, v) for rs in modes.values() for r in rs for st, v in zip(*r.series(key))]
+    if len(pts) < 2:
+        return None
+    first = 0.4 * max(st for st, _ in pts)
+    vals = [v for st, v in pts if st >= first]
+    lo, hi = min(vals), max(vals)
+    pad = 0.1 * (hi - lo) + 1e-3
+    ax.set_ylim(lo - pad, hi + pad)
+    return int(first)
 
 
 def main(argv: list[str] | None = None) -> int:
