@@ -191,3 +191,47 @@ def test_cuda_step_on_one_gpu_bf16_autocast():
     assert all(p.dtype == torch.float32 for p in model.parameters())  # FP32 params, BF16 autocast compute
     assert losses[-1] < losses[0]
     sync.remove_hooks()
+
+
+# -- GradSync side stream ----------------------------------------------------------------------------------------
+
+def _sync_for(world, device, comm_stream):
+    from megatron_geo.comm import build_reducer
+    from megatron_geo.distributed import GradSync, build_buckets
+
+    cfg = tiny_cfg("comm.dtype=fp8_e4m3")
+    model = Llama(cfg.model, world, 0, device=device)
+    reducer = build_reducer(cfg.comm, world, 1, 0, seed=0, device=device)
+    buckets = build_buckets(list(model.named_parameters()), 3000, 1, atomic_fn=lambda p: False,
+                            align=reducer.alignment())
+    for b in buckets:
+        reducer.register_bucket(b.index, b.plan.offsets, [p.numel() for p in b.params], b.plan.chunk, device)
+    return cfg, model, buckets, GradSync(buckets, reducer, sharded=True, comm_stream=comm_stream)
+
+
+def test_grad_sync_has_no_side_stream_on_cpu(world):
+    _, _, _, sync = _sync_for(world, torch.device("cpu"), None)
+    assert sync._stream is None
+    sync.remove_hooks()
+    with pytest.raises(ValueError, match="comm_stream=True needs gradient buffers on a CUDA device"):
+        _sync_for(world, torch.device("cpu"), True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run benchmarks/gpu_check.sh on a GPU machine)")
+def test_grad_sync_side_stream_gives_the_same_reduction(world):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    out = {}
+    for comm_stream in (False, True):
+        cfg, model, buckets, sync = _sync_for(world, dev, comm_stream)
+        assert (sync._stream is not None) == comm_stream
+        g = torch.Generator().manual_seed(2)
+        x, y = torch.randint(0, 131, (4, 16), generator=g).to(dev), torch.randint(0, 131, (4, 16), generator=g).to(dev)
+        sync.start_step()
+        sync.set_last_micro_batch(True)
+        model(x, y).sum().backward()
+        sync.finish()
+        out[comm_stream] = [b.grad_data.clone() for b in buckets]
+        sync.remove_hooks()
+    for a, b in zip(out[False], out[True]):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+        assert a.abs().sum() > 0

@@ -23,10 +23,23 @@ class GradSync:
 
     ``sharded=True`` (distributed optimizer): reduce-scatter, each rank keeps its chunk's average.
     ``sharded=False``: all-reduce, every rank holds the whole average.
+
+    ``comm_stream``: run each bucket's reduction (encode, collectives, decode) on a separate CUDA stream so
+    the codec kernels of low-precision reducers overlap the rest of backward instead of queueing behind
+    it. ``None`` (default) turns it on when the gradient buffers are on CUDA; on CPU nothing changes.
+    The side stream waits for the compute stream before each launch (the bucket's gradients are
+    complete), and the compute stream waits for the side stream in :meth:`finish`, so the optimizer
+    sees the finished reduction; every temporary of the reducer is allocated and freed on the side stream.
     """
 
-    def __init__(self, buckets: list[Bucket], reducer: Reducer, sharded: bool, overlap: bool = True):
+    def __init__(self, buckets: list[Bucket], reducer: Reducer, sharded: bool, overlap: bool = True,
+                 comm_stream: bool | None = None):
         self.buckets, self.reducer, self.sharded, self.overlap = buckets, reducer, sharded, overlap
+        on_cuda = bool(buckets) and buckets[0].grad_data.is_cuda
+        if comm_stream and not on_cuda:
+            raise ValueError("comm_stream=True needs gradient buffers on a CUDA device; use comm_stream=None or False")
+        self._stream = torch.cuda.Stream(device=buckets[0].grad_data.device) \
+            if (on_cuda if comm_stream is None else comm_stream) else None
         self._pending: dict[int, PendingReduction] = {}
         self._remaining: dict[int, int] = {}
         self._last = True
@@ -48,7 +61,12 @@ class GradSync:
 
     def _launch(self, bucket: Bucket) -> None:
         op = self.reducer.reduce_scatter if self.sharded else self.reducer.all_reduce
-        self._pending[bucket.index] = op(bucket.grad_data, key=bucket.index, async_op=True)
+        if self._stream is None:
+            self._pending[bucket.index] = op(bucket.grad_data, key=bucket.index, async_op=True)
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        with torch.cuda.stream(self._stream):
+            self._pending[bucket.index] = op(bucket.grad_data, key=bucket.index, async_op=True)
 
     def start_step(self, defer: bool = False) -> None:
         """Zero the FP32 gradient buffers and re-arm the readiness counters.
@@ -72,8 +90,15 @@ class GradSync:
         for b in self.buckets:
             if b.index not in self._pending:
                 self._launch(b)
-        for b in self.buckets:
-            self._pending[b.index].wait()
+        if self._stream is None:
+            for b in self.buckets:
+                self._pending[b.index].wait()
+        else:
+            compute = torch.cuda.current_stream(self._stream.device)
+            with torch.cuda.stream(self._stream):
+                for b in self.buckets:
+                    self._pending[b.index].wait()
+            compute.wait_stream(self._stream)
         self._pending.clear()
 
     def remove_hooks(self) -> None:
