@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -163,7 +164,9 @@ def save_checkpoint(root: Path, step: int, state: dict, meta: dict, keep_latest:
         tmp.mkdir()
     dist.barrier(group=group)
     t0 = time.perf_counter()
-    dcp.save(state, checkpoint_id=str(tmp))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # DCP warns on each ShardedTensor (see state.py)
+        dcp.save(state, checkpoint_id=str(tmp))
     dist.barrier(group=group)  # every rank's files are written
     if is_main:
         meta = dict(meta, format=FORMAT, step=step, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -37,7 +37,9 @@ MUON_STATES = ("momentum_buffer",)
 def _sharded_tensor(shards: list[tuple[tuple[int, ...], torch.Tensor]], size: tuple[int, ...], rank: int, group):
     """A ShardedTensor of global ``size`` from this rank's ``(offsets, tensor)`` shards (collective)."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # ShardedTensor carries a deprecation warning; DCP still reads it
+        # ShardedTensor carries a deprecation warning, but it is the DCP type that describes arbitrary
+        # (uneven, multi-rectangle) shards, which the distributed optimizer's pieces are; DTensor cannot.
+        warnings.simplefilter("ignore")
         from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
 
         local = [Shard(t, ShardMetadata(list(off), list(t.shape), f"rank:{rank}/{t.device.type}"))
@@ -239,7 +241,9 @@ def load_state(path: str, layout: StateLayout, reducer, geo, same_layout: bool, 
                 sd[f"{geo_tp}{name}/U"] = torch.empty(keys[f"{geo_tp}{name}/U"].size, dtype=torch.float32)
                 sd[f"{geo_tp}{name}/d"] = torch.empty(keys[f"{geo_tp}{name}/d"].size, dtype=torch.float32)
 
-    dcp.load(sd, checkpoint_id=path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # ShardedTensor deprecation, see _sharded_tensor
+        dcp.load(sd, checkpoint_id=path)
 
     with torch.no_grad():
         for buf, view in copies:
