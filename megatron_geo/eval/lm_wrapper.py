@@ -39,15 +39,27 @@ log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def llama_logits(model: Llama, tokens: torch.Tensor) -> torch.Tensor:
-    """Next-token logits float32 ``[b, s, vocab_size]`` of a TP=1 Llama for ``tokens`` int64 ``[b, s]``
-    (padded vocabulary columns dropped). Raises ValueError for a tensor-parallel model."""
+def llama_hidden(model: Llama, tokens: torch.Tensor) -> torch.Tensor:
+    """Final-norm hidden states ``[b, s, hidden]`` of a TP=1 Llama for ``tokens`` int64 ``[b, s]``.
+    Raises ValueError for a tensor-parallel model."""
     if dist.get_world_size(model.tp_group) != 1:
-        raise ValueError("llama_logits needs a TP=1 model (load one with load_consolidated)")
+        raise ValueError("the lm-eval wrapper needs a TP=1 model (load one with load_consolidated)")
     x = model.embed(tokens)
     for block in model.layers:
         x = block(x, model.rope_cos, model.rope_sin)
-    return model.output(model.norm(x))[..., : model.cfg.vocab_size].float()
+    return model.norm(x)
+
+
+@torch.no_grad()
+def llama_logits(model: Llama, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token logits float32 ``[b, s, vocab_size]`` (padded vocabulary columns dropped)."""
+    return output_logits(model, llama_hidden(model, tokens))
+
+
+@torch.no_grad()
+def output_logits(model: Llama, hidden: torch.Tensor) -> torch.Tensor:
+    """Output layer on final-norm hidden states ``[..., hidden]`` -> float32 ``[..., vocab_size]``."""
+    return model.output(hidden)[..., : model.cfg.vocab_size].float()
 
 
 class MegatronGeoLM(LM):
@@ -74,6 +86,7 @@ class MegatronGeoLM(LM):
         self._warned_sampling = False
 
     # -- token-level scoring --------------------------------------------------------------------------
+    @torch.no_grad()
     def score_tokens(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """``(sum log p(cont | ctx), all greedy)`` for each ``(ctx, cont)`` token-id pair; ``ctx`` must be
         non-empty. The input ``ctx + cont`` is left-truncated to ``seq_length + 1`` tokens."""
@@ -93,10 +106,11 @@ class MegatronGeoLM(LM):
             inp = torch.zeros(len(seqs), width, dtype=torch.long)
             for j, s in enumerate(seqs):
                 inp[j, : len(s)] = torch.tensor(s)
-            logp = torch.log_softmax(llama_logits(self.model, inp.to(self._device)), dim=-1).cpu()
+            hidden = llama_hidden(self.model, inp.to(self._device))
             for j, i in enumerate(idx):
                 n, c = len(seqs[j]), torch.tensor(conts[j])
-                lp = logp[j, n - len(c): n]  # predictions for the continuation tokens
+                # only the positions that predict the continuation tokens go through the output layer
+                lp = torch.log_softmax(output_logits(self.model, hidden[j, n - len(c): n]), dim=-1).cpu()
                 out[i] = (float(lp.gather(1, c[:, None]).sum()), bool((lp.argmax(-1) == c).all()))
         return out  # type: ignore[return-value]
 
@@ -160,8 +174,8 @@ class MegatronGeoLM(LM):
         text = ""
         for _ in range(max_new_tokens):
             window = (ids + new)[-self.max_length:]
-            logits = llama_logits(self.model, torch.tensor([window], device=self._device))
-            nxt = int(logits[0, -1].argmax())
+            hidden = llama_hidden(self.model, torch.tensor([window], device=self._device))
+            nxt = int(output_logits(self.model, hidden[0, -1]).argmax())
             if nxt == self.prefix_id:
                 break
             new.append(nxt)
