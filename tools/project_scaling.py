@@ -252,7 +252,7 @@ def projection_table(models: list[Model], gpus: list[int], c: Cluster, costs: Co
     return rows
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str, note: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -271,6 +271,8 @@ def plot(rows: list[dict], path: str) -> None:
         ax.set_title(mname)
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8)
+    if note:
+        fig.suptitle(note, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -379,7 +381,10 @@ def main(argv: list[str] | None = None) -> int:
                 cells.append(f"{r['step'] * 1e3:.1f} ({r['vs_fp32']:+.1%} / {r['vs_bf16']:+.1%})")
             print(("| " if a.markdown else "") + sep.join(cells) + (" |" if a.markdown else ""))
     if a.plot:
-        plot(rows, a.plot)
+        cal = pc if a.overlap is None else c
+        plot(rows, a.plot, f"alpha-beta projection, {cal.net_gbs:g} GB/s per GPU, MFU {cal.mfu:.2f}, overlap "
+                           f"{cal.overlap:.3f}; codec: {costs.sources['codec']}; GeoFP8 overhead "
+                           f"{costs.geo_overhead:+.2%}")
         print(f"wrote {a.plot}")
     return 0
 
