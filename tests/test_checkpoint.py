@@ -159,6 +159,15 @@ def test_resharding_dp2_to_dp3_and_dp1_and_tp2_to_tp1(tmp_path):
             assert (r[name]["step"], r[name]["consumed"], r[name]["params_match"]) == (2, 24, True)
             assert torch.isfinite(torch.tensor(r[name]["loss"]))
         assert len({r[name]["loss"] for r in ranks}) == 1
+    # export the TP=2 checkpoint to one consolidated file: it holds exactly the saved main params
+    out = tmp_path / "tp2.pt"
+    r = subprocess.run([sys.executable, str(ROOT / "tools/convert_checkpoint.py"), str(tmp_path / "adamw_tp2"),
+                        str(out), "--no-tokenizer"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    exported = torch.load(out, weights_only=True)["model"]
+    assert exported.keys() == saved["adamw_tp2"].keys()
+    for pname, t in exported.items():
+        assert torch.equal(t, saved["adamw_tp2"][pname]["main"]), pname
     # the step after loading matches between layouts that hold the same state (fp32 reduction order aside)
     assert dp3[0]["adamw"]["loss"] == pytest.approx(dp1[0]["adamw"]["loss"], rel=1e-6)
 
