@@ -86,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (ConnectionError, OSError) as e:  # datasets: Hub unreachable / offline and not cached
+        print(f"error: task data could not be loaded ({type(e).__name__}: {e}); run once where the Hugging Face "
+              f"Hub is reachable (lm-eval caches the data under HF_DATASETS_CACHE) or use local task YAMLs with "
+              f"--include-path", file=sys.stderr)
+        return 2
     summary = summarize(evals, a.baseline)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -139,6 +139,14 @@ def parse_geo_output(text: str, source: str) -> float:
     return float(m.group(1)) / 100.0
 
 
+def _show(p: Path) -> str:
+    """``p`` relative to the working folder when it lies inside it (for printing sources)."""
+    try:
+        return str(p.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(p)
+
+
 def load_costs(codec_path: str | None, geo_path: str | None, run: bool, geo_overhead: float | None) -> Costs:
     sources = {}
     if run:
@@ -150,7 +158,7 @@ def load_costs(codec_path: str | None, geo_path: str | None, run: bool, geo_over
         if not p.is_file():
             raise ProjectionError(f"codec benchmark output '{p}' not found; save `python benchmarks/codec.py` "
                                   f"stdout there, pass --codec-output FILE, or --run-benchmarks")
-        codec_text, sources["codec"] = p.read_text(), str(p)
+        codec_text, sources["codec"] = p.read_text(), _show(p)
     ratios = parse_codec_output(codec_text, sources["codec"])
     if geo_overhead is not None:
         o, sources["geo"] = geo_overhead, "--geo-overhead (given)"
@@ -163,7 +171,7 @@ def load_costs(codec_path: str | None, geo_path: str | None, run: bool, geo_over
         if not p.is_file():
             raise ProjectionError(f"geo overhead output '{p}' not found; save `python benchmarks/geo_overhead.py` "
                                   f"stdout there, pass --geo-output FILE, --geo-overhead PCT/100, or --run-benchmarks")
-        o, sources["geo"] = parse_geo_output(p.read_text(), str(p)), str(p)
+        o, sources["geo"] = parse_geo_output(p.read_text(), str(p)), _show(p)
     return Costs(ratios, max(o, 0.0), sources)
 
 
