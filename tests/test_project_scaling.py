@@ -102,3 +102,34 @@ def test_cli(tmp_path):
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
     res = subprocess.run(tool[:2] + ["--codec-output", str(tmp_path / "none.txt")], capture_output=True, text=True)
     assert res.returncode == 2 and "none.txt' not found" in res.stderr
+
+
+def _gpu_check_json(tmp_path, dry=False):
+    import json
+
+    ops = {k: {"ms": 1.0, "gbps": g, "ratio_to_copy": g / 2000.0} for k, g in
+           (("copy", 2000.0), ("fp8_e4m3 tensor", 1000.0), ("nvfp4", 500.0), ("hadamard128 rot+inv", 400.0),
+            ("bf16 cast", 1600.0))}
+    d = {"dry_run": dry, "codec": {"ops": ops},
+         "geo": {"layers": {"llama_600m.yaml": {"geo_added_ms_per_layer": 0.5}}},
+         "train_600m": {"mfu": 0.35}, "train_600m_compile": {"mfu": 0.5}}
+    p = tmp_path / "gpu_check.json"
+    p.write_text(json.dumps(d))
+    return p
+
+
+def test_gpu_check_figures_replace_the_cpu_ones(tmp_path):
+    g = ps.load_gpu_check(str(_gpu_check_json(tmp_path)))
+    assert g["copy_gbs"] == 2000.0 and g["ratio_to_copy"]["fp8_e4m3 tensor"] == 0.5
+    assert g["geo_added_s_per_layer"] == {"llama_600m": 0.0005} and g["mfu"] == {"llama_600m": 0.35}
+    m = ps.model_from_config(str(REPO / "configs" / "llama_600m.yaml"), 512)
+    assert m.geo_layers == 20  # geo.layers default: every MLP down projection
+    c = ps.Costs(g["ratio_to_copy"], 0.5, {}, g["geo_added_s_per_layer"])
+    ef = ps.step_breakdown("fp8_ef", 64, m, C, c)["step"]
+    assert ps.step_breakdown("geofp8", 64, m, C, c)["step"] == pytest.approx(ef + 20 * 0.0005)  # not x 1.5
+    res = subprocess.run([sys.executable, str(REPO / "tools" / "project_scaling.py"), "--gpu-check",
+                          str(tmp_path / "gpu_check.json"), "--gpus", "64"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "MFU 0.350 |" in res.stdout and "device copy 2000 GB/s |" in res.stdout and "(GPU codec)" in res.stdout
+    with pytest.raises(ps.ProjectionError, match="dry run"):
+        ps.load_gpu_check(str(_gpu_check_json(tmp_path, dry=True)))

@@ -33,7 +33,10 @@ with no overlap); GeoFP8's reduction is then projected with our measured overhea
 
 Every input is printed with its source. Benchmark outputs are read from ``--codec-output`` and
 ``--geo-output`` (saved stdout of the two benchmarks; default ``docs/bench/*_cpu.txt``) or measured now with
-``--run-benchmarks``.
+``--run-benchmarks``. ``--gpu-check gpu_check.json`` (from ``benchmarks/gpu_check.sh`` on a GPU) replaces them
+with GPU figures: codec ratios, the device copy GB/s, GeoFP8's added ms per transformed layer (then a GeoFP8
+step = the fp8+EF step + layers x that time, layers = the matches of the config's ``geo.layers``) and the
+measured single-GPU MFU of Llama-600M.
 """
 
 from __future__ import annotations
@@ -113,6 +116,7 @@ class Costs:
     ratio_to_copy: dict
     geo_overhead: float
     sources: dict
+    geo_added_s_per_layer: dict = None  # model name -> seconds per selected layer and step (GPU measurement)
 
 
 def parse_codec_output(text: str, source: str) -> dict[str, float]:
@@ -145,6 +149,37 @@ def _show(p: Path) -> str:
         return str(p.resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(p)
+
+
+def load_gpu_check(path: str) -> dict:
+    """Figures from ``benchmarks/gpu_check.sh`` (``gpu_check.json``): ``ratio_to_copy`` per codec,
+    ``copy_gbs`` (device-to-device copy), ``geo_added_s_per_layer`` per model, ``mfu`` per model (the
+    training phase), each only where present and not a dry run."""
+    import json
+
+    p = Path(path)
+    if not p.is_file():
+        raise ProjectionError(f"--gpu-check '{path}' not found; pass the gpu_check.json of benchmarks/gpu_check.sh")
+    try:
+        d = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ProjectionError(f"--gpu-check '{path}' is not JSON ({e.msg})") from None
+    if d.get("dry_run"):
+        raise ProjectionError(f"--gpu-check '{path}' is a dry run (CPU stand-in figures); use a GPU run's output")
+    out: dict = {"ratio_to_copy": {}, "geo_added_s_per_layer": {}, "mfu": {}}
+    ops = (d.get("codec") or {}).get("ops") or {}
+    for name, row in ops.items():
+        out["ratio_to_copy"][name] = float(row["ratio_to_copy"])
+    if "copy" in ops:
+        out["copy_gbs"] = float(ops["copy"]["gbps"])
+    for cfg_name, layer in ((d.get("geo") or {}).get("layers") or {}).items():
+        if "geo_added_ms_per_layer" in layer:
+            out["geo_added_s_per_layer"][Path(cfg_name).stem] = max(float(layer["geo_added_ms_per_layer"]), 0.0) / 1e3
+    for key, val in d.items():
+        if key.startswith("train_") and isinstance(val, dict) and isinstance(val.get("mfu"), (int, float)) \
+                and "compile" not in key and "geofp8" not in key:
+            out["mfu"]["llama_" + key[len("train_"):]] = float(val["mfu"])
+    return out
 
 
 def load_costs(codec_path: str | None, geo_path: str | None, run: bool, geo_overhead: float | None) -> Costs:
@@ -183,14 +218,21 @@ class Model:
     n_tensors: int
     flops_per_token: float
     tokens_per_step: int
+    geo_layers: int = 0  # layers GeoFP8 transforms (geo.layers of the config)
 
 
 def model_from_config(path: str, global_batch: int | None = None) -> Model:
     cfg = load_config([path])
     n_tensors = 2 + 9 * cfg.model.num_layers + 1  # embed, output, final norm; 7 linears + 2 norms per layer
     gb = global_batch or cfg.train.global_batch_size
+    from fnmatch import fnmatchcase
+
+    from megatron_geo.checkpoint.consolidated import expected_shapes
+
+    pats = [p.strip() for p in cfg.geo.layers.split(",") if p.strip()]
+    geo_layers = sum(any(fnmatchcase(n, p) for p in pats) for n in expected_shapes(cfg.model))
     return Model(Path(path).stem, count_parameters(cfg.model), n_tensors, flops_per_token(cfg.model),
-                 gb * cfg.model.seq_length)
+                 gb * cfg.model.seq_length, geo_layers)
 
 
 def step_breakdown(mode: str, n: int, m: Model, c: Cluster, costs: Costs) -> dict[str, float]:
@@ -212,7 +254,12 @@ def step_breakdown(mode: str, n: int, m: Model, c: Cluster, costs: Costs) -> dic
         codec += copy_s
     step = tc + exposed + codec
     if mode.startswith("geo"):
-        step *= 1.0 + costs.geo_overhead
+        per_layer = (costs.geo_added_s_per_layer or {}).get(m.name)
+        if per_layer is not None:  # measured on the GPU for this model's layer shape
+            codec += m.geo_layers * per_layer
+            step += m.geo_layers * per_layer
+        else:
+            step *= 1.0 + costs.geo_overhead
     return {"compute": tc, "comm": comm, "exposed": exposed, "codec": codec, "step": step}
 
 
@@ -298,10 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--intra-gbs", type=float, default=d.intra_gbs, help="intra-node bandwidth per GPU, GB/s")
     ap.add_argument("--alpha-us", type=float, default=d.alpha_us, help="latency per ring hop, microseconds")
     ap.add_argument("--peak-tflops", type=float, default=d.peak_tflops, help="dense BF16 peak per GPU")
-    ap.add_argument("--mfu", type=float, default=d.mfu, help="model FLOPs utilisation of the compute")
+    ap.add_argument("--mfu", type=float, default=None, help=f"model FLOPs utilisation of the compute (default "
+                                                            f"{d.mfu}, or the --gpu-check measurement)")
     ap.add_argument("--overlap", type=float, default=None,
                     help="fraction of the collective hidden behind compute (default: calibrated to the paper)")
-    ap.add_argument("--copy-gbs", type=float, default=d.copy_gbs, help="device memory-copy throughput, GB/s")
+    ap.add_argument("--copy-gbs", type=float, default=None,
+                    help=f"device memory-copy throughput, GB/s (default {d.copy_gbs}, or the --gpu-check measurement)")
     ap.add_argument("--codec-output", default=str(ROOT / "docs" / "bench" / "codec_cpu.txt"))
     ap.add_argument("--geo-output", default=str(ROOT / "docs" / "bench" / "geo_overhead_cpu.txt"))
     ap.add_argument("--codec-ratio", type=float, default=None,
@@ -309,16 +358,43 @@ def main(argv: list[str] | None = None) -> int:
                          "instead of the measured ratios")
     ap.add_argument("--geo-overhead", type=float, default=None, help="GeoFP8 added step fraction (overrides)")
     ap.add_argument("--run-benchmarks", action="store_true", help="measure codec and geo overhead now")
+    ap.add_argument("--gpu-check", default=None,
+                    help="gpu_check.json of benchmarks/gpu_check.sh: GPU codec ratios, copy GB/s, GeoFP8 ms per "
+                         "layer and the measured MFU of llama_600m replace the CPU figures and defaults")
     ap.add_argument("--plot", default=None, help="write the reduction-vs-GPUs plot (PNG) here")
     ap.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     a = ap.parse_args(argv)
     try:
+        gpu = load_gpu_check(a.gpu_check) if a.gpu_check else None
+        mfu_src = copy_src = "assumption"
+        if a.mfu is None:
+            if gpu and "llama_600m" in gpu["mfu"]:
+                a.mfu, mfu_src = gpu["mfu"]["llama_600m"], f"{a.gpu_check} (train_600m, one GPU)"
+            else:
+                a.mfu = d.mfu
+        else:
+            mfu_src = "--mfu"
+        if a.copy_gbs is None:
+            if gpu and "copy_gbs" in gpu:
+                a.copy_gbs, copy_src = gpu["copy_gbs"], f"{a.gpu_check} (device-to-device copy)"
+            else:
+                a.copy_gbs = d.copy_gbs
+        else:
+            copy_src = "--copy-gbs"
         for name in ("net_gbs", "intra_gbs", "peak_tflops", "mfu", "copy_gbs"):
             if getattr(a, name) <= 0:
                 raise ProjectionError(f"--{name.replace('_', '-')} {getattr(a, name)} must be > 0")
         if a.overlap is not None and not 0 <= a.overlap <= 1:
             raise ProjectionError(f"--overlap {a.overlap} must be in [0, 1]")
         costs = load_costs(a.codec_output, a.geo_output, a.run_benchmarks, a.geo_overhead)
+        if gpu and gpu["ratio_to_copy"]:
+            missing = ({r for r in CODEC_ROW.values() if r} | {"hadamard128 rot+inv"}) - gpu["ratio_to_copy"].keys()
+            if missing:
+                raise ProjectionError(f"--gpu-check '{a.gpu_check}': codec rows {sorted(missing)} missing")
+            costs.ratio_to_copy, costs.sources["codec"] = gpu["ratio_to_copy"], f"{a.gpu_check} (GPU codec)"
+        if gpu and gpu["geo_added_s_per_layer"]:
+            costs.geo_added_s_per_layer = gpu["geo_added_s_per_layer"]
+            costs.sources["geo_layer"] = f"{a.gpu_check} (GPU, G T + T^-1 per layer)"
         if a.codec_ratio is not None:
             if not 0 < a.codec_ratio:
                 raise ProjectionError(f"--codec-ratio {a.codec_ratio} must be > 0")
@@ -338,12 +414,19 @@ def main(argv: list[str] | None = None) -> int:
               f"{m.tokens_per_step:,} tokens/step | megatron_geo.model.llama count_parameters / flops_per_token")
     print(f"  network {c.net_gbs} GB/s per GPU, intra-node {c.intra_gbs} GB/s, {c.gpus_per_node} GPU(s)/node, "
           f"alpha {c.alpha_us} us | assumption (DESIGN.md section 5: NDR 400 Gb/s)")
-    print(f"  peak {c.peak_tflops} TFLOP/s per GPU, MFU {c.mfu:.2f}, device copy {c.copy_gbs} GB/s | assumption "
-          f"(H100/GH200 dense BF16; HBM copy)")
+    print(f"  peak {c.peak_tflops} TFLOP/s per GPU | assumption (H100/GH200 dense BF16)")
+    print(f"  MFU {c.mfu:.3f} | {mfu_src}")
+    print(f"  device copy {c.copy_gbs:.0f} GB/s | {copy_src}")
     for row in sorted({r for r in CODEC_ROW.values() if r} | {"hadamard128 rot+inv"}):
         print(f"  codec '{row}' throughput / copy = {costs.ratio_to_copy[row]:.3f} | {costs.sources['codec']}")
+    if costs.geo_added_s_per_layer:
+        for name, sec in costs.geo_added_s_per_layer.items():
+            print(f"  GeoFP8 added {sec * 1e3:.3f} ms per transformed layer and step ({name}) | {costs.sources['geo_layer']}")
     print(f"  GeoFP8 added step time {costs.geo_overhead:+.2%} of fp8+EF | {costs.sources['geo']} (measured on the "
-          f"tiny config; a large model's ratio of transform to step work may differ)")
+          f"tiny config; a large model's ratio of transform to step work may differ)"
+          + ("; used only for models without a per-layer figure" if costs.geo_added_s_per_layer else ""))
+    for m in models:
+        print(f"  {m.name}: GeoFP8 transforms {m.geo_layers} layers | geo.layers of its config")
     for mode in MODES:
         print(f"  {mode}: {bytes_per_element(mode, models[-1].params, models[-1].n_tensors):.4f} bytes/element "
               f"({models[-1].name}) | wire format incl. scales")
