@@ -34,9 +34,12 @@ class MetricsLogger:
                         kept.append(line)
                 except ValueError:
                     break  # a line cut by a crash: drop it and what follows
-        self._file = open(self.path, "w", buffering=1)  # a new run starts a new file
-        for line in kept:
-            self._file.write(line + "\n")
+        # a new run starts a new file; a resumed one rewrites the kept records first (atomically, so a kill
+        # at any point loses nothing that was written) and then appends
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a", buffering=1)
         if wandb_mode != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb

@@ -1,6 +1,7 @@
 """Stop requests from the scheduler: SIGTERM / SIGUSR1 (Slurm sends them before preemption or the time
-limit, e.g. ``#SBATCH --signal=USR1@120``). The handler only sets a flag; the loop checks it after each
-step, all ranks agree (MAX all-reduce), a checkpoint is saved and the process exits with code 4."""
+limit, e.g. ``#SBATCH --signal=USR1@120``). The first one only sets a flag; the loop checks it after each
+step, all ranks agree (MAX all-reduce), a checkpoint is saved and the process exits with code 4. A second
+signal of the same kind is handled as it would be without this module."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ class StopRequest:
 
     def _handle(self, signum, frame) -> None:
         self.signal = signum
+        # a second signal of the same kind acts as usual (kills the process), e.g. when a rank is stuck in a
+        # collective with a dead peer, or the launcher escalates
+        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
 
     def requested(self, group, device) -> bool:
         flag = torch.tensor([0 if self.signal is None else int(self.signal)], dtype=torch.int64, device=device)

@@ -239,6 +239,12 @@ def format_summary(s: dict, cfg: Config) -> str:
     ])
 
 
+def _is_collective_failure(e: BaseException) -> bool:
+    """gloo reports a dead peer or a timeout as a plain RuntimeError from its transport."""
+    msg = str(e)
+    return any(k in msg for k in ("gloo", "Connection reset", "Connection closed", "Timed out", "timed out", "NCCL"))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -269,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         if pctx.is_main:
             print(str(e), flush=True)
         return 4
-    except dist.DistError as e:
+    except (dist.DistError, RuntimeError) as e:
+        if not isinstance(e, dist.DistError) and not _is_collective_failure(e):
+            raise
         print(f"error (rank {pctx.rank}): a collective failed: another rank died or did not answer within "
               f"parallel.timeout_minutes={cfg.parallel.timeout_minutes} ({type(e).__name__}: {e})", file=sys.stderr)
         return 5
