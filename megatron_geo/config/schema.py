@@ -77,6 +77,7 @@ class TrainConfig:
     autocast_dtype: str = "auto"
     progress: bool = True
     nonfinite: str = "skip"  # skip: skip the update on all ranks and log it | stop: stop with an error
+    compile: bool = False  # torch.compile each transformer block (inductor on CUDA, eager backend on CPU)
     exit_interval: int = 0  # save a checkpoint and exit (code 0) when the step is a multiple of this; 0: off
     max_skipped_steps: int = 10  # this many consecutive skipped steps stop the run (after a last checkpoint)
 

@@ -19,6 +19,7 @@ class Checkpointer:
         self.layout = StateLayout(model, optimizer, pctx, cfg.model.vocab_size, cfg.optimizer.name)
         self.root = checkpoint_root(cfg)
         self.last_saved_step = -1
+        self.last_path: str | None = None
 
     def resume(self) -> tuple[int, int, int]:
         """Load the checkpoint ``checkpoint.load`` selects, if any.
@@ -59,5 +60,6 @@ class Checkpointer:
         path = save_checkpoint(self.root, step, state, meta, self.cfg.checkpoint.keep_latest,
                                self.pctx.world_group, self.pctx.is_main)
         self.last_saved_step = step
+        self.last_path = str(path)
         self.log(f"step {step}: checkpoint saved to {path}")
         return path

@@ -16,11 +16,13 @@ from ..comm import build_reducer
 from ..config import Config, ConfigError, config_to_dict, dump_config, load_config, validate_config
 from ..distributed import DistributedOptimizer, GradSync, build_buckets
 from ..geometry import GeoState
-from ..model import Llama, count_parameters
+from ..model import Llama, count_parameters, flops_per_token
 from ..parallel import LaunchError, ParallelContext, destroy_parallel, detect_launch_env, init_parallel
 from .data_setup import build_data, train_micro_batches, valid_micro_batches
 from .checkpointing import Checkpointer
+from .eta import eta_line
 from .metrics import MetricsLogger
+from .mfu import gpu_flops_metrics
 from .schedule import lr_at
 from .signals import StopRequest
 from .step import evaluate, train_step
@@ -126,7 +128,13 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
     data = build_data(cfg, pctx)
     model, buckets, reducer, grad_sync, optimizer = build_model_and_optimizer(cfg, pctx)
     geo = getattr(reducer, "geo", None)
+    if t.compile:
+        from ..model.compile import compile_blocks
+
+        compile_blocks(model, backend="inductor" if pctx.device.type == "cuda" else "eager")
     n_params = count_parameters(cfg.model)
+    flops_tok = flops_per_token(cfg.model)
+    gpu_name = torch.cuda.get_device_name(pctx.device) if pctx.device.type == "cuda" else None
     pad = sum(b.plan.padding([p.numel() for p in b.params]) for b in buckets)
     _log0(pctx, f"parameters: {n_params:,}")
     _log0(pctx, f"parallel: world={pctx.world_size} TP={pctx.tp_size} DP={pctx.dp_size} backend={pctx.backend} "
@@ -150,7 +158,7 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
     every = cfg.checkpoint.interval
 
     first_loss, last, val_loss = None, None, None
-    tok_per_s_hist, bytes_hist = [], []
+    tok_per_s_hist, bytes_hist, step_times = [], [], []
     try:
         for step in range(start_step, t.steps):
             t0 = time.perf_counter()
@@ -170,6 +178,10 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
                       "consumed_samples": consumed, "skipped": res.skipped}
             if geo is not None:
                 record["geo_refresh"] = geo.last_refresh == step
+            if gpu_name is not None:  # MFU and memory (DESIGN.md section 5 metrics)
+                fl = gpu_flops_metrics(record["tokens_per_sec"], pctx.world_size, flops_tok, gpu_name)
+                record.update(tflops_per_gpu=fl["tflops_per_gpu"], mfu=fl["mfu"],
+                              max_memory_gib=torch.cuda.max_memory_allocated(pctx.device) / 2**30)
             skipped_in_a_row = skipped_in_a_row + 1 if res.skipped else 0
             if res.skipped:
                 _log0(pctx, f"step {step + 1}: non-finite gradient norm ({res.grad_norm}); update skipped on all "
@@ -187,6 +199,10 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
             last = record
             if step > start_step:
                 tok_per_s_hist.append(record["tokens_per_sec"])
+                step_times.append(dt)
+                if progress is None and (step + 1) % max(10, t.log_interval) == 0:  # no bar: an ETA line instead
+                    _log0(pctx, eta_line(step + 1, t.steps, step_times[-20:],
+                                         t.global_batch_size * cfg.model.seq_length))
             bytes_hist.append(comm_bytes)
             if progress is not None:
                 progress.update(1)
@@ -218,6 +234,7 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
         "val_loss": val_loss,
         "tokens_per_sec": sum(tok_per_s_hist) / len(tok_per_s_hist) if tok_per_s_hist else last["tokens_per_sec"],
         "comm_bytes_per_step": sum(bytes_hist) / len(bytes_hist), "run_dir": str(run_dir.resolve()),
+        "checkpoint": ckpt.last_path,
     }
     _log0(pctx, format_summary(summary, cfg))
     return summary
@@ -235,6 +252,8 @@ def format_summary(s: dict, cfg: Config) -> str:
         f"  DP grad comm    {s['comm_bytes_per_step']:,.0f} bytes sent per step per rank",
         f"  outputs         {s['run_dir']}/ (config.yaml, metrics.jsonl"
         f"{', wandb/' if cfg.logging.wandb != 'disabled' else ''})",
+        *([f"  checkpoint      {s['checkpoint']} (resume: run again with the same train.run_dir)"]
+          if s.get("checkpoint") else []),
         "=" * 72,
     ])
 
