@@ -174,11 +174,13 @@ def _ensure_optimizer_state(layout: StateLayout) -> None:
             st["step"] = torch.zeros((), dtype=torch.float32, device=m.main.device if on_dev else "cpu")
 
 
-def load_state(path: str, layout: StateLayout, reducer, geo, same_layout: bool, geo_meta: dict | None, log) -> None:
+def load_state(path: str, layout: StateLayout, reducer, geo, same_layout: bool, geo_meta: dict | None, log,
+               same_tp: bool | None = None) -> None:
     """Load a checkpoint written by :func:`build_save_state` into the live training state (collective).
 
     Model and optimizer state are resharded to this run's DP x TP layout; error feedback, RNG and the
-    GeoFP8 profile are restored only when ``same_layout`` (else they start fresh, which is logged).
+    GeoFP8 profile are restored only when ``same_layout`` (else they start fresh, which is logged); the
+    GeoFP8 transforms (identical on every DP rank) whenever the TP size is unchanged (``same_tp``).
     Finally the main params are published to the model parameters (all-gathered over DP).
 
     Raises:
@@ -235,7 +237,8 @@ def load_state(path: str, layout: StateLayout, reducer, geo, same_layout: bool, 
                 keys[f"{tag}/geo/hits"].size[0] == len(geo.hits):
             sd[f"{tag}/geo/hits"] = torch.zeros(len(geo.hits), dtype=torch.float64)
     geo_tp = f"tp{pctx.tp_rank}/geo/"
-    if geo is not None and geo_meta is not None and same_layout:
+    same_tp = same_layout if same_tp is None else same_tp
+    if geo is not None and geo_meta is not None and same_tp:
         for name in geo.transforms:
             if f"{geo_tp}{name}/U" in keys:
                 sd[f"{geo_tp}{name}/U"] = torch.empty(keys[f"{geo_tp}{name}/U"].size, dtype=torch.float32)

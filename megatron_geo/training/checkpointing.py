@@ -39,7 +39,8 @@ class Checkpointer:
         for n in notes:
             self.log(f"checkpoint: {n}")
         try:
-            load_state(str(path), self.layout, self.reducer, self.geo, same, meta.get("geo"), self.log)
+            load_state(str(path), self.layout, self.reducer, self.geo, same, meta.get("geo"), self.log,
+                       same_tp=meta["tp_size"] == self.pctx.tp_size)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.last_saved_step = meta["step"]
