@@ -38,13 +38,14 @@ def test_inverse_is_exact(kind, rank):
     assert (T.d <= 1.0 + 1e-6).all()
 
 
-def test_transform_matches_formula_in_fp64():
+@pytest.mark.parametrize("power", [0.5, 0.25])
+def test_transform_matches_formula_in_fp64(power):
     A = _factors()["full"]
     r, damp = 6, 1e-2
-    T = build_transform(A, r, damp)
+    T = build_transform(A, r, damp, power)
     lam, U = torch.linalg.eigh(A)
     lam, U = lam.flip(0), U.flip(1)
-    ref_d = ((lam[r:].mean() + damp) / (lam[:r] + damp)).sqrt()
+    ref_d = ((lam[r:].mean() + damp) / (lam[:r] + damp)) ** power
     ref = torch.eye(48, dtype=torch.float64) + U[:, :r] @ torch.diag(ref_d - 1) @ U[:, :r].T
     torch.testing.assert_close(T.dense().double(), ref, rtol=0, atol=1e-5)
 

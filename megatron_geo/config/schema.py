@@ -123,6 +123,7 @@ class GeoConfig:
     profile_steps: int = 100       # auto: Euclidean steps profiled before choosing (paper: 100)
     rank: int = 32
     damping: float = 1e-3
+    power: float = 0.5             # D = ((lambda_ref + damping) / (lambda_i + damping)) ** power; 0.5 whitens
     refresh_interval: int = 50
     ef_on_refresh: str = "rebase"  # rebase: R <- R T_old^-1 T_new | reset: R <- 0
     statistics: str = "auto"       # full A (d_in^2) | sketch A·Omega (d_in x sketch_size) | auto: sketch if d_in > 1024

@@ -87,6 +87,9 @@ def validate_config(cfg: Config, world_size: int) -> None:
         if g.rank < 1 or g.refresh_interval < 1 or not g.damping > 0:
             raise ConfigError(f"geo.rank={g.rank} and geo.refresh_interval={g.refresh_interval} must be >= 1 and "
                               f"geo.damping={g.damping} > 0")
+        if not (math.isfinite(g.power) and 0 < g.power <= 1):
+            raise ConfigError(f"geo.power={g.power} must be in (0, 1] (0.5 whitens the top-r directions, 0.25 goes "
+                              f"halfway)")
     if c.dtype == "nvfp4" and c.scale_sync != "none":
         raise ConfigError("comm.scale_sync=max is supported for fp8 formats only; use comm.scale_sync=none with nvfp4")
     if t.warmup_steps < 0 or t.eval_batches < 0:

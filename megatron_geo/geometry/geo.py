@@ -50,7 +50,8 @@ class GeoState:
 
     def __init__(self, model: nn.Module, patterns: str, rank: int, damping: float, refresh_interval: int,
                  ef_on_refresh: str, dp_group, auto_layers: int = 0, profile_steps: int = 0, fp8_max: float = 448.0,
-                 underflow_below: float = 2.0 ** -10, log=print, statistics: str = "full", sketch_size: int = 64):
+                 underflow_below: float = 2.0 ** -10, log=print, statistics: str = "full", sketch_size: int = 64,
+                 power: float = 0.5):
         self.candidates = select_parameters(model, patterns)
         params = dict(model.named_parameters())
         self.params = {n: params[n] for n in self.candidates}   # every candidate is owned whole (atomic)
@@ -61,7 +62,7 @@ class GeoState:
         self.selected = dict(self.candidates) if not auto_layers else {}
         self.rank, self.damping, self.interval, self.ef_on_refresh = rank, damping, refresh_interval, ef_on_refresh
         self.dp_group = dp_group
-        self.statistics, self.sketch_size = statistics, sketch_size
+        self.statistics, self.sketch_size, self.power = statistics, sketch_size, power
         self.stats = self._make_stats()
         self.transforms: dict[str, LowRankTransform] = {
             n: identity_transform(p.shape[1], p.device) for n, p in self.params.items()}
@@ -140,10 +141,11 @@ class GeoState:
             if isinstance(A, tuple):  # sketch: (Y = A Omega, trace A)
                 Y, trace = A
                 damping = self.damping * max(trace / Y.shape[0], 1e-30)
-                new[pname] = build_transform_from_sketch(Y, self.stats.sketches[pname], trace, self.rank, damping)
+                new[pname] = build_transform_from_sketch(Y, self.stats.sketches[pname], trace, self.rank, damping,
+                                                         self.power)
             else:
                 damping = self.damping * max(float(A.diagonal().mean()), 1e-30)
-                new[pname] = build_transform(A, self.rank, damping)
+                new[pname] = build_transform(A, self.rank, damping, self.power)
         self.check_consistent(new)
         old, self.transforms = self.transforms, new
         if self.rebase_hook is not None:

@@ -78,7 +78,8 @@ def build_geo(cfg: Config, model: torch.nn.Module, pctx: ParallelContext) -> Geo
                         auto_layers=g.num_layers if auto else 0, profile_steps=g.profile_steps if auto else 0,
                         fp8_max=57344.0 if e5m2 else 448.0,
                         underflow_below=2.0 ** -17 if e5m2 else 2.0 ** -10,  # half the smallest subnormal
-                        log=lambda m: _log0(pctx, m), statistics=g.statistics, sketch_size=g.sketch_size)
+                        log=lambda m: _log0(pctx, m), statistics=g.statistics, sketch_size=g.sketch_size,
+                        power=g.power)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
