@@ -379,3 +379,24 @@ def test_bad_checkpoint_load_values(tmp_path):
         resolve_load(load_config([], ["checkpoint.load=latest", f"train.run_dir={tmp_path}"]))
     assert resolve_load(load_config([], [f"train.run_dir={tmp_path}"])) is None
 
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo PWNED > /dev/null",))
+
+
+def test_checkpoint_metadata_is_never_unpickled_freely(tmp_path):
+    import pickle
+
+    from megatron_geo.checkpoint.safe_reader import SafeFileSystemReader, UnsafeCheckpointError
+
+    ck = tmp_path / "step_00000001"
+    ck.mkdir()
+    (ck / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    (ck / "meta.json").write_text(json.dumps({"format": "megatron-geo-dcp-v1", "step": 1}))
+    with pytest.raises(UnsafeCheckpointError, match="posix.system, which is not part of"):
+        SafeFileSystemReader(str(ck)).read_metadata()
+    r = subprocess.run([sys.executable, str(ROOT / "tools/convert_checkpoint.py"), str(ck), str(tmp_path / "o.pt")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "refusing to load it" in r.stderr, r.stderr

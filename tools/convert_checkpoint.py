@@ -46,15 +46,19 @@ def find_checkpoint(path: Path) -> Path:
 def read_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
     """``{name: FP32 tensor of the global (TP = 1, unpadded-vocab) shape}`` for every model entry."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
 
-    md = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    from megatron_geo.checkpoint.safe_reader import SafeFileSystemReader, UnsafeCheckpointError
+
+    try:
+        md = SafeFileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    except UnsafeCheckpointError as e:
+        raise ConfigError(str(e)) from None
     state = {k: torch.empty(tuple(v.size), dtype=torch.float32) for k, v in md.items() if k.startswith("model/")}
     if not state:
         raise ConfigError(f"{ckpt} has no model entries; is it a megatron-geo checkpoint?")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # ShardedTensor deprecation; "loading in a single process"
-        dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), no_dist=True)
     return {k[len("model/"):]: v for k, v in state.items()}
 
 

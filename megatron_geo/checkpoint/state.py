@@ -187,10 +187,11 @@ def load_state(path: str, layout: StateLayout, reducer, geo, same_layout: bool, 
         ValueError: a parameter of this model is missing from the checkpoint.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
+
+    from .safe_reader import SafeFileSystemReader
 
     pctx, opt = layout.pctx, layout.optimizer
-    keys = FileSystemReader(path).read_metadata().state_dict_metadata
+    keys = SafeFileSystemReader(path).read_metadata().state_dict_metadata
     names = [n for n, p in layout.params.items() if p.requires_grad]
     missing = [n for n in names if f"model/{n}" not in keys]
     if missing:
@@ -246,7 +247,7 @@ def load_state(path: str, layout: StateLayout, reducer, geo, same_layout: bool, 
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # ShardedTensor deprecation, see _sharded_tensor
-        dcp.load(sd, checkpoint_id=path)
+        dcp.load(sd, storage_reader=SafeFileSystemReader(path))
 
     with torch.no_grad():
         for buf, view in copies:

@@ -41,7 +41,7 @@ class Checkpointer:
         try:
             load_state(str(path), self.layout, self.reducer, self.geo, same, meta.get("geo"), self.log,
                        same_tp=meta["tp_size"] == self.pctx.tp_size)
-        except ValueError as e:
+        except ValueError as e:  # includes UnsafeCheckpointError
             raise ConfigError(str(e)) from None
         self.last_saved_step = meta["step"]
         self.log(f"resumed from {path} at step {meta['step']} ({meta['consumed_samples']:,} samples consumed)")

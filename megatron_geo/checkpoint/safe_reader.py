@@ -1,0 +1,54 @@
+"""A torch.distributed.checkpoint reader that never unpickles arbitrary objects.
+
+DCP's ``FileSystemReader`` reads the ``.metadata`` file with plain ``pickle.load``; a checkpoint from an
+untrusted place could run code that way. This reader unpickles it with an allow-list of the classes DCP
+metadata is made of (the dataclasses of ``torch.distributed.checkpoint.metadata``, ``torch.Size`` and
+dtypes, paths); anything else is an error naming the class. Tensor data is read by DCP itself
+(``torch.load(weights_only=True)`` for the byte entries, raw storage for tensors).
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+_ALLOWED_MODULES = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                    "pathlib", "collections"}
+_ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("torch", "device")}
+
+
+class UnsafeCheckpointError(ValueError):
+    """The checkpoint metadata names a class outside the allow-list."""
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        ok = (module in _ALLOWED_MODULES or (module, name) in _ALLOWED or
+              (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+        if not ok:
+            raise UnsafeCheckpointError(f"checkpoint metadata refers to {module}.{name}, which is not part of "
+                                        f"torch.distributed.checkpoint metadata; refusing to load it")
+        return super().find_class(module, name)
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose ``read_metadata`` uses the restricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = _RestrictedUnpickler(f).load()
+            except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+                raise UnsafeCheckpointError(f"{path}: unreadable checkpoint metadata ({type(e).__name__}: {e})") \
+                    from None
+        if not isinstance(metadata, Metadata):
+            raise UnsafeCheckpointError(f"{path} does not hold DCP metadata (got {type(metadata).__name__})")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
