@@ -375,6 +375,12 @@ def test_bad_checkpoint_load_values(tmp_path):
         validate_config(load_config([], ["checkpoint.load=/nonexistent"]), 1)
     with pytest.raises(ConfigError, match="is not a complete checkpoint"):
         resolve_load(load_config([], [f"checkpoint.load={tmp_path}"]))
+    damaged = tmp_path / "step_00000002"
+    damaged.mkdir()
+    (damaged / "meta.json").write_text(json.dumps({"format": "megatron-geo-dcp-v1", "step": 2}))
+    from megatron_geo.checkpoint.manager import read_meta
+    with pytest.raises(ConfigError, match="meta.json lacks consumed_samples, dp_size, tp_size, config"):
+        read_meta(damaged)
     with pytest.raises(ConfigError, match="checkpoint.load=latest but .* holds no complete checkpoint"):
         resolve_load(load_config([], ["checkpoint.load=latest", f"train.run_dir={tmp_path}"]))
     assert resolve_load(load_config([], [f"train.run_dir={tmp_path}"])) is None
@@ -394,7 +400,10 @@ def test_checkpoint_metadata_is_never_unpickled_freely(tmp_path):
     ck = tmp_path / "step_00000001"
     ck.mkdir()
     (ck / ".metadata").write_bytes(pickle.dumps(_Evil()))
-    (ck / "meta.json").write_text(json.dumps({"format": "megatron-geo-dcp-v1", "step": 1}))
+    from megatron_geo.config import config_to_dict, load_config
+
+    (ck / "meta.json").write_text(json.dumps({"format": "megatron-geo-dcp-v1", "step": 1, "consumed_samples": 8,
+                                              "dp_size": 1, "tp_size": 1, "config": config_to_dict(load_config())}))
     with pytest.raises(UnsafeCheckpointError, match="posix.system, which is not part of"):
         SafeFileSystemReader(str(ck)).read_metadata()
     r = subprocess.run([sys.executable, str(ROOT / "tools/convert_checkpoint.py"), str(ck), str(tmp_path / "o.pt")],

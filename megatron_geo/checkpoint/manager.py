@@ -99,8 +99,13 @@ def read_meta(path: Path) -> dict:
     except (OSError, ValueError) as e:
         raise ConfigError(f"checkpoint {path}: cannot read {META} ({e}); the folder is damaged or not a "
                           f"megatron-geo checkpoint") from None
-    if meta.get("format") != FORMAT:
-        raise ConfigError(f"checkpoint {path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ConfigError(f"checkpoint {path} has format {got!r}, expected {FORMAT!r}")
+    missing = [k for k in ("step", "consumed_samples", "dp_size", "tp_size", "config") if k not in meta]
+    if missing:
+        raise ConfigError(f"checkpoint {path}: {META} lacks {', '.join(missing)}; the folder is damaged, load an "
+                          f"older checkpoint (checkpoint.load=PATH) or start fresh (checkpoint.load=none)")
     return meta
 
 
