@@ -62,14 +62,20 @@ def test_resume_is_bitwise_identical(tmp_path, corpus):
         first.append(tiny_train_overrides(tmp_path / f"{mode}-resumed", corpus, *base, "train.exit_interval=4"))
         second.append(tiny_train_overrides(tmp_path / f"{mode}-resumed", corpus, *base))
     run_distributed(_train_jobs, 2, first)
-    run_distributed(_train_jobs, 2, second)   # fresh processes: everything comes from the checkpoint
+    # fresh processes: everything comes from the checkpoint; then a relaunch with train.steps below the
+    # checkpoint's step must write nothing
+    second.append(tiny_train_overrides(tmp_path / "bf16-resumed", corpus, "train.steps=3", *MODES["bf16"]))
+    run_distributed(_train_jobs, 2, second)
     keys = ("step", "loss", "grad_norm", "val_loss", "comm_bytes", "consumed_samples")
     for mode in MODES:
         straight = [{k: r.get(k) for k in keys} for r in _records(tmp_path / f"{mode}-straight")]
         resumed = [{k: r.get(k) for k in keys} for r in _records(tmp_path / f"{mode}-resumed")]
         assert [r["step"] for r in resumed] == list(range(1, 9)), mode
         assert resumed == straight, mode
-        meta = json.loads((tmp_path / f"{mode}-resumed/checkpoints/step_00000004/meta.json").read_text())
+        ckdir = tmp_path / f"{mode}-resumed/checkpoints"
+        assert (ckdir / "latest").read_text().strip() == "step_00000008"
+        assert sorted(p.name for p in ckdir.glob("step_*")) == ["step_00000004", "step_00000008"]
+        meta = json.loads((ckdir / "step_00000004/meta.json").read_text())
         assert meta["step"] == 4 and meta["consumed_samples"] == 32
         if mode == "geofp8":
             assert meta["geo"]["last_refresh"] == 3   # refreshes at steps 0, 3 (before the save) and 6 (after)
@@ -82,6 +88,7 @@ RESHARD_CASES = {  # name: (overrides, tp at save)
     "adamw": (["optimizer.name=adamw"], 1),
     "muon": (["optimizer.name=muon"], 1),
     "adamw_tp2": (["optimizer.name=adamw"], 2),
+    "adamw_nodistopt": (["optimizer.name=adamw", "parallel.distributed_optimizer=false"], 1),
 }
 
 
@@ -118,17 +125,18 @@ def _save_worker(rank, world, root):
     return out
 
 
-def _load_worker(rank, world, root, names):
+def _load_worker(rank, world, root, jobs):
     out = {}
-    for name in names:
+    for name, tp in jobs:
         overrides, _ = RESHARD_CASES[name]
-        cfg, pctx, model, buckets, grad_sync, opt, ck = _build(overrides, 1, Path(root) / name)
+        cfg, pctx, model, buckets, grad_sync, opt, ck = _build(overrides, tp, Path(root) / name)
         step, consumed, _ = ck.resume()
         state = local_state(opt)
         params_match = all(torch.equal(m.param.detach().reshape(-1)[m.param_start:m.param_start + m.main.numel()],
                                        m.main.detach().reshape(-1)) for m in opt.mains)
         loss = _steps(cfg, pctx, model, grad_sync, opt, step, 1)[0]
-        out[name] = {"state": state, "step": step, "consumed": consumed, "params_match": params_match, "loss": loss}
+        out[(name, tp)] = {"state": state, "step": step, "consumed": consumed, "params_match": params_match,
+                           "loss": loss}
     return out
 
 
@@ -150,15 +158,19 @@ def test_resharding_dp2_to_dp3_and_dp1_and_tp2_to_tp1(tmp_path):
     vocab = tiny_cfg().model.vocab_size
     saved = {n: assemble([r[n]["state"] for r in saved_ranks], RESHARD_CASES[n][1], vocab) for n in RESHARD_CASES}
     assert saved["adamw"]["embed.weight"]["main"].shape[0] == vocab
-    dp3 = run_distributed(_load_worker, 3, str(tmp_path), ["adamw", "muon"])
-    dp1 = run_distributed(_load_worker, 1, str(tmp_path), list(RESHARD_CASES))
-    for name, ranks in (("adamw", dp3), ("muon", dp3), ("adamw", dp1), ("muon", dp1), ("adamw_tp2", dp1)):
-        loaded = assemble([r[name]["state"] for r in ranks], 1, vocab)
-        _assert_same(saved[name], loaded, f"{name} at DP={len(ranks)}")
+    dp3 = run_distributed(_load_worker, 3, str(tmp_path), [("adamw", 1), ("muon", 1), ("adamw_nodistopt", 1)])
+    dp1 = run_distributed(_load_worker, 1, str(tmp_path), [(n, 1) for n in RESHARD_CASES])
+    w2 = run_distributed(_load_worker, 2, str(tmp_path), [("adamw", 2), ("adamw_tp2", 2), ("adamw_nodistopt", 1)])
+    checks = [(n, 1, dp3) for n in ("adamw", "muon", "adamw_nodistopt")] + [(n, 1, dp1) for n in RESHARD_CASES] + \
+        [("adamw", 2, w2), ("adamw_tp2", 2, w2), ("adamw_nodistopt", 1, w2)]
+    for name, tp, ranks in checks:
+        key = (name, tp)
+        loaded = assemble([r[key]["state"] for r in ranks], tp, vocab)
+        _assert_same(saved[name], loaded, f"{name} at DP={len(ranks) // tp} TP={tp}")
         for r in ranks:
-            assert (r[name]["step"], r[name]["consumed"], r[name]["params_match"]) == (2, 24, True)
-            assert torch.isfinite(torch.tensor(r[name]["loss"]))
-        assert len({r[name]["loss"] for r in ranks}) == 1
+            assert (r[key]["step"], r[key]["consumed"], r[key]["params_match"]) == (2, 24, True), key
+            assert torch.isfinite(torch.tensor(r[key]["loss"]))
+        assert len({r[key]["loss"] for r in ranks}) == 1, key
     # export the TP=2 checkpoint to one consolidated file: it holds exactly the saved main params
     out = tmp_path / "tp2.pt"
     r = subprocess.run([sys.executable, str(ROOT / "tools/convert_checkpoint.py"), str(tmp_path / "adamw_tp2"),
@@ -169,7 +181,8 @@ def test_resharding_dp2_to_dp3_and_dp1_and_tp2_to_tp1(tmp_path):
     for pname, t in exported.items():
         assert torch.equal(t, saved["adamw_tp2"][pname]["main"]), pname
     # the step after loading matches between layouts that hold the same state (fp32 reduction order aside)
-    assert dp3[0]["adamw"]["loss"] == pytest.approx(dp1[0]["adamw"]["loss"], rel=1e-6)
+    assert dp3[0][("adamw", 1)]["loss"] == pytest.approx(dp1[0][("adamw", 1)]["loss"], rel=1e-6)
+    assert w2[0][("adamw", 2)]["loss"] == pytest.approx(dp1[0][("adamw", 1)]["loss"], rel=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -335,6 +348,16 @@ def _mismatch_worker(rank, world, root):
     cfg2 = tiny_cfg(f"checkpoint.dir={root}", "comm.dtype=fp8_e4m3")
     m2, b2, r2, g2, o2 = build_model_and_optimizer(cfg2, pctx)
     step = Checkpointer(cfg2, pctx, m2, o2, r2, None, logs.append).resume()[0]
+    import torch.distributed as dist
+    if rank == 0:  # truncate one data file of the checkpoint
+        data = sorted((Path(root) / "step_00000001").glob("*.distcp"))[0]
+        data.write_bytes(data.read_bytes()[:100])
+    dist.barrier()
+    try:
+        Checkpointer(cfg2, pctx, m2, o2, r2, None, logs.append).resume()
+        errors.append("")
+    except ConfigError as e:
+        errors.append(str(e))
     return errors, logs, step
 
 
@@ -343,6 +366,7 @@ def test_mismatched_checkpoint_is_a_clear_error(tmp_path):
     assert "model.hidden_size=32 but this run has model.hidden_size=48" in errors[0]
     assert "optimizer.name=adamw but this run has optimizer.name=muon" in errors[1]
     assert step == 1 and any("comm.dtype changed on resume: 'fp32' -> 'fp8_e4m3'" in m for m in logs)
+    assert "could not be read" in errors[2] and "checkpoint.load=none" in errors[2], errors[2]
 
 
 def test_piece_rectangles_tile_the_global_tensor():

@@ -56,3 +56,22 @@ def test_bad_rank(env):
     env.setenv("RANK", "x")
     with pytest.raises(LaunchError, match="RANK='x' is not an integer"):
         detect_launch_env()
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"RANK": "0"}, "RANK is set but WORLD_SIZE is not"),
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE is set but RANK is not"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "a"}, "LOCAL_RANK='a' is not an integer"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "http"}, "MASTER_PORT='http' is not an integer"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a TCP port"),
+    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "2"}, "rank 3 is outside world size 2"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "x1"},
+     "SLURM_JOB_ID='x1' is not an integer"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1", "SLURM_LOCALID": "?"},
+     "SLURM_LOCALID='\\?' is not an integer"),
+])
+def test_bad_launch_variables_are_clear_errors(env, bad, message):
+    for k, v in bad.items():
+        env.setenv(k, v)
+    with pytest.raises(LaunchError, match=message):
+        detect_launch_env()

@@ -36,7 +36,7 @@ def _run(cmd, env=None, **kw):
 def test_paper_wrappers_build_the_64_node_command_for_every_preset(model):
     assert len(PRESETS) >= 11
     for preset in PRESETS:
-        r = _run([f"scripts/slurm/{model}.sh", preset, "train.steps=7"], env={"DRY_RUN": "1"})
+        r = _run([f"scripts/slurm/{model}.sh", preset, "train.steps=7"], env={"DRY_RUN": "1", "MG_VALIDATE": "0"})
         assert r.returncode == 0, r.stderr
         argv = shlex.split(r.stdout)
         assert argv[0] == "sbatch"
@@ -51,13 +51,22 @@ def test_paper_wrappers_build_the_64_node_command_for_every_preset(model):
         assert cfg.train.global_batch_size == 512 and cfg.train.steps == 7
 
 
+def test_wrapper_validates_the_config_before_submitting():
+    r = _run(["scripts/slurm/llama_300m.sh", "fp8", "train.stepz=1"], env={"DRY_RUN": "true"})
+    assert r.returncode == 2 and "Did you mean 'train.steps'" in r.stderr and not r.stdout
+    r = _run(["scripts/slurm/llama_600m.sh", "fp8"], env={"DRY_RUN": "1", "NODES": "3"})
+    assert r.returncode == 2 and "not divisible by train.micro_batch_size=4 x data-parallel size 3" in r.stderr
+    r = _run(["scripts/slurm/llama_600m.sh", "fp8"], env={"DRY_RUN": "maybe"})
+    assert r.returncode == 2 and "DRY_RUN=maybe" in r.stderr
+
+
 def test_wrapper_rejects_bad_preset_and_nodes():
     r = _run(["scripts/slurm/llama_600m.sh", "fp9"], env={"DRY_RUN": "1"})
     assert r.returncode == 2 and "comm preset 'fp9' not found" in r.stderr and "geofp8" in r.stderr
     r = _run(["scripts/slurm/llama_300m.sh", "bf16"], env={"DRY_RUN": "1", "NODES": "sixty"})
     assert r.returncode == 2 and "NODES=sixty" in r.stderr
     r = _run(["scripts/slurm/llama_300m.sh", "bf16"], env={"DRY_RUN": "1", "NODES": "8", "GPUS_PER_NODE": "0",
-                                                           "PARTITION": "gh", "TIME": "02:00:00"})
+                                                           "PARTITION": "gh", "TIME": "02:00:00", "MG_VALIDATE": "0"})
     argv = shlex.split(r.stdout)
     assert "--nodes=8" in argv and "--partition=gh" in argv and "--time=02:00:00" in argv
     assert not any(a.startswith("--gpus-per-node") for a in argv)

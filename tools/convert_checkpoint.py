@@ -56,9 +56,16 @@ def read_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
     state = {k: torch.empty(tuple(v.size), dtype=torch.float32) for k, v in md.items() if k.startswith("model/")}
     if not state:
         raise ConfigError(f"{ckpt} has no model entries; is it a megatron-geo checkpoint?")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # ShardedTensor deprecation; "loading in a single process"
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), no_dist=True)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ShardedTensor deprecation; "loading in a single process"
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), no_dist=True)
+    except (CheckpointException, OSError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{ckpt} could not be read ({type(e).__name__}: {first[:300]}); it is damaged or "
+                          f"incomplete, convert another step_* folder") from None
     return {k[len("model/"):]: v for k, v in state.items()}
 
 
@@ -82,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-tokenizer", action="store_true", help="embed no tokenizer")
     a = p.parse_args(argv)
     try:
+        if a.output.is_dir():
+            raise ConfigError(f"output {a.output} is a folder; give a file name, e.g. {a.output / 'model.pt'}")
         ckpt = find_checkpoint(a.checkpoint)
         meta = read_meta(ckpt)
         cfg = config_from_dict(meta["config"], str(ckpt))

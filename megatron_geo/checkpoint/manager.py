@@ -55,9 +55,10 @@ def latest_checkpoint(root: Path) -> Path | None:
     """The folder ``latest`` names (if complete), else the newest complete folder, else None."""
     pointer = root / "latest"
     if pointer.is_file():
-        cand = root / pointer.read_text().strip()
-        if is_complete(cand):
-            return cand
+        name = pointer.read_text().strip()
+        # only a folder of this root (never a path elsewhere, e.g. another run's checkpoint)
+        if name.startswith("step_") and "/" not in name and "\\" not in name and is_complete(root / name):
+            return root / name
     done = complete_checkpoints(root)
     return done[-1] if done else None
 

@@ -293,11 +293,11 @@ def _broadcast_non_writers(layout: StateLayout, with_state: bool) -> None:
         for m in opt.mains:
             if layout.partition_dim(m.param) is None:
                 for t in tensors(m):
-                    dist.broadcast(t, src=pctx.tp_ranks[0], group=pctx.tp_group)
+                    dist.broadcast(t, src=pctx.tp_ranks()[0], group=pctx.tp_group)
     if not opt.sharded and pctx.dp_size > 1:
         for m in opt.mains:
             for t in tensors(m):
-                dist.broadcast(t, src=pctx.dp_ranks[0], group=pctx.dp_group)
+                dist.broadcast(t, src=pctx.dp_ranks()[0], group=pctx.dp_group)
 
 
 def _restore_geo(geo, geo_meta, sd, geo_tp, hits_key, same_layout, log) -> None:

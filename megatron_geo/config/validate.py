@@ -133,7 +133,8 @@ def validate_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"train.exit_interval={t.exit_interval} must be >= 0 (0 disables it)")
     for key in ("interval", "keep_latest"):
         if getattr(ck, key) < 0:
-            raise ConfigError(f"checkpoint.{key}={getattr(ck, key)} must be >= 0 (0 disables it)")
+            raise ConfigError(f"checkpoint.{key}={getattr(ck, key)} must be >= 0 (checkpoint.interval=0: no periodic "
+                              f"saves; checkpoint.keep_latest=0: keep all)")
     if t.max_skipped_steps < 1:
         raise ConfigError(f"train.max_skipped_steps={t.max_skipped_steps} must be >= 1")
     if not ck.load:

@@ -8,6 +8,7 @@ No module-level process groups exist anywhere in the package.
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +95,9 @@ def init_parallel(tp_size: int, device: str = "auto", backend: str = "auto", tim
         if env.launcher == "single":
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
+            # the defaults detect_launch_env applied (127.0.0.1:29500) must reach env:// too
+            os.environ.setdefault("MASTER_ADDR", env.master_addr)
+            os.environ.setdefault("MASTER_PORT", str(env.master_port))
             init = f"tcp://{env.master_addr}:{env.master_port}" if env.launcher == "slurm" else "env://"
             kwargs = {"device_id": dev} if dev.type == "cuda" else {}
             dist.init_process_group(backend, init_method=init, rank=env.rank, world_size=env.world_size,

@@ -48,12 +48,15 @@ def slurm_master_addr(nodelist: str) -> str:
     return _expand_first_host(nodelist)
 
 
-def _int_env(name: str) -> int:
-    raw = os.environ[name]
+def _int_env(name: str, default: int | None = None) -> int:
+    raw = os.environ.get(name, "")
+    if raw == "" and default is not None:
+        return default
     try:
         return int(raw)
     except ValueError:
-        raise LaunchError(f"environment variable {name}={raw!r} is not an integer") from None
+        raise LaunchError(f"environment variable {name}={raw!r} is not an integer; unset it or fix the launcher "
+                          f"that sets it") from None
 
 
 def detect_launch_env() -> LaunchEnv:
@@ -66,21 +69,26 @@ def detect_launch_env() -> LaunchEnv:
     Raises:
         LaunchError: non-integer variables or a rank outside ``[0, world_size)``.
     """
+    if ("RANK" in os.environ) != ("WORLD_SIZE" in os.environ):
+        have, lack = ("RANK", "WORLD_SIZE") if "RANK" in os.environ else ("WORLD_SIZE", "RANK")
+        raise LaunchError(f"{have} is set but {lack} is not; launch with torchrun (which sets both), or unset {have}")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        env = LaunchEnv(_int_env("RANK"), _int_env("WORLD_SIZE"), int(os.environ.get("LOCAL_RANK", "0")),
-                        os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")),
-                        "torchrun")
+        env = LaunchEnv(_int_env("RANK"), _int_env("WORLD_SIZE"), _int_env("LOCAL_RANK", 0),
+                        os.environ.get("MASTER_ADDR", "127.0.0.1"), _int_env("MASTER_PORT", 29500), "torchrun")
     elif "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
         nodelist = os.environ.get("SLURM_JOB_NODELIST", os.environ.get("SLURM_NODELIST", "127.0.0.1"))
         addr = os.environ.get("MASTER_ADDR") or slurm_master_addr(nodelist)
-        job = int(os.environ.get("SLURM_JOB_ID", "0") or 0)
-        port = int(os.environ.get("MASTER_PORT", str(29500 + job % 1000)))
-        env = LaunchEnv(_int_env("SLURM_PROCID"), _int_env("SLURM_NTASKS"), int(os.environ.get("SLURM_LOCALID", "0")),
+        job = _int_env("SLURM_JOB_ID", 0)
+        port = _int_env("MASTER_PORT", 29500 + job % 1000)
+        env = LaunchEnv(_int_env("SLURM_PROCID"), _int_env("SLURM_NTASKS"), _int_env("SLURM_LOCALID", 0),
                         addr, port, "slurm")
     else:
         env = LaunchEnv(0, 1, 0, "127.0.0.1", 0, "single")
+    if env.world_size < 1 or not 0 <= env.rank < env.world_size:
+        raise LaunchError(f"rank {env.rank} is outside world size {env.world_size} ({env.launcher} launch); check the "
+                          f"launcher's RANK/WORLD_SIZE or SLURM_PROCID/SLURM_NTASKS")
+    if not 0 < env.master_port < 65536 and env.launcher != "single":
+        raise LaunchError(f"MASTER_PORT={env.master_port} is not a TCP port (1-65535)")
     if env.world_size == 1:  # e.g. one Slurm task: nothing to rendezvous with
         env = LaunchEnv(0, 1, env.local_rank, "127.0.0.1", 0, "single")
-    if not 0 <= env.rank < env.world_size:
-        raise LaunchError(f"rank {env.rank} is outside world size {env.world_size} ({env.launcher} launch)")
     return env

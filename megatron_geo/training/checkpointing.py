@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from ..checkpoint.manager import check_compatible, checkpoint_root, read_meta, resolve_load, save_checkpoint
 from ..checkpoint.state import StateLayout, build_save_state, load_state, optimizer_state_ready
 from ..config import Config, ConfigError, config_to_dict
@@ -43,6 +45,11 @@ class Checkpointer:
                        same_tp=meta["tp_size"] == self.pctx.tp_size)
         except ValueError as e:  # includes UnsafeCheckpointError
             raise ConfigError(str(e)) from None
+        except (CheckpointException, OSError, RuntimeError) as e:  # DCP raises on every rank alike
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"checkpoint {path} could not be read ({type(e).__name__}: {first[:300]}); it is damaged "
+                              f"or incomplete: load an older one (checkpoint.load=PATH of another step_* folder) or "
+                              f"start fresh (checkpoint.load=none)") from None
         self.last_saved_step = meta["step"]
         self.log(f"resumed from {path} at step {meta['step']} ({meta['consumed_samples']:,} samples consumed)")
         return meta["step"], meta["consumed_samples"], meta.get("skipped_in_a_row", 0)

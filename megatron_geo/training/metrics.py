@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import uuid
 from pathlib import Path
 
 
@@ -48,7 +49,7 @@ class MetricsLogger:
             if resume_step > 0 and id_file.is_file():
                 run_id = id_file.read_text().strip()
             else:
-                run_id = wandb.util.generate_id()
+                run_id = uuid.uuid4().hex[:12]  # wandb accepts any [a-z0-9] id; its generate_id moved in 0.31
                 id_file.write_text(run_id + "\n")
             self._wandb = wandb.init(project=project, group=group or None, name=name or None, tags=tags,
                                      config=config, dir=run_dir, mode=wandb_mode, reinit=True, id=run_id,

@@ -122,9 +122,6 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
     t = cfg.train
     torch.manual_seed(t.seed)
     run_dir = Path(t.run_dir)
-    if pctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
 
     data = build_data(cfg, pctx)
     model, buckets, reducer, grad_sync, optimizer = build_model_and_optimizer(cfg, pctx)
@@ -143,6 +140,15 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
                 f"comm.dtype={cfg.comm.dtype} distributed_optimizer={cfg.parallel.distributed_optimizer}")
     ckpt = Checkpointer(cfg, pctx, model, optimizer, reducer, geo, lambda m: _log0(pctx, m))
     start_step, consumed, skipped_in_a_row = ckpt.resume()
+    if start_step >= t.steps:  # nothing to train: write nothing (no checkpoint, metrics untouched)
+        _log0(pctx, f"nothing to do: the checkpoint is at step {start_step} and train.steps={t.steps}; raise "
+                    f"train.steps to train on")
+        return {"parameters": n_params, "steps": start_step, "start_loss": None, "final_loss": None,
+                "val_loss": None, "tokens_per_sec": 0.0, "comm_bytes_per_step": 0.0,
+                "run_dir": str(run_dir.resolve()), "checkpoint": None}
+    if pctx.is_main:  # only once the checkpoint (if any) loaded: a failed start leaves the run dir as it was
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
 
     tags = [f"comm.dtype={cfg.comm.dtype}", f"opt={cfg.optimizer.name}", f"tp={pctx.tp_size}", f"dp={pctx.dp_size}"]
     logger = MetricsLogger(str(run_dir), pctx.is_main, cfg.logging.wandb, cfg.logging.wandb_project,
@@ -226,12 +232,8 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
         if progress is not None:
             progress.close()
         logger.close()
-    if last is None:
-        _log0(pctx, f"nothing to do: the checkpoint is already at step {start_step} of train.steps={t.steps}")
-        return {"parameters": n_params, "steps": t.steps, "start_loss": None, "final_loss": None, "val_loss": None,
-                "tokens_per_sec": 0.0, "comm_bytes_per_step": 0.0, "run_dir": str(run_dir.resolve())}
     summary = {
-        "parameters": n_params, "steps": t.steps, "start_loss": first_loss, "final_loss": last["loss"],
+        "parameters": n_params, "steps": last["step"], "start_loss": first_loss, "final_loss": last["loss"],
         "val_loss": val_loss,
         "tokens_per_sec": sum(tok_per_s_hist) / len(tok_per_s_hist) if tok_per_s_hist else last["tokens_per_sec"],
         "comm_bytes_per_step": sum(bytes_hist) / len(bytes_hist), "run_dir": str(run_dir.resolve()),
@@ -245,7 +247,8 @@ def format_summary(s: dict, cfg: Config) -> str:
     val = f"{s['val_loss']:.4f}" if s["val_loss"] is not None else "n/a"
     return "\n".join([
         "=" * 72,
-        f"summary: {s['steps']} steps, {s['parameters']:,} parameters, comm.dtype={cfg.comm.dtype}",
+        f"summary: {s['steps']} steps{'' if s['steps'] == cfg.train.steps else f' of train.steps={cfg.train.steps}'}, "
+        f"{s['parameters']:,} parameters, comm.dtype={cfg.comm.dtype}",
         f"  train loss      {s['start_loss']:.4f} (first step) -> {s['final_loss']:.4f} (last step)",
         f"  validation loss {val}",
         f"  throughput      {s['tokens_per_sec']:,.1f} tokens/s (global"
@@ -257,6 +260,28 @@ def format_summary(s: dict, cfg: Config) -> str:
           if s.get("checkpoint") else []),
         "=" * 72,
     ])
+
+
+def prepare_output_dirs(cfg: Config) -> None:
+    """Create ``train.run_dir`` and the checkpoint folder before any work, so that an unwritable place is
+    a start-up error (exit 2) and not a failure at the first save.
+
+    Raises:
+        ConfigError: a folder cannot be created or written (names the key and the path).
+    """
+    from ..checkpoint.manager import checkpoint_root
+
+    for key, path in (("train.run_dir", Path(cfg.train.run_dir)),
+                      ("checkpoint.dir" if cfg.checkpoint.dir else "train.run_dir (its checkpoints/)",
+                       checkpoint_root(cfg))):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            probe = path / f".write-test-{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise ConfigError(f"{key}: cannot create or write {str(path)!r} ({e.strerror or e}); choose a writable "
+                              f"folder") from None
 
 
 def _is_collective_failure(e: BaseException) -> bool:
@@ -274,8 +299,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(dump_config(cfg), end="")
             return 0
-    except (ConfigError, LaunchError) as e:
-        if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) or 0) == 0:  # say it once
+        prepare_output_dirs(cfg)
+    except LaunchError as e:  # the rank itself may be wrong: every process says it
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ConfigError as e:
+        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")).strip() in ("0", ""):  # say it once
             print(f"error: {e}", file=sys.stderr)
         return 2
     if env.world_size > 1 and env.rank == 0:

@@ -10,7 +10,8 @@
 #   RUN_DIR=runs/<model>_<preset>_n<nodes>  (a requeued or resubmitted job resumes from its checkpoints)
 #   SBATCH_EXTRA="--exclusive ..."          more sbatch options
 #   MG_CONTAINER_IMAGE, NCCL_* ...          passed through to the job (see pretrain.sbatch)
-#   DRY_RUN=1                               print the sbatch command instead of submitting
+#   DRY_RUN=1                               print the sbatch command instead of submitting (1/true/yes)
+#   MG_VALIDATE=0                           skip the config check before submitting
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
@@ -44,7 +45,19 @@ cmd=(sbatch --job-name="${model#llama_}-${preset}" --nodes="$nodes" --ntasks-per
 cmd+=(scripts/slurm/pretrain.sbatch --config "configs/$model.yaml" --config "configs/comm/$preset.yaml"
       "train.run_dir=$run_dir" "logging.wandb_name=${model}-${preset}-n${nodes}" "$@")
 
-if [[ "${DRY_RUN:-0}" == 1 ]]; then
+case "${DRY_RUN:-0}" in
+    1|true|yes|on) dry=1 ;;
+    0|false|no|off|"") dry=0 ;;
+    *) echo "error: DRY_RUN=$DRY_RUN; use DRY_RUN=1 (print the sbatch command) or DRY_RUN=0" >&2; exit 2 ;;
+esac
+# validate the resolved config for the job's world size here, before anything is queued (exit 2 on a bad key;
+# MG_VALIDATE=0 skips it, e.g. on a login node without the project's Python)
+py="${MG_PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}"
+if [[ "${MG_VALIDATE:-1}" != 0 ]] && command -v "$py" >/dev/null 2>&1 && "$py" -c "import torch" >/dev/null 2>&1; then
+    RANK=0 WORLD_SIZE=$((nodes * tasks)) "$py" pretrain_llama.py --config "configs/$model.yaml" \
+        --config "configs/comm/$preset.yaml" "train.run_dir=$run_dir" "$@" --print-config >/dev/null || exit 2
+fi
+if (( dry )); then
     printf '%q ' "${cmd[@]}"; echo
     exit 0
 fi
