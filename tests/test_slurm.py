@@ -49,14 +49,19 @@ def _free_port() -> int:
 def _release_requeued(c: SlurmCluster, job: str, deadline: float) -> bool:
     """Slurm holds a requeued job for ~2 min (BeginTime = now + 121 s); make it eligible now.
 
-    Returns True once the job was seen requeued (Restarts >= 1) and released."""
+    Waits until the first start has fully ended on every node (a release while the old batch step is still
+    completing makes Slurm kill the new start: "Job credential revoked"). Returns True once the job was seen
+    requeued (Restarts >= 1) and released."""
     while time.monotonic() < deadline:
         r = c._run(["scontrol", "show", "job", job])
         info = r.stdout
         if "Restarts=" in info and not re.search(r"Restarts=0\b", info) and "JobState=PENDING" in info:
-            c._run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
-            return True
-        if "JobState=COMPLETED" in info or "JobState=FAILED" in info or r.returncode:
+            states = c._run(["sinfo", "-h", "-N", "-o", "%T"]).stdout.split()
+            if states and all(st == "idle" for st in states):
+                time.sleep(1.0)
+                c._run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+                return True
+        elif "JobState=COMPLETED" in info or "JobState=FAILED" in info or r.returncode:
             return False
         time.sleep(0.3)
     return False
@@ -109,7 +114,7 @@ def test_sbatch_preempted_by_signal_requeues_and_resumes_on_two_nodes(cluster, t
     released = _release_requeued(c, job, deadline)
     done = ("training finished", "failed with exit code", "not requeueing", "config check failed")
     while time.monotonic() < deadline and not any(d in log_text() for d in done):
-        time.sleep(0.3)
+        time.sleep(0.5)
     text = log_text()
     where = f"\njob log:\n{text}\n{c.logs()}"
     assert released, "the job was not requeued after its training step exited with 4" + where
