@@ -132,7 +132,8 @@ class LowPrecisionReducer(Reducer):
 
     # -- coordinates --------------------------------------------------------------------------------
     def _to_wire(self, x: torch.Tensor, key) -> torch.Tensor:
-        """The buffer in the coordinates that are quantised (a new tensor when transformed)."""
+        """The buffer in the coordinates that are quantised: a new tensor for the Hadamard rotation, ``x``
+        itself transformed in place for GeoFP8 (``x`` is the bucket's gradient buffer, consumed by the reduction)."""
         if self.signs is not None:
             return block_hadamard(x.view(-1, self.hadamard_block), self.signs).view(-1)
         slots = self.geo_slots.get(key)
@@ -142,13 +143,14 @@ class LowPrecisionReducer(Reducer):
             for name, off, rows, cols in slots:
                 self.geo.record_bound_hits(name, x[off:off + rows * cols])
             return x
-        y = x.clone()
+        # in place: the caller's bucket buffer is not read again before the reduced result overwrites it
+        # (reduce-scatter: this rank's chunk; all-reduce: all of it), so no copy of the bucket is made
         for name, off, rows, cols in slots:
             if name not in self.geo.selected:
                 continue
             n = rows * cols
-            y[off:off + n] = self.geo.transforms[name].apply(x[off:off + n].view(rows, cols)).view(-1)
-        return y
+            x[off:off + n] = self.geo.transforms[name].apply(x[off:off + n].view(rows, cols)).view(-1)
+        return x
 
     def _from_wire(self, y: torch.Tensor, key, start: int) -> torch.Tensor:
         """Undo :meth:`_to_wire` on ``y``, the buffer range ``[start, start + len(y))`` (whole parameters)."""
