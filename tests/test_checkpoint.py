@@ -433,3 +433,35 @@ def test_checkpoint_metadata_is_never_unpickled_freely(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "tools/convert_checkpoint.py"), str(ck), str(tmp_path / "o.pt")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "refusing to load it" in r.stderr, r.stderr
+
+
+def test_truncated_data_file_and_damaged_meta_and_latest_are_clear_errors(tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_geo.checkpoint.manager import read_meta, resolve_load
+    from megatron_geo.checkpoint.safe_reader import SafeFileSystemReader, UnsafeCheckpointError
+    from megatron_geo.config import ConfigError, config_to_dict, load_config
+
+    ck = tmp_path / "checkpoints" / "step_00000004"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model/w": torch.arange(1000.0)}, checkpoint_id=str(ck), no_dist=True)
+    assert SafeFileSystemReader(str(ck)).read_metadata().state_dict_metadata["model/w"].size == torch.Size([1000])
+    data = sorted(ck.glob("*.distcp"))[0]
+    data.write_bytes(data.read_bytes()[:-100])
+    with pytest.raises(UnsafeCheckpointError, match="has .* bytes but its entries end at byte .* truncated"):
+        SafeFileSystemReader(str(ck)).read_metadata()
+
+    meta = {"format": "megatron-geo-dcp-v1", "step": 4, "consumed_samples": 32, "dp_size": "two", "tp_size": 1,
+            "config": config_to_dict(load_config())}
+    (ck / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match="dp_size='two', not a valid count"):
+        read_meta(ck)
+    (tmp_path / "checkpoints" / "latest").write_text("../../elsewhere/step_00000009\n")
+    logs = []
+    assert resolve_load(load_config([], [f"train.run_dir={tmp_path}"]), logs.append) == ck
+    assert "not the name of a step_* folder" in logs[0] and "using the newest complete checkpoint" in logs[0]
+    with pytest.raises(ConfigError, match="checkpoint.load=latest but .* not the name of a step_\\* folder"):
+        resolve_load(load_config([], [f"train.run_dir={tmp_path}", "checkpoint.load=latest"]))

@@ -63,17 +63,40 @@ def latest_checkpoint(root: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def resolve_load(cfg: Config) -> Path | None:
+def latest_pointer_problem(root: Path) -> str | None:
+    """Why ``root/latest`` cannot be followed (None when it names a complete checkpoint of ``root``)."""
+    pointer = root / "latest"
+    if not pointer.is_file():  # e.g. a crash between the rename and the pointer update: the newest folder is used
+        return None
+    name = pointer.read_text().strip()
+    if not (name.startswith("step_") and "/" not in name and "\\" not in name):
+        return f"{pointer} holds {name[:80]!r}, not the name of a step_* folder of {root}"
+    if not is_complete(root / name):
+        return f"{pointer} names {name}, which is not a complete checkpoint"
+    return None
+
+
+def resolve_load(cfg: Config, log=None) -> Path | None:
     """The checkpoint folder this run starts from (None: start fresh), per ``checkpoint.load``.
 
+    With ``auto`` a damaged ``latest`` pointer falls back to the newest complete folder (``log`` says so);
+    with ``latest`` it is an error.
+
     Raises:
-        ConfigError: ``latest`` with no complete checkpoint, or a path that is not a complete checkpoint.
+        ConfigError: ``latest`` with no complete checkpoint or a damaged pointer, or a path that is not a
+            complete checkpoint.
     """
     mode, root = cfg.checkpoint.load, checkpoint_root(cfg)
     if mode == "none":
         return None
     if mode in ("auto", "latest"):
+        problem = latest_pointer_problem(root)
+        if problem and mode == "latest":
+            raise ConfigError(f"checkpoint.load=latest but {problem}; point checkpoint.load at a step_* folder, or "
+                              f"use checkpoint.load=auto (the newest complete checkpoint)")
         found = latest_checkpoint(root)
+        if problem and found is not None and log is not None:
+            log(f"checkpoint: {problem}; using the newest complete checkpoint, {found.name}")
         if found is None and mode == "latest":
             raise ConfigError(f"checkpoint.load=latest but {root} holds no complete checkpoint; use checkpoint.load="
                               f"auto (resume only if there is one) or none")
@@ -107,6 +130,13 @@ def read_meta(path: Path) -> dict:
     if missing:
         raise ConfigError(f"checkpoint {path}: {META} lacks {', '.join(missing)}; the folder is damaged, load an "
                           f"older checkpoint (checkpoint.load=PATH) or start fresh (checkpoint.load=none)")
+    for k in ("step", "consumed_samples", "dp_size", "tp_size"):
+        v = meta[k]
+        if not isinstance(v, int) or isinstance(v, bool) or v < (1 if k.endswith("size") else 0):
+            raise ConfigError(f"checkpoint {path}: {META} has {k}={v!r}, not a valid count; the folder is damaged, "
+                              f"load an older checkpoint (checkpoint.load=PATH) or start fresh (checkpoint.load=none)")
+    if not isinstance(meta["config"], dict):
+        raise ConfigError(f"checkpoint {path}: {META} has no config mapping; the folder is damaged")
     return meta
 
 

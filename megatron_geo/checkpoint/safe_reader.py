@@ -9,6 +9,7 @@ dtypes, paths); anything else is an error naming the class. Tensor data is read 
 
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any
 
@@ -22,7 +23,7 @@ _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("torch",
 
 
 class UnsafeCheckpointError(ValueError):
-    """The checkpoint metadata names a class outside the allow-list."""
+    """The checkpoint metadata names a class outside the allow-list, or a data file is truncated."""
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
@@ -33,6 +34,27 @@ class _RestrictedUnpickler(pickle.Unpickler):
             raise UnsafeCheckpointError(f"checkpoint metadata refers to {module}.{name}, which is not part of "
                                         f"torch.distributed.checkpoint metadata; refusing to load it")
         return super().find_class(module, name)
+
+
+def _check_file_sizes(metadata: Metadata, metadata_path) -> None:
+    """Every data file must be at least as long as the last byte the metadata says it holds.
+
+    Raises:
+        UnsafeCheckpointError: a data file is missing or truncated (names it, with both sizes).
+    """
+    folder = os.path.dirname(str(metadata_path))
+    need: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        rel, end = getattr(info, "relative_path", None), getattr(info, "offset", 0) + getattr(info, "length", 0)
+        if rel is not None:
+            need[rel] = max(need.get(rel, 0), end)
+    for rel, end in need.items():
+        p = os.path.join(folder, rel)
+        size = os.path.getsize(p) if os.path.isfile(p) else -1
+        if size < end:
+            what = "is missing" if size < 0 else f"has {size:,} bytes but its entries end at byte {end:,}"
+            raise UnsafeCheckpointError(f"checkpoint data file {p} {what}: the checkpoint is truncated or "
+                                        f"incomplete")
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -48,6 +70,7 @@ class SafeFileSystemReader(FileSystemReader):
                     from None
         if not isinstance(metadata, Metadata):
             raise UnsafeCheckpointError(f"{path} does not hold DCP metadata (got {type(metadata).__name__})")
+        _check_file_sizes(metadata, path)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

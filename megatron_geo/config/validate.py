@@ -53,7 +53,8 @@ def validate_config(cfg: Config, world_size: int) -> None:
     for sec, key in _POSITIVE:
         v = getattr(getattr(cfg, sec), key)
         if v <= 0:
-            raise ConfigError(f"{sec}.{key}={v} must be positive")
+            hint = " (to turn validation off, set train.eval_batches=0)" if key == "eval_interval" else ""
+            raise ConfigError(f"{sec}.{key}={v} must be positive{hint}")
     m, p, t, c = cfg.model, cfg.parallel, cfg.train, cfg.comm
     o = cfg.optimizer
     if not (math.isfinite(o.lr) and o.lr > 0):

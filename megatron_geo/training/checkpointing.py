@@ -32,7 +32,7 @@ class Checkpointer:
         Raises:
             ConfigError: the checkpoint is damaged or from another model/optimizer (names the mismatch).
         """
-        path = resolve_load(self.cfg)
+        path = resolve_load(self.cfg, self.log)
         if path is None:
             return 0, 0, 0
         meta = read_meta(path)
