@@ -54,7 +54,8 @@ def _check_file_sizes(metadata: Metadata, metadata_path) -> None:
         if size < end:
             what = "is missing" if size < 0 else f"has {size:,} bytes but its entries end at byte {end:,}"
             raise UnsafeCheckpointError(f"checkpoint data file {p} {what}: the checkpoint is truncated or "
-                                        f"incomplete")
+                                        f"incomplete; use an older one (checkpoint.load=PATH of another step_* "
+                                        f"folder) or start fresh (checkpoint.load=none)")
 
 
 class SafeFileSystemReader(FileSystemReader):
