@@ -149,3 +149,12 @@ def test_offline_wandb_run_is_read(tmp_path, sweep):
     assert r.final_val_loss == 4.25 and r.final_loss == 5.0 and r.tokens_per_sec == pytest.approx(30.0)
     with pytest.raises(cr.CompareError, match="not a wandb transaction log"):
         cr._wandb_records(b"garbage", Path("x.wandb"))
+
+
+def test_empty_run_folder_is_reported_not_silently_skipped(sweep, capsys):
+    (sweep / "stray-seed9").mkdir()
+    runs = cr.load_sweep(sweep)
+    assert len(runs) == 6 and "stray-seed9" not in {r.path.name for r in runs}
+    err = capsys.readouterr().err
+    assert f"warning: ignoring '{sweep / 'stray-seed9'}': no config.yaml, metrics.jsonl" in err
+    assert "bf16-seed1" not in err

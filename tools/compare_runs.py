@@ -178,6 +178,11 @@ def load_sweep(sweep_dir: str | Path, skip_incomplete: bool = False) -> list[Run
             owner = root.joinpath(*parts[:parts.index("wandb")])
             if not (owner / "metrics.jsonl").is_file():
                 wandb_runs[owner] = f  # sorted: the latest offline run of a folder wins
+    found = set(dirs) | set(wandb_runs)
+    for child in sorted(p for p in root.iterdir() if p.is_dir()):
+        if not any(child == d or child in d.parents for d in found):
+            print(f"warning: ignoring '{child}': no config.yaml, metrics.jsonl or offline wandb run in it",
+                  file=sys.stderr)
     runs = []
     for d, f in wandb_runs.items():
         cfg, recs, name = read_wandb_offline(f)
