@@ -245,3 +245,115 @@ def _sketch_train(rank, world):
 def test_sketch_statistics_train_and_stay_rank_consistent():
     (l0, c0, s0), (l1, c1, s1) = run_distributed(_sketch_train, 2)
     assert l0 == l1 and c0 == c1 and len(s0) == 2
+
+
+# -- geo.power_search ---------------------------------------------------------------------------------
+def _torch_fp8_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """Independent reference: tensor-scaled E4M3 through torch's own cast (amax -> 448)."""
+    x = x.double()
+    scale = x.abs().max() / 448.0
+    return (x / scale).clamp(-448, 448).float().to(torch.float8_e4m3fn).double() * scale
+
+
+def test_with_power_matches_the_formula_and_zero_is_identity():
+    from megatron_geo.geometry.power_search import with_power
+
+    A = _factors()["full"]
+    base = build_transform(A, 6, 1e-2, power=1.0)
+    for p in (0.5, 0.25, 1.0):
+        ref = build_transform(A, 6, 1e-2, power=p)
+        torch.testing.assert_close(with_power(base, p).dense(), ref.dense(), rtol=0, atol=1e-6)
+    ident = with_power(base, 0.0)
+    assert ident.U.shape == (48, 0)
+    G = torch.randn(5, 48)
+    assert torch.equal(ident.apply(G), G) and torch.equal(ident.apply_inverse(G), G)
+    with pytest.raises(ValueError, match="power 1.5"):
+        with_power(base, 1.5)
+
+
+def test_roundtrip_errors_match_an_fp64_reference_with_torch_casts():
+    from megatron_geo.comm.fidelity import quantize_roundtrip
+    from megatron_geo.geometry.power_search import roundtrip_errors
+
+    A = _factors()["full"]
+    base = build_transform(A, 8, 1e-3 * A.diagonal().mean().item(), power=1.0)
+    g = torch.Generator().manual_seed(3)
+    G = torch.randn(20, 48, generator=g) @ A.float()                # energy along A's dominant directions
+    powers = [0.5, 0.25, 0.0]
+    got = roundtrip_errors(G, base, powers, lambda x: quantize_roundtrip(x, "fp8_e4m3:tensor"))
+    U, d = base.U.double(), base.d.double()
+    eye = torch.eye(48, dtype=torch.float64)
+    for j, p in enumerate(powers):
+        T = eye + U @ torch.diag(d ** p - 1) @ U.T
+        Tinv = eye + U @ torch.diag(d ** -p - 1) @ U.T
+        ref = ((_torch_fp8_roundtrip(G.double() @ T) @ Tinv) - G.double()).pow(2).sum().item()
+        assert got[j].item() == pytest.approx(ref, rel=1e-3), (p, got[j].item(), ref)
+    # Euclidean (p = 0) is exactly one tensor-scaled E4M3 round trip
+    assert got[2].item() == pytest.approx((_torch_fp8_roundtrip(G) - G.double()).pow(2).sum().item(), rel=1e-6)
+
+
+def test_pick_powers_takes_the_minimum_and_the_earliest_on_ties_or_nonfinite():
+    from megatron_geo.geometry.power_search import pick_powers
+
+    inf = float("inf")
+    errs = torch.tensor([[3.0, 1.0, 2.0], [1.0, 1.0, 5.0], [inf, inf, inf], [inf, 4.0, 4.0]], dtype=torch.float64)
+    assert pick_powers(errs, [0.5, 0.25, 0.0]) == [0.25, 0.5, 0.5, 0.25]
+
+
+def _power_search(rank, world):
+    import torch.distributed as dist
+
+    cfg, pctx, model, reducer, sync, opt, train_step = _build_geo(
+        rank, world, ["comm.dtype=fp8_e4m3", "geo.power_search=0.5,0.25,0"])
+    geo = reducer.geo
+    seen, logs = {}, []
+    geo.log = logs.append
+    orig = geo._search_powers
+
+    def spy(transforms, step):
+        seen[step] = ({n: (t.U.clone(), t.d.clone()) for n, t in transforms.items()},
+                      {n: geo.grad_of(n).clone() for n in geo.selected})
+        orig(transforms, step)
+        seen[step] += (dict(geo.powers),)
+
+    geo._search_powers = spy
+    losses = []
+    for step in range(4):   # refreshes at steps 0 and 2
+        mb = rank_micro_batches(global_batch(cfg, step), 2, rank, world)   # different data on each rank
+        losses.append(train_step(model, mb, sync, opt, pctx, 1.0, 1.0, geo=geo, step=step).loss)
+    out = {}
+    for step, (bases, grads, chosen) in seen.items():
+        gathered = {}
+        for n, G in grads.items():
+            parts = [torch.empty_like(G) for _ in range(world)]
+            dist.all_gather(parts, G.contiguous())
+            gathered[n] = parts
+        out[step] = (bases, gathered, chosen)
+    return out, {n: t.checksum() for n, t in geo.transforms.items()}, losses, logs
+
+
+def test_power_search_picks_the_dp_summed_best_power_on_every_rank():
+    (o0, c0, l0, logs0), (o1, c1, l1, logs1) = run_distributed(_power_search, 2)
+    assert sorted(o0) == [0, 2] and c0 == c1 and l0 == l1
+    assert all(torch.isfinite(torch.tensor(l0)))
+    assert any("geo.power_search at step 2" in m for m in logs0)
+    powers = [0.5, 0.25, 0.0]
+    decided = 0
+    for step in (0, 2):
+        bases, grads, chosen = o0[step]
+        assert chosen == o1[step][2]                           # the same choice on both ranks
+        for n, (U, d) in bases.items():
+            U, d = U.double(), d.double()
+            eye = torch.eye(U.shape[0], dtype=torch.float64)
+            errs = []
+            for p in powers:
+                T = eye + U @ torch.diag(d ** p - 1) @ U.T
+                Tinv = eye + U @ torch.diag(d ** -p - 1) @ U.T
+                errs.append(sum(((_torch_fp8_roundtrip(G.double() @ T) @ Tinv) - G.double()).pow(2).sum().item()
+                                for G in grads[n]))
+            best = min(range(3), key=lambda j: errs[j])
+            second = sorted(errs)[1]
+            if second > errs[best] * (1 + 1e-3):               # a clear winner: the trainer must pick it
+                assert chosen[n] == powers[best], (step, n, errs, chosen[n])
+                decided += 1
+    assert decided >= 2

@@ -204,6 +204,22 @@ def _quantize(y: Tensor, c: dict, rank: int) -> tuple[Tensor, Tensor]:
     return dec, sat
 
 
+def quantize_roundtrip(x: Tensor, codec: dict | str) -> Tensor:
+    """``decode(encode(x))`` of one tensor through ``codec`` (one rank, no reduce): round to nearest,
+    no rotation, one scale over the whole tensor (tensor scaling) or per ``block_size`` elements of the
+    flattened tensor (block scaling; NVFP4: its 16-element blocks under a per-tensor FP32 scale).
+
+    Args:
+        x: any float tensor (upcast to float32).
+        codec: codec dict (module docstring) or spec string; its ``rounding`` and ``transform`` are ignored.
+
+    Returns:
+        float32 tensor of ``x``'s shape.
+    """
+    c = {**normalize_codec(codec), "rounding": "nearest", "transform": "none"}
+    return _from_wire(_quantize(_to_wire(x, c, None), c, 0)[0], c, None, x.shape)
+
+
 def _check_grads(rank_grads: list[Tensor]) -> None:
     if not rank_grads:
         raise ValueError("rank_grads is empty: need the gradient of at least one rank")

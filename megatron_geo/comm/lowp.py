@@ -114,6 +114,14 @@ class LowPrecisionReducer(Reducer):
             if slots:
                 self.geo_slots[b.index] = slots
         geo.rebase_hook = self._rebase_error_feedback
+        geo.roundtrip = self.roundtrip
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """One tensor through this reducer's codec and back (round to nearest, its own scale or block
+        scales, no reduce): what ``geo.power_search`` scores candidate transforms with."""
+        from .fidelity import quantize_roundtrip  # lazy: fidelity imports the geometry package
+
+        return quantize_roundtrip(x, {"dtype": self.fmt, "scaling": self.scaling, "block_size": self.block_size})
 
     def _rebase_error_feedback(self, old: dict, new: dict) -> None:
         """At a refresh: R <- R T_old^-1 T_new (``geo.ef_on_refresh=rebase``) or R <- 0 (``reset``)."""

@@ -29,6 +29,9 @@ def _suggest(name: str, options, prefix: str = "") -> str:
     return f" Did you mean '{prefix}{close[0]}'?" if close else f" Valid keys: {', '.join(sorted(options))}."
 
 
+_LIST_KEYS = ("geo.layers", "geo.power_search")  # comma-separated strings that may be written as YAML lists
+
+
 def _coerce(value: Any, typ: type, where: str) -> Any:
     """Convert ``value`` (from YAML or a command-line string) to ``typ`` or raise ConfigError."""
     if typ is bool:
@@ -62,6 +65,10 @@ def _coerce(value: Any, typ: type, where: str) -> Any:
     if typ is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
+        scalars = isinstance(value, list) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool)
+                                                  for v in value)
+        if scalars and where.endswith(_LIST_KEYS):
+            return ",".join(str(v) for v in value)  # a YAML list of patterns / numbers = the comma-separated form
         raise ConfigError(f"{where}: expected a string, got {value!r}")
     raise ConfigError(f"{where}: unsupported field type {typ}")
 

@@ -124,6 +124,8 @@ class GeoConfig:
     rank: int = 32
     damping: float = 1e-3
     power: float = 0.5             # D = ((lambda_ref + damping) / (lambda_i + damping)) ** power; 0.5 whitens
+    power_search: str = ""         # e.g. "0.5,0.25,0": at each refresh every layer takes the power (0 = Euclidean)
+                                   # with the smallest DP-summed round-trip error of its gradient; overrides power
     refresh_interval: int = 50
     ef_on_refresh: str = "rebase"  # rebase: R <- R T_old^-1 T_new | reset: R <- 0
     statistics: str = "auto"       # full A (d_in^2) | sketch A·Omega (d_in x sketch_size) | auto: sketch if d_in > 1024

@@ -91,6 +91,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
         if not (math.isfinite(g.power) and 0 < g.power <= 1):
             raise ConfigError(f"geo.power={g.power} must be in (0, 1] (0.5 whitens the top-r directions, 0.25 goes "
                               f"halfway)")
+        parse_power_search(g.power_search)
     if c.dtype == "nvfp4" and c.scale_sync != "none":
         raise ConfigError("comm.scale_sync=max is supported for fp8 formats only; use comm.scale_sync=none with nvfp4")
     if t.warmup_steps < 0 or t.eval_batches < 0:
@@ -148,3 +149,30 @@ def validate_config(cfg: Config, world_size: int) -> None:
     if cfg.data.source == "indexed" and not (cfg.data.train_prefix and cfg.data.tokenizer_model):
         raise ConfigError("data.source=indexed needs data.train_prefix and data.tokenizer_model "
                           "(make them with tools/train_tokenizer.py and tools/preprocess_data.py)")
+
+
+def parse_power_search(spec: str) -> tuple[float, ...]:
+    """``geo.power_search`` ("0.5,0.25,0") -> (0.5, 0.25, 0.0); "" -> () (the fixed ``geo.power``).
+
+    Raises:
+        ConfigError: a value that is not a number in [0, 1], a repeated value, or more than 8 values.
+    """
+    out: list[float] = []
+    for part in str(spec).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            v = float(part)
+        except ValueError:
+            v = float("nan")
+        if not (math.isfinite(v) and 0.0 <= v <= 1.0):
+            raise ConfigError(f"geo.power_search={spec!r}: {part!r} is not a power in [0, 1]; give comma-separated "
+                              f"exponents such as geo.power_search=0.5,0.25,0 (0 = Euclidean), or leave it empty")
+        if v in out:
+            raise ConfigError(f"geo.power_search={spec!r} repeats {v:g}; list each power once")
+        out.append(v)
+    if len(out) > 8:
+        raise ConfigError(f"geo.power_search={spec!r} has {len(out)} powers; at most 8 (each costs a trial "
+                          f"quantization of every selected gradient at every refresh)")
+    return tuple(out)

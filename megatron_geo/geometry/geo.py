@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .power_search import pick_powers, roundtrip_errors, with_power
 from .stats import InputStats
 from .transform import (LowRankTransform, build_transform, build_transform_from_sketch, identity_transform,
                         sketch_matrix)
@@ -51,7 +52,7 @@ class GeoState:
     def __init__(self, model: nn.Module, patterns: str, rank: int, damping: float, refresh_interval: int,
                  ef_on_refresh: str, dp_group, auto_layers: int = 0, profile_steps: int = 0, fp8_max: float = 448.0,
                  underflow_below: float = 2.0 ** -10, log=print, statistics: str = "full", sketch_size: int = 64,
-                 power: float = 0.5):
+                 power: float = 0.5, power_search: tuple[float, ...] = ()):
         self.candidates = select_parameters(model, patterns)
         params = dict(model.named_parameters())
         self.params = {n: params[n] for n in self.candidates}   # every candidate is owned whole (atomic)
@@ -63,6 +64,10 @@ class GeoState:
         self.rank, self.damping, self.interval, self.ef_on_refresh = rank, damping, refresh_interval, ef_on_refresh
         self.dp_group = dp_group
         self.statistics, self.sketch_size, self.power = statistics, sketch_size, power
+        self.power_search = tuple(power_search)   # non-empty: p chosen per layer at each refresh
+        self.powers: dict[str, float] = {}         # the p in use per layer (power_search), for the log
+        self.roundtrip = None  # set by the reducer: the codec's quantize-dequantize (power_search)
+        self.grad_of = lambda name: self.params[name].main_grad  # the local gradient at a refresh
         self.stats = self._make_stats()
         self.transforms: dict[str, LowRankTransform] = {
             n: identity_transform(p.shape[1], p.device) for n, p in self.params.items()}
@@ -136,21 +141,44 @@ class GeoState:
         """Build new transforms from the armed statistics (all DP ranks together)."""
         factors = self.stats.reduce(self.dp_group)
         new = dict(self.transforms)
+        power = 1.0 if self.power_search else self.power  # searched: D ** p derived from D at power 1
         for pname, mod in self.selected.items():
             A = factors[pname]
             if isinstance(A, tuple):  # sketch: (Y = A Omega, trace A)
                 Y, trace = A
                 damping = self.damping * max(trace / Y.shape[0], 1e-30)
                 new[pname] = build_transform_from_sketch(Y, self.stats.sketches[pname], trace, self.rank, damping,
-                                                         self.power)
+                                                         power)
             else:
                 damping = self.damping * max(float(A.diagonal().mean()), 1e-30)
-                new[pname] = build_transform(A, self.rank, damping, self.power)
+                new[pname] = build_transform(A, self.rank, damping, power)
+        if self.power_search:
+            self._search_powers(new, step)
         self.check_consistent(new)
         old, self.transforms = self.transforms, new
         if self.rebase_hook is not None:
             self.rebase_hook(old, new)
         self.last_refresh = step
+
+    def _search_powers(self, transforms: dict[str, LowRankTransform], step: int) -> None:
+        """Replace each selected layer's power-1 transform by the candidate power with the smallest
+        DP-summed round-trip error of the current local gradients (:mod:`.power_search`)."""
+        if self.roundtrip is None:
+            raise RuntimeError("geo.power_search needs the reducer's codec (LowPrecisionReducer.attach_geo)")
+        names = sorted(self.selected)
+        errs = torch.stack([roundtrip_errors(self.grad_of(n), transforms[n], list(self.power_search), self.roundtrip)
+                            for n in names])
+        dev = transforms[names[0]].U.device if names else torch.device("cpu")
+        errs = errs.to(dev)
+        dist.all_reduce(errs, group=self.dp_group)
+        chosen = pick_powers(errs.cpu(), list(self.power_search))
+        for n, p in zip(names, chosen):
+            transforms[n] = with_power(transforms[n], p)
+            self.powers[n] = p
+        counts = {p: chosen.count(p) for p in self.power_search if chosen.count(p)}
+        self.log(f"geo.power_search at step {step}: " + ", ".join(f"p={p:g} x{c}" for p, c in counts.items())
+                 + (" (" + ", ".join(f"{n.removesuffix('.weight')}={p:g}" for n, p in zip(names, chosen)) + ")"
+                    if len(names) <= 16 else ""))
 
     def check_consistent(self, transforms: dict[str, LowRankTransform]) -> None:
         """Compare a 63-bit digest of every transform across the DP group; raise on any difference."""

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..comm import build_reducer
 from ..config import Config, ConfigError, config_to_dict, dump_config, load_config, validate_config
+from ..config.validate import parse_power_search
 from ..distributed import DistributedOptimizer, GradSync, build_buckets
 from ..geometry import GeoState
 from ..model import Llama, count_parameters, flops_per_token
@@ -79,7 +80,7 @@ def build_geo(cfg: Config, model: torch.nn.Module, pctx: ParallelContext) -> Geo
                         fp8_max=57344.0 if e5m2 else 448.0,
                         underflow_below=2.0 ** -17 if e5m2 else 2.0 ** -10,  # half the smallest subnormal
                         log=lambda m: _log0(pctx, m), statistics=g.statistics, sketch_size=g.sketch_size,
-                        power=g.power)
+                        power=g.power, power_search=parse_power_search(g.power_search))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
