@@ -318,3 +318,15 @@ def test_grad_fidelity_geo_cli(tmp_path):
     assert g["capture_steps"] == {"0": 2, "1": 3}
     assert {"a_topr_trace_frac", "grad_energy_topr", "model_rel_l2_ratio"} <= set(g["diagnostics"][0])
     assert "| Euclidean (baseline) |" in md.read_text()
+    # geo.power_search rows: each layer gets exactly the transform of the power it was assigned, so its
+    # RelL2 equals that layer's RelL2 in the fixed-power row (0.5: GeoFP8, 0.25: D power 1/4, 0: Euclidean)
+    by_label = {r["label"]: r for r in g["rows"]}
+    search = by_label["input r32, geo.power_search=0.5,0.25,0"]
+    assert "input r32, geo.power_search=0.5,0.25,0, chosen at t @ t+1" in by_label
+    assert "NVFP4 input r32, power search" in by_label
+    chosen = g["power_search_choices"]["A@t+0 fp8_e4m3:tensor"]
+    assert len(chosen) == 8 and set(chosen.values()) <= {0.5, 0.25, 0.0}
+    fixed = {0.5: "input-side geo r32", 0.25: "input r32, D power 1/4", 0.0: "Euclidean (baseline)"}
+    for lay in search["layers"]:
+        ref = {x["name"]: x for x in by_label[fixed[chosen[lay["name"]]]]["layers"]}[lay["name"]]
+        assert lay["rel_l2"] == pytest.approx(ref["rel_l2"], rel=1e-3), lay["name"]

@@ -74,10 +74,12 @@ if REPO_ROOT not in sys.path:
 
 from megatron_geo.comm.codecs import bytes_per_element  # noqa: E402
 from megatron_geo.comm.fidelity import (  # noqa: E402
-    build_coordinate_transform, fidelity_metrics, geo_reduce_and_metrics, input_gram_from_grads, normalize_codec,
-    output_factor_from_grads, parse_codec, simulate_reduce)
+    build_coordinate_transform, codec_label, fidelity_metrics, geo_reduce_and_metrics, input_gram_from_grads,
+    normalize_codec, output_factor_from_grads, parse_codec, quantize_roundtrip, simulate_reduce)
 from megatron_geo.config import ConfigError, load_config, validate_config  # noqa: E402
+from megatron_geo.config.validate import parse_power_search  # noqa: E402
 from megatron_geo.geometry import InputStats, select_parameters  # noqa: E402
+from megatron_geo.geometry.power_search import pick_powers, roundtrip_errors, with_power  # noqa: E402
 from megatron_geo.parallel import LaunchEnv, destroy_parallel, init_parallel  # noqa: E402
 from megatron_geo.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from megatron_geo.training.data_setup import build_data, train_micro_batches  # noqa: E402
@@ -365,7 +367,8 @@ def capture_geo(sess: Session, ranks: int, modules: dict, output_hooks: bool) ->
     return GeoCapture(sess.step, names, grads, loss, A, S, time.perf_counter() - t0)
 
 
-def _side(kind: str, rank: int | None = None, block: int | None = None, damping: float = 1e-3, power: float = 0.5,
+def _side(kind: str, rank: int | None = None, block: int | None = None, damping: float = 1e-3,
+          power: float | str = 0.5,
           factor: str = "kfac") -> dict:
     return {"kind": kind, "rank": rank, "block": block, "damping": damping, "power": power, "factor": factor}
 
@@ -375,14 +378,18 @@ def _side_label(sd: dict | None) -> str:
         return "-"
     k = sd["kind"]
     what = {"lowrank": f"r{sd['rank']}", "full": "full", "diag": "diag", "block": f"block{sd['block']}"}[k]
-    extra = (f" p{sd['power']:g}" if sd["power"] != 0.5 else "") + (" gram" if sd["factor"] == "gram" else "")
+    pw = sd["power"]
+    extra = ((" p-search" if pw == "search" else f" p{pw:g}") if pw != 0.5 else "") + (" gram" if sd["factor"] == "gram" else "")
     return f"{what} d{sd['damping']:g}{extra}"
 
 
 def geo_rows(rank: int, damping: float, lowranks: list[int], blocks: list[int], dampings: list[float],
-             staleness: list[int], investigate: bool = True) -> list[dict]:
+             staleness: list[int], investigate: bool = True, search: tuple = ()) -> list[dict]:
     """The ablation rows: ``{"key", "group", "label", "codec", "input", "output" (side dicts or None),
-    "capture" (step offset of the gradients), "stats" (offset of the factors), "baseline" (key)}``."""
+    "capture" (step offset of the gradients), "stats" (offset of the factors), "baseline" (key)}``.
+
+    ``search``: the candidate powers of ``geo.power_search`` (rows with ``power="search"``: per layer,
+    the power chosen as the trainer chooses it, from the gradients of the factors' capture)."""
     geo = _side("lowrank", rank, damping=damping)
     rows = []
 
@@ -404,12 +411,22 @@ def geo_rows(rank: int, damping: float, lowranks: list[int], blocks: list[int], 
         add("A approx", f"input low-rank {r}", inp=_side("lowrank", r, damping=damping), baseline=eu)
     for dmp in dampings:
         add("damping", f"input r{rank} damping {dmp:g}", inp=_side("lowrank", rank, damping=dmp), baseline=eu)
+    eu_at = {}
     for k in staleness:
-        e = add("staleness", f"Euclidean @ t+{k}", capture=k, stats=k)
+        e = eu_at[k] = add("staleness", f"Euclidean @ t+{k}", capture=k, stats=k)
         add("staleness", f"input r{rank}, A fresh @ t+{k}", inp=geo, capture=k, stats=k, baseline=e)
         add("staleness", f"input r{rank}, A stale (t) @ t+{k}", inp=geo, capture=k, stats=0, baseline=e)
+    if search:
+        ps = _side("lowrank", rank, damping=damping, power="search")
+        lab = f"input r{rank}, geo.power_search={','.join(f'{p:g}' for p in search)}"
+        add("power search", lab, inp=ps, baseline=eu)
+        for k in staleness:
+            add("power search", f"{lab}, chosen at t @ t+{k}", inp=ps, capture=k, stats=0, baseline=eu_at[k])
     e4 = add("nvfp4", "NVFP4 Euclidean", codec=GEO_FP4)
     add("nvfp4", f"NVFP4 input-side geo r{rank}", codec=GEO_FP4, inp=geo, baseline=e4)
+    if search:
+        add("nvfp4", f"NVFP4 input r{rank}, power search", codec=GEO_FP4,
+            inp=_side("lowrank", rank, damping=damping, power="search"), baseline=e4)
     if investigate:
         # why (docs/geofp8_fidelity.md): D's exponent, and a factor that measures the gradient's own energy
         add("investigate", f"input r{rank}, D power 1/4", inp=_side("lowrank", rank, damping=damping, power=0.25),
@@ -426,8 +443,9 @@ def geo_rows(rank: int, damping: float, lowranks: list[int], blocks: list[int], 
 class _Transforms:
     """Cache of coordinate transforms per (capture, side, layer, spec)."""
 
-    def __init__(self, caps: dict, output_factor: str):
+    def __init__(self, caps: dict, output_factor: str, search: tuple = ()):
         self.caps, self.output_factor, self.cache = caps, output_factor, {}
+        self.search, self.chosen = tuple(search), {}
         self.seconds = 0.0
 
     def factor(self, offset: int, side: str, name: str, kind: str = "kfac") -> torch.Tensor:
@@ -446,17 +464,33 @@ class _Transforms:
             self.cache[key] = output_factor_from_grads(cap.grads[name])
         return self.cache[key]
 
-    def get(self, offset: int, side: str, name: str, sd: dict | None):
+    def get(self, offset: int, side: str, name: str, sd: dict | None, codec=None):
         if sd is None:
             return None
         key = (offset, side, name, sd["kind"], sd["rank"], sd["block"], sd["damping"], sd["power"], sd["factor"])
+        if sd["power"] == "search":
+            key += (codec_label(codec),)
         if key not in self.cache:
             t0 = time.perf_counter()
-            self.cache[key] = build_coordinate_transform(self.factor(offset, side, name, sd["factor"]), sd["kind"],
-                                                         sd["rank"] or 0, sd["damping"], sd["block"] or 128,
-                                                         sd["power"])
+            if sd["power"] == "search":
+                self.cache[key] = self._searched(offset, name, sd, codec)
+            else:
+                self.cache[key] = build_coordinate_transform(self.factor(offset, side, name, sd["factor"]), sd["kind"],
+                                                             sd["rank"] or 0, sd["damping"], sd["block"] or 128,
+                                                             sd["power"])
             self.seconds += time.perf_counter() - t0
         return self.cache[key]
+
+    def _searched(self, offset: int, name: str, sd: dict, codec):
+        """The trainer's ``geo.power_search`` choice for one layer: the power-1 transform of A, each
+        candidate's round-trip error summed over the capture's ranks, the smallest wins."""
+        base = build_coordinate_transform(self.factor(offset, "input", name), "lowrank", sd["rank"] or 0,
+                                          sd["damping"], power=1.0)
+        errs = sum(roundtrip_errors(g, base, list(self.search), lambda x: quantize_roundtrip(x, codec))
+                   for g in self.caps[offset].grads[name])
+        p = pick_powers(errs.view(1, -1), list(self.search))[0]
+        self.chosen.setdefault((offset, codec_label(codec)), {})[name] = p
+        return with_power(base, p)
 
 
 def _aggregate(names: list[str], per_layer: dict, hats: dict, grads: dict) -> dict:
@@ -482,7 +516,7 @@ def evaluate_geo_row(row: dict, caps: dict, tf: _Transforms, scopes: dict, direc
     cap = caps[row["capture"]]
     per_layer, hats = {}, {}
     for n in cap.names:
-        t_in = tf.get(row["stats"], "input", n, row["input"])
+        t_in = tf.get(row["stats"], "input", n, row["input"], row["codec"])
         t_out = tf.get(row["stats"], "output", n, row["output"])
         hats[n], per_layer[n] = geo_reduce_and_metrics(cap.grads[n], row["codec"], t_in, t_out,
                                                        directions=directions, fp64=fp64)
@@ -651,8 +685,9 @@ def run_geo(sess: Session, args) -> dict:
     mods = dict(sess.model.named_modules())
     modules = {n: mods[n[: -len(".weight")]] for n, _ in linear_weights(sess.model)}
     staleness = sorted(set(_int_list(args.geo_staleness)))
+    search = parse_power_search(args.geo_power_search)
     rows = geo_rows(args.geo_rank, args.geo_damping, _int_list(args.geo_lowranks), _int_list(args.geo_blocks),
-                    _float_list(args.geo_dampings), staleness, not args.no_investigate)
+                    _float_list(args.geo_dampings), staleness, not args.no_investigate, search)
     hooks = args.output_factor == "hooks"
     caps = {0: capture_geo(sess, args.ranks, modules, hooks)}
     t0 = sess.step
@@ -665,7 +700,7 @@ def run_geo(sess: Session, args) -> dict:
     timings["capture_s"] = sum(c.seconds for c in caps.values())
     names = caps[0].names
     scopes = {"selected": [n for n in names if n in selected], "all_linear": names}
-    tf = _Transforms(caps, args.output_factor)
+    tf = _Transforms(caps, args.output_factor, search)
     done, t_eval = {}, time.perf_counter()
     for r in rows:
         if r["key"] not in done:
@@ -689,11 +724,12 @@ def run_geo(sess: Session, args) -> dict:
     return {"settings": {"layers": args.geo_layers, "rank": args.geo_rank, "damping": args.geo_damping,
                          "damping_is_relative": True, "lowranks": _int_list(args.geo_lowranks),
                          "blocks": _int_list(args.geo_blocks), "dampings": _float_list(args.geo_dampings),
-                         "staleness": staleness, "output_factor": args.output_factor,
+                         "staleness": staleness, "output_factor": args.output_factor, "power_search": list(search),
                          "transform_precision": args.geo_transform_precision, "fp8_codec": GEO_FP8,
                          "fp4_codec": GEO_FP4},
             "capture_steps": {str(k): c.step for k, c in caps.items()},
             "capture_losses": {str(k): c.loss for k, c in caps.items()},
+            "power_search_choices": {f"A@t+{k[0]} {k[1]}": v for k, v in tf.chosen.items()},
             "selected_layers": scopes["selected"], "rows": rows, "targets": _targets(rows, geo_key),
             "diagnostics": diag, "timings": timings}
 
@@ -760,6 +796,8 @@ def parse_args(argv):
     g.add_argument("--geo-lowranks", default="8,16,32", help="low-rank sweep (default %(default)s)")
     g.add_argument("--geo-blocks", default="32,128", help="block-diagonal block sizes (default %(default)s)")
     g.add_argument("--geo-dampings", default="1e-4,1e-3,1e-2,1e-1", help="damping sweep at --geo-rank")
+    g.add_argument("--geo-power-search", default="0.5,0.25,0",
+                   help="candidate powers for the geo.power_search rows (as the trainer's key; '' drops the rows)")
     g.add_argument("--geo-staleness", default="10,25,50",
                    help="steps after t at which the transform built at t is applied to new gradients; '' skips "
                         "(default %(default)s)")
