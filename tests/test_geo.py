@@ -357,3 +357,36 @@ def test_power_search_picks_the_dp_summed_best_power_on_every_rank():
                 assert chosen[n] == powers[best], (step, n, errs, chosen[n])
                 decided += 1
     assert decided >= 2
+
+
+def _owner_refresh(rank, world):
+    import torch.distributed as dist
+
+    cfg, pctx, model, reducer, sync, opt, _ = _build_geo(rank, world, ["comm.dtype=fp8_e4m3"])
+    geo = reducer.geo
+    mb = rank_micro_batches(global_batch(cfg, 0), 1, rank, world)[0]    # different data on each rank
+    geo.arm()
+    model(mb["tokens"], mb["labels"]).mean()
+    geo.disarm()
+    local = {n: (geo.stats.sums[n].clone().double(), geo.stats.counts[n]) for n in geo.selected}
+    geo.refresh(0)
+    # reference: every rank sums all statistics itself (FP64) and builds every transform
+    ref = {}
+    for n, (s, c) in sorted(local.items()):
+        cnt = torch.tensor([c], dtype=torch.float64)
+        dist.all_reduce(s)
+        dist.all_reduce(cnt)
+        A = s / cnt
+        ref[n] = build_transform(A, cfg.geo.rank, cfg.geo.damping * A.diagonal().mean().item()).dense()
+    return geo.owners(), {n: t.dense() for n, t in geo.transforms.items()}, ref, \
+        {n: t.checksum() for n, t in geo.transforms.items()}
+
+
+def test_owner_decomposes_and_broadcasts_the_transform_of_the_dp_summed_factor():
+    out = run_distributed(_owner_refresh, 3)
+    owners = out[0][0]
+    assert sorted(owners.values()) == [0, 1]           # 2 layers over 3 ranks: round robin, rank 2 owns none
+    assert out[0][3] == out[1][3] == out[2][3]          # the owner's exact bytes everywhere
+    for _, dense, ref, _ in out:
+        for n in ref:
+            torch.testing.assert_close(dense[n].double(), ref[n].double(), rtol=0, atol=1e-5)

@@ -2,9 +2,11 @@
 
 Lifecycle per refresh step (``step % geo.refresh_interval == 0``):
 ``arm()`` before the first micro-batch's forward -> ``disarm()`` after it -> after backward,
-``refresh(step)``: all-reduce the input statistics over DP, eigendecompose, build T, compare a
-checksum of every T across the DP group (a mismatch is a hard error naming the layer), re-base the
-reducer's error feedback (R <- R T_old^-1 T_new, or zero it with ``geo.ef_on_refresh=reset``).
+``refresh(step)``: sum each layer's input statistics over DP onto the layer's owner (round robin over
+the DP group), which eigendecomposes them, builds T and broadcasts it; with ``geo.power_search``, pick
+each layer's exponent from the DP-summed round-trip errors (:mod:`.power_search`); compare a checksum of
+every T across the DP group (a mismatch is a hard error naming the layer); re-base the reducer's error
+feedback (R <- R T_old^-1 T_new, or zero it with ``geo.ef_on_refresh=reset``).
 The reducer then communicates G T and maps the reduced shard back with T^-1.
 """
 
@@ -137,21 +139,33 @@ class GeoState:
     def disarm(self) -> None:
         self.stats.disarm()
 
+    def owners(self) -> dict[str, int]:
+        """Which DP rank (index in the DP group) decomposes each selected layer's factor: round robin
+        over the sorted names, so a refresh costs each rank about ``layers / dp_size`` decompositions."""
+        world = dist.get_world_size(self.dp_group)
+        return {n: i % world for i, n in enumerate(sorted(self.selected))}
+
     def refresh(self, step: int) -> None:
-        """Build new transforms from the armed statistics (all DP ranks together)."""
-        factors = self.stats.reduce(self.dp_group)
+        """Build new transforms from the armed statistics (all DP ranks together).
+
+        Each layer's statistics are summed onto its owner (:meth:`owners`), which eigendecomposes them
+        and broadcasts ``U`` and ``d`` to the DP group: every rank then holds the owner's exact bytes,
+        and the work per rank shrinks with the DP size.
+        """
+        owners = self.owners()
+        factors = self.stats.reduce(self.dp_group, owners)
         new = dict(self.transforms)
         power = 1.0 if self.power_search else self.power  # searched: D ** p derived from D at power 1
-        for pname, mod in self.selected.items():
-            A = factors[pname]
+        for pname in sorted(self.selected):
+            A, t = factors[pname], None
             if isinstance(A, tuple):  # sketch: (Y = A Omega, trace A)
                 Y, trace = A
                 damping = self.damping * max(trace / Y.shape[0], 1e-30)
-                new[pname] = build_transform_from_sketch(Y, self.stats.sketches[pname], trace, self.rank, damping,
-                                                         power)
-            else:
+                t = build_transform_from_sketch(Y, self.stats.sketches[pname], trace, self.rank, damping, power)
+            elif A is not None:
                 damping = self.damping * max(float(A.diagonal().mean()), 1e-30)
-                new[pname] = build_transform(A, self.rank, damping, power)
+                t = build_transform(A, self.rank, damping, power)
+            new[pname] = self._broadcast_transform(pname, t, owners[pname])
         if self.power_search:
             self._search_powers(new, step)
         self.check_consistent(new)
@@ -159,6 +173,20 @@ class GeoState:
         if self.rebase_hook is not None:
             self.rebase_hook(old, new)
         self.last_refresh = step
+
+    def _broadcast_transform(self, name: str, t: LowRankTransform | None, owner: int) -> LowRankTransform:
+        """``t`` (built on ``owner``; None elsewhere) on every DP rank: one broadcast of ``[U.flatten(), d]``."""
+        if dist.get_world_size(self.dp_group) == 1:
+            return t
+        p = self.params[name]
+        d_in = p.shape[1]
+        k = self.stats.sketches[name].shape[1] if name in self.stats.sketches else d_in
+        r = min(self.rank, k, d_in)
+        buf = torch.cat([t.U.reshape(-1), t.d]) if t is not None else torch.empty(d_in * r + r, device=p.device)
+        dist.broadcast(buf, src=dist.get_global_rank(self.dp_group, owner), group=self.dp_group)
+        if t is not None:
+            return t
+        return LowRankTransform(buf[: d_in * r].view(d_in, r).clone(), buf[d_in * r:].clone())
 
     def _search_powers(self, transforms: dict[str, LowRankTransform], step: int) -> None:
         """Replace each selected layer's power-1 transform by the candidate power with the smallest

@@ -58,20 +58,36 @@ class InputStats:
                 self.sums[name], self.counts[name] = s, float(a.shape[0])
         return hook
 
-    def reduce(self, dp_group) -> dict[str, torch.Tensor]:
-        """DP-averaged factors ``A = sum a a^T / count`` per module (identical on every DP rank); for
-        sketched modules ``(Y = A Omega, trace(A))``.
+    def reduce(self, dp_group, owners: dict[str, int] | None = None) -> dict[str, torch.Tensor | None]:
+        """DP-averaged factors ``A = sum a a^T / count`` per module; for sketched modules
+        ``(Y = A Omega, trace(A))``.
+
+        Without ``owners`` every DP rank gets every factor (all-reduce). With ``owners`` (module name ->
+        rank within ``dp_group``) each factor is summed onto its owner only (reduce) and the other ranks
+        get ``None`` for it: the owner builds that layer's transform and broadcasts it.
 
         Every rank must have collected the same module names (same model, same armed micro-batch).
+
+        Raises:
+            RuntimeError: a module saw no input since :meth:`arm`.
         """
         out = {}
+        me = dist.get_rank(dp_group)
         for name in sorted(self.modules):
             if name not in self.sums:
                 raise RuntimeError(f"no input statistics were collected for {name}; was the module used in forward?")
             s = self.sums[name].clone()
             n = torch.tensor([self.counts[name], self.traces.get(name, 0.0)], dtype=torch.float64, device=s.device)
-            dist.all_reduce(s, group=dp_group)
-            dist.all_reduce(n, group=dp_group)
+            if owners is None:
+                dist.all_reduce(s, group=dp_group)
+                dist.all_reduce(n, group=dp_group)
+            else:
+                dst = dist.get_global_rank(dp_group, owners[name])
+                dist.reduce(s, dst=dst, group=dp_group)
+                dist.reduce(n, dst=dst, group=dp_group)
+                if owners[name] != me:
+                    out[name] = None
+                    continue
             count, trace = n.tolist()
             out[name] = s / count if name not in self.sketches else (s / count, trace / count)
         return out
