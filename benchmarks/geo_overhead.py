@@ -4,8 +4,17 @@
 Step time: the tiny config (or any config + overrides) with ``--nproc`` gloo processes, alternating
 rounds of ``fp8`` (E4M3, tensor scaling, error feedback) and ``geofp8`` (the same plus
 ``comm.transform=geo``), each round ``--steps`` steps so that refresh and non-refresh steps are both
-averaged in (``geo.refresh_interval`` is set to ``--refresh-interval``). Prints the mean step time of
-each, the added time in percent of the fp8 step, and the time of refresh steps alone.
+averaged in (``geo.refresh_interval`` is set to ``--refresh-interval``). Prints:
+
+- end to end: the mean step time of each mode and the added time in percent of the fp8 step;
+- GeoFP8's own work, timed inside the geofp8 steps (low noise: only that code is on the clock): the
+  transform into and out of wire coordinates in the reducer (minus the same hooks' time in the fp8
+  steps), the refresh (statistics reduce, eigendecomposition, broadcast, power search, checksum, error
+  feedback re-basing) and the statistics hooks of refresh-step forwards; per step and in percent of the
+  fp8 step. Not on that clock: the overlap lost on refresh steps, whose bucket reductions wait for the
+  end of backward (in the end-to-end figure);
+- the per-step transform FLOPs against the model's (``(4 + 4 / dp) d_out d_in r`` per selected layer vs
+  ``6 N tokens``), which sets the ratio on any hardware.
 
 Memory: bytes of GeoFP8 state (U and D of every selected layer, plus the K-FAC factors held
 transiently during a refresh) against the training memory of the model (FP32 params, FP32 main grads,
@@ -38,35 +47,88 @@ MODES = {"fp8": ["comm.dtype=fp8_e4m3", "comm.error_feedback=true"],
          "geofp8": ["comm.dtype=fp8_e4m3", "comm.error_feedback=true", "comm.transform=geo"]}
 
 
+class _Clock:
+    """Accumulates the wall time spent inside wrapped callables (seconds, this process)."""
+
+    def __init__(self):
+        self.total = 0.0
+
+    def wrap(self, fn):
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.total += time.perf_counter() - t0
+        return timed
+
+
+def _instrument(reducer, geo) -> dict:
+    """Clocks on the reducer's coordinate hooks and, with GeoFP8, on the refresh and statistics hooks."""
+    clocks = {"wire": _Clock(), "refresh": _Clock(), "hooks": _Clock()}
+    reducer._to_wire = clocks["wire"].wrap(reducer._to_wire)
+    reducer._from_wire = clocks["wire"].wrap(reducer._from_wire)
+    if geo is not None:
+        geo.refresh = clocks["refresh"].wrap(geo.refresh)
+        make = geo.stats._hook
+        geo.stats._hook = lambda name: clocks["hooks"].wrap(make(name))
+    return clocks
+
+
+def _transform_flops(model, geo, dp: int) -> float:
+    """FLOPs per step of GeoFP8's transforms: G T on every selected gradient (4 d_out d_in r), T^-1 on
+    this rank's share of them (4 d_out d_in r / dp)."""
+    if geo is None:
+        return 0.0
+    return sum((4 + 4 / dp) * p.shape[0] * p.shape[1] * geo.rank for p in geo.params.values())
+
+
 def _run_mode(args, mode, pctx):
     cfg = load_config(args.config, ["logging.wandb=disabled", f"geo.refresh_interval={args.refresh_interval}"]
                       + args.overrides + MODES[mode])
     model, _, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
     geo = getattr(reducer, "geo", None)
-    times, refresh_times = [], []
+    clocks = _instrument(reducer, geo)
+    times, refresh_times, parts = [], [], {k: [] for k in clocks}
     for s in range(args.steps + 1):
         mbs = synthetic_batches(cfg, pctx.dp_rank, pctx.dp_size, s)
         dist.barrier()
+        before = {k: c.total for k, c in clocks.items()}
         t0 = time.perf_counter()
         train_step(model, mbs, sync, opt, pctx, 1.0, 1.0, geo=geo, step=s)
         dt = time.perf_counter() - t0
         if s == 0:
             continue  # warm-up (and the first refresh is also at s=0 for geo: measured below)
         times.append(dt)
+        for k, c in clocks.items():
+            parts[k].append(c.total - before[k])
         if geo is not None and geo.last_refresh == s:
             refresh_times.append(dt)
     sync.remove_hooks()
-    return times, refresh_times
+    tokens = cfg.train.global_batch_size // pctx.dp_size * cfg.model.seq_length
+    from megatron_geo.model import count_parameters
+    model_flops = 6.0 * count_parameters(cfg.model) * tokens
+    return times, refresh_times, parts, {"transform_flops": _transform_flops(model, geo, pctx.dp_size),
+                                         "model_flops": model_flops, "tokens_per_rank": tokens}
 
 
 def _worker(rank, world, args):
     pctx = build_groups(rank, world, 1, torch.device("cpu"), "gloo")
-    res = {m: ([], []) for m in MODES}
+    res = {m: ([], [], {"wire": [], "refresh": [], "hooks": []}, {}) for m in MODES}
     for _ in range(args.rounds):
         for m in MODES:
-            t, r = _run_mode(args, m, pctx)
+            t, r, parts, flops = _run_mode(args, m, pctx)
             res[m][0].extend(t)
             res[m][1].extend(r)
+            for k, v in parts.items():
+                res[m][2][k].extend(v)
+            res[m][3].update(flops)
+    # the slowest rank sets the pace: report the per-step maximum over ranks of GeoFP8's own work
+    for m in MODES:
+        for k, v in res[m][2].items():
+            t = torch.tensor(v, dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            res[m][2][k] = t.tolist()
     return res
 
 
@@ -123,6 +185,19 @@ def main() -> None:
     if res["geofp8"][1]:
         print(f"  refresh steps alone: mean {statistics.mean(res['geofp8'][1]) * 1e3:.1f} ms "
               f"({len(res['geofp8'][1])} refreshes)")
+    gp, fp = res["geofp8"][2], res["fp8"][2]
+    wire = statistics.mean(gp["wire"]) - statistics.mean(fp["wire"])
+    refresh, hooks = statistics.mean(gp["refresh"]), statistics.mean(gp["hooks"])
+    own = wire + refresh + hooks
+    print(f"GeoFP8's own work per step, timed inside the geofp8 steps (max over ranks, mean over steps): "
+          f"{own * 1e3:.2f} ms = {100 * own / fp8:+.2f}% of the fp8 step (target <= 1%)")
+    print(f"  transforms in the reducer {wire * 1e3:.2f} ms ({100 * wire / fp8:.2f}%), refresh {refresh * 1e3:.2f} ms "
+          f"({100 * refresh / fp8:.2f}%; {max(gp['refresh']) * 1e3:.1f} ms per refresh), statistics hooks "
+          f"{hooks * 1e3:.2f} ms ({100 * hooks / fp8:.2f}%)")
+    fl = res["geofp8"][3]
+    print(f"  transform FLOPs per step {fl['transform_flops'] / 1e9:.3f} GFLOP vs model {fl['model_flops'] / 1e9:.1f} "
+          f"GFLOP ({fl['tokens_per_rank']} tokens per rank): {100 * fl['transform_flops'] / fl['model_flops']:.2f}% "
+          f"(falls as 1 / tokens per rank)")
     cfg = load_config([args.memory_config])
     mem = geo_memory(cfg)
     print(f"memory ({args.memory_config}, {mem['parameters']:,} parameters, {mem['layers']} GeoFP8 layers, "

@@ -34,6 +34,13 @@ def test_inverse_is_exact(kind, rank):
     G = torch.randn(7, 48)
     assert ((T.apply_inverse(T.apply(G)) - G).norm() / G.norm()) < 1e-6 * cond
     assert torch.equal(T.apply(torch.zeros(3, 48)), torch.zeros(3, 48))
+    # the reducer's in-place forms on a view into a larger buffer: same values, neighbours untouched
+    buf = torch.full((5 + 7 * 48,), 7.0)
+    view = buf[5:].view(7, 48)
+    view.copy_(G)
+    torch.testing.assert_close(T.apply_(view), T.apply(G), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(T.apply_inverse_(view), T.apply_inverse(T.apply(G)), rtol=1e-5, atol=1e-5)
+    assert torch.equal(buf[:5], torch.full((5,), 7.0))
     # the dominant directions are scaled down, the complement is untouched
     assert (T.d <= 1.0 + 1e-6).all()
 

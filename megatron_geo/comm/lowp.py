@@ -156,8 +156,7 @@ class LowPrecisionReducer(Reducer):
         for name, off, rows, cols in slots:
             if name not in self.geo.selected:
                 continue
-            n = rows * cols
-            x[off:off + n] = self.geo.transforms[name].apply(x[off:off + n].view(rows, cols)).view(-1)
+            self.geo.transforms[name].apply_(x[off:off + rows * cols].view(rows, cols))
         return x
 
     def _from_wire(self, y: torch.Tensor, key, start: int) -> torch.Tensor:
@@ -171,8 +170,7 @@ class LowPrecisionReducer(Reducer):
         for name, off, rows, cols in slots:
             n = rows * cols
             if name in self.geo.selected and start <= off and off + n <= end:
-                seg = y[off - start:off - start + n].view(rows, cols)
-                y[off - start:off - start + n] = self.geo.transforms[name].apply_inverse(seg).view(-1)
+                self.geo.transforms[name].apply_inverse_(y[off - start:off - start + n].view(rows, cols))
         return y
 
     # -- encode / decode of whole chunks --------------------------------------------------------------

@@ -156,16 +156,19 @@ class GeoState:
         factors = self.stats.reduce(self.dp_group, owners)
         new = dict(self.transforms)
         power = 1.0 if self.power_search else self.power  # searched: D ** p derived from D at power 1
-        for pname in sorted(self.selected):
-            A, t = factors[pname], None
+        built = {}
+        for pname in sorted(self.selected):   # every owner decomposes its layers (in parallel across ranks) ...
+            A = factors[pname]
             if isinstance(A, tuple):  # sketch: (Y = A Omega, trace A)
                 Y, trace = A
                 damping = self.damping * max(trace / Y.shape[0], 1e-30)
-                t = build_transform_from_sketch(Y, self.stats.sketches[pname], trace, self.rank, damping, power)
+                built[pname] = build_transform_from_sketch(Y, self.stats.sketches[pname], trace, self.rank, damping,
+                                                           power)
             elif A is not None:
                 damping = self.damping * max(float(A.diagonal().mean()), 1e-30)
-                t = build_transform(A, self.rank, damping, power)
-            new[pname] = self._broadcast_transform(pname, t, owners[pname])
+                built[pname] = build_transform(A, self.rank, damping, power)
+        for pname in sorted(self.selected):   # ... then the results are broadcast
+            new[pname] = self._broadcast_transform(pname, built.get(pname), owners[pname])
         if self.power_search:
             self._search_powers(new, step)
         self.check_consistent(new)

@@ -76,18 +76,18 @@ class InputStats:
         for name in sorted(self.modules):
             if name not in self.sums:
                 raise RuntimeError(f"no input statistics were collected for {name}; was the module used in forward?")
-            s = self.sums[name].clone()
-            n = torch.tensor([self.counts[name], self.traces.get(name, 0.0)], dtype=torch.float64, device=s.device)
+            s = self.sums[name]
+            # one collective per layer: the FP32 sums, then the token count and trace (FP32 holds counts
+            # exactly up to 2^24 tokens per rank and refresh; the trace only scales the damping)
+            buf = torch.cat([s.reshape(-1), s.new_tensor([self.counts[name], self.traces.get(name, 0.0)])])
             if owners is None:
-                dist.all_reduce(s, group=dp_group)
-                dist.all_reduce(n, group=dp_group)
+                dist.all_reduce(buf, group=dp_group)
             else:
-                dst = dist.get_global_rank(dp_group, owners[name])
-                dist.reduce(s, dst=dst, group=dp_group)
-                dist.reduce(n, dst=dst, group=dp_group)
+                dist.reduce(buf, dst=dist.get_global_rank(dp_group, owners[name]), group=dp_group)
                 if owners[name] != me:
                     out[name] = None
                     continue
-            count, trace = n.tolist()
+            s = buf[:-2].view(s.shape)
+            count, trace = buf[-2:].double().tolist()
             out[name] = s / count if name not in self.sketches else (s / count, trace / count)
         return out

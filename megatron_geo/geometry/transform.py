@@ -53,6 +53,14 @@ class LowRankTransform:
         """``g T^-1`` for ``g`` ``[..., d_in]``."""
         return g + ((g @ self.U) * (1.0 / self.d - 1.0)) @ self.U.T
 
+    def apply_(self, g: torch.Tensor) -> torch.Tensor:
+        """``g <- g T`` in place for a 2-D ``g`` ``[rows, d_in]`` (float32); returns ``g``."""
+        return g.addmm_((g @ self.U) * (self.d - 1.0), self.U.T)
+
+    def apply_inverse_(self, g: torch.Tensor) -> torch.Tensor:
+        """``g <- g T^-1`` in place for a 2-D ``g`` ``[rows, d_in]`` (float32); returns ``g``."""
+        return g.addmm_((g @ self.U) * (1.0 / self.d - 1.0), self.U.T)
+
     def dense(self) -> torch.Tensor:
         """T as a dense ``[d_in, d_in]`` matrix (tests and small layers only)."""
         eye = torch.eye(self.d_in, dtype=self.U.dtype, device=self.U.device)
