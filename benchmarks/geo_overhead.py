@@ -10,7 +10,8 @@ averaged in (``geo.refresh_interval`` is set to ``--refresh-interval``). Prints:
 - GeoFP8's own work, timed inside the geofp8 steps (low noise: only that code is on the clock): the
   transform into and out of wire coordinates in the reducer (minus the same hooks' time in the fp8
   steps), the refresh (statistics reduce, eigendecomposition, broadcast, power search, checksum, error
-  feedback re-basing) and the statistics hooks of refresh-step forwards; per step and in percent of the
+  feedback re-basing; timed after a barrier, so the skew between ranks arriving from backward is not
+  booked to it) and the statistics hooks of refresh-step forwards; per step and in percent of the
   fp8 step. Not on that clock: the overlap lost on refresh steps, whose bucket reductions wait for the
   end of backward (in the end-to-end figure);
 - the per-step transform FLOPs against the model's (``(4 + 4 / dp) d_out d_in r`` per selected layer vs
@@ -69,7 +70,12 @@ def _instrument(reducer, geo) -> dict:
     reducer._to_wire = clocks["wire"].wrap(reducer._to_wire)
     reducer._from_wire = clocks["wire"].wrap(reducer._from_wire)
     if geo is not None:
-        geo.refresh = clocks["refresh"].wrap(geo.refresh)
+        timed = clocks["refresh"].wrap(geo.refresh)
+
+        def refresh(step):
+            dist.barrier(group=geo.dp_group)  # off the clock: ranks arrive unevenly from backward, and that
+            return timed(step)                # wait would otherwise be booked to the refresh's first collective
+        geo.refresh = refresh
         make = geo.stats._hook
         geo.stats._hook = lambda name: clocks["hooks"].wrap(make(name))
     return clocks
@@ -154,7 +160,7 @@ def geo_memory(cfg) -> dict:
     g = cfg.geo
 
     def factor_bytes(d_in):  # what InputStats holds per layer during a refresh (geo.statistics)
-        sketch = g.statistics == "sketch" or (g.statistics == "auto" and d_in > 1024 and d_in > 4 * g.sketch_size)
+        sketch = g.statistics == "sketch" or (g.statistics == "auto" and d_in > 4 * g.sketch_size)
         return 4 * d_in * (min(g.sketch_size, d_in) if sketch else d_in)
 
     transient = sum(factor_bytes(s[1]) for s in sel.values())

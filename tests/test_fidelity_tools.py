@@ -302,7 +302,7 @@ def test_grad_fidelity_geo_cli(tmp_path):
     labels = [r["label"] for r in g["rows"]]
     for want in ("Euclidean (baseline)", "input-side geo r32", "output-side geo r32", "two-sided geo r32",
                  "input full (r = d_in)", "input diagonal", "input block-diag 32", "input low-rank 8",
-                 "input r32 damping 0.01", "Euclidean @ t+1", "input r32, A stale (t) @ t+1", "NVFP4 Euclidean",
+                 "input r32 damping 0.01", "input r32 from a sketch (k = 64)", "Euclidean @ t+1", "input r32, A stale (t) @ t+1", "NVFP4 Euclidean",
                  "NVFP4 input-side geo r32", "input r32, D power 1/4", "input r32, grad Gram, power 1/4"):
         assert want in labels, want
     for r in g["rows"]:

@@ -64,6 +64,7 @@ import math
 import os
 import sys
 import time
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -377,14 +378,15 @@ def _side_label(sd: dict | None) -> str:
     if sd is None:
         return "-"
     k = sd["kind"]
-    what = {"lowrank": f"r{sd['rank']}", "full": "full", "diag": "diag", "block": f"block{sd['block']}"}[k]
+    what = {"lowrank": f"r{sd['rank']}", "full": "full", "diag": "diag", "block": f"block{sd['block']}",
+            "sketch": f"r{sd['rank']} sketch{sd['block']}"}[k]
     pw = sd["power"]
     extra = ((" p-search" if pw == "search" else f" p{pw:g}") if pw != 0.5 else "") + (" gram" if sd["factor"] == "gram" else "")
     return f"{what} d{sd['damping']:g}{extra}"
 
 
 def geo_rows(rank: int, damping: float, lowranks: list[int], blocks: list[int], dampings: list[float],
-             staleness: list[int], investigate: bool = True, search: tuple = ()) -> list[dict]:
+             staleness: list[int], investigate: bool = True, search: tuple = (), sketch: int = 64) -> list[dict]:
     """The ablation rows: ``{"key", "group", "label", "codec", "input", "output" (side dicts or None),
     "capture" (step offset of the gradients), "stats" (offset of the factors), "baseline" (key)}``.
 
@@ -409,6 +411,8 @@ def geo_rows(rank: int, damping: float, lowranks: list[int], blocks: list[int], 
         add("A approx", f"input block-diag {b}", inp=_side("block", block=b, damping=damping), baseline=eu)
     for r in lowranks:
         add("A approx", f"input low-rank {r}", inp=_side("lowrank", r, damping=damping), baseline=eu)
+    add("A approx", f"input r{rank} from a sketch (k = {sketch})", inp=_side("sketch", rank, block=sketch,
+                                                                              damping=damping), baseline=eu)
     for dmp in dampings:
         add("damping", f"input r{rank} damping {dmp:g}", inp=_side("lowrank", rank, damping=dmp), baseline=eu)
     eu_at = {}
@@ -477,7 +481,8 @@ class _Transforms:
             else:
                 self.cache[key] = build_coordinate_transform(self.factor(offset, side, name, sd["factor"]), sd["kind"],
                                                              sd["rank"] or 0, sd["damping"], sd["block"] or 128,
-                                                             sd["power"])
+                                                             sd["power"], sketch_size=sd["block"] or 64,
+                                                             seed=zlib.crc32(name.encode()))
             self.seconds += time.perf_counter() - t0
         return self.cache[key]
 

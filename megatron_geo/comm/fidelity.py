@@ -41,7 +41,7 @@ from torch import Tensor
 
 from .codecs import (FP8_FORMATS, NVFP4_BLOCK, fp8_decode, fp8_encode, fp8_max, fp8_scale_from_amax, nvfp4_decode,
                      nvfp4_encode, nvfp4_global_scale)
-from ..geometry.transform import LowRankTransform, build_transform
+from ..geometry.transform import LowRankTransform, build_transform, build_transform_from_sketch, sketch_matrix
 from .hadamard import block_hadamard, block_hadamard_inverse, hadamard_signs
 
 DTYPES = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4")
@@ -494,7 +494,7 @@ def block_diagonal_transform(A: Tensor, block: int, damping: float) -> BlockDiag
                                                    min(block, d - lo), damping) for lo in range(0, d, block)])
 
 
-TRANSFORM_KINDS = ("lowrank", "full", "diag", "block")
+TRANSFORM_KINDS = ("lowrank", "full", "diag", "block", "sketch")
 
 
 def _with_power(t, power: float):
@@ -509,7 +509,7 @@ def _with_power(t, power: float):
 
 
 def build_coordinate_transform(A: Tensor, kind: str = "lowrank", rank: int = 32, damping: float = 1e-3,
-                               block: int = 128, power: float = 0.5):
+                               block: int = 128, power: float = 0.5, sketch_size: int = 64, seed: int = 0):
     """A coordinate transform of one side of a linear layer's gradient from its K-FAC factor ``A``.
 
     Args:
@@ -517,7 +517,9 @@ def build_coordinate_transform(A: Tensor, kind: str = "lowrank", rank: int = 32,
         kind: ``lowrank`` (GeoFP8: :func:`~megatron_geo.geometry.transform.build_transform` at ``rank``),
             ``full`` (the same at rank ``d``: ``T = damping ** 1/2 (A + damping I) ** -1/2``, damped
             whitening), ``diag`` (:func:`diagonal_transform`) or ``block`` (:func:`block_diagonal_transform`
-            with blocks of ``block``).
+            with blocks of ``block``) or ``sketch`` (the trainer's ``geo.statistics=sketch``: the rank-``rank``
+            transform from the Nystrom sketch ``A Omega`` with ``sketch_size`` columns and A's trace, via
+            :func:`~megatron_geo.geometry.transform.build_transform_from_sketch`; Omega seeded by ``seed``).
         damping: relative to A's mean eigenvalue (:func:`relative_damping`), as ``geo.damping``.
         power: exponent of the eigenvalue ratio in D, ``D = ((lambda_ref + damping) / (lambda_i +
             damping)) ** power``; 1/2 is GeoFP8's whitening (DESIGN.md section 1), other values are an
@@ -535,6 +537,10 @@ def build_coordinate_transform(A: Tensor, kind: str = "lowrank", rank: int = 32,
         t = diagonal_transform(A, damp)
     elif kind == "block":
         t = block_diagonal_transform(A, block, damp)
+    elif kind == "sketch":
+        omega = sketch_matrix(A.shape[0], min(sketch_size, A.shape[0]), seed, A.device)
+        Af = A.float()
+        t = build_transform_from_sketch(Af @ omega, omega, float(Af.double().trace()), rank, damp)
     else:
         raise ValueError(f"unknown transform kind {kind!r}; choose one of {', '.join(TRANSFORM_KINDS)}")
     return _with_power(t, power)

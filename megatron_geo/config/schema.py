@@ -128,7 +128,7 @@ class GeoConfig:
                                    # with the smallest DP-summed round-trip error of its gradient; overrides power
     refresh_interval: int = 50
     ef_on_refresh: str = "rebase"  # rebase: R <- R T_old^-1 T_new | reset: R <- 0
-    statistics: str = "auto"       # full A (d_in^2) | sketch A·Omega (d_in x sketch_size) | auto: sketch if d_in > 1024
+    statistics: str = "auto"       # full A (d_in^2) | sketch A·Omega (d_in x sketch_size) | auto: sketch if d_in > 4 x sketch_size
     sketch_size: int = 64          # columns of Omega (>= rank; 2 x rank is a good choice)
 
 
