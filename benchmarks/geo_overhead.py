@@ -200,6 +200,12 @@ def main() -> None:
     print(f"  transforms in the reducer {wire * 1e3:.2f} ms ({100 * wire / fp8:.2f}%), refresh {refresh * 1e3:.2f} ms "
           f"({100 * refresh / fp8:.2f}%; {max(gp['refresh']) * 1e3:.1f} ms per refresh), statistics hooks "
           f"{hooks * 1e3:.2f} ms ({100 * hooks / fp8:.2f}%)")
+    n_ref = max(len(res["geofp8"][1]), 1)
+    per_refresh = (sum(gp["refresh"]) + sum(gp["hooks"])) / n_ref
+    for k in sorted({args.refresh_interval, 50}):
+        proj = wire + per_refresh / k
+        print(f"  at geo.refresh_interval={k}: transforms + (refresh + hooks) / {k} = {proj * 1e3:.2f} ms = "
+              f"{100 * proj / fp8:+.2f}% of the fp8 step")
     fl = res["geofp8"][3]
     print(f"  transform FLOPs per step {fl['transform_flops'] / 1e9:.3f} GFLOP vs model {fl['model_flops'] / 1e9:.1f} "
           f"GFLOP ({fl['tokens_per_rank']} tokens per rank): {100 * fl['transform_flops'] / fl['model_flops']:.2f}% "

@@ -293,6 +293,7 @@ def test_grad_fidelity_geo_cli(tmp_path):
     out, md = tmp_path / "geo.json", tmp_path / "geo.md"
     stdout = _run(["tools/grad_fidelity.py", "--geo", "--warmup-steps", "2", "--ranks", "2", "--geo-staleness", "1",
                    "--geo-lowranks", "8", "--geo-dampings", "1e-2", "--geo-blocks", "32", "--out", str(out),
+                   "--geo-power-search", "0.5,0.25,0",
                    "--markdown", str(md), "model.num_layers=1", "model.seq_length=32", "model.vocab_size=512",
                    "train.global_batch_size=4", "train.micro_batch_size=2"], tmp_path)
     assert "input-side geo r32" in stdout and "RelL2 reduction vs Euclidean >= 60%" in stdout

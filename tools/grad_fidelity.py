@@ -386,16 +386,19 @@ def _side_label(sd: dict | None) -> str:
 
 
 def geo_rows(rank: int, damping: float, lowranks: list[int], blocks: list[int], dampings: list[float],
-             staleness: list[int], investigate: bool = True, search: tuple = (), sketch: int = 64) -> list[dict]:
+             staleness: list[int], investigate: bool = True, search: tuple = (), sketch: int = 64,
+             fp8: str = GEO_FP8) -> list[dict]:
     """The ablation rows: ``{"key", "group", "label", "codec", "input", "output" (side dicts or None),
     "capture" (step offset of the gradients), "stats" (offset of the factors), "baseline" (key)}``.
 
     ``search``: the candidate powers of ``geo.power_search`` (rows with ``power="search"``: per layer,
-    the power chosen as the trainer chooses it, from the gradients of the factors' capture)."""
+    the power chosen as the trainer chooses it, from the gradients of the factors' capture). ``fp8``: the
+    codec of every row not in the NVFP4 group (default E4M3, tensor scaling)."""
     geo = _side("lowrank", rank, damping=damping)
     rows = []
 
-    def add(group, label, codec=GEO_FP8, inp=None, out=None, capture=0, stats=0, baseline=None):
+    def add(group, label, codec=None, inp=None, out=None, capture=0, stats=0, baseline=None):
+        codec = codec or fp8
         key = f"{codec}|in={_side_label(inp)}|out={_side_label(out)}|g{capture}|A{stats}"
         rows.append({"key": key, "group": group, "label": label, "codec": codec, "input": inp, "output": out,
                      "capture": capture, "stats": stats, "baseline": baseline or key})
@@ -535,7 +538,8 @@ def _energy_fraction(g: torch.Tensor, U: torch.Tensor) -> float:
     return float((gd @ U.double()).norm() ** 2 / gd.norm() ** 2) if gd.norm() > 0 else 0.0
 
 
-def geo_diagnostics(cap: GeoCapture, names: list[str], rank: int, damping: float) -> list[dict]:
+def geo_diagnostics(cap: GeoCapture, names: list[str], rank: int, damping: float,
+                    fp8: str = GEO_FP8) -> list[dict]:
     """Why the input-side transform helps or not, per layer (capture at t): the spectrum of A, the share
     of the gradient's energy in A's top input directions, the cancellation between ranks, a white-noise
     model of the RelL2 ratio, and the one-rank round trip (quantize + dequantize one gradient)."""
@@ -563,8 +567,8 @@ def geo_diagnostics(cap: GeoCapture, names: list[str], rank: int, damping: float
         best_r = ((float(e[:rr].sqrt().sum()) + math.sqrt(float(e[rr:].sum()) * (din - rr))) ** 2 / (din * E)
                   if E else None)
         best_full = float(e.sqrt().sum()) ** 2 / (din * E) if E else None
-        rt_e = fidelity_metrics(simulate_reduce(gs[:1], GEO_FP8), gs[:1], None, directions=False)["rel_l2"]
-        rt_g = geo_reduce_and_metrics(gs[:1], GEO_FP8, t, None, directions=False)[1]["rel_l2"]
+        rt_e = fidelity_metrics(simulate_reduce(gs[:1], fp8), gs[:1], None, directions=False)["rel_l2"]
+        rt_g = geo_reduce_and_metrics(gs[:1], fp8, t, None, directions=False)[1]["rel_l2"]
         out.append({
             "name": n, "shape": list(gs[0].shape), "d_in": int(A.shape[0]),
             "a_top8_trace_frac": float(ev[:8].sum()) / tr if tr else None,
@@ -691,8 +695,9 @@ def run_geo(sess: Session, args) -> dict:
     modules = {n: mods[n[: -len(".weight")]] for n, _ in linear_weights(sess.model)}
     staleness = sorted(set(_int_list(args.geo_staleness)))
     search = parse_power_search(args.geo_power_search)
+    fp8 = codec_label(parse_codec(args.geo_fp8_codec))
     rows = geo_rows(args.geo_rank, args.geo_damping, _int_list(args.geo_lowranks), _int_list(args.geo_blocks),
-                    _float_list(args.geo_dampings), staleness, not args.no_investigate, search)
+                    _float_list(args.geo_dampings), staleness, not args.no_investigate, search, fp8=fp8)
     hooks = args.output_factor == "hooks"
     caps = {0: capture_geo(sess, args.ranks, modules, hooks)}
     t0 = sess.step
@@ -720,7 +725,7 @@ def run_geo(sess: Session, args) -> dict:
     _add_relative(rows)
     geo_key = rows[1]["key"]
     ts = time.perf_counter()
-    diag = geo_diagnostics(caps[0], scopes["selected"], args.geo_rank, args.geo_damping)
+    diag = geo_diagnostics(caps[0], scopes["selected"], args.geo_rank, args.geo_damping, fp8)
     timings["diagnostics_s"] = time.perf_counter() - ts
     lay_e = {x["name"]: x["rel_l2"] for x in rows[0]["layers"]}
     lay_g = {x["name"]: x["rel_l2"] for x in rows[1]["layers"]}
@@ -730,7 +735,7 @@ def run_geo(sess: Session, args) -> dict:
                          "damping_is_relative": True, "lowranks": _int_list(args.geo_lowranks),
                          "blocks": _int_list(args.geo_blocks), "dampings": _float_list(args.geo_dampings),
                          "staleness": staleness, "output_factor": args.output_factor, "power_search": list(search),
-                         "transform_precision": args.geo_transform_precision, "fp8_codec": GEO_FP8,
+                         "transform_precision": args.geo_transform_precision, "fp8_codec": fp8,
                          "fp4_codec": GEO_FP4},
             "capture_steps": {str(k): c.step for k, c in caps.items()},
             "capture_losses": {str(k): c.loss for k, c in caps.items()},
@@ -801,7 +806,9 @@ def parse_args(argv):
     g.add_argument("--geo-lowranks", default="8,16,32", help="low-rank sweep (default %(default)s)")
     g.add_argument("--geo-blocks", default="32,128", help="block-diagonal block sizes (default %(default)s)")
     g.add_argument("--geo-dampings", default="1e-4,1e-3,1e-2,1e-1", help="damping sweep at --geo-rank")
-    g.add_argument("--geo-power-search", default="0.5,0.25,0",
+    g.add_argument("--geo-fp8-codec", default=GEO_FP8, metavar="SPEC",
+                   help="codec of the FP8 rows (default %(default)s; e.g. fp8_e5m2:tensor, fp8_e4m3:block128)")
+    g.add_argument("--geo-power-search", default="0.5,0.375,0.25,0.125,0",
                    help="candidate powers for the geo.power_search rows (as the trainer's key; '' drops the rows)")
     g.add_argument("--geo-staleness", default="10,25,50",
                    help="steps after t at which the transform built at t is applied to new gradients; '' skips "
