@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_PRESETS = ["fp32", "bf16", "fp8", "fp8_ef", "fp8_hadamard", "geofp8", "nvfp4", "geonvfp4"]
+DEFAULT_PRESETS = ["fp32", "bf16", "fp8", "fp8_ef", "fp8_hadamard", "geofp8", "geofp8_search", "nvfp4", "geonvfp4"]
 PRESET_DIR = ROOT / "configs" / "comm"
 SBATCH_SCRIPT = ROOT / "scripts" / "slurm" / "pretrain.sbatch"
 RESERVED = ("train.run_dir", "train.seed", "logging.wandb_group", "logging.wandb_name")
