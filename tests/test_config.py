@@ -114,3 +114,40 @@ def test_dataset_from_another_tokenizer_is_rejected(tmp_path):
                                                           "model.seq_length=16"])
     with pytest.raises(ConfigError, match="tokenized with a 500-token vocab but the tokenizer .* has 64"):
         build_data(cfg, None)
+
+
+GEO = [str(ROOT / "configs/tiny.yaml"), str(ROOT / "configs/comm/geofp8.yaml")]
+
+
+@pytest.mark.parametrize("value,message", [
+    ("abc", r"geo.power_search='abc': 'abc' is not a power in \[0, 1\]"),
+    ("0.5,2", r"'2' is not a power in \[0, 1\]"),
+    ("-0.1", r"'-0.1' is not a power"),
+    ("nan", r"'nan' is not a power"),
+    ("0.5,0.25,0.5", "repeats 0.5"),
+    ("0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8", "has 9 powers; at most 8"),
+])
+def test_power_search_validation(value, message):
+    cfg = load_config(GEO, [f"geo.power_search={value}"])
+    with pytest.raises(ConfigError, match=message):
+        validate_config(cfg, 1)
+
+
+def test_power_search_accepts_a_yaml_list_and_the_preset(tmp_path):
+    from megatron_geo.config.validate import parse_power_search
+
+    f = tmp_path / "ps.yaml"
+    f.write_text("geo:\n  power_search: [0.5, 0.25, 0]\n  layers: [layers.0.mlp.down_proj.weight, layers.1.*]\n")
+    cfg = load_config(GEO + [str(f)])
+    validate_config(cfg, 1)
+    assert parse_power_search(cfg.geo.power_search) == (0.5, 0.25, 0.0)
+    assert cfg.geo.layers == "layers.0.mlp.down_proj.weight,layers.1.*"
+    preset = load_config([str(ROOT / "configs/tiny.yaml"), str(ROOT / "configs/comm/geofp8_search.yaml")])
+    validate_config(preset, 1)
+    assert parse_power_search(preset.geo.power_search) == (0.5, 0.375, 0.25, 0.125, 0.0)
+    assert parse_power_search("") == ()
+    # a list where a plain string is expected is still an error
+    g = tmp_path / "bad.yaml"
+    g.write_text("comm:\n  dtype: [fp8_e4m3]\n")
+    with pytest.raises(ConfigError, match="expected a string"):
+        load_config([str(g)])
