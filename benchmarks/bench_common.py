@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import queue as queue_mod
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -32,8 +34,20 @@ def _entry(rank, world, port, fn, args, queue):
     dist.destroy_process_group()
 
 
+class WorkerError(RuntimeError):
+    """A benchmark worker process exited with an error (its traceback is on stderr)."""
+
+
 def run_gloo(fn, nproc: int, args, timeout: float = 7200):
-    """Run ``fn(rank, world, args)`` in ``nproc`` spawned gloo processes; return rank 0's result."""
+    """Run ``fn(rank, world, args)`` in ``nproc`` spawned gloo processes; return rank 0's result.
+
+    Raises:
+        ValueError: ``nproc < 1``.
+        WorkerError: a worker exited with a non-zero code (the others are terminated), or no result
+            arrived within ``timeout`` seconds.
+    """
+    if nproc < 1:
+        raise ValueError(f"--nproc={nproc} must be >= 1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -42,7 +56,24 @@ def run_gloo(fn, nproc: int, args, timeout: float = 7200):
     procs = [ctx.Process(target=_entry, args=(r, nproc, port, fn, args, queue)) for r in range(nproc)]
     for p in procs:
         p.start()
-    out = queue.get(timeout=timeout)
-    for p in procs:
-        p.join()
-    return out
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                out = queue.get(timeout=1.0)
+                break
+            except queue_mod.Empty:
+                bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if bad:
+                    raise WorkerError("benchmark worker(s) failed: " + ", ".join(
+                        f"rank {r} exit code {c}" for r, c in bad) + " (see the traceback above)") from None
+                if time.monotonic() > deadline:
+                    raise WorkerError(f"no result from the benchmark workers within {timeout:.0f} s") from None
+        for p in procs:
+            p.join()
+        return out
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)

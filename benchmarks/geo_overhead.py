@@ -38,8 +38,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import run_gloo, synthetic_batches  # noqa: E402
-from megatron_geo.config import load_config  # noqa: E402
+from bench_common import WorkerError, run_gloo, synthetic_batches  # noqa: E402
+from megatron_geo.config import ConfigError, load_config, validate_config  # noqa: E402
 from megatron_geo.parallel import build_groups  # noqa: E402
 from megatron_geo.training.step import train_step  # noqa: E402
 from megatron_geo.training.trainer import build_model_and_optimizer  # noqa: E402
@@ -89,9 +89,20 @@ def _transform_flops(model, geo, dp: int) -> float:
     return sum((4 + 4 / dp) * p.shape[0] * p.shape[1] * geo.rank for p in geo.params.values())
 
 
+def _mode_config(args, mode):
+    """The resolved config of ``mode``: the mode's comm keys first, so the user's overrides win."""
+    return load_config(args.config, ["logging.wandb=disabled", f"geo.refresh_interval={args.refresh_interval}"]
+                       + MODES[mode] + args.overrides)
+
+
+def _label(cfg) -> str:
+    c = cfg.comm
+    scaling = "tensor" if c.scaling == "tensor" else f"block {c.block_size}"
+    return f"{c.dtype} {scaling}{' + EF' if c.error_feedback else ''}{' + geo' if c.transform == 'geo' else ''}"
+
+
 def _run_mode(args, mode, pctx):
-    cfg = load_config(args.config, ["logging.wandb=disabled", f"geo.refresh_interval={args.refresh_interval}"]
-                      + args.overrides + MODES[mode])
+    cfg = _mode_config(args, mode)
     model, _, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
     geo = getattr(reducer, "geo", None)
     clocks = _instrument(reducer, geo)
@@ -181,13 +192,30 @@ def main() -> None:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     args.config = args.config or ["configs/tiny.yaml"]
-    res = run_gloo(_worker, args.nproc, args)
+    for name in ("steps", "rounds", "nproc", "refresh_interval"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    try:  # every config error before any worker starts
+        cfgs = {m: _mode_config(args, m) for m in MODES}
+        for c in cfgs.values():
+            validate_config(c, args.nproc)
+        if cfgs["geofp8"].comm.transform != "geo":
+            raise ConfigError("the overrides turn comm.transform=geo off in the geofp8 mode; drop comm.transform")
+        mem_cfg = load_config([args.memory_config])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        res = run_gloo(_worker, args.nproc, args)
+    except WorkerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
     fp8, geo = statistics.mean(res["fp8"][0]), statistics.mean(res["geofp8"][0])
     print(f"config: {' '.join(args.config)} {' '.join(args.overrides)} | {args.nproc} DP processes (gloo, CPU) | "
           f"{args.rounds} rounds x {args.steps} steps, geo.refresh_interval={args.refresh_interval}")
-    print(f"fp8    (E4M3 tensor + EF)       mean step {fp8 * 1e3:8.1f} ms")
-    print(f"geofp8 (same + transform=geo)   mean step {geo * 1e3:8.1f} ms   added {100 * (geo - fp8) / fp8:+.2f}% "
-          f"of the fp8 step (target <= 1%)")
+    print(f"fp8    ({_label(cfgs['fp8'])})".ljust(32) + f" mean step {fp8 * 1e3:8.1f} ms")
+    print(f"geofp8 ({_label(cfgs['geofp8'])})".ljust(32) + f" mean step {geo * 1e3:8.1f} ms   added "
+          f"{100 * (geo - fp8) / fp8:+.2f}% of the fp8 step (target <= 1%)")
     if res["geofp8"][1]:
         print(f"  refresh steps alone: mean {statistics.mean(res['geofp8'][1]) * 1e3:.1f} ms "
               f"({len(res['geofp8'][1])} refreshes)")
@@ -210,7 +238,7 @@ def main() -> None:
     print(f"  transform FLOPs per step {fl['transform_flops'] / 1e9:.3f} GFLOP vs model {fl['model_flops'] / 1e9:.1f} "
           f"GFLOP ({fl['tokens_per_rank']} tokens per rank): {100 * fl['transform_flops'] / fl['model_flops']:.2f}% "
           f"(falls as 1 / tokens per rank)")
-    cfg = load_config([args.memory_config])
+    cfg = mem_cfg
     mem = geo_memory(cfg)
     print(f"memory ({args.memory_config}, {mem['parameters']:,} parameters, {mem['layers']} GeoFP8 layers, "
           f"rank {cfg.geo.rank}, geo.statistics={cfg.geo.statistics}): persistent state {mem['persistent_bytes'] / 2**20:.1f} MiB = "

@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -297,6 +298,9 @@ def test_grad_fidelity_geo_cli(tmp_path):
                    "--markdown", str(md), "model.num_layers=1", "model.seq_length=32", "model.vocab_size=512",
                    "train.global_batch_size=4", "train.micro_batch_size=2"], tmp_path)
     assert "input-side geo r32" in stdout and "RelL2 reduction vs Euclidean >= 60%" in stdout
+    assert "selected layers, fp8_e4m3:tensor):" in stdout                     # the codec the rows used
+    assert "powers chosen by the power search (A at t; selected layers): fp8_e4m3:tensor: layers.0.mlp.down_proj=" \
+        in stdout
     d = json.loads(out.read_text())
     g = d["geo"]
     assert d["mode"] == "geo" and g["selected_layers"] == ["layers.0.mlp.down_proj.weight"]
@@ -331,3 +335,17 @@ def test_grad_fidelity_geo_cli(tmp_path):
     for lay in search["layers"]:
         ref = {x["name"]: x for x in by_label[fixed[chosen[lay["name"]]]]["layers"]}[lay["name"]]
         assert lay["rel_l2"] == pytest.approx(ref["rel_l2"], rel=1e-3), lay["name"]
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--geo-power-search", "2", "--geo-power-search='2': '2' is not a power in [0, 1]"),
+    ("--geo-power-search", "0.5,,0", "an empty element"),
+    ("--geo-fp8-codec", "nvfp4", "--geo-fp8-codec='nvfp4': the FP8 rows need fp8_e4m3 or fp8_e5m2"),
+    ("--geo-fp8-codec", "fp8_e4m3:block100", "power-of-two block"),
+])
+def test_grad_fidelity_geo_options_are_checked_before_training(flag, value, message):
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "tools/grad_fidelity.py", "--geo", "--warmup-steps", "100", f"{flag}={value}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "warmup step" not in r.stdout and time.monotonic() - t0 < 60      # no training happened

@@ -669,13 +669,35 @@ def format_diag_table(diag: list[dict], markdown: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _targets_text(tg: dict, n_sel: int) -> str:
+def check_geo_fp8_codec(spec: str) -> str:
+    """``--geo-fp8-codec``: an FP8 codec the trainer also accepts (E4M3/E5M2, tensor scaling or a
+    power-of-two block, no rotation); returns its canonical label.
+
+    Raises:
+        ValueError: anything else, naming the value and the accepted forms.
+    """
+    c = parse_codec(spec)
+    ok = c["dtype"] in ("fp8_e4m3", "fp8_e5m2") and c["transform"] == "none" and \
+        (c["scaling"] == "tensor" or _pow2(c["block_size"]))
+    if not ok:
+        raise ValueError(f"--geo-fp8-codec={spec!r}: the FP8 rows need fp8_e4m3 or fp8_e5m2 with tensor scaling or a "
+                         f"power-of-two block and no rotation, e.g. fp8_e5m2:tensor or fp8_e4m3:block128 (NVFP4 has "
+                         f"its own rows)")
+    return codec_label(c)
+
+
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def _targets_text(tg: dict, n_sel: int, codec: str = GEO_FP8) -> str:
     red, tail = tg["rel_l2_reduction_pct"], tg["tail_ratio"]
-    return (f"targets (issue; {tg['row']} on the {n_sel} selected layers, FP8 E4M3 tensor scaling):\n"
+    tail_verdict = ("not measured (--no-directions)" if tail is None
+                    else f"measured {_f(tail, '.2f')}x -> {'MET' if tg['tail_met'] else 'NOT MET'}")
+    return (f"targets (issue; {tg['row']} on the {n_sel} selected layers, {codec}):\n"
             f"  RelL2 reduction vs Euclidean >= {TARGET_REDUCTION_PCT:.0f}% (paper {PAPER_REDUCTION_PCT}%): "
             f"measured {_f(red, '.1f')}% -> {'MET' if tg['reduction_met'] else 'NOT MET'}\n"
-            f"  tail per-direction error >= {TARGET_TAIL_RATIO:.0f}x lower: measured {_f(tail, '.2f')}x -> "
-            f"{'MET' if tg['tail_met'] else 'NOT MET'}")
+            f"  tail per-direction error >= {TARGET_TAIL_RATIO:.0f}x lower: {tail_verdict}")
 
 
 def _int_list(s: str) -> list[int]:
@@ -694,8 +716,8 @@ def run_geo(sess: Session, args) -> dict:
     mods = dict(sess.model.named_modules())
     modules = {n: mods[n[: -len(".weight")]] for n, _ in linear_weights(sess.model)}
     staleness = sorted(set(_int_list(args.geo_staleness)))
-    search = parse_power_search(args.geo_power_search)
-    fp8 = codec_label(parse_codec(args.geo_fp8_codec))
+    search = parse_power_search(args.geo_power_search, "--geo-power-search")
+    fp8 = check_geo_fp8_codec(args.geo_fp8_codec)
     rows = geo_rows(args.geo_rank, args.geo_damping, _int_list(args.geo_lowranks), _int_list(args.geo_blocks),
                     _float_list(args.geo_dampings), staleness, not args.no_investigate, search, fp8=fp8)
     hooks = args.output_factor == "hooks"
@@ -760,7 +782,13 @@ def geo_report(out: dict, markdown: bool = False) -> str:
     sel_t = format_geo_table(g["rows"], "selected", markdown)
     all_t = format_geo_table(g["rows"], "all_linear", markdown)
     diag = format_diag_table(g["diagnostics"], markdown)
-    tg = _targets_text(g["targets"], n_sel)
+    tg = _targets_text(g["targets"], n_sel, st.get("fp8_codec", GEO_FP8))
+    choices = g.get("power_search_choices") or {}
+    if choices:
+        sel = g["selected_layers"]
+        tg += "\npowers chosen by the power search (A at t; selected layers): " + "; ".join(
+            f"{k.split(' ', 1)[1]}: " + ", ".join(f"{n.removesuffix('.weight')}={v[n]:g}" for n in sel if n in v)
+            for k, v in choices.items() if k.startswith("A@t+0 "))
     diag_note = ("diagnostics (capture t, input side r = {r}): A top8 / top-r = share of trace(A) in the top 8 / r "
                  "eigenvalues; eff. rank = trace(A)^2 / trace(A^2); l1/mean = lambda_1 / mean eigenvalue; d_min = "
                  "smallest D entry; E(g) top-r = share of the averaged gradient's energy in A's top-r input "
@@ -796,8 +824,8 @@ def parse_args(argv):
     p.add_argument("--no-directions", action="store_true", help="skip the per-direction error (FP64 SVDs)")
     g = p.add_argument_group("GeoFP8 ablation (--geo)")
     g.add_argument("--geo", action="store_true",
-                   help="ablation mode: FP8 E4M3 (tensor scaling) and NVFP4 reduces in GeoFP8 coordinate systems "
-                        "instead of the --codecs table")
+                   help="ablation mode: FP8 (--geo-fp8-codec, default E4M3 tensor scaling) and NVFP4 reduces in "
+                        "GeoFP8 coordinate systems instead of the --codecs table")
     g.add_argument("--geo-layers", default="layers.*.mlp.down_proj.weight",
                    help="comma-separated globs of the GeoFP8-selected weights (default %(default)s)")
     g.add_argument("--geo-rank", type=int, default=32, help="rank of the GeoFP8 transform (default 32)")
@@ -839,6 +867,9 @@ def main(argv=None) -> int:
         return 2
     try:
         specs = [(s, parse_codec(s)) for s in args.codecs]
+        if args.geo:   # every --geo option is checked before the warm-up training
+            parse_power_search(args.geo_power_search, "--geo-power-search")
+            args.geo_fp8_codec = check_geo_fp8_codec(args.geo_fp8_codec)
         sess = open_session(args.config, args.overrides)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

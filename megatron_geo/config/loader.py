@@ -30,6 +30,7 @@ def _suggest(name: str, options, prefix: str = "") -> str:
 
 
 _LIST_KEYS = ("geo.layers", "geo.power_search")  # comma-separated strings that may be written as YAML lists
+_EMPTY_OK = ("geo.power_search",)                 # strings whose empty value means "off"
 
 
 def _coerce(value: Any, typ: type, where: str) -> Any:
@@ -65,10 +66,14 @@ def _coerce(value: Any, typ: type, where: str) -> Any:
     if typ is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
+        if value is None and where.endswith(_EMPTY_OK):
+            return ""  # `geo.power_search=` (an empty override) = off
         scalars = isinstance(value, list) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool)
                                                   for v in value)
         if scalars and where.endswith(_LIST_KEYS):
             return ",".join(str(v) for v in value)  # a YAML list of patterns / numbers = the comma-separated form
+        if isinstance(value, list) and where.endswith(_LIST_KEYS):
+            raise ConfigError(f"{where}: expected a list of numbers or strings, got {value!r}; e.g. [0.5, 0.25, 0]")
         raise ConfigError(f"{where}: expected a string, got {value!r}")
     raise ConfigError(f"{where}: unsupported field type {typ}")
 

@@ -151,28 +151,35 @@ def validate_config(cfg: Config, world_size: int) -> None:
                           "(make them with tools/train_tokenizer.py and tools/preprocess_data.py)")
 
 
-def parse_power_search(spec: str) -> tuple[float, ...]:
-    """``geo.power_search`` ("0.5,0.25,0") -> (0.5, 0.25, 0.0); "" -> () (the fixed ``geo.power``).
+def parse_power_search(spec, key: str = "geo.power_search") -> tuple[float, ...]:
+    """``geo.power_search`` ("0.5,0.25,0", or "[0.5, 0.25, 0]") -> (0.5, 0.25, 0.0); "" -> () (the fixed
+    ``geo.power``). ``key`` names the setting in error messages.
 
     Raises:
-        ConfigError: a value that is not a number in [0, 1], a repeated value, or more than 8 values.
+        ConfigError: an element that is not a number in [0, 1] (or empty), a repeated value, or more
+            than 8 values.
     """
+    text = "" if spec is None else str(spec).strip()
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    if not text.strip():
+        return ()
     out: list[float] = []
-    for part in str(spec).split(","):
+    for part in text.split(","):
         part = part.strip()
-        if not part:
-            continue
         try:
-            v = float(part)
+            v = float(part) if part else float("nan")
         except ValueError:
             v = float("nan")
         if not (math.isfinite(v) and 0.0 <= v <= 1.0):
-            raise ConfigError(f"geo.power_search={spec!r}: {part!r} is not a power in [0, 1]; give comma-separated "
-                              f"exponents such as geo.power_search=0.5,0.25,0 (0 = Euclidean), or leave it empty")
+            shown = repr(part) if part else "an empty element"
+            raise ConfigError(f"{key}={spec!r}: {shown} is not a power in [0, 1]; give comma-separated "
+                              f"exponents such as {key}=0.5,0.25,0 (0 = Euclidean), or an empty value to "
+                              f"turn the search off")
         if v in out:
-            raise ConfigError(f"geo.power_search={spec!r} repeats {v:g}; list each power once")
+            raise ConfigError(f"{key}={spec!r} repeats {v:g}; list each power once")
         out.append(v)
     if len(out) > 8:
-        raise ConfigError(f"geo.power_search={spec!r} has {len(out)} powers; at most 8 (each costs a trial "
+        raise ConfigError(f"{key}={spec!r} has {len(out)} powers; at most 8 (each costs a trial "
                           f"quantization of every selected gradient at every refresh)")
     return tuple(out)

@@ -207,7 +207,7 @@ class GeoState:
             transforms[n] = with_power(transforms[n], p)
             self.powers[n] = p
         counts = {p: chosen.count(p) for p in self.power_search if chosen.count(p)}
-        self.log(f"geo.power_search at step {step}: " + ", ".join(f"p={p:g} x{c}" for p, c in counts.items())
+        self.log(f"step {step + 1}: geo.power_search " + ", ".join(f"p={p:g} x{c}" for p, c in counts.items())
                  + (" (" + ", ".join(f"{n.removesuffix('.weight')}={p:g}" for n, p in zip(names, chosen)) + ")"
                     if len(names) <= 16 else ""))
 

@@ -74,13 +74,17 @@ def build_geo(cfg: Config, model: torch.nn.Module, pctx: ParallelContext) -> Geo
     """GeoFP8 state for ``comm.transform=geo`` (a bad ``geo.layers`` pattern is a ConfigError)."""
     g, auto = cfg.geo, cfg.geo.select == "auto"
     e5m2 = cfg.comm.dtype == "fp8_e5m2"
+    search = parse_power_search(g.power_search)
+    if search and g.power != 0.5:
+        _log0(pctx, f"note: geo.power={g.power:g} is not used: geo.power_search={g.power_search} chooses the power "
+                    f"per layer at every refresh")
     try:
         return GeoState(model, g.layers, g.rank, g.damping, g.refresh_interval, g.ef_on_refresh, pctx.dp_group,
                         auto_layers=g.num_layers if auto else 0, profile_steps=g.profile_steps if auto else 0,
                         fp8_max=57344.0 if e5m2 else 448.0,
                         underflow_below=2.0 ** -17 if e5m2 else 2.0 ** -10,  # half the smallest subnormal
                         log=lambda m: _log0(pctx, m), statistics=g.statistics, sketch_size=g.sketch_size,
-                        power=g.power, power_search=parse_power_search(g.power_search))
+                        power=g.power, power_search=search)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -165,7 +169,7 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
     stop = StopRequest()
     every = cfg.checkpoint.interval
 
-    first_loss, last, val_loss = None, None, None
+    first_loss, last, val_loss, logged_refresh = None, None, None, False
     tok_per_s_hist, bytes_hist, step_times = [], [], []
     try:
         for step in range(start_step, t.steps):
@@ -177,7 +181,9 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
                              t.autocast_dtype, geo=geo, step=step)
             consumed += t.global_batch_size
             dt = time.perf_counter() - t0
-            if geo is not None and geo.last_refresh == step and (step == 0 or t.progress is False or step % 500 == 0):
+            refreshed = geo is not None and geo.last_refresh == step
+            if refreshed and (not logged_refresh or t.progress is False or step % 500 == 0):
+                logged_refresh = True  # the first refresh of the run is always logged
                 _log0(pctx, f"step {step + 1}: GeoFP8 refresh of {len(geo.selected)} layer(s) (rank {cfg.geo.rank}); "
                             f"transform checksums equal on all {pctx.dp_size} DP ranks")
             comm_bytes = reducer.reset_bytes()
