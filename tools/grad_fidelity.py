@@ -76,7 +76,7 @@ if REPO_ROOT not in sys.path:
 from megatron_geo.comm.codecs import bytes_per_element  # noqa: E402
 from megatron_geo.comm.fidelity import (  # noqa: E402
     build_coordinate_transform, codec_label, fidelity_metrics, geo_reduce_and_metrics, input_gram_from_grads,
-    normalize_codec, output_factor_from_grads, parse_codec, quantize_roundtrip, simulate_reduce)
+    is_pow2, normalize_codec, output_factor_from_grads, parse_codec, quantize_roundtrip, simulate_reduce)
 from megatron_geo.config import ConfigError, load_config, validate_config  # noqa: E402
 from megatron_geo.config.validate import parse_power_search  # noqa: E402
 from megatron_geo.geometry import InputStats, select_parameters  # noqa: E402
@@ -381,7 +381,8 @@ def _side_label(sd: dict | None) -> str:
     what = {"lowrank": f"r{sd['rank']}", "full": "full", "diag": "diag", "block": f"block{sd['block']}",
             "sketch": f"r{sd['rank']} sketch{sd['block']}"}[k]
     pw = sd["power"]
-    extra = ((" p-search" if pw == "search" else f" p{pw:g}") if pw != 0.5 else "") + (" gram" if sd["factor"] == "gram" else "")
+    extra = (" p-search" if pw == "search" else f" p{pw:g}") if pw != 0.5 else ""
+    extra += " gram" if sd["factor"] == "gram" else ""
     return f"{what} d{sd['damping']:g}{extra}"
 
 
@@ -678,16 +679,12 @@ def check_geo_fp8_codec(spec: str) -> str:
     """
     c = parse_codec(spec)
     ok = c["dtype"] in ("fp8_e4m3", "fp8_e5m2") and c["transform"] == "none" and \
-        (c["scaling"] == "tensor" or _pow2(c["block_size"]))
+        (c["scaling"] == "tensor" or is_pow2(c["block_size"]))
     if not ok:
         raise ValueError(f"--geo-fp8-codec={spec!r}: the FP8 rows need fp8_e4m3 or fp8_e5m2 with tensor scaling or a "
                          f"power-of-two block and no rotation, e.g. fp8_e5m2:tensor or fp8_e4m3:block128 (NVFP4 has "
                          f"its own rows)")
     return codec_label(c)
-
-
-def _pow2(v: int) -> bool:
-    return v > 0 and v & (v - 1) == 0
 
 
 def _targets_text(tg: dict, n_sel: int, codec: str = GEO_FP8) -> str:

@@ -50,7 +50,8 @@ CODEC_DEFAULTS = {"dtype": "fp32", "scaling": "tensor", "block_size": 128, "tran
 _E2M1_TOP = 7  # magnitude index of 6.0, the largest E2M1 value
 
 
-def _pow2(v: int) -> bool:
+def is_pow2(v: int) -> bool:
+    """True for a positive power of two (block and rotation sizes)."""
     return v > 0 and not v & (v - 1)
 
 
@@ -74,7 +75,7 @@ def normalize_codec(codec: dict | str) -> dict:
     c["block_size"], c["hadamard_block"], c["seed"] = int(c["block_size"]), int(c["hadamard_block"]), int(c["seed"])
     if c["block_size"] <= 0:
         raise ValueError(f"codec block_size={c['block_size']} must be positive")
-    if c["transform"] == "hadamard" and not _pow2(c["hadamard_block"]):
+    if c["transform"] == "hadamard" and not is_pow2(c["hadamard_block"]):
         raise ValueError(f"codec hadamard_block={c['hadamard_block']} must be a power of two")
     return c
 

@@ -67,7 +67,7 @@ class GeoState:
         self.dp_group = dp_group
         self.statistics, self.sketch_size, self.power = statistics, sketch_size, power
         self.power_search = tuple(power_search)   # non-empty: p chosen per layer at each refresh
-        self.powers: dict[str, float] = {}         # the p in use per layer (power_search), for the log
+        self.powers: dict[str, float] = {}         # power_search: the p chosen per layer at the last refresh
         self.roundtrip = None  # set by the reducer: the codec's quantize-dequantize (power_search)
         self.grad_of = lambda name: self.params[name].main_grad  # the local gradient at a refresh
         self.stats = self._make_stats()

@@ -30,6 +30,13 @@ from .transform import LowRankTransform, identity_transform
 def with_power(base: LowRankTransform, p: float) -> LowRankTransform:
     """The transform whose D is ``base.d ** p`` (``base`` built with power 1); p = 0 is the identity.
 
+    Args:
+        base: ``U`` float32 ``[d_in, r]``, ``d`` float32 ``[r]`` (D at power 1, computed here in FP64).
+        p: the exponent, in [0, 1].
+
+    Returns:
+        a :class:`LowRankTransform` sharing ``base.U`` (``U [d_in, 0]`` for p = 0).
+
     Raises:
         ValueError: p outside [0, 1].
     """
@@ -60,8 +67,8 @@ def roundtrip_errors(grad: torch.Tensor, base: LowRankTransform, powers: list[fl
 
 
 def pick_powers(errors: torch.Tensor, powers: list[float]) -> list[float]:
-    """The power with the smallest (DP-summed) error per row of ``errors`` ``[layers, len(powers)]``; ties
-    and rows without a finite error go to the earliest candidate."""
+    """The power with the smallest (DP-summed) error per row of ``errors`` (FP64 ``[layers, len(powers)]``),
+    as a list of ``layers`` floats; ties and rows without a finite error go to the earliest candidate."""
     out = []
     for row in errors.tolist():
         best = 0

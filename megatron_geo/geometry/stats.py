@@ -77,8 +77,8 @@ class InputStats:
             if name not in self.sums:
                 raise RuntimeError(f"no input statistics were collected for {name}; was the module used in forward?")
             s = self.sums[name]
-            # one collective per layer: the FP32 sums, then the token count and trace (FP32 holds counts
-            # exactly up to 2^24 tokens per rank and refresh; the trace only scales the damping)
+            # one collective per layer: the FP32 sums, then the token count and trace (FP32 holds the count
+            # exactly up to 2^24 tokens summed over the DP group per refresh; the trace only scales the damping)
             buf = torch.cat([s.reshape(-1), s.new_tensor([self.counts[name], self.traces.get(name, 0.0)])])
             if owners is None:
                 dist.all_reduce(buf, group=dp_group)
