@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, ConfigError, config_to_dict
+from ..parallel import collectives as C
 
 FORMAT = "megatron-geo-dcp-v1"
 META = "meta.json"
@@ -198,12 +199,12 @@ def save_checkpoint(root: Path, step: int, state: dict, meta: dict, keep_latest:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-    dist.barrier(group=group)
+    C.barrier(group)
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # DCP warns on each ShardedTensor (see state.py)
         dcp.save(state, checkpoint_id=str(tmp))
-    dist.barrier(group=group)  # every rank's files are written
+    C.barrier(group)  # every rank's files are written
     if is_main:
         meta = dict(meta, format=FORMAT, step=step, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
                     save_seconds=round(time.perf_counter() - t0, 3), torch=torch.__version__)
@@ -213,7 +214,7 @@ def save_checkpoint(root: Path, step: int, state: dict, meta: dict, keep_latest:
         os.replace(tmp, final)
         _write_atomic(root / "latest", name + "\n")
         prune(root, keep_latest)
-    dist.barrier(group=group)
+    C.barrier(group)
     return final
 
 

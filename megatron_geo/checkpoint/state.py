@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ..distributed.optimizer import DistributedOptimizer, MainParam
 from ..parallel import ParallelContext
 from .layout import global_shape, piece_rects
+from ..parallel import collectives as C
 
 ADAMW_STATES = ("exp_avg", "exp_avg_sq")
 MUON_STATES = ("momentum_buffer",)
@@ -106,7 +107,7 @@ def optimizer_state_ready(optimizer: DistributedOptimizer, group) -> bool:
     """True when every main param on every rank has optimizer state (False before the first update)."""
     ok = all(len(opt.state.get(m.main, {})) > 0 for m in optimizer.mains for opt in [optimizer.optimizer_of(m)])
     flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    C.all_reduce(flag, group, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
 
@@ -293,11 +294,11 @@ def _broadcast_non_writers(layout: StateLayout, with_state: bool) -> None:
         for m in opt.mains:
             if layout.partition_dim(m.param) is None:
                 for t in tensors(m):
-                    dist.broadcast(t, src=pctx.tp_ranks()[0], group=pctx.tp_group)
+                    C.broadcast(t, pctx.tp_group, 0)
     if not opt.sharded and pctx.dp_size > 1:
         for m in opt.mains:
             for t in tensors(m):
-                dist.broadcast(t, src=pctx.dp_ranks()[0], group=pctx.dp_group)
+                C.broadcast(t, pctx.dp_group, 0)
 
 
 def _restore_geo(geo, geo_meta, sd, geo_tp, hits_key, same_layout, log) -> None:

@@ -1,21 +1,24 @@
 """Low-precision reducer: FP8 (E4M3/E5M2) with tensor or block scaling, NVFP4; optional error
 feedback, Hadamard rotation, stochastic rounding and shared (MAX-synchronised) scales.
 
-Reduce-scatter of a bucket buffer ``[dp * chunk]`` (FP32):
+Reduce-scatter of a bucket buffer (FP32; DP rank r owns ``[bounds[r], bounds[r + 1])``, equal chunks or
+uneven whole-parameter ranges, see :mod:`megatron_geo.distributed.shard_plan`):
 
 1. optional fixed block-Hadamard rotation (``comm.transform=hadamard``);
 2. optional error feedback: ``r = x + e`` (residual kept in the coordinates that are quantised);
 3. local scales from the amax of each scale group (:mod:`.scale_layout`), or, with
    ``comm.scale_sync=max``, the MAX over the DP group (NaN mapped to +inf so it survives the MAX);
-4. encode every chunk; one uint8 all-to-all moves, to rank r, chunk r's codes followed by its scales;
-5. decode each source's chunk with that source's scales, sum in FP32 in rank order, divide by
+4. encode the buffer; a uint8 all-to-all with split sizes moves range r's codes to rank r, and a small
+   FP32 all-to-all its scales (FP8: one per segment; NVFP4: the E4M3 block scales travel with the codes,
+   the FP32 per-range scale here);
+5. decode each source's copy of this rank's range with that source's scales, sum in FP32 in rank order, divide by
    ``dp_size`` once; undo the rotation. ``e <- r - decode(encode(r))`` (what this rank's quantiser lost).
 
 The all-reduce path re-encodes the averaged shard (no error feedback on that stage), all-gathers the
 uint8 payloads and decodes every chunk on every rank, so all ranks hold bitwise identical values.
 
-NVFP4 (E2M1 + one E4M3 scale per 16 elements) takes its FP32 "tensor" scale per chunk, i.e. per
-tensor sent on the wire; chunks are aligned to 16 elements.
+NVFP4 (E2M1 + one E4M3 scale per 16 elements) takes its FP32 "tensor" scale per rank range, i.e. per
+tensor sent on the wire; ranges are aligned to 16 elements. The all-reduce path needs an even plan.
 
 Non-finite inputs are never hidden: a NaN/inf in a group makes that group's scale NaN, the decoded
 values NaN, and the global gradient norm (all-reduced) non-finite on every rank.
@@ -28,10 +31,10 @@ import torch.distributed as dist
 
 from .codecs import (FP8_FORMATS, NVFP4_BLOCK, fp8_decode, fp8_encode, fp8_scale_from_amax, nvfp4_decode,
                      nvfp4_encode, nvfp4_global_scale)
-from .collectives import all_gather_flat
 from .hadamard import block_hadamard, block_hadamard_inverse, hadamard_signs
 from .reducer import PendingReduction, Reducer
 from .scale_layout import ScaleLayout, build_scale_layout
+from ..parallel import collectives as C
 
 
 _CAST = {"fp32": torch.float32, "bf16": torch.bfloat16}  # exact/cast wires, used with a transform
@@ -73,8 +76,9 @@ class LowPrecisionReducer(Reducer):
         self.geo = None
         self.geo_slots: dict[int, list[tuple[str, int, int, int]]] = {}
         self.residuals: dict[int, torch.Tensor] = {}
-        self.signs = hadamard_signs(hadamard_block, seed) if transform == "hadamard" else None
         dev = torch.device(device) if device is not None else torch.device("cpu")
+        # drawn on the host (identical on every machine), kept where the gradients are
+        self.signs = hadamard_signs(hadamard_block, seed).to(dev) if transform == "hadamard" else None
         self.generator = torch.Generator(device=dev)
         self.generator.manual_seed(seed * 1_000_003 + dp_rank)
 
@@ -89,11 +93,13 @@ class LowPrecisionReducer(Reducer):
             a = max(a, self.hadamard_block)  # both powers of two or block | hadamard_block checked by config
         return a
 
-    def register_bucket(self, key: int, offsets: list[int], numels: list[int], chunk: int, device) -> None:
+    def register_bucket(self, key: int, offsets: list[int], numels: list[int], bounds, device) -> None:
+        super().register_bucket(key, offsets, numels, bounds, device)
+        bounds = self.bounds[key]
         scaling = "block" if self.scaling == "block" and self.fmt != "nvfp4" else "tensor"
-        self.layouts[key] = build_scale_layout(offsets, numels, chunk, self.dp_size, scaling, self.block_size, device)
+        self.layouts[key] = build_scale_layout(offsets, numels, bounds, self.dp_size, scaling, self.block_size, device)
         if self.error_feedback:
-            self.residuals[key] = torch.zeros(chunk * self.dp_size, dtype=torch.float32, device=device)
+            self.residuals[key] = torch.zeros(bounds[-1], dtype=torch.float32, device=device)
 
     def reset_error_feedback(self) -> None:
         """Zero every residual (after a skipped step, whose residual may hold non-finite values)."""
@@ -196,7 +202,7 @@ class LowPrecisionReducer(Reducer):
             amax = layout.group_amax(x)
             if sync:
                 amax = torch.nan_to_num(amax, nan=float("inf"))
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+                C.all_reduce(amax, self.group, op=dist.ReduceOp.MAX)
                 self._count_allreduce(amax.numel() * 4)
                 amax = torch.where(torch.isinf(amax), torch.full_like(amax, float("nan")), amax)
             seg = layout.segment_values(fp8_scale_from_amax(amax, self.fmt))               # [dp, K]
@@ -233,40 +239,104 @@ class LowPrecisionReducer(Reducer):
         scale = layout.expand(seg, chunk_index)
         return fp8_decode(codes.contiguous(), scale.view(m, c), self.fmt)
 
+    def _encode_ranges(self, x: torch.Tensor, layout: ScaleLayout, sync: bool):
+        """Encode the whole buffer ``x`` ``[numel]`` for the reduce-scatter's all-to-all.
+
+        Returns ``(codes, scales, dec, shared)``: ``codes`` a list of ``(uint8 tensor, split sizes in bytes
+        per destination rank)``; ``scales`` float32 ``[dp, K]`` (row r: what rank r needs to decode its range;
+        None when nothing is sent); ``dec`` the decoded FP32 ``x`` (error feedback); ``shared`` the
+        MAX-synchronised per-segment scales ``[dp, K]`` (``comm.scale_sync=max``) or None.
+        """
+        sizes = layout.sizes
+        if self.fmt in _CAST:
+            wire = x.to(_CAST[self.fmt])
+            es = wire.element_size()
+            return [(wire.view(torch.uint8), [n * es for n in sizes])], None, wire.float(), None
+        if self.fmt == "nvfp4":
+            n_el = x.numel()
+            per_block = torch.tensor([n // NVFP4_BLOCK for n in sizes], dtype=torch.int64, device="cpu").to(x.device)
+            lens = torch.tensor(sizes, dtype=torch.int64, device="cpu").to(x.device)
+            amax = torch.segment_reduce(x.abs(), "max", lengths=lens, unsafe=True, initial=0.0)
+            g = nvfp4_global_scale(amax)                                                   # [dp]
+            gb = g.repeat_interleave(per_block, output_size=n_el // NVFP4_BLOCK).unsqueeze(1)
+            packed, bscale = nvfp4_encode(x.view(-1, NVFP4_BLOCK), gb, self.rounding, self.generator)
+            dec = nvfp4_decode(packed, bscale, gb).view(-1)
+            codes = [(packed.view(-1), [n // 2 for n in sizes]), (bscale.view(-1), [n // NVFP4_BLOCK for n in sizes])]
+            return codes, g.view(-1, 1), dec, None
+        amax = layout.group_amax(x)
+        if sync:
+            amax = torch.nan_to_num(amax, nan=float("inf"))
+            C.all_reduce(amax, self.group, op=dist.ReduceOp.MAX)
+            self._count_allreduce(amax.numel() * 4)
+            amax = torch.where(torch.isinf(amax), torch.full_like(amax, float("nan")), amax)
+        seg = layout.segment_values(fp8_scale_from_amax(amax, self.fmt))                   # [dp, K]
+        scale = layout.expand_all(seg)
+        codes = fp8_encode(x, scale, self.fmt, self.rounding, self.generator)
+        dec = fp8_decode(codes, scale, self.fmt)
+        return [(codes.view(torch.uint8), list(sizes))], (None if sync else seg.contiguous()), dec, \
+            (seg if sync else None)
+
+    def _decode_own(self, recv: list[torch.Tensor], scales: torch.Tensor | None, layout: ScaleLayout) -> torch.Tensor:
+        """FP32 ``[dp, own]``: every source's copy of this rank's range, from the received codes and scales."""
+        dp, r = self.dp_size, self.dp_rank
+        own = layout.sizes[r]
+        if self.fmt in _CAST:
+            return recv[0].view(_CAST[self.fmt]).view(dp, own).float()
+        if self.fmt == "nvfp4":
+            nb = own // NVFP4_BLOCK
+            gb = scales.view(dp).repeat_interleave(nb).unsqueeze(1)
+            return nvfp4_decode(recv[0].view(-1, NVFP4_BLOCK // 2), recv[1].view(-1), gb).view(dp, own)
+        scale = layout.expand(scales, r)                                                    # [dp, own]
+        return fp8_decode(recv[0].view(dp, own), scale, self.fmt)
+
     def _count_allreduce(self, nbytes: int) -> None:
         self.bytes_sent += 2 * (self.dp_size - 1) * nbytes // self.dp_size
 
     # -- collectives --------------------------------------------------------------------------------
     def _reduce_scatter(self, buf: torch.Tensor, key=None, keep_wire: bool = False) -> PendingReduction:
         layout = self.layouts[key]
-        dp, r, c = self.dp_size, self.dp_rank, layout.chunk
+        bounds = self.bounds[key]
+        dp, r = self.dp_size, self.dp_rank
+        lo, own = bounds[r], layout.sizes[r]
         x = self._to_wire(buf, key)
         if self.error_feedback:
             x = x + self.residuals[key]
         sync = self.scale_sync == "max"
-        payload, dec, shared = self._encode(x, layout, list(range(dp)), sync)
+        codes, scales, dec, shared = self._encode_ranges(x, layout, sync)
         if self.error_feedback:
             self.residuals[key] = x - dec
-        # shared scales: every rank derived the same ones, so chunk r's scales are known locally
-        sync_scales = shared[r:r + 1].expand(dp, -1) if shared is not None else None
-        assert payload.dtype == torch.uint8, "the wire carries raw uint8 codes"
-        recv = torch.empty_like(payload)
-        work = dist.all_to_all_single(recv, payload, group=self.group, async_op=True)
-        self.bytes_sent += (dp - 1) * payload.shape[1]
+        works, recvs = [], []
+        for send, splits in codes:
+            assert send.dtype == torch.uint8, "the wire carries raw uint8 codes"
+            recv = torch.empty(dp * splits[r], dtype=torch.uint8, device=buf.device)
+            works.append(C.all_to_all_single(recv, send, self.group, [splits[r]] * dp, splits, async_op=True))
+            recvs.append(recv)
+            self.bytes_sent += send.numel() - splits[r]
+        recv_scales = None
+        if scales is not None:
+            recv_scales = torch.empty_like(scales)
+            works.append(C.all_to_all_single(recv_scales, scales, self.group, async_op=True))
+            self.bytes_sent += (dp - 1) * scales.shape[1] * 4
+        if shared is not None:  # every rank derived the same scales, so this range's are known locally
+            recv_scales = shared[r:r + 1].expand(dp, -1)
 
         def epilogue():
-            vals = self._decode(recv, layout, r, sync_scales)
+            for w in works:
+                w.wait()
+            vals = self._decode_own(recvs, recv_scales, layout)
             avg = vals.sum(dim=0).div_(dp)
             if keep_wire:  # the all-gather stage re-encodes the shard in wire coordinates
                 self._shard_in_wire_coords[key] = avg
-            buf[r * c:(r + 1) * c] = self._from_wire(avg.clone(), key, r * c)
+            buf[lo:lo + own] = self._from_wire(avg.clone(), key, lo)
 
-        return PendingReduction(work, epilogue)
+        return PendingReduction(None, epilogue)
 
     def all_reduce(self, buf: torch.Tensor, key=None, async_op: bool = True) -> PendingReduction:
-        self._check(buf)
+        self._check(buf, key)
         if self.dp_size == 1:
             return PendingReduction(None)
+        if not self._even(buf, key):
+            raise ValueError(f"all_reduce needs an even plan; bucket {key} has uneven ranges")
         layout = self.layouts[key]
         dp, r, c = self.dp_size, self.dp_rank, layout.chunk
         rs = self._reduce_scatter(buf, key, keep_wire=True)
@@ -276,7 +346,7 @@ class LowPrecisionReducer(Reducer):
             shard = self._shard_in_wire_coords.pop(key)
             payload, _, _ = self._encode(shard, layout, [r], False)
             out = torch.empty((dp, payload.shape[1]), dtype=torch.uint8, device=buf.device)
-            all_gather_flat(out.view(-1), payload.reshape(-1), group=self.group)
+            C.all_gather_into(out.view(-1), payload.reshape(-1), self.group)
             self.bytes_sent += (dp - 1) * payload.shape[1]
             vals = torch.cat([self._decode(out[i:i + 1], layout, i, None) for i in range(dp)], dim=1).view(-1)
             buf.copy_(self._from_wire(vals, key, 0))

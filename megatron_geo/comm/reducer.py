@@ -1,16 +1,19 @@
 """The reducer seam: how a bucket's FP32 gradient buffer is averaged over the DP group.
 
-Every reducer implements the same two collectives on a flat buffer of ``dp_size * chunk`` FP32
-elements laid out by :mod:`megatron_geo.distributed.shard_plan`:
+Every reducer implements the same two collectives on a flat FP32 bucket buffer laid out by
+:mod:`megatron_geo.distributed.shard_plan`: DP rank r owns the range ``[bounds[r], bounds[r + 1])``
+(equal chunks in an even plan, uneven ranges with whole-parameter ownership), registered per bucket with
+:meth:`Reducer.register_bucket`:
 
-- ``reduce_scatter(buf)``: afterwards chunk ``dp_rank`` of ``buf`` holds the DP average of that chunk.
+- ``reduce_scatter(buf)``: afterwards this rank's range of ``buf`` holds the DP average of that range.
 - ``all_reduce(buf)``: afterwards all of ``buf`` holds the DP average, bitwise identical on every rank
-  (implemented as reduce-scatter + all-gather of the averaged shard, so the result cannot differ).
+  (implemented as reduce-scatter + all-gather of the averaged shard, so the result cannot differ; even
+  plans only).
 
 The averaging (sum, then ``/ dp_size``) happens exactly once, in FP32 (DESIGN.md section 3, invariant 1).
 ``bytes_sent`` counts what this rank itself puts on the wire, from the sizes of the tensors handed
-to the collectives: a reduce-scatter, all-to-all or all-gather of a ``dp * chunk`` buffer sends
-``(dp - 1) * chunk`` elements per rank (ring algorithm; exact for all-to-all).
+to the collectives: a reduce-scatter, all-to-all or all-gather of a bucket of S elements sends
+``S - own`` elements per rank, ``own`` being this rank's range (ring algorithm; exact for all-to-all).
 """
 
 from __future__ import annotations
@@ -18,9 +21,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.distributed as dist
-
-from .collectives import all_gather_flat, reduce_scatter_flat
+from ..parallel import collectives as C
 
 
 class PendingReduction:
@@ -48,6 +49,7 @@ class Reducer:
     def __init__(self, dp_group, dp_size: int, dp_rank: int):
         self.group, self.dp_size, self.dp_rank = dp_group, dp_size, dp_rank
         self.bytes_sent = 0
+        self.bounds: dict[int, list[int]] = {}
 
     # -- accounting -------------------------------------------------------------------------------
     def _count(self, chunk_numel: int, dtype: torch.dtype) -> None:
@@ -58,29 +60,61 @@ class Reducer:
         sent, self.bytes_sent = self.bytes_sent, 0
         return sent
 
-    # -- collectives --------------------------------------------------------------------------------
-    def _chunk(self, buf: torch.Tensor) -> torch.Tensor:
-        c = buf.numel() // self.dp_size
-        return buf[self.dp_rank * c:(self.dp_rank + 1) * c]
+    # -- layout --------------------------------------------------------------------------------------
+    def _bounds(self, buf: torch.Tensor, key) -> list[int]:
+        b = self.bounds.get(key)
+        if b is None:  # an unregistered buffer: even chunks
+            c = buf.numel() // self.dp_size
+            return [r * c for r in range(self.dp_size + 1)]
+        return b
 
-    def _check(self, buf: torch.Tensor) -> None:
-        if buf.dtype != torch.float32 or buf.dim() != 1 or buf.numel() % self.dp_size:
+    def _chunk(self, buf: torch.Tensor, key=None) -> torch.Tensor:
+        """This rank's range of ``buf``."""
+        b = self._bounds(buf, key)
+        return buf[b[self.dp_rank]:b[self.dp_rank + 1]]
+
+    def _even(self, buf: torch.Tensor, key) -> bool:
+        b = self._bounds(buf, key)
+        return all(b[r + 1] - b[r] == b[1] - b[0] for r in range(self.dp_size))
+
+    def _check(self, buf: torch.Tensor, key=None) -> None:
+        if buf.dtype != torch.float32 or buf.dim() != 1:
+            raise ValueError(f"reducer expects a flat float32 buffer, got {buf.dtype} {tuple(buf.shape)}")
+        b = self.bounds.get(key)
+        if b is None and buf.numel() % self.dp_size:
             raise ValueError(f"reducer expects a flat float32 buffer of dp_size x chunk elements, got "
                              f"{buf.dtype} {tuple(buf.shape)} with dp_size={self.dp_size}")
+        if b is not None and b[-1] != buf.numel():
+            raise ValueError(f"bucket {key!r} was registered with {b[-1]} elements but the buffer has {buf.numel()}")
 
-    def register_bucket(self, key: int, offsets: list[int], numels: list[int], chunk: int, device) -> None:
-        """Tell the reducer the layout of bucket ``key`` (parameter offsets/sizes, chunk). Stateless here."""
+    def register_bucket(self, key: int, offsets: list[int], numels: list[int], bounds, device) -> None:
+        """Tell the reducer the layout of bucket ``key``: parameter offsets/sizes and the rank ranges.
+
+        ``bounds``: ``dp_size + 1`` range boundaries (rank r owns ``[bounds[r], bounds[r + 1])``), or an
+        int ``chunk`` for an even plan (``bounds[r] = r * chunk``).
+        """
+        if isinstance(bounds, int):
+            bounds = [r * bounds for r in range(self.dp_size + 1)]
+        if len(bounds) != self.dp_size + 1 or bounds[0] != 0 or any(a > b for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"bucket {key}: bounds {bounds[:4]}... must be {self.dp_size + 1} non-decreasing "
+                             f"offsets starting at 0")
+        self.bounds[key] = list(bounds)
 
     def alignment(self) -> int:
-        """Chunk sizes must be a multiple of this many elements."""
+        """Every rank's range must be a multiple of this many elements."""
         return 1
 
-    def reduce_scatter(self, buf: torch.Tensor, key=None, async_op: bool = True) -> PendingReduction:
-        """Average ``buf`` (FP32, ``[dp_size * chunk]``) over DP into this rank's chunk, in place.
+    def _count_sent(self, buf: torch.Tensor, key, dtype: torch.dtype) -> None:
+        """This rank sends every range but its own (reduce, all-to-all, ring reduce-scatter or gather)."""
+        own = self._chunk(buf, key).numel()
+        self.bytes_sent += (buf.numel() - own) * torch.empty((), dtype=dtype).element_size()
 
-        ``key`` names the bucket (see :meth:`register_bucket`) for reducers with per-bucket state.
+    def reduce_scatter(self, buf: torch.Tensor, key=None, async_op: bool = True) -> PendingReduction:
+        """Average ``buf`` (FP32, ``[buffer_numel]``) over DP into this rank's range, in place.
+
+        ``key`` names the bucket (see :meth:`register_bucket`); an unregistered key means even chunks.
         """
-        self._check(buf)
+        self._check(buf, key)
         if self.dp_size == 1:
             return PendingReduction(None)
         pending = self._reduce_scatter(buf, key)
@@ -92,17 +126,23 @@ class Reducer:
         raise NotImplementedError
 
     def all_reduce(self, buf: torch.Tensor, key=None, async_op: bool = True) -> PendingReduction:
-        """Average all of ``buf`` over DP in place; every rank ends bitwise identical."""
-        self._check(buf)
+        """Average all of ``buf`` over DP in place; every rank ends bitwise identical.
+
+        Raises:
+            ValueError: bucket ``key`` has uneven ranges (use the even plan without the distributed optimizer).
+        """
+        self._check(buf, key)
         if self.dp_size == 1:
             return PendingReduction(None)
+        if not self._even(buf, key):
+            raise ValueError(f"all_reduce needs an even plan; bucket {key} has uneven ranges")
         rs = self._reduce_scatter(buf, key)
 
         def gather() -> None:
             rs.wait()
-            shard = self._chunk(buf).to(self.wire_dtype)
+            shard = self._chunk(buf, key).to(self.wire_dtype)
             out = torch.empty(buf.numel(), dtype=self.wire_dtype, device=buf.device)
-            all_gather_flat(out, shard, group=self.group)
+            C.all_gather_into(out, shard, self.group)
             self._count(shard.numel(), self.wire_dtype)
             buf.copy_(out)
 
@@ -119,12 +159,15 @@ class FP32Reducer(Reducer):
     wire_dtype = torch.float32
 
     def _reduce_scatter(self, buf, key=None):
+        self._count_sent(buf, key, torch.float32)
+        if not self._even(buf, key):  # whole-parameter ownership: one reduce per owner range, in place
+            work = C.reduce_ranges(buf, self._bounds(buf, key), self.group, async_op=True)
+            return PendingReduction(work, lambda: self._chunk(buf, key).div_(self.dp_size))
         out = torch.empty(buf.numel() // self.dp_size, dtype=torch.float32, device=buf.device)
-        work = reduce_scatter_flat(out, buf, group=self.group, async_op=True)
-        self._count(out.numel(), torch.float32)
+        work = C.reduce_scatter_into(out, buf, self.group, async_op=True)
 
         def epilogue():
-            self._chunk(buf).copy_(out).div_(self.dp_size)
+            self._chunk(buf, key).copy_(out).div_(self.dp_size)
 
         return PendingReduction(work, epilogue)
 
@@ -143,14 +186,17 @@ class CastReducer(Reducer):
         self.wire_dtype = wire_dtype
 
     def _reduce_scatter(self, buf, key=None):
+        bounds = self._bounds(buf, key)
+        own = self._chunk(buf, key)
         send = buf.to(self.wire_dtype)
-        recv = torch.empty_like(send)
-        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
-        self._count(send.numel() // self.dp_size, self.wire_dtype)
+        recv = torch.empty(self.dp_size * own.numel(), dtype=self.wire_dtype, device=buf.device)
+        sizes = [bounds[r + 1] - bounds[r] for r in range(self.dp_size)]
+        work = C.all_to_all_single(recv, send, self.group, [own.numel()] * self.dp_size, sizes, async_op=True)
+        self._count_sent(buf, key, self.wire_dtype)
 
         def epilogue():
             parts = recv.view(self.dp_size, -1).float()
-            self._chunk(buf).copy_(parts.sum(dim=0)).div_(self.dp_size)
+            own.copy_(parts.sum(dim=0)).div_(self.dp_size)
 
         return PendingReduction(work, epilogue)
 

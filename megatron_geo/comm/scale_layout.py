@@ -1,15 +1,16 @@
 """Which FP32 scale covers which elements of a bucket buffer (the "scale segments").
 
-A bucket buffer is ``dp_size`` chunks of ``chunk`` elements. Each chunk is cut into consecutive
-segments; every segment has one scale and belongs to one *scale group* whose amax sets that scale:
+A bucket buffer is cut into ``dp_size`` rank ranges ``[bounds[r], bounds[r + 1])`` (equal chunks in an even
+plan). Each range is cut into consecutive segments; every segment has one scale and belongs to one
+*scale group* whose amax sets that scale:
 
 - ``tensor`` scaling: a group is one parameter (the paper's layer-wise Euclidean FP8); a parameter
   split across two chunks gives one segment in each chunk, both with the parameter's scale.
   Padding gets its own segments (amax 0, scale 1).
-- ``block`` scaling: a group is one block of ``block_size`` elements; chunks are multiples of
+- ``block`` scaling: a group is one block of ``block_size`` elements; ranges are multiples of
   ``block_size`` (the shard plan aligns them), so blocks never straddle two ranks' shards.
 
-``seg_scales[r]`` (``[K]``, padded to the same K for every chunk) is what the all-to-all sends to rank r.
+``seg_scales[r]`` (``[K]``, padded to the same K for every range) is what the all-to-all sends to rank r.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ class ScaleLayout:
     """Per-bucket segment tables (all int64 tensors on the buffer's device).
 
     Attributes:
-        lengths: ``[dp, K]`` segment lengths per chunk, zero-padded to K; each row sums to ``chunk``.
+        lengths: ``[dp, K]`` segment lengths per range, zero-padded to K; row r sums to ``sizes[r]``.
         groups: ``[dp, K]`` scale-group id of each segment (padding segments: group ``num_groups - 1``, amax 0).
         num_groups: number of scale groups (including the padding group).
+        chunk: the range length of an even plan, else -1.
         block_size: set for block scaling (then every segment is one block), else None.
+        sizes: elements of each rank's range (python ints).
     """
 
     lengths: torch.Tensor
@@ -35,6 +38,12 @@ class ScaleLayout:
     num_groups: int
     chunk: int
     block_size: int | None
+    sizes: list[int] | None = None
+
+    @property
+    def numel(self) -> int:
+        """Elements of the whole bucket buffer."""
+        return sum(self.sizes)
 
     @property
     def dp_size(self) -> int:
@@ -47,7 +56,10 @@ class ScaleLayout:
     def group_amax(self, x: torch.Tensor) -> torch.Tensor:
         """Max |x| per scale group, float32 ``[num_groups]``; NaN anywhere in a group makes its amax NaN."""
         if self.block_size is not None:
-            return x.view(-1, self.block_size).abs().amax(dim=1)
+            amax = x.view(-1, self.block_size).abs().amax(dim=1)
+            if self.chunk >= 0:
+                return amax
+            return torch.cat([amax, amax.new_zeros(1)])  # + the padding group of uneven rows
         flat_len = self.lengths.reshape(-1)
         used = flat_len > 0
         # max/amax reductions propagate NaN (torch semantics), so a NaN anywhere reaches its group's amax
@@ -57,39 +69,64 @@ class ScaleLayout:
 
     def segment_values(self, group_values: torch.Tensor) -> torch.Tensor:
         """``[dp, K]`` per-segment values (e.g. scales) from per-group values; padded segments get 1."""
-        if self.block_size is not None:
+        if self.block_size is not None and self.chunk >= 0:
             return group_values.view(self.dp_size, -1)
         vals = group_values[self.groups]
         return torch.where(self.lengths > 0, vals, torch.ones_like(vals))
 
     def expand(self, seg_vals: torch.Tensor, chunk_index: int) -> torch.Tensor:
-        """Per-element values ``[..., chunk]`` of chunk ``chunk_index`` from ``seg_vals`` ``[..., K]``."""
+        """Per-element values ``[..., sizes[chunk_index]]`` of range ``chunk_index`` from ``seg_vals`` ``[..., K]``."""
+        n = self.sizes[chunk_index]
         if self.block_size is not None:
-            return seg_vals.repeat_interleave(self.block_size, dim=-1)
-        return seg_vals.repeat_interleave(self.lengths[chunk_index], dim=-1)
+            return seg_vals[..., : n // self.block_size].repeat_interleave(self.block_size, dim=-1)
+        return seg_vals.repeat_interleave(self.lengths[chunk_index], dim=-1, output_size=n)
+
+    def expand_all(self, seg_vals: torch.Tensor) -> torch.Tensor:
+        """Per-element values ``[numel]`` of the whole buffer from ``seg_vals`` ``[dp, K]`` (every range's own)."""
+        if self.block_size is not None and self.chunk >= 0:
+            return seg_vals.reshape(-1).repeat_interleave(self.block_size)
+        return seg_vals.reshape(-1).repeat_interleave(self.lengths.reshape(-1), output_size=self.numel)
 
 
-def build_scale_layout(offsets: list[int], numels: list[int], chunk: int, dp_size: int, scaling: str,
+def build_scale_layout(offsets: list[int], numels: list[int], bounds, dp_size: int, scaling: str,
                        block_size: int, device) -> ScaleLayout:
     """Segment tables for a bucket whose parameter i occupies ``[offsets[i], offsets[i] + numels[i])``.
 
+    ``bounds``: the ``dp_size + 1`` rank-range boundaries, or an int ``chunk`` (even ranges).
+
     Raises:
-        ValueError: block scaling with a chunk that is not a multiple of ``block_size``, or an unknown scaling.
+        ValueError: block scaling with a range that is not a multiple of ``block_size``, or an unknown scaling.
     """
+    if isinstance(bounds, int):
+        bounds = [r * bounds for r in range(dp_size + 1)]
+    sizes = [bounds[r + 1] - bounds[r] for r in range(dp_size)]
+    even = all(n == sizes[0] for n in sizes)
+    chunk = sizes[0] if even else -1
     if scaling == "block":
-        if chunk % block_size:
-            raise ValueError(f"chunk {chunk} is not a multiple of comm.block_size={block_size}")
-        k = chunk // block_size
-        lengths = torch.full((dp_size, k), block_size, dtype=torch.int64, device=device)
-        groups = torch.arange(dp_size * k, device=device).view(dp_size, k)
-        return ScaleLayout(lengths, groups, dp_size * k, chunk, block_size)
+        bad = [n for n in sizes if n % block_size]
+        if bad:
+            raise ValueError(f"chunk {bad[0]} is not a multiple of comm.block_size={block_size}")
+        if even:
+            k = chunk // block_size
+            lengths = torch.full((dp_size, k), block_size, dtype=torch.int64, device=device)
+            groups = torch.arange(dp_size * k, device=device).view(dp_size, k)
+            return ScaleLayout(lengths, groups, dp_size * k, chunk, block_size, sizes)
+        k = max(sizes) // block_size
+        n_blocks = bounds[-1] // block_size
+        lengths = torch.zeros((dp_size, k), dtype=torch.int64, device="cpu")
+        groups = torch.full((dp_size, k), n_blocks, dtype=torch.int64, device="cpu")
+        for r in range(dp_size):
+            kr = sizes[r] // block_size
+            lengths[r, :kr] = block_size
+            groups[r, :kr] = torch.arange(bounds[r] // block_size, bounds[r] // block_size + kr, device="cpu")
+        return ScaleLayout(lengths.to(device), groups.to(device), n_blocks + 1, chunk, block_size, sizes)
     if scaling != "tensor":
         raise ValueError(f"comm.scaling={scaling!r} is not supported; choose tensor or block")
     pad_group = len(numels)
     rows: list[list[tuple[int, int]]] = []
     spans = sorted((off, off + n, i) for i, (off, n) in enumerate(zip(offsets, numels)) if n > 0)
     for r in range(dp_size):
-        lo, hi = r * chunk, (r + 1) * chunk
+        lo, hi = bounds[r], bounds[r + 1]
         row, pos = [], lo
         for s, e, i in spans:
             s, e = max(s, lo), min(e, hi)
@@ -102,10 +139,10 @@ def build_scale_layout(offsets: list[int], numels: list[int], chunk: int, dp_siz
         if pos < hi:
             row.append((hi - pos, pad_group))
         rows.append(row)
-    k = max(len(r) for r in rows)
-    lengths = torch.zeros((dp_size, k), dtype=torch.int64)
-    groups = torch.full((dp_size, k), pad_group, dtype=torch.int64)
+    k = max(1, max(len(r) for r in rows))
+    lengths = torch.zeros((dp_size, k), dtype=torch.int64, device="cpu")
+    groups = torch.full((dp_size, k), pad_group, dtype=torch.int64, device="cpu")
     for r, row in enumerate(rows):
         for j, (n, g) in enumerate(row):
             lengths[r, j], groups[r, j] = n, g
-    return ScaleLayout(lengths.to(device), groups.to(device), pad_group + 1, chunk, None)
+    return ScaleLayout(lengths.to(device), groups.to(device), pad_group + 1, chunk, None, sizes)

@@ -1,12 +1,14 @@
 """Contiguous gradient and parameter buffers, split into buckets.
 
 Parameters are grouped in reverse registration order (roughly the order backward produces their
-gradients) into buckets of at least ``bucket_size`` elements. Each bucket owns
+gradients) into buckets of at least ``bucket_size`` elements, laid out over the DP ranks by
+:func:`~megatron_geo.distributed.shard_plan.plan_model` (even chunks, or whole-parameter ownership with
+uneven ranges when some parameters must be owned whole). Each bucket owns
 
-- ``grad_data``: FP32 ``[dp_size * chunk]``; ``param.main_grad`` is a view into it (gradients are
-  accumulated here in FP32 across micro-batches);
-- ``param_data``: model dtype ``[dp_size * chunk]``; ``param.data`` is re-pointed to a view into it,
-  so the all-gather of updated shards writes the model parameters in place.
+- ``grad_data``: FP32 ``[plan.buffer_numel]`` (the parameters plus alignment padding); ``param.main_grad``
+  is a view into it (gradients are accumulated here in FP32 across micro-batches);
+- ``param_data``: model dtype ``[plan.buffer_numel]``; ``param.data`` is re-pointed to a view into it,
+  so the gather of updated ranges writes the model parameters in place.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .shard_plan import ShardPlan, plan_shards
+from .shard_plan import ADAMW_FLOPS_PER_ELEMENT, ParamSpec, ShardPlan, plan_model
 
 
 @dataclass
@@ -34,33 +36,28 @@ class Bucket:
         return sum(p.numel() for p in self.params)
 
 
+def default_flops(p: nn.Parameter) -> float:
+    """Optimizer FLOPs per step of an element-wise (AdamW) update of ``p``."""
+    return ADAMW_FLOPS_PER_ELEMENT * p.numel()
+
+
 def build_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_size: int, dp_size: int,
-                  atomic_fn, align: int = 1) -> list[Bucket]:
+                  atomic_fn, align: int = 1, flops_fn=default_flops) -> list[Bucket]:
     """Group parameters into buckets and move them into contiguous buffers.
 
     Args:
         named_params: ``(name, parameter)`` in registration order; all on one device and dtype.
-        bucket_size: minimum elements per bucket (the last bucket may be smaller).
-        dp_size: data-parallel size (number of chunks per bucket).
+        bucket_size: minimum elements per bucket (the last bucket of each kind may be smaller).
+        dp_size: data-parallel size.
         atomic_fn: ``param -> bool``, True if the parameter must be owned whole by one DP rank.
-        align: chunk alignment in elements.
+        align: every rank's range is a multiple of this many elements.
+        flops_fn: ``param -> float``, optimizer FLOPs per step of owning ``param`` (balances ownership).
     """
-    groups: list[list[tuple[str, nn.Parameter]]] = [[]]
-    count = 0
-    for name, p in reversed(named_params):
-        if not p.requires_grad:
-            continue
-        groups[-1].append((name, p))
-        count += p.numel()
-        if count >= bucket_size:
-            groups.append([])
-            count = 0
-    groups = [g for g in groups if g]
+    group = [(n, p) for n, p in reversed(named_params) if p.requires_grad]
+    specs = [ParamSpec(p.numel(), bool(atomic_fn(p)), float(flops_fn(p))) for _, p in group]
     buckets = []
-    for bi, group in enumerate(groups):
-        params = [p for _, p in group]
-        numels = [p.numel() for p in params]
-        plan = plan_shards(numels, [bool(atomic_fn(p)) for p in params], dp_size, align)
+    for bi, (idx, plan) in enumerate(plan_model(specs, bucket_size, dp_size, align)):
+        params = [group[i][1] for i in idx]
         dev, dtype = params[0].device, params[0].dtype
         grad_data = torch.zeros(plan.buffer_numel, dtype=torch.float32, device=dev)
         param_data = torch.zeros(plan.buffer_numel, dtype=dtype, device=dev)
@@ -70,5 +67,5 @@ def build_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_size: int
             view.copy_(p.data)
             p.data = view
             p.main_grad = grad_data[off:off + n].view_as(p)
-        buckets.append(Bucket(bi, params, [n for n, _ in group], plan, grad_data, param_data))
+        buckets.append(Bucket(bi, params, [group[i][0] for i in idx], plan, grad_data, param_data))
     return buckets

@@ -3,8 +3,9 @@
 For each piece of a bucket this rank owns (see :mod:`.shard_plan`), a main param is created:
 the whole parameter (its own shape) for atomic pieces, or a flat FP32 slice for split pieces of
 element-wise (AdamW) parameters. ``main.grad`` is a persistent view into the bucket's FP32 gradient
-buffer, so the reduce-scatter writes straight into it. After the step the main params are copied into
-the bucket's parameter buffer and all-gathered over DP (Megatron's ZeRO-1 style distributed optimizer).
+buffer, so the reduction writes straight into it. After the step the main params are copied into
+the bucket's parameter buffer and gathered over DP (Megatron's ZeRO-1 style distributed optimizer): one
+all-gather per bucket for even plans, one broadcast per owner range for whole-parameter plans.
 
 With ``sharded=False`` every rank owns every parameter whole (the all-reduce path, no all-gather).
 
@@ -21,11 +22,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..comm.collectives import all_gather_flat
 from ..config.schema import OptimizerConfig
 from ..optim import build_muon
 from ..parallel import ParallelContext
 from .buckets import Bucket
+from ..parallel import collectives as C
 
 
 @dataclass
@@ -103,9 +104,9 @@ class DistributedOptimizer:
             if m.count_in_norm:
                 sq += m.main.grad.double().pow(2).sum()
         if self.sharded:
-            dist.all_reduce(sq, group=self.pctx.world_group)
+            C.all_reduce(sq, self.pctx.world_group)
         elif self.pctx.tp_size > 1:
-            dist.all_reduce(sq, group=self.pctx.tp_group)
+            C.all_reduce(sq, self.pctx.tp_group)
         return math.sqrt(sq.item()) if math.isfinite(sq.item()) else float("nan")
 
     def clip(self, norm: float, max_norm: float) -> None:
@@ -130,10 +131,10 @@ class DistributedOptimizer:
                 n = m.main.numel()
                 m.bucket.param_data[m.buffer_start:m.buffer_start + n].copy_(m.main.reshape(-1))
             if self.sharded and self.pctx.dp_size > 1:
-                for b in self.buckets:
-                    c = b.plan.chunk
-                    shard = b.param_data[self.pctx.dp_rank * c:(self.pctx.dp_rank + 1) * c].clone()
-                    all_gather_flat(b.param_data, shard, group=self.pctx.dp_group)
+                works = [C.all_gather_ranges(b.param_data, b.plan.bounds, self.pctx.dp_group, async_op=True)
+                         for b in self.buckets]
+                for w in works:
+                    w.wait()
 
     def optimizer_of(self, m: MainParam) -> torch.optim.Optimizer:
         """The torch optimizer that updates ``m.main``."""

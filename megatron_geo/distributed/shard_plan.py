@@ -1,18 +1,38 @@
 """Where each parameter lives in a bucket's flat buffer and which DP rank owns which part.
 
-A bucket's buffer is ``dp_size`` equal chunks of ``chunk`` elements; chunk r is DP rank r's shard (what
-the reduce-scatter leaves on rank r and what the all-gather collects from it). Every parameter occupies
-one contiguous range of the buffer, so its gradient is a plain view.
+A bucket's buffer holds its parameters back to back; DP rank r owns the contiguous range
+``[bounds[r], bounds[r + 1])`` of it (what the reduction leaves on rank r and what the parameter gather
+sends from it). Every parameter occupies one contiguous range of the buffer, so its gradient is a plain view.
 
 Two kinds of parameter:
 - *atomic* parameters must be owned whole by one rank (Muon orthogonalises whole matrices; GeoFP8's
-  inverse transform needs whole rows). They never cross a chunk boundary.
+  inverse transform needs whole rows).
 - *splittable* parameters (element-wise optimizers such as AdamW) may be cut at any element, as in
-  Megatron's distributed optimizer, and fill the space the atomic ones leave, so padding stays small.
+  Megatron's distributed optimizer.
 
-The chunk is the smallest size (searched upward from ``ceil(total / dp_size)``, rounded to ``align``)
-for which a greedy packing places everything: per chunk, first the rest of a splittable parameter
-carried over from the previous chunk, then atomic parameters largest first, then new splittable ones.
+Two plans, chosen per model by :func:`plan_model`:
+
+*Even* (no atomic parameter, or DP = 1): each bucket is ``dp_size`` equal chunks (``bounds[r] = r * chunk``)
+padded only to ``align`` -- the classic reduce-scatter / all-gather layout (:func:`plan_shards`).
+
+*Whole-parameter* (some atomic parameters, DP > 1): padding every chunk up to the largest matrix would make
+the buffers ``dp_size x largest / mean`` times too big (7.9x for Llama-600M at DP = 64). Instead atomic and
+splittable parameters go to separate buckets and owners get *uneven* ranges:
+
+1. atomic parameters are assigned to ranks over the whole model, largest optimizer cost first (Muon's
+   Newton-Schulz costs ~ ``m n min(m, n)`` FLOPs per step, an element-wise update ~ its element count),
+   each to the rank where the larger of its normalised FLOP and byte load stays smallest;
+2. splittable elements fill each rank up to a common water level, so every rank owns about
+   ``total / dp_size`` elements (their owners are consecutive ranks along the splittable buckets);
+3. in an atomic bucket the parameters are laid out in owner order, so each rank's range is contiguous;
+   every range is padded to a multiple of ``align`` (quantisation and rotation blocks never straddle ranks).
+
+Cost: the reduction of an uneven bucket is one reduce per owner range (FP32) or an all-to-all with split
+sizes (low-precision codecs, FP32 sum on the owner); the parameter gather is one broadcast per owner range
+(NCCL coalesces them). A rank sends ``S - own`` elements of a bucket of S in either direction, the same as
+a ring reduce-scatter / all-gather of an unpadded buffer, and the per-step totals stay balanced because
+every rank owns about the same number of elements. Padding is at most ``dp_size x (align - 1)`` elements per
+bucket. The price is more (smaller) collectives per bucket, i.e. latency, not bandwidth.
 """
 
 from __future__ import annotations
@@ -37,16 +57,41 @@ class Piece:
 
 @dataclass
 class ShardPlan:
-    """Layout of one bucket: ``offsets[i]`` is where parameter i starts; ``pieces[r]`` what rank r owns."""
+    """Layout of one bucket: ``offsets[i]`` is where parameter i starts; ``pieces[r]`` what rank r owns;
+    rank r owns buffer elements ``[bounds[r], bounds[r + 1])`` (``len(bounds) == dp_size + 1``)."""
 
-    chunk: int
-    dp_size: int
+    bounds: list[int]
     offsets: list[int]
     pieces: list[list[Piece]] = field(default_factory=list)
 
     @property
+    def dp_size(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
     def buffer_numel(self) -> int:
-        return self.chunk * self.dp_size
+        return self.bounds[-1]
+
+    @property
+    def even(self) -> bool:
+        """True when every rank's range has the same length (the classic reduce-scatter layout)."""
+        sizes = self.sizes
+        return all(n == sizes[0] for n in sizes)
+
+    @property
+    def sizes(self) -> list[int]:
+        return [self.bounds[r + 1] - self.bounds[r] for r in range(self.dp_size)]
+
+    @property
+    def chunk(self) -> int:
+        """The per-rank range length of an even plan.
+
+        Raises:
+            ValueError: the plan is uneven (whole-parameter ownership); use ``bounds``.
+        """
+        if not self.even:
+            raise ValueError("this bucket's ranges are uneven (whole-parameter ownership); use plan.bounds")
+        return self.bounds[1] - self.bounds[0]
 
     def padding(self, numels: list[int]) -> int:
         """Elements of the buffer that hold no parameter."""
@@ -99,11 +144,14 @@ def _try_pack(numels: list[int], atomic: list[bool], dp: int, chunk: int) -> Sha
         si += 1
     if atoms or carry_idx is not None or si < len(splits):
         return None
-    return ShardPlan(chunk, dp, offsets, pieces)
+    return ShardPlan([r * chunk for r in range(dp + 1)], offsets, pieces)
 
 
 def plan_shards(numels: list[int], atomic: list[bool], dp_size: int, align: int = 1) -> ShardPlan:
-    """Pack parameters of one bucket into ``dp_size`` equal chunks.
+    """Pack parameters of one bucket into ``dp_size`` equal chunks (the even plan).
+
+    With atomic parameters every chunk is at least the largest of them, so use :func:`plan_model` for
+    models with atomic parameters at DP > 1.
 
     Args:
         numels: element count of each parameter (in bucket order).
@@ -125,3 +173,172 @@ def plan_shards(numels: list[int], atomic: list[bool], dp_size: int, align: int 
         if plan is not None:
             return plan
         chunk = _ceil_to(chunk + max(1, chunk // 32), align)
+
+
+# -- whole-model planning ---------------------------------------------------------------------------------------------
+
+ADAMW_FLOPS_PER_ELEMENT = 12.0
+"""Approximate FLOPs of one AdamW update per element (moments, bias correction, sqrt, divide, decay)."""
+
+
+def newton_schulz_flops(shape: tuple[int, ...], steps: int = 5) -> float:
+    """FLOPs of Muon's Newton-Schulz orthogonalisation of an ``m x n`` matrix (``steps`` quintic iterations).
+
+    With ``k = min(m, n)``, ``K = max(m, n)`` one iteration forms ``A = X X^T`` (``2 k^2 K``), ``B = b A + c A^2``
+    (``2 k^3``) and ``B X`` (``2 k^2 K``): about ``4 k^2 K + 2 k^3``, i.e. ~ ``m n min(m, n)`` (Jordan et al. 2024).
+    """
+    m, n = shape[0], math.prod(shape[1:]) if len(shape) > 1 else 1
+    k, big = min(m, n), max(m, n)
+    return float(steps) * (4.0 * k * k * big + 2.0 * k ** 3)
+
+
+@dataclass
+class ParamSpec:
+    """What the planner needs of one parameter: elements, whether one rank must own it whole, and the
+    optimizer FLOPs per step of owning it (``newton_schulz_flops`` for Muon, ~12 per element for AdamW)."""
+
+    numel: int
+    atomic: bool
+    flops: float
+
+
+def group_in_buckets(indices: list[int], numels: list[int], bucket_size: int) -> list[list[int]]:
+    """Consecutive groups of ``indices`` with at least ``bucket_size`` elements each (the last may be smaller)."""
+    groups: list[list[int]] = [[]]
+    count = 0
+    for i in indices:
+        groups[-1].append(i)
+        count += numels[i]
+        if count >= bucket_size:
+            groups.append([])
+            count = 0
+    return [g for g in groups if g]
+
+
+def assign_owners(specs: list[ParamSpec], dp_size: int) -> list[int]:
+    """Owner rank of every atomic parameter (-1 for splittable ones), balancing FLOPs and bytes.
+
+    Largest FLOPs first, each parameter goes to the rank where ``max(flops / mean_flops, elements /
+    mean_elements)`` after adding it is smallest (ties: fewer FLOPs, fewer elements, lower rank); the means
+    are over the whole model, splittable parameters included (they fill the byte gaps later).
+    """
+    total_el = max(sum(s.numel for s in specs), 1)
+    total_fl = max(sum(s.flops for s in specs), 1.0)
+    mean_el, mean_fl = total_el / dp_size, total_fl / dp_size
+    F, B = [0.0] * dp_size, [0] * dp_size
+    owner = [-1] * len(specs)
+    for i in sorted((i for i, s in enumerate(specs) if s.atomic), key=lambda i: (-specs[i].flops, -specs[i].numel, i)):
+        s = specs[i]
+        r = min(range(dp_size), key=lambda r: (max((F[r] + s.flops) / mean_fl, (B[r] + s.numel) / mean_el),
+                                               F[r] + s.flops, B[r] + s.numel, r))
+        owner[i] = r
+        F[r] += s.flops
+        B[r] += s.numel
+    return owner
+
+
+def splittable_quotas(atomic_elements: list[int], splittable_total: int) -> list[int]:
+    """Elements of splittable parameters per rank: water-filling up to a common level ``L`` so that
+    ``max_r(atomic_r + quota_r)`` is as small as it can be; the quotas sum to ``splittable_total``."""
+    if splittable_total <= 0:
+        return [0] * len(atomic_elements)
+    lo, hi = 0, max(atomic_elements) + splittable_total
+    while lo < hi:  # smallest integer level that holds everything
+        mid = (lo + hi) // 2
+        if sum(max(0, mid - b) for b in atomic_elements) >= splittable_total:
+            hi = mid
+        else:
+            lo = mid + 1
+    q = [max(0, lo - b) for b in atomic_elements]
+    excess = sum(q) - splittable_total
+    for r in range(len(q)):
+        if excess == 0:
+            break
+        if q[r] > 0:
+            q[r] -= 1
+            excess -= 1
+    return q
+
+
+def _atomic_bucket(idx: list[int], specs: list[ParamSpec], owner: list[int], dp: int, align: int) -> ShardPlan:
+    offsets = [0] * len(idx)
+    pieces: list[list[Piece]] = [[] for _ in range(dp)]
+    bounds, pos = [0], 0
+    for r in range(dp):
+        start = pos
+        for j, i in enumerate(idx):
+            if owner[i] == r:
+                offsets[j] = pos
+                pieces[r].append(Piece(j, 0, specs[i].numel, pos))
+                pos += specs[i].numel
+        if pos > start:
+            pos = _ceil_to(pos, align)
+        bounds.append(pos)
+    return ShardPlan(bounds, offsets, pieces)
+
+
+def _splittable_bucket(idx: list[int], specs: list[ParamSpec], stream_start: int, cuts: list[int], align: int
+                       ) -> ShardPlan:
+    offsets, pos = [], 0
+    for i in idx:
+        offsets.append(pos)
+        pos += specs[i].numel
+    padded = _ceil_to(pos, align)
+    dp = len(cuts) - 1
+    bounds = [0] + [min(max(cuts[r] - stream_start, 0) // align * align, padded) for r in range(1, dp)] + [padded]
+    pieces: list[list[Piece]] = [[] for _ in range(dp)]
+    for r in range(dp):
+        lo_r, hi_r = bounds[r], bounds[r + 1]
+        for j, i in enumerate(idx):
+            lo, hi = max(offsets[j], lo_r), min(offsets[j] + specs[i].numel, hi_r)
+            if lo < hi:
+                pieces[r].append(Piece(j, lo - offsets[j], hi - offsets[j], lo))
+    return ShardPlan(bounds, offsets, pieces)
+
+
+def plan_model(specs: list[ParamSpec], bucket_size: int, dp_size: int, align: int = 1
+               ) -> list[tuple[list[int], ShardPlan]]:
+    """Group the model's parameters into buckets and lay each bucket out over the DP ranks.
+
+    Args:
+        specs: every parameter that needs a gradient, in the order backward produces them (reverse
+            registration order).
+        bucket_size: minimum elements per bucket (the last bucket of each kind may be smaller).
+        dp_size: data-parallel size (>= 1).
+        align: every rank's range is a multiple of this many elements.
+
+    Returns:
+        ``[(indices into specs, plan), ...]`` in launch order (by each bucket's first parameter in backward
+        order); plan offsets and pieces index into that bucket's ``indices``. Even plans when no parameter is
+        atomic or ``dp_size == 1`` (see the module docstring), whole-parameter plans otherwise.
+
+    Raises:
+        ValueError: ``dp_size`` or ``align`` below 1, or ``bucket_size`` below 1.
+    """
+    if dp_size < 1 or align < 1 or bucket_size < 1:
+        raise ValueError(f"dp_size={dp_size}, align={align} and bucket_size={bucket_size} must be >= 1")
+    numels = [s.numel for s in specs]
+    order = list(range(len(specs)))
+    if dp_size == 1 or not any(s.atomic for s in specs):
+        return [(g, plan_shards([numels[i] for i in g], [False] * len(g), dp_size, align))
+                for g in group_in_buckets(order, numels, bucket_size)]
+    owner = assign_owners(specs, dp_size)
+    atomic_el = [0] * dp_size
+    for i, r in enumerate(owner):
+        if r >= 0:
+            atomic_el[r] += specs[i].numel
+    a_groups = group_in_buckets([i for i in order if specs[i].atomic], numels, bucket_size)
+    s_groups = group_in_buckets([i for i in order if not specs[i].atomic], numels, bucket_size)
+    groups = sorted([(g, True) for g in a_groups] + [(g, False) for g in s_groups], key=lambda t: t[0][0])
+    quotas = splittable_quotas(atomic_el, sum(numels[i] for g in s_groups for i in g))
+    cuts = [0]
+    for q in quotas:
+        cuts.append(cuts[-1] + q)
+    out, stream = [], 0
+    for g, is_atomic in groups:
+        if is_atomic:
+            out.append((g, _atomic_bucket(g, specs, owner, dp_size, align)))
+        else:
+            out.append((g, _splittable_bucket(g, specs, stream, cuts, align)))
+            stream += sum(numels[i] for i in g)
+    return out

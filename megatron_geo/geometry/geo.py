@@ -21,6 +21,7 @@ from torch import nn
 
 from .power_search import pick_powers, roundtrip_errors, with_power
 from .stats import InputStats
+from ..parallel import collectives as C
 from .transform import (LowRankTransform, build_transform, build_transform_from_sketch, identity_transform,
                         sketch_matrix)
 
@@ -124,7 +125,7 @@ class GeoState:
         """All-reduce the profile over DP (every rank picks the same set) and keep the top layers."""
         names = sorted(self.hits)
         rates = torch.tensor([self.hits[n] / max(self.profiled, 1) for n in names], dtype=torch.float64)
-        dist.all_reduce(rates, group=self.dp_group)
+        C.all_reduce(rates, self.dp_group)
         order = sorted(range(len(names)), key=lambda i: (-rates[i].item(), names[i]))
         top = [names[i] for i in order[: self.auto_layers]]
         self.selected = {n: self.candidates[n] for n in top}
@@ -186,7 +187,7 @@ class GeoState:
         k = self.stats.sketches[name].shape[1] if name in self.stats.sketches else d_in
         r = min(self.rank, k, d_in)
         buf = torch.cat([t.U.reshape(-1), t.d]) if t is not None else torch.empty(d_in * r + r, device=p.device)
-        dist.broadcast(buf, src=dist.get_global_rank(self.dp_group, owner), group=self.dp_group)
+        C.broadcast(buf, self.dp_group, owner)
         if t is not None:
             return t
         return LowRankTransform(buf[: d_in * r].view(d_in, r).clone(), buf[d_in * r:].clone())
@@ -201,7 +202,7 @@ class GeoState:
                             for n in names])
         dev = transforms[names[0]].U.device if names else torch.device("cpu")
         errs = errs.to(dev)
-        dist.all_reduce(errs, group=self.dp_group)
+        C.all_reduce(errs, self.dp_group)
         chosen = pick_powers(errs.cpu(), list(self.power_search))
         for n, p in zip(names, chosen):
             transforms[n] = with_power(transforms[n], p)
@@ -218,8 +219,8 @@ class GeoState:
         names = sorted(transforms)
         digest = torch.tensor([int(transforms[n].checksum()[:15], 16) for n in names], dtype=torch.int64)
         lo, hi = digest.clone(), digest.clone()
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.dp_group)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.dp_group)
+        C.all_reduce(lo, self.dp_group, op=dist.ReduceOp.MIN)
+        C.all_reduce(hi, self.dp_group, op=dist.ReduceOp.MAX)
         bad = [n for n, a, b in zip(names, lo.tolist(), hi.tolist()) if a != b]
         if bad:
             raise TransformMismatchError(

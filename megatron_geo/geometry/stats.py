@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..parallel import collectives as C
+
 
 class InputStats:
     """Accumulates ``sum_t a_t a_t^T`` (FP32, ``[d_in, d_in]``) and the token count per module name.
@@ -81,9 +83,9 @@ class InputStats:
             # exactly up to 2^24 tokens summed over the DP group per refresh; the trace only scales the damping)
             buf = torch.cat([s.reshape(-1), s.new_tensor([self.counts[name], self.traces.get(name, 0.0)])])
             if owners is None:
-                dist.all_reduce(buf, group=dp_group)
+                C.all_reduce(buf, dp_group)
             else:
-                dist.reduce(buf, dst=dist.get_global_rank(dp_group, owners[name]), group=dp_group)
+                C.reduce(buf, dp_group, owners[name])
                 if owners[name] != me:
                     out[name] = None
                     continue

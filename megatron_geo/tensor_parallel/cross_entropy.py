@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..parallel import collectives as C
+
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
@@ -23,7 +25,7 @@ class _VocabParallelCE(torch.autograd.Function):
             logits = logits.masked_fill(pad, torch.finfo(logits.dtype).min)
         m = logits.max(dim=-1).values
         if dist.get_world_size(group) > 1:
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+            C.all_reduce(m, group, op=dist.ReduceOp.MAX)
         shifted = logits - m.unsqueeze(-1)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
@@ -32,7 +34,7 @@ class _VocabParallelCE(torch.autograd.Function):
         t_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * in_range
         if dist.get_world_size(group) > 1:
             stacked = torch.stack([sum_exp, t_logit])
-            dist.all_reduce(stacked, group=group)
+            C.all_reduce(stacked, group)
             sum_exp, t_logit = stacked[0], stacked[1]
         loss = sum_exp.log() - t_logit
         ctx.save_for_backward(exp, sum_exp, local_t, in_range)

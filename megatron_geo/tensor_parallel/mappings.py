@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..parallel import collectives as C
+
 
 def _size(group) -> int:
     return dist.get_world_size(group)
@@ -26,7 +28,7 @@ class _CopyToTP(torch.autograd.Function):
     def backward(ctx, g):
         if _size(ctx.group) > 1:
             g = g.contiguous()
-            dist.all_reduce(g, group=ctx.group)
+            C.all_reduce(g, ctx.group)
         return g, None
 
 
@@ -37,7 +39,7 @@ class _ReduceFromTP(torch.autograd.Function):
     def forward(ctx, x, group):
         if _size(group) > 1:
             x = x.contiguous()
-            dist.all_reduce(x, group=group)
+            C.all_reduce(x, group)
         return x
 
     @staticmethod
@@ -50,7 +52,7 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
     if n == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(n)]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    C.all_gather_list(parts, x.contiguous(), group)
     return torch.cat(parts, dim=-1)
 
 

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from ..config import Config, ConfigError
 from ..data import GPTDataset, IndexedDataset, Tokenizer, collate, dp_batch_indices, prepare_default_corpus
 from ..parallel import ParallelContext
+from ..parallel import collectives as C
 
 
 @dataclass
@@ -31,7 +32,7 @@ def build_data(cfg: Config, pctx: ParallelContext) -> DataBundle:
         cache = os.path.expanduser(d.cache_dir)
         if pctx.rank == 0:
             prepare_default_corpus(cache, m.vocab_size)
-        dist.barrier(group=pctx.world_group)
+        C.barrier(pctx.world_group)
         paths = prepare_default_corpus(cache, m.vocab_size)
         tok_path, train_prefix, valid_prefix = paths.tokenizer_model, paths.train_prefix, paths.valid_prefix
     else:

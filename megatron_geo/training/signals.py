@@ -11,6 +11,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from ..parallel import collectives as C
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -33,7 +35,7 @@ class StopRequest:
 
     def requested(self, group, device) -> bool:
         flag = torch.tensor([0 if self.signal is None else int(self.signal)], dtype=torch.int64, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        C.all_reduce(flag, group, op=dist.ReduceOp.MAX)
         if flag.item() and self.signal is None:
             self.signal = int(flag.item())
         return bool(flag.item())

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..distributed import DistributedOptimizer, GradSync
 from ..parallel import ParallelContext
+from ..parallel import collectives as C
 
 
 @dataclass
@@ -47,7 +48,7 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict], grad_sync: Gra
     dev = pctx.device
     local_tokens = sum(mb["loss_mask"].sum() for mb in micro_batches)
     count = torch.tensor([float(local_tokens)], dtype=torch.float64, device=dev)
-    dist.all_reduce(count, group=pctx.dp_group)
+    C.all_reduce(count, pctx.dp_group)
     global_tokens = count.item()
     scale = pctx.dp_size / max(global_tokens, 1.0)
 
@@ -72,7 +73,7 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict], grad_sync: Gra
     if geo is not None:
         geo.end_profiled_step()
 
-    dist.all_reduce(loss_sum, group=pctx.dp_group)
+    C.all_reduce(loss_sum, pctx.dp_group)
     norm = optimizer.grad_norm()
     skipped = not math.isfinite(norm)
     if not skipped:
@@ -93,6 +94,6 @@ def evaluate(model: torch.nn.Module, micro_batches: list[dict], pctx: ParallelCo
             per_token = model(tokens, labels)
         acc[0] += (per_token * mask).sum().double()
         acc[1] += mask.sum().double()
-    dist.all_reduce(acc, group=pctx.dp_group)
+    C.all_reduce(acc, pctx.dp_group)
     model.train()
     return (acc[0] / acc[1].clamp(min=1)).item()

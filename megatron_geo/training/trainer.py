@@ -16,6 +16,7 @@ from ..comm import build_reducer
 from ..config import Config, ConfigError, config_to_dict, dump_config, load_config, validate_config
 from ..config.validate import parse_power_search
 from ..distributed import DistributedOptimizer, GradSync, build_buckets
+from ..distributed.shard_plan import ADAMW_FLOPS_PER_ELEMENT, newton_schulz_flops
 from ..geometry import GeoState
 from ..model import Llama, count_parameters, flops_per_token
 from ..parallel import LaunchError, ParallelContext, destroy_parallel, detect_launch_env, init_parallel
@@ -89,6 +90,15 @@ def build_geo(cfg: Config, model: torch.nn.Module, pctx: ParallelContext) -> Geo
         raise ConfigError(str(e)) from None
 
 
+def optimizer_flops_fn(optimizer_name: str):
+    """``param -> optimizer FLOPs per step`` (Newton-Schulz for Muon matrices, element-wise otherwise)."""
+    def flops(p: torch.nn.Parameter) -> float:
+        if optimizer_name == "muon" and getattr(p, "use_muon", False):
+            return newton_schulz_flops(tuple(p.shape))
+        return ADAMW_FLOPS_PER_ELEMENT * p.numel()
+    return flops
+
+
 def build_model_and_optimizer(cfg: Config, pctx: ParallelContext):
     """Model on the device, its bucketed gradient path, reducer and distributed optimizer."""
     dtype = torch.bfloat16 if cfg.train.param_dtype == "bf16" else torch.float32
@@ -98,14 +108,15 @@ def build_model_and_optimizer(cfg: Config, pctx: ParallelContext):
     geo_ids = {id(p) for p in geo.params.values()} if geo else set()
     reducer = build_reducer(cfg.comm, pctx.dp_group, pctx.dp_size, pctx.dp_rank, seed=cfg.train.seed,
                             device=pctx.device)
+    sharded = cfg.parallel.distributed_optimizer
     buckets = build_buckets(list(model.named_parameters()), cfg.parallel.bucket_size, pctx.dp_size,
-                            atomic_fn=lambda p: (muon and getattr(p, "use_muon", False)) or id(p) in geo_ids,
-                            align=reducer.alignment())
+                            atomic_fn=lambda p: sharded and ((muon and getattr(p, "use_muon", False))
+                                                             or id(p) in geo_ids),
+                            align=reducer.alignment(), flops_fn=optimizer_flops_fn(cfg.optimizer.name))
     for b in buckets:
-        reducer.register_bucket(b.index, b.plan.offsets, [p.numel() for p in b.params], b.plan.chunk, pctx.device)
+        reducer.register_bucket(b.index, b.plan.offsets, [p.numel() for p in b.params], b.plan.bounds, pctx.device)
     if geo is not None:
         reducer.attach_geo(geo, buckets)
-    sharded = cfg.parallel.distributed_optimizer
     grad_sync = GradSync(buckets, reducer, sharded=sharded, overlap=cfg.parallel.overlap_grad_reduce)
     optimizer = DistributedOptimizer(buckets, cfg.optimizer, pctx, sharded=sharded)
     return model, buckets, reducer, grad_sync, optimizer

@@ -1,0 +1,205 @@
+"""Every collective of the package goes through this module, which checks each tensor's device first.
+
+NCCL accepts only CUDA tensors and gloo only CPU tensors; a control tensor created without
+``device=pctx.device`` (a checksum, a profile, a checkpoint flag) works with gloo on CPU and crashes the
+first NCCL collective on GPUs. Here every tensor handed to a collective is checked against the device
+type its process group's backend needs, so the mistake is a clear :class:`CollectiveDeviceError` naming
+the collective and the tensor, on every backend.
+
+:func:`strict_devices` is the CPU test mode for the same class of bug: inside it, a tensor factory
+(``torch.tensor``, ``zeros``, ``empty``, ``randint``, ...) called from this package *without* a
+``device=`` argument creates its tensor on the ``meta`` device. On a GPU such a tensor would be on the CPU
+while the process group wants CUDA; under the test mode it is on ``meta`` while gloo wants CPU, so the
+device check (or the first op mixing it with real data) fails just as NCCL would.
+
+Uneven collectives (whole-parameter ownership, see :mod:`megatron_geo.distributed.shard_plan`):
+:func:`reduce_ranges` (one reduce per owned range, onto its owner) and :func:`all_gather_ranges`
+(the owners' ranges to everyone: coalesced broadcasts, which is how ``torch.distributed.all_gather``
+handles uneven sizes on NCCL; gloo has no uneven all-gather, so there a broadcast per owner is issued).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+_BACKEND_DEVICE = {"nccl": "cuda", "gloo": "cpu"}
+
+
+class CollectiveDeviceError(RuntimeError):
+    """A tensor handed to a collective is not on the device type its process group's backend needs."""
+
+
+class _Done:
+    """A finished work handle (nothing was sent)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class _Works:
+    """Several async works waited as one."""
+
+    def __init__(self, works):
+        self.works = [w for w in works if w is not None]
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+
+def required_device_type(group) -> str | None:
+    """``"cuda"`` for an NCCL group, ``"cpu"`` for gloo, None for backends that take any (``fake``)."""
+    try:
+        backend = str(dist.get_backend(group)).lower()
+    except (RuntimeError, ValueError):
+        return None
+    return _BACKEND_DEVICE.get(backend)
+
+
+def check_devices(op: str, group, *tensors: torch.Tensor) -> None:
+    """Raise :class:`CollectiveDeviceError` when a tensor is not on the device type ``group`` needs.
+
+    Also rejects ``meta`` tensors on any backend (they hold no data; under :func:`strict_devices` they are
+    tensors this package created without naming a device).
+    """
+    need = required_device_type(group)
+    for i, t in enumerate(tensors):
+        dev = t.device.type
+        if dev == "meta" or (need is not None and dev != need):
+            raise CollectiveDeviceError(
+                f"{op}: tensor {i} ({t.dtype}, shape {tuple(t.shape)}) is on {t.device} but the process group's "
+                f"backend ({dist.get_backend(group)}) needs {need or 'real'} tensors; create it with "
+                f"device=pctx.device (or move it with .to(device)) before the collective")
+
+
+# -- even collectives -------------------------------------------------------------------------------------------
+
+def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
+    check_devices("all_reduce", group, t)
+    return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+
+
+def broadcast(t: torch.Tensor, group, group_src: int, async_op: bool = False):
+    """Broadcast from the rank with index ``group_src`` within ``group``."""
+    check_devices("broadcast", group, t)
+    return dist.broadcast(t, src=dist.get_global_rank(group, group_src), group=group, async_op=async_op)
+
+
+def reduce(t: torch.Tensor, group, group_dst: int, async_op: bool = False):
+    """Sum onto the rank with index ``group_dst`` within ``group`` (other ranks' ``t`` is undefined after)."""
+    check_devices("reduce", group, t)
+    return dist.reduce(t, dst=dist.get_global_rank(group, group_dst), group=group, async_op=async_op)
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
+    """``out`` (``[world * n]``) = every rank's ``inp`` (``[n]``) in rank order."""
+    check_devices("all_gather", group, out, inp)
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
+    """``out`` (``[n]``) = sum over ranks of chunk ``rank`` of ``inp`` (``[world * n]``)."""
+    check_devices("reduce_scatter", group, out, inp)
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def all_gather_list(parts: list[torch.Tensor], t: torch.Tensor, group, async_op: bool = False):
+    check_devices("all_gather", group, t, *parts)
+    return dist.all_gather(parts, t, group=group, async_op=async_op)
+
+
+def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group, out_splits: list[int] | None = None,
+                      in_splits: list[int] | None = None, async_op: bool = False):
+    """``torch.distributed.all_to_all_single`` (split sizes in elements of dim 0, ``None`` = even)."""
+    check_devices("all_to_all", group, out, inp)
+    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
+
+
+def barrier(group) -> None:
+    dist.barrier(group=group)
+
+
+# -- uneven collectives over contiguous owner ranges --------------------------------------------------------------
+
+def reduce_ranges(buf: torch.Tensor, bounds: list[int], group, async_op: bool = True):
+    """Sum ``buf[bounds[r]:bounds[r + 1]]`` over ``group`` onto rank r, for every r with a non-empty range.
+
+    Each reduce is one ring/tree collective of that range's size, so a rank sends about as many bytes as an
+    even reduce-scatter of ``buf`` would, without any padding. Other ranks' copies of the range are
+    undefined afterwards (the reduce's scratch).
+    """
+    check_devices("reduce", group, buf)
+    works = [reduce(buf[bounds[r]:bounds[r + 1]], group, r, async_op=True)
+             for r in range(len(bounds) - 1) if bounds[r + 1] > bounds[r]]
+    w = _Works(works)
+    if not async_op:
+        w.wait()
+    return w
+
+
+def all_gather_ranges(buf: torch.Tensor, bounds: list[int], group, async_op: bool = True):
+    """Every rank's range ``buf[bounds[r]:bounds[r + 1]]`` from its owner r to all ranks, in place."""
+    check_devices("all_gather", group, buf)
+    world = len(bounds) - 1
+    sizes = [bounds[r + 1] - bounds[r] for r in range(world)]
+    if len(set(sizes)) == 1:  # even: one all-gather
+        w = all_gather_into(buf[bounds[0]:bounds[-1]], buf[bounds[dist.get_rank(group)]:
+                                                           bounds[dist.get_rank(group) + 1]].clone(),
+                            group, async_op=True)
+    elif dist.get_backend(group) == "nccl":  # torch coalesces uneven all-gathers into grouped broadcasts
+        me = dist.get_rank(group)
+        parts = [buf[bounds[r]:bounds[r + 1]] for r in range(world)]
+        w = all_gather_list(parts, parts[me].clone(), group, async_op=True)
+    else:
+        w = _Works([broadcast(buf[bounds[r]:bounds[r + 1]], group, r, async_op=True)
+                    for r in range(world) if sizes[r]])
+    if not async_op:
+        w.wait()
+    return w
+
+
+# -- the CPU test mode ----------------------------------------------------------------------------------------------
+
+_FACTORIES = {torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange,
+              torch.rand, torch.randn, torch.randint, torch.randperm, torch.eye, torch.linspace}
+
+
+class _ImplicitToMeta(TorchFunctionMode):
+    def __init__(self, packages: tuple[str, ...]):
+        super().__init__()
+        self.packages = packages
+
+    def _from_package(self) -> bool:
+        f = sys._getframe(2)
+        while f is not None:
+            mod = f.f_globals.get("__name__", "")
+            if not mod.startswith("torch"):
+                return mod.startswith(self.packages)
+            f = f.f_back
+        return False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _FACTORIES and kwargs.get("device") is None and self._from_package():
+            kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def strict_devices(packages: tuple[str, ...] = ("megatron_geo",)):
+    """Test mode: tensor factories called from ``packages`` without ``device=`` make ``meta`` tensors.
+
+    Any such tensor that reaches a collective raises :class:`CollectiveDeviceError`; one that meets real
+    data raises torch's device-mismatch error. A factory that is meant to run on the host names
+    ``device="cpu"`` explicitly.
+    """
+    with _ImplicitToMeta(packages):
+        yield
