@@ -30,9 +30,12 @@ def _local_matmul(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _sharded_param(full_shape: tuple[int, int], dim: int, group, init_fn: InitFn, dtype, device,
                    valid_rows: int | None = None) -> nn.Parameter:
-    full = torch.zeros(full_shape, dtype=torch.float32)
-    # Rows beyond ``valid_rows`` (vocab padding) stay zero, so the real rows do not depend on the padding.
-    init_fn(full[:valid_rows] if valid_rows is not None else full)
+    if device is not None and torch.device(device).type == "meta":  # shapes only (plans, memory accounting)
+        full = torch.empty(full_shape, dtype=torch.float32, device="meta")
+    else:
+        full = torch.zeros(full_shape, dtype=torch.float32, device="cpu")
+        # Rows beyond ``valid_rows`` (vocab padding) stay zero, so the real rows do not depend on the padding.
+        init_fn(full[:valid_rows] if valid_rows is not None else full)
     n, r = dist.get_world_size(group), dist.get_rank(group)
     if full_shape[dim] % n:
         raise ValueError(f"dimension {dim} of a weight of shape {full_shape} is not divisible by TP size {n}")
