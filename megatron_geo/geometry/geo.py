@@ -186,7 +186,11 @@ class GeoState:
         d_in = p.shape[1]
         k = self.stats.sketches[name].shape[1] if name in self.stats.sketches else d_in
         r = min(self.rank, k, d_in)
-        buf = torch.cat([t.U.reshape(-1), t.d]) if t is not None else torch.empty(d_in * r + r, device=p.device)
+        if t is not None:
+            buf = torch.cat([t.U.reshape(-1), t.d])
+        else:  # overwritten by the broadcast; an identity transform (U = 0, d = 1) where none arrives (fake backend)
+            buf = torch.zeros(d_in * r + r, device=p.device)
+            buf[d_in * r:] = 1.0
         C.broadcast(buf, self.dp_group, owner)
         if t is not None:
             return t

@@ -120,7 +120,25 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group, out_splits: l
                       in_splits: list[int] | None = None, async_op: bool = False):
     """``torch.distributed.all_to_all_single`` (split sizes in elements of dim 0, ``None`` = even)."""
     check_devices("all_to_all", group, out, inp)
-    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
+    work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
+    if str(dist.get_backend(group)) == "fake":
+        _loopback(out, inp, group, out_splits, in_splits)
+    return work
+
+
+def _loopback(out: torch.Tensor, inp: torch.Tensor, group, out_splits, in_splits) -> None:
+    """Fake backend (dry runs): every source "sends" what this rank sends itself, so received buffers hold
+    real values (as if all ranks had this rank's data) instead of uninitialised memory."""
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    ins = in_splits or [inp.shape[0] // world] * world
+    outs = out_splits or [out.shape[0] // world] * world
+    lo = sum(ins[:me])
+    mine = inp[lo:lo + ins[me]]
+    pos = 0
+    for n in outs:
+        if n == mine.shape[0]:
+            out[pos:pos + n].copy_(mine)
+        pos += n
 
 
 def barrier(group) -> None:

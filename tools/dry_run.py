@@ -1,0 +1,167 @@
+#!/usr/bin/env python
+"""Scale dry run: DP rank 0 of a large data-parallel job, on one device, with torch's fake process group.
+
+    python tools/dry_run.py --config configs/llama_600m.yaml --dp 64 [--steps 2] [--json OUT] [key=value ...]
+
+torchtitan's "fake backend" idea: ``torch.distributed`` is initialised with the ``fake`` backend (every
+collective returns at once and moves no data), so rank 0 of a ``dp x tp`` job builds exactly the buckets,
+shard plan, reducer state, GeoFP8 state and optimizer it would build in the real job and runs real
+forward / backward / reduction / optimizer steps on its own data -- the shapes, plans, memory and op
+counts of the 64-rank job, on one CPU or GPU. What it cannot show: the values other ranks would have sent
+(the reduced gradient is this rank's own), and communication time.
+
+Data are random tokens; shrink ``model.seq_length``, ``train.global_batch_size`` and
+``train.micro_batch_size`` to fit the device. Prints per step the loss, gradient norm and time, then the
+persistent memory of the rank (FP32 gradient buffer, parameter buffer, main params, optimizer state,
+error feedback, GeoFP8 state: the storages the trainer holds after a step, counted once each; on CUDA also
+``torch.cuda.memory_allocated`` and the peak) next to ``tools/plan_report.py``'s figure for rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron_geo.config import ConfigError, load_config, validate_config  # noqa: E402
+
+GiB = 2 ** 30
+
+
+def persistent_bytes(model, buckets, optimizer, reducer) -> dict:
+    """Bytes of every storage the trainer keeps between steps, each storage counted once, by kind."""
+    seen: set[int] = set()
+    out: dict[str, int] = {}
+
+    def add(kind: str, t) -> None:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        st = t.untyped_storage()
+        if st.data_ptr() in seen or st.nbytes() == 0:
+            return
+        seen.add(st.data_ptr())
+        out[kind] = out.get(kind, 0) + st.nbytes()
+
+    for b in buckets:
+        add("grad_buffer", b.grad_data)
+        add("param_buffer", b.param_data)
+    for p in model.parameters():
+        add("param_buffer", p)
+    for m in optimizer.mains:
+        add("main_params", m.main)
+    for opt in optimizer.optimizers:
+        for st in opt.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and v.numel() > 1:
+                    add("optimizer_state", v)
+    for r in getattr(reducer, "residuals", {}).values():
+        add("error_feedback", r)
+    geo = getattr(reducer, "geo", None)
+    if geo is not None:
+        for t in geo.transforms.values():
+            add("geo_state", t.U)
+            add("geo_state", t.d)
+        for s in list(geo.stats.sums.values()) + list(geo.stats.sketches.values()):
+            add("geo_state", s)
+    out["total"] = sum(out.values())
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", action="append", required=True, metavar="FILE")
+    ap.add_argument("--dp", type=int, required=True, help="data-parallel size of the job to imitate")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=2, help="optimizer steps to run (default 2)")
+    ap.add_argument("--json", default=None, metavar="OUT")
+    ap.add_argument("--exact-init", action="store_true",
+                    help="the trainer's truncated-normal initialisation (slow on CPU for large models); by default a "
+                         "plain normal draw of the same std, which changes values only")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_intermixed_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides + [f"parallel.tensor={args.tp}"])
+        validate_config(cfg, args.dp * args.tp)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.dp < 1 or args.steps < 1:
+        print(f"error: --dp {args.dp} and --steps {args.steps} must be >= 1", file=sys.stderr)
+        return 2
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megatron_geo.distributed.plan_report import meta_model_params, plan_figures
+    from megatron_geo.parallel import build_groups
+    from megatron_geo.training.step import train_step
+    from megatron_geo.training.trainer import build_model_and_optimizer
+
+    if not args.exact_init:
+        import megatron_geo.model.llama as llama
+
+        def fast_init(seed, name, kind, std):
+            return lambda t: t.normal_(0.0, std)
+
+        llama._init = fast_init
+    world = args.dp * args.tp
+    dev = torch.device("cuda" if cfg.train.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    plan = plan_figures(cfg, args.dp, meta_model_params(cfg, 1) if args.tp == 1 else None, args.tp) \
+        if args.tp == 1 else None
+    pctx = build_groups(0, world, args.tp, dev, "fake")
+    torch.manual_seed(cfg.train.seed)
+    t0 = time.perf_counter()
+    model, buckets, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
+    geo = getattr(reducer, "geo", None)
+    print(f"dry run: rank 0 of DP={args.dp} x TP={args.tp} on {dev} (fake process group); {len(buckets)} buckets, "
+          f"{sum(1 for b in buckets if not b.plan.even)} with uneven owner ranges; built in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    micro, seq, v = cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size
+    n_micro = max(1, cfg.train.global_batch_size // (args.dp * micro))
+    g = torch.Generator().manual_seed(cfg.train.seed)
+    steps = []
+    for step in range(args.steps):
+        mbs = []
+        for _ in range(n_micro):
+            data = torch.randint(0, v, (micro, seq + 1), generator=g)
+            mbs.append({"tokens": data[:, :-1], "labels": data[:, 1:], "loss_mask": torch.ones(micro, seq)})
+        t = time.perf_counter()
+        res = train_step(model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad, cfg.train.autocast_dtype,
+                         geo=geo, step=step)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        dt = time.perf_counter() - t
+        steps.append({"step": step + 1, "loss": res.loss, "grad_norm": res.grad_norm, "skipped": res.skipped,
+                      "time_s": dt})
+        print(f"step {step + 1}: loss {res.loss:.4f} grad norm {res.grad_norm:.4g}{' (skipped)' if res.skipped else ''}"
+              f" {dt:.2f} s", flush=True)
+    mem = persistent_bytes(model, buckets, opt, reducer)
+    out = {"dp": args.dp, "tp": args.tp, "device": str(dev), "steps": steps, "persistent_bytes": mem,
+           "optimizer_steps": sum(1 for s in steps if not s["skipped"])}
+    line = f"persistent memory of rank 0: {mem['total'] / GiB:.3f} GiB (" + ", ".join(
+        f"{k} {v / GiB:.3f}" for k, v in mem.items() if k != "total") + ")"
+    if plan is not None:
+        out["plan_persistent_bytes_rank0"] = plan["rank0"]["persistent_bytes"]
+        out["measured_over_plan"] = mem["total"] / plan["rank0"]["persistent_bytes"]
+        line += f"; plan_report says {plan['rank0']['persistent_bytes'] / GiB:.3f} GiB (x{out['measured_over_plan']:.3f})"
+    print(line)
+    if dev.type == "cuda":
+        out["cuda_memory_allocated"] = torch.cuda.memory_allocated(dev)
+        out["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(dev)
+        print(f"CUDA memory allocated {out['cuda_memory_allocated'] / GiB:.2f} GiB, peak "
+              f"{out['cuda_max_memory_allocated'] / GiB:.2f} GiB")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
