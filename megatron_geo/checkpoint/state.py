@@ -106,7 +106,8 @@ class StateLayout:
 def optimizer_state_ready(optimizer: DistributedOptimizer, group) -> bool:
     """True when every main param on every rank has optimizer state (False before the first update)."""
     ok = all(len(opt.state.get(m.main, {})) > 0 for m in optimizer.mains for opt in [optimizer.optimizer_of(m)])
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    dev = optimizer.pctx.device
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=dev)
     C.all_reduce(flag, group, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
@@ -140,7 +141,7 @@ def build_save_state(layout: StateLayout, reducer, geo, with_optimizer_state: bo
     for name, res in residual_views(layout, reducer).items():
         sd[f"{tag}/ef/{name}"] = res.detach().clone()
     if geo is not None:
-        sd[f"{tag}/geo/hits"] = torch.tensor([geo.hits[n] for n in sorted(geo.hits)], dtype=torch.float64)
+        sd[f"{tag}/geo/hits"] = torch.tensor([geo.hits[n] for n in sorted(geo.hits)], dtype=torch.float64, device="cpu")
         for name, t in geo.transforms.items():
             sd[f"tp{pctx.tp_rank}/geo/{name}/U"] = t.U.detach().cpu().clone()
             sd[f"tp{pctx.tp_rank}/geo/{name}/d"] = t.d.detach().cpu().clone()
@@ -224,27 +225,27 @@ def load_state(path: str, layout: StateLayout, reducer, geo, same_layout: bool, 
                 copies.append((buf, view))
             sd[key] = _sharded_tensor(shards, size, pctx.rank, world)
         if with_state and f"optim/{name}/step" in keys and name in layout.by_name:
-            sd[f"optim/{name}/step"] = torch.zeros((), dtype=torch.float64)
+            sd[f"optim/{name}/step"] = torch.zeros((), dtype=torch.float64, device="cpu")
     tag = layout.tag
     ef = residual_views(layout, reducer)
     if same_layout:
         for k in ("rng/torch", "rng/cuda", "rng/reducer"):
             if f"{tag}/{k}" in keys and (k != "rng/cuda" or pctx.device.type == "cuda") and \
                     (k != "rng/reducer" or getattr(reducer, "generator", None) is not None):
-                sd[f"{tag}/{k}"] = torch.empty(keys[f"{tag}/{k}"].size, dtype=torch.uint8)
+                sd[f"{tag}/{k}"] = torch.empty(keys[f"{tag}/{k}"].size, dtype=torch.uint8, device="cpu")
         for name in ef:
             if f"{tag}/ef/{name}" in keys:
                 sd[f"{tag}/ef/{name}"] = torch.empty_like(ef[name])
         if geo is not None and f"{tag}/geo/hits" in keys and len(keys[f"{tag}/geo/hits"].size) == 1 and \
                 keys[f"{tag}/geo/hits"].size[0] == len(geo.hits):
-            sd[f"{tag}/geo/hits"] = torch.zeros(len(geo.hits), dtype=torch.float64)
+            sd[f"{tag}/geo/hits"] = torch.zeros(len(geo.hits), dtype=torch.float64, device="cpu")
     geo_tp = f"tp{pctx.tp_rank}/geo/"
     same_tp = same_layout if same_tp is None else same_tp
     if geo is not None and geo_meta is not None and same_tp:
         for name in geo.transforms:
             if f"{geo_tp}{name}/U" in keys:
-                sd[f"{geo_tp}{name}/U"] = torch.empty(keys[f"{geo_tp}{name}/U"].size, dtype=torch.float32)
-                sd[f"{geo_tp}{name}/d"] = torch.empty(keys[f"{geo_tp}{name}/d"].size, dtype=torch.float32)
+                sd[f"{geo_tp}{name}/U"] = torch.empty(keys[f"{geo_tp}{name}/U"].size, dtype=torch.float32, device="cpu")
+                sd[f"{geo_tp}{name}/d"] = torch.empty(keys[f"{geo_tp}{name}/d"].size, dtype=torch.float32, device="cpu")
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # ShardedTensor deprecation, see _sharded_tensor

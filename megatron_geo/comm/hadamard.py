@@ -24,7 +24,7 @@ def hadamard_signs(block_size: int, seed: int) -> Tensor:
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     g = torch.Generator().manual_seed(seed)
-    bits = torch.randint(0, 2, (block_size,), generator=g)
+    bits = torch.randint(0, 2, (block_size,), generator=g, device="cpu")
     return (1 - 2 * bits).to(torch.float32)
 
 

@@ -53,7 +53,7 @@ class Reducer:
 
     # -- accounting -------------------------------------------------------------------------------
     def _count(self, chunk_numel: int, dtype: torch.dtype) -> None:
-        self.bytes_sent += (self.dp_size - 1) * chunk_numel * torch.empty((), dtype=dtype).element_size()
+        self.bytes_sent += (self.dp_size - 1) * chunk_numel * dtype.itemsize
 
     def reset_bytes(self) -> int:
         """Return the bytes sent since the last reset and start counting again."""
@@ -107,7 +107,7 @@ class Reducer:
     def _count_sent(self, buf: torch.Tensor, key, dtype: torch.dtype) -> None:
         """This rank sends every range but its own (reduce, all-to-all, ring reduce-scatter or gather)."""
         own = self._chunk(buf, key).numel()
-        self.bytes_sent += (buf.numel() - own) * torch.empty((), dtype=dtype).element_size()
+        self.bytes_sent += (buf.numel() - own) * dtype.itemsize
 
     def reduce_scatter(self, buf: torch.Tensor, key=None, async_op: bool = True) -> PendingReduction:
         """Average ``buf`` (FP32, ``[buffer_numel]``) over DP into this rank's range, in place.

@@ -124,7 +124,8 @@ class GeoState:
     def _choose(self) -> None:
         """All-reduce the profile over DP (every rank picks the same set) and keep the top layers."""
         names = sorted(self.hits)
-        rates = torch.tensor([self.hits[n] / max(self.profiled, 1) for n in names], dtype=torch.float64)
+        dev = self.params[names[0]].device if names else torch.device("cpu")
+        rates = torch.tensor([self.hits[n] / max(self.profiled, 1) for n in names], dtype=torch.float64, device=dev)
         C.all_reduce(rates, self.dp_group)
         order = sorted(range(len(names)), key=lambda i: (-rates[i].item(), names[i]))
         top = [names[i] for i in order[: self.auto_layers]]
@@ -221,7 +222,8 @@ class GeoState:
         if dist.get_world_size(self.dp_group) == 1:
             return
         names = sorted(transforms)
-        digest = torch.tensor([int(transforms[n].checksum()[:15], 16) for n in names], dtype=torch.int64)
+        dev = transforms[names[0]].U.device if names else torch.device("cpu")
+        digest = torch.tensor([int(transforms[n].checksum()[:15], 16) for n in names], dtype=torch.int64, device=dev)
         lo, hi = digest.clone(), digest.clone()
         C.all_reduce(lo, self.dp_group, op=dist.ReduceOp.MIN)
         C.all_reduce(hi, self.dp_group, op=dist.ReduceOp.MAX)

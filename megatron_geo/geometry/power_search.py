@@ -58,11 +58,11 @@ def roundtrip_errors(grad: torch.Tensor, base: LowRankTransform, powers: list[fl
         roundtrip: the codec's quantize-dequantize of a float32 tensor, same shape.
     """
     g = grad.float()
-    out = torch.empty(len(powers), dtype=torch.float64)
+    out = torch.empty(len(powers), dtype=torch.float64, device=g.device)  # on the gradient's device: no sync
     for j, p in enumerate(powers):
         t = with_power(base, p)
         err = t.apply_inverse(roundtrip(t.apply(g))) - g
-        out[j] = err.double().pow(2).sum().cpu()
+        out[j] = err.double().pow(2).sum()
     return torch.nan_to_num(out, nan=float("inf"))
 
 

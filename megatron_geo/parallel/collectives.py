@@ -186,7 +186,7 @@ def all_gather_ranges(buf: torch.Tensor, bounds: list[int], group, async_op: boo
 
 # -- the CPU test mode ----------------------------------------------------------------------------------------------
 
-_FACTORIES = {torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange,
+_FACTORIES = {torch.tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange,
               torch.rand, torch.randn, torch.randint, torch.randperm, torch.eye, torch.linspace}
 
 
@@ -196,13 +196,11 @@ class _ImplicitToMeta(TorchFunctionMode):
         self.packages = packages
 
     def _from_package(self) -> bool:
-        f = sys._getframe(2)
-        while f is not None:
-            mod = f.f_globals.get("__name__", "")
-            if not mod.startswith("torch"):
-                return mod.startswith(self.packages)
+        """True when the factory's direct caller is a module of ``packages`` (torch's own calls are not ours)."""
+        f = sys._getframe(1)
+        while f is not None and f.f_globals.get("__name__", "") in (__name__, "torch.overrides"):
             f = f.f_back
-        return False
+        return f is not None and f.f_globals.get("__name__", "").startswith(self.packages)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
