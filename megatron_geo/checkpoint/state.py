@@ -277,6 +277,7 @@ def load_state(path: str, layout: StateLayout, reducer, geo, same_layout: bool, 
     if geo is not None:
         _restore_geo(geo, geo_meta, sd, geo_tp, f"{tag}/geo/hits", same_layout, log)
     opt.publish()
+    opt.wait_param_gather()  # the loaded parameters are complete on return
 
 
 def _broadcast_non_writers(layout: StateLayout, with_state: bool) -> None:

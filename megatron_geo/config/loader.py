@@ -31,6 +31,7 @@ def _suggest(name: str, options, prefix: str = "") -> str:
 
 _LIST_KEYS = ("geo.layers", "geo.power_search")  # comma-separated strings that may be written as YAML lists
 _EMPTY_OK = ("geo.power_search",)                 # strings whose empty value means "off"
+_AUTO_BOOL_KEYS = ("parallel.overlap_param_gather",)  # str keys whose values are auto, true or false
 
 
 def _coerce(value: Any, typ: type, where: str) -> Any:
@@ -64,6 +65,8 @@ def _coerce(value: Any, typ: type, where: str) -> Any:
                 pass
         raise ConfigError(f"{where}: expected a number, got {value!r}")
     if typ is str:
+        if isinstance(value, bool) and where.endswith(_AUTO_BOOL_KEYS):  # auto | true | false keys
+            return "true" if value else "false"
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         if value is None and where.endswith(_EMPTY_OK):

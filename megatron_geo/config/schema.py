@@ -36,6 +36,9 @@ class ParallelConfig:
     distributed_optimizer: bool = True
     bucket_size: int = 4_000_000
     overlap_grad_reduce: bool = True
+    # start each bucket's parameter gather right after the update and wait for it in a forward pre-hook of
+    # its first module (Megatron's overlap_param_gather); auto = on with CUDA, off on CPU
+    overlap_param_gather: str = "auto"
     backend: str = "auto"
     timeout_minutes: float = 30.0
 

@@ -24,9 +24,9 @@ class GradSync:
     ``sharded=True`` (distributed optimizer): reduce-scatter, each rank keeps its chunk's average.
     ``sharded=False``: all-reduce, every rank holds the whole average.
 
-    ``comm_stream``: run each bucket's reduction (encode, collectives, decode) on a separate CUDA stream so
-    the codec kernels of low-precision reducers overlap the rest of backward instead of queueing behind
-    it. ``None`` (default) turns it on when the gradient buffers are on CUDA; on CPU nothing changes.
+    ``comm_stream``: run each bucket's reduction (encode, collectives, decode and FP32 sum) on a separate
+    CUDA stream, all queued when the bucket is launched, so the codec kernels of low-precision reducers overlap
+    the rest of backward instead of queueing behind it or waiting for :meth:`finish`. ``None`` (default) turns it on when the gradient buffers are on CUDA; on CPU nothing changes.
     The side stream waits for the compute stream before each launch (the bucket's gradients are
     complete), and the compute stream waits for the side stream in :meth:`finish`, so the optimizer
     sees the finished reduction; every temporary of the reducer is allocated and freed on the side stream.
@@ -66,7 +66,11 @@ class GradSync:
             return
         self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
         with torch.cuda.stream(self._stream):
-            self._pending[bucket.index] = op(bucket.grad_data, key=bucket.index, async_op=True)
+            pending = op(bucket.grad_data, key=bucket.index, async_op=True)
+            # NCCL's wait() only makes this stream wait for the collective (no host wait), so the bucket's
+            # decode and FP32 sum are queued right behind it and overlap the rest of backward
+            pending.wait()
+            self._pending[bucket.index] = pending
 
     def start_step(self, defer: bool = False) -> None:
         """Zero the FP32 gradient buffers and re-arm the readiness counters.

@@ -58,8 +58,12 @@ def _make_main(bucket: Bucket, idx: int, start: int, end: int, buffer_start: int
 class DistributedOptimizer:
     """Owns main params, the torch optimizers, global-norm clipping and the param all-gather."""
 
-    def __init__(self, buckets: list[Bucket], cfg: OptimizerConfig, pctx: ParallelContext, sharded: bool):
+    def __init__(self, buckets: list[Bucket], cfg: OptimizerConfig, pctx: ParallelContext, sharded: bool,
+                 overlap_param_gather: bool = False):
         self.buckets, self.cfg, self.pctx, self.sharded = buckets, cfg, pctx, sharded
+        self.overlap_param_gather = overlap_param_gather and sharded and pctx.dp_size > 1
+        self._gathers: dict[int, object] = {}   # bucket index -> in-flight parameter gather
+        self._hooks = []
         self.mains: list[MainParam] = []
         for b in buckets:
             if sharded:
@@ -125,16 +129,43 @@ class DistributedOptimizer:
         self.publish()
 
     def publish(self) -> None:
-        """Copy every main param into the model's parameter buffer and all-gather it over DP."""
+        """Copy every main param into the model's parameter buffer (model dtype) and gather it over DP.
+
+        With ``overlap_param_gather`` the gathers are only started, in forward order (last bucket first: the
+        buckets follow backward order); each is waited by :meth:`wait_param_gather` -- from the forward
+        pre-hooks of :meth:`register_forward_hooks` just before its parameters are used, or for all before
+        anything else reads the parameters (evaluation, checkpoints, the end of training).
+        """
+        self.wait_param_gather()
         with torch.no_grad():
             for m in self.mains:
                 n = m.main.numel()
                 m.bucket.param_data[m.buffer_start:m.buffer_start + n].copy_(m.main.reshape(-1))
             if self.sharded and self.pctx.dp_size > 1:
-                works = [C.all_gather_ranges(b.param_data, b.plan.bounds, self.pctx.dp_group, async_op=True)
-                         for b in self.buckets]
-                for w in works:
-                    w.wait()
+                for b in reversed(self.buckets):
+                    self._gathers[b.index] = C.all_gather_ranges(b.param_data, b.plan.bounds, self.pctx.dp_group,
+                                                                 async_op=True)
+                if not self.overlap_param_gather:
+                    self.wait_param_gather()
+
+    def wait_param_gather(self, bucket_indices=None) -> None:
+        """Finish the in-flight parameter gathers of ``bucket_indices`` (all when None)."""
+        for i in (list(self._gathers) if bucket_indices is None else bucket_indices):
+            w = self._gathers.pop(i, None)
+            if w is not None:
+                w.wait()
+
+    def register_forward_hooks(self, model: torch.nn.Module) -> None:
+        """Forward pre-hooks that wait for the gathers of the buckets holding each module's own parameters
+        (only with ``overlap_param_gather``; idempotent)."""
+        if not self.overlap_param_gather or self._hooks:
+            return
+        where = {id(p): b.index for b in self.buckets for p in b.params}
+        for mod in model.modules():
+            idx = sorted({where[id(p)] for p in mod.parameters(recurse=False) if id(p) in where})
+            if idx:
+                self._hooks.append(mod.register_forward_pre_hook(
+                    lambda _m, _a, idx=idx: self.wait_param_gather(idx)))
 
     def optimizer_of(self, m: MainParam) -> torch.optim.Optimizer:
         """The torch optimizer that updates ``m.main``."""

@@ -58,6 +58,7 @@ class Checkpointer:
         """Checkpoint the state after ``step`` optimizer steps (once per step)."""
         if step == self.last_saved_step:
             return None
+        self.layout.optimizer.wait_param_gather()
         with_state = optimizer_state_ready(self.layout.optimizer, self.pctx.world_group)
         state = build_save_state(self.layout, self.reducer, self.geo, with_state)
         geo = self.geo

@@ -118,7 +118,10 @@ def build_model_and_optimizer(cfg: Config, pctx: ParallelContext):
     if geo is not None:
         reducer.attach_geo(geo, buckets)
     grad_sync = GradSync(buckets, reducer, sharded=sharded, overlap=cfg.parallel.overlap_grad_reduce)
-    optimizer = DistributedOptimizer(buckets, cfg.optimizer, pctx, sharded=sharded)
+    overlap = cfg.parallel.overlap_param_gather
+    overlap = pctx.device.type == "cuda" if overlap == "auto" else overlap == "true"
+    optimizer = DistributedOptimizer(buckets, cfg.optimizer, pctx, sharded=sharded, overlap_param_gather=overlap)
+    optimizer.register_forward_hooks(model)
     return model, buckets, reducer, grad_sync, optimizer
 
 
@@ -216,6 +219,7 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
                     ckpt.save(step + 1, consumed, skipped_in_a_row)  # the parameters are the last good state
                 handle_nonfinite(step + 1, res.grad_norm, t.nonfinite, reducer, skipped_in_a_row, t.max_skipped_steps)
             if valid_batches and ((step + 1) % t.eval_interval == 0 or step + 1 == t.steps):
+                optimizer.wait_param_gather()
                 val_loss = evaluate(model, valid_batches, pctx, t.autocast_dtype)
                 record["val_loss"] = val_loss
             if res.skipped or ((step + 1) % t.log_interval == 0 or "val_loss" in record or step + 1 == t.steps):
@@ -246,6 +250,7 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
             if cfg.checkpoint.save_at_end and t.steps > 0:
                 ckpt.save(t.steps, consumed, skipped_in_a_row)
     finally:
+        optimizer.wait_param_gather()  # the model's parameters are complete when train() returns
         stop.restore()
         if progress is not None:
             progress.close()
