@@ -112,9 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         llama._init = fast_init
     world = args.dp * args.tp
     dev = torch.device("cuda" if cfg.train.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+    plan = plan_figures(cfg, args.dp, meta_model_params(cfg, args.tp), args.tp)  # before the job's process group
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    plan = plan_figures(cfg, args.dp, meta_model_params(cfg, 1) if args.tp == 1 else None, args.tp) \
-        if args.tp == 1 else None
     pctx = build_groups(0, world, args.tp, dev, "fake")
     torch.manual_seed(cfg.train.seed)
     t0 = time.perf_counter()

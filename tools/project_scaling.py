@@ -7,7 +7,8 @@ Model (DESIGN.md section 5), TP = 1, data parallel over all n GPUs, per step:
 
 - compute  T_c = flops_per_token(model) * global_batch * seq_length / (n * peak * MFU)
   (``megatron_geo.model.llama.flops_per_token``: 6 N + 6 L s h, Kaplan et al. 2020 / PaLM app. B);
-- gradient all-reduce in the mode's wire format, ring: 2 [(n-1) alpha + (n-1)/n * N b / B]
+- gradient all-reduce in the mode's wire format, ring: 2 [(n-1) alpha + (n-1)/n * N b w / B], w = the shard plan's
+  wire bytes over an even unpadded ring (``tools/plan_report.py``; 1.0 without padding or imbalance)
   (reduce-scatter or all-to-all + all-gather, each (n-1) alpha + (n-1)/n S / B), b = bytes per element
   (FP32 4, BF16 2, FP8 1 + 4 bytes per parameter tensor scale, NVFP4 0.5 + 1/16 + 4 per 1024-element chunk);
   B = per-GPU network bandwidth (``--net-gbs``; NVLink ``--intra-gbs`` when n <= GPUs per node);
@@ -42,6 +43,7 @@ measured single-GPU MFU of Llama-600M.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import re
 import subprocess
@@ -222,6 +224,26 @@ class Model:
     flops_per_token: float
     tokens_per_step: int
     geo_layers: int = 0  # layers GeoFP8 transforms (geo.layers of the config)
+    config_path: str = ""  # the config; wire bytes then come from its shard plan (tools/plan_report.py)
+
+
+_META: dict[str, list] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def wire_ratio(config_path: str, n: int, all_to_all: bool) -> float:
+    """Wire bytes per rank per step of the plan's reduce + gather over those of an even, unpadded ring
+    reduce-scatter + all-gather of the same parameters (``tools/plan_report.py``; 1.0 = no padding and balanced).
+    ``all_to_all``: the low-precision path (receives ``(n - 1) x own``), else the FP32 per-owner reduce."""
+    from megatron_geo.distributed.plan_report import meta_model_params, plan_figures
+
+    cfg = load_config([config_path], [] if not all_to_all else ["comm.dtype=bf16"])
+    if config_path not in _META:
+        _META[config_path] = meta_model_params(cfg, 1)
+    f = plan_figures(cfg, n, _META[config_path])
+    red = f["wire_bytes_per_rank"] / f["even_reduce_scatter_bytes"]
+    gat = f["gather_bytes_per_rank"] / f["even_all_gather_bytes"] if f["even_all_gather_bytes"] else red
+    return 0.5 * (red + gat)
 
 
 def model_from_config(path: str, global_batch: int | None = None) -> Model:
@@ -235,7 +257,7 @@ def model_from_config(path: str, global_batch: int | None = None) -> Model:
     pats = [p.strip() for p in cfg.geo.layers.split(",") if p.strip()]
     geo_layers = sum(any(fnmatchcase(n, p) for p in pats) for n in expected_shapes(cfg.model))
     return Model(Path(path).stem, count_parameters(cfg.model), n_tensors, flops_per_token(cfg.model),
-                 gb * cfg.model.seq_length, geo_layers)
+                 gb * cfg.model.seq_length, geo_layers, str(path))
 
 
 def step_breakdown(mode: str, n: int, m: Model, c: Cluster, costs: Costs) -> dict[str, float]:
@@ -243,7 +265,8 @@ def step_breakdown(mode: str, n: int, m: Model, c: Cluster, costs: Costs) -> dic
     tc = m.flops_per_token * m.tokens_per_step / (n * c.peak_tflops * 1e12 * c.mfu)
     bw = (c.intra_gbs if n <= c.gpus_per_node else c.net_gbs) * 1e9
     b = bytes_per_element(mode, m.params, m.n_tensors)
-    comm = allreduce_time(n, m.params * b, bw, c.alpha_us * 1e-6)
+    ratio = wire_ratio(m.config_path, n, mode != "fp32") if m.config_path and n > 1 else 1.0
+    comm = allreduce_time(n, m.params * b * ratio, bw, c.alpha_us * 1e-6)
     exposed = comm - min(c.overlap * comm, c.window * tc)
     buf = 4.0 * m.params  # FP32 gradient bytes: the unit of the codec throughput
     copy_s = buf / (c.copy_gbs * 1e9)
@@ -415,6 +438,11 @@ def main(argv: list[str] | None = None) -> int:
     for m in list({m.name: m for m in models + [paper_model]}.values()):
         print(f"  {m.name}: {m.params:,} parameters, {m.n_tensors} tensors, {m.flops_per_token / 1e9:.3f} GFLOP/token, "
               f"{m.tokens_per_step:,} tokens/step | megatron_geo.model.llama count_parameters / flops_per_token")
+    for m in models:
+        rs = ", ".join(f"{n} GPUs x{wire_ratio(m.config_path, n, False):.3f}/x{wire_ratio(m.config_path, n, True):.3f}"
+                       for n in a.gpus if n > 1)
+        print(f"  {m.name}: wire bytes per rank over an even unpadded ring (fp32 / low-precision): {rs} | "
+              f"shard plan of the config (tools/plan_report.py)")
     print(f"  network {c.net_gbs} GB/s per GPU, intra-node {c.intra_gbs} GB/s, {c.gpus_per_node} GPU(s)/node, "
           f"alpha {c.alpha_us} us | assumption (DESIGN.md section 5: NDR 400 Gb/s)")
     print(f"  peak {c.peak_tflops} TFLOP/s per GPU | assumption (H100/GH200 dense BF16)")

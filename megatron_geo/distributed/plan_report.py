@@ -35,30 +35,36 @@ WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8_e4m3": 1.0, "fp8_e5m2": 1.0, "nvfp4
 
 
 def meta_model_params(cfg: Config, tp_size: int = 1) -> list[tuple[str, tuple[int, ...], bool]]:
-    """``(name, local shape, use_muon)`` of every parameter of TP rank 0, in registration order (meta device)."""
+    """``(name, local shape, use_muon)`` of every parameter of TP rank 0, in registration order (meta device).
+
+    Needs a TP group for the model's constructor: when ``torch.distributed`` is not initialised, a fake process
+    group of ``tp_size`` ranks is created for the call and destroyed afterwards (nothing is left behind).
+
+    Raises:
+        RuntimeError: ``tp_size > 1`` while a process group of another size is already initialised.
+    """
     import torch.distributed as dist
 
     from ..model import Llama
 
-    if tp_size == 1:
-        group = None
-        if not dist.is_initialized():
-            from torch.testing._internal.distributed.fake_pg import FakeStore
-
-            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
-        group = dist.new_group([0]) if dist.get_world_size() > 1 else dist.group.WORLD
-    else:
-        if dist.is_initialized():
-            raise RuntimeError("meta_model_params with tp_size > 1 needs its own (fake) process group; call it in a "
-                               "fresh process")
+    created = False
+    if not dist.is_initialized():
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp_size)
-        group = dist.group.WORLD
-    dtype = torch.bfloat16 if cfg.train.param_dtype == "bf16" else torch.float32
-    model = Llama(cfg.model, group, cfg.train.seed, dtype=dtype, device=torch.device("meta"))
-    return [(n, tuple(p.shape), bool(getattr(p, "use_muon", False))) for n, p in model.named_parameters()
-            if p.requires_grad]
+        created = True
+    try:
+        if dist.get_world_size() != tp_size and tp_size > 1:
+            raise RuntimeError(f"meta_model_params(tp_size={tp_size}) needs its own process group; call it where "
+                               f"torch.distributed is not initialised (a fresh process)")
+        group = dist.group.WORLD if dist.get_world_size() == tp_size else dist.new_group([dist.get_rank()])
+        dtype = torch.bfloat16 if cfg.train.param_dtype == "bf16" else torch.float32
+        model = Llama(cfg.model, group, cfg.train.seed, dtype=dtype, device=torch.device("meta"))
+        return [(n, tuple(p.shape), bool(getattr(p, "use_muon", False))) for n, p in model.named_parameters()
+                if p.requires_grad]
+    finally:
+        if created:
+            dist.destroy_process_group()
 
 
 def reducer_alignment(cfg: Config) -> int:
