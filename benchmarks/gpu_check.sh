@@ -1,7 +1,9 @@
 #!/bin/bash
 # One prepared check for a single-GPU machine (< 8 minutes on an H100/H200/GH200): the tests that need
 # CUDA, codec and GeoFP8 overhead on CUDA tensors (GB/s next to a device-to-device copy in the same run),
-# and a few training steps of llama_300m and llama_600m (tokens/s, peak memory, TFLOP/s, MFU).
+# a few training steps of llama_300m and llama_600m (tokens/s, peak memory, TFLOP/s, MFU), and the DP = 64
+# dry run of llama_600m with Muon (rank 0 of the 64-GPU job on this one GPU, fake process group: peak
+# memory next to tools/plan_report.py's persistent figure).
 # Every figure goes into one JSON file: <dir>/gpu_check.json, dir = $1, else $OUT, else runs/gpu_check.
 #
 #   benchmarks/gpu_check.sh [DIR]              on a GPU machine
@@ -22,7 +24,7 @@ if [[ -z "${MG_PYTHON:-}" ]]; then
     if [[ -x .venv/bin/python ]]; then MG_PYTHON=.venv/bin/python; else MG_PYTHON=python3; fi
 fi
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
-T_TESTS="${T_TESTS:-150}"; T_BENCH="${T_BENCH:-60}"; T_TRAIN="${T_TRAIN:-120}"
+T_TESTS="${T_TESTS:-150}"; T_BENCH="${T_BENCH:-60}"; T_TRAIN="${T_TRAIN:-120}"; T_DRY="${T_DRY:-120}"
 
 say() { echo "[gpu_check $(date +%H:%M:%S)] $*"; }
 failed=()
@@ -97,6 +99,16 @@ else
     fi
 fi
 
+# 4. rank 0 of the users' DP = 64 job (shapes, plan, memory) on this device
+if [[ $DRY == 1 ]]; then
+    run_phase dry_run_600m "$T_DRY" "$MG_PYTHON" tools/dry_run.py --config configs/llama_600m.yaml --dp 64 \
+        --steps 2 model.num_layers=2 model.seq_length=16 train.global_batch_size=64 train.micro_batch_size=1 \
+        train.device=cpu --json "$DIR/parts/dry_run_600m.json"
+else
+    run_phase dry_run_600m "$T_DRY" "$MG_PYTHON" tools/dry_run.py --config configs/llama_600m.yaml --dp 64 \
+        --steps 2 --json "$DIR/parts/dry_run_600m.json"
+fi
+
 if ! "${PY[@]}" merge "${DRYFLAG[@]}" --out "$DIR/gpu_check.json" "$DIR"/parts/*.json; then
     say "could not merge the figures into $DIR/gpu_check.json"
     exit 1
@@ -110,6 +122,11 @@ for k, v in d.items():
         mfu = f"{100 * v['mfu']:.1f}%" if v.get("mfu") is not None else "n/a"
         mem = f"{v['peak_memory_gib']:.1f} GiB" if "peak_memory_gib" in v else "n/a"
         print(f"  {k:<20} {v['tokens_per_sec']:>12,.0f} tok/s  {v['tflops_per_gpu']:8.2f} TFLOP/s  MFU {mfu:>6}  peak {mem}")
+r = d.get("dry_run_600m", {})
+if "persistent_bytes" in r:
+    peak = f", CUDA peak {r['cuda_max_memory_allocated'] / 2**30:.1f} GiB" if "cuda_max_memory_allocated" in r else ""
+    print(f"  dry run DP=64 rank 0: persistent {r['persistent_bytes']['total'] / 2**30:.2f} GiB "
+          f"(plan x{r.get('measured_over_plan', float('nan')):.3f}){peak}, {r['optimizer_steps']} optimizer steps")
 c = d.get("codec", {}).get("ops", {})
 for name, r in c.items():
     print(f"  codec {name:<22} {r['gbps']:9.1f} GB/s  x{r['ratio_to_copy']:.3f} of copy")

@@ -36,6 +36,8 @@ def test_gpu_check_dry_run_writes_one_json(tmp_path):
     assert t["tokens_per_sec"] > 0 and t["tflops_per_gpu"] > 0 and t["mfu"] is None  # no peak for a CPU
     assert 5.0 < t["first_loss"] < 7.5  # ln(512) = 6.24 at init on the dry run's 512-token vocab
     assert "train_600m, train_600m_geofp8: skipped in the dry run" in r.stdout
+    dr = d["dry_run_600m"]
+    assert dr["dp"] == 64 and dr["optimizer_steps"] == 2 and abs(dr["measured_over_plan"] - 1) <= 0.1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
