@@ -197,16 +197,17 @@ def sizes_uneven(bounds) -> bool:
 
 # -- training at DP = 3 with uneven ownership ------------------------------------------------------------------------
 
-def _train(rank, world, overrides, steps):
+def _train(rank, world, overrides, steps, tp=1, micro=2):
     from megatron_geo.training.step import train_step
     from megatron_geo.training.trainer import build_model_and_optimizer
 
-    cfg = tiny_cfg("train.global_batch_size=12", *overrides)
-    pctx = pctx_for(1)
+    cfg = tiny_cfg("train.global_batch_size=12", f"parallel.tensor={tp}", f"train.micro_batch_size={micro}",
+                   *overrides)
+    pctx = pctx_for(tp)
     model, buckets, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
     losses = []
     for step in range(steps):
-        mbs = rank_micro_batches(global_batch(cfg, step), 2, pctx.dp_rank, pctx.dp_size)
+        mbs = rank_micro_batches(global_batch(cfg, step), micro, pctx.dp_rank, pctx.dp_size)
         losses.append(train_step(model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad).loss)
     uneven = sum(1 for b in buckets if not b.plan.even)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, uneven
@@ -227,6 +228,23 @@ def test_dp3_with_uneven_owner_ranges_matches_single_process(overrides):
             torch.testing.assert_close(p, ref_params[n], rtol=0, atol=tol, msg=lambda m: f"{n}: {m}")
     for n in out[0][1]:
         assert torch.equal(out[0][1][n], out[1][1][n]) and torch.equal(out[0][1][n], out[2][1][n]), n
+
+
+GEO_FP32 = ["optimizer.name=adamw", "comm.transform=geo", "comm.dtype=fp32", "geo.layers=layers.*.mlp.down_proj.weight",
+            "geo.rank=4", "geo.refresh_interval=2"]
+
+
+def test_tp2_dp2_and_accumulation_with_uneven_owner_ranges():
+    ref_losses, ref_params, _ = run_distributed(_train, 1, GEO_FP32, 2)[0]
+    tp2 = run_distributed(_train, 4, GEO_FP32, 2, 2)             # TP = 2 x DP = 2, down projections owned whole
+    assert tp2[0][2] > 0
+    for losses, _, _ in tp2:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=1e-4)
+    a = run_distributed(_train, 3, ["optimizer.name=muon"], 2, 1, 1)   # micro batch 1 x 4 per rank
+    b = run_distributed(_train, 3, ["optimizer.name=muon"], 2, 1, 4)   # micro batch 4 x 1
+    torch.testing.assert_close(torch.tensor(a[0][0]), torch.tensor(b[0][0]), rtol=0, atol=1e-5)
+    for n in a[0][1]:
+        torch.testing.assert_close(a[0][1][n], b[0][1][n], rtol=0, atol=1e-5, msg=lambda m: f"{n}: {m}")
 
 
 # -- checkpoints made before the change ------------------------------------------------------------------------------
