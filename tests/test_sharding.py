@@ -32,8 +32,9 @@ def test_plan_model_covers_each_element_once_and_keeps_atomic_parameters_whole()
         specs = []
         for _ in range(k):
             n = rnd.choice([0, 1, 3, 7, 64, 100, 1000, 4096])
-            atomic = rnd.random() < 0.5
-            specs.append(ParamSpec(n, atomic, float(n ** 1.5 if atomic else 12 * n)))
+            atomic = rnd.random() < 0.4
+            granule = rnd.choice([1, 1, 8, 10, 64]) if not atomic and rnd.random() < 0.4 and n else 1
+            specs.append(ParamSpec(n, atomic, float(n ** 1.5 if atomic else 12 * n), granule))
         buckets = plan_model(specs, rnd.choice([1, 50, 500, 5000]), dp, align)
         owned = [0] * k
         assert sorted(i for idx, _ in buckets for i in idx) == list(range(k))
@@ -41,7 +42,8 @@ def test_plan_model_covers_each_element_once_and_keeps_atomic_parameters_whole()
             b = plan.bounds
             assert len(b) == dp + 1 and b[0] == 0 and all(x <= y for x, y in zip(b, b[1:]))
             assert all(n % align == 0 for n in plan.sizes), (trial, plan.sizes)
-            assert plan.padding([specs[i].numel for i in idx]) < dp * align + align
+            granular = sum(1 for i in idx if specs[i].granule > 1)
+            assert plan.padding([specs[i].numel for i in idx]) < (dp + 1 + 2 * granular) * align
             cover = [0] * plan.buffer_numel
             for r, pieces in enumerate(plan.pieces):
                 for pc in pieces:
@@ -50,6 +52,9 @@ def test_plan_model_covers_each_element_once_and_keeps_atomic_parameters_whole()
                     s = specs[idx[pc.index]]
                     if s.atomic and dp > 1:
                         assert (pc.param_start, pc.param_end) == (0, s.numel)
+                    if s.granule > 1 and dp > 1:        # cut only between granules (GeoFP8 rows)
+                        assert pc.param_start % s.granule == 0 and (pc.param_end % s.granule == 0
+                                                                    or pc.param_end == s.numel), (trial, pc)
                     for j in range(pc.buffer_start, pc.buffer_start + pc.numel):
                         cover[j] += 1
                     owned[idx[pc.index]] += pc.numel
@@ -208,21 +213,25 @@ def _train(rank, world, overrides, steps, tp=1, micro=2):
     losses = []
     for step in range(steps):
         mbs = rank_micro_batches(global_batch(cfg, step), micro, pctx.dp_rank, pctx.dp_size)
-        losses.append(train_step(model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad).loss)
+        losses.append(train_step(model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad,
+                                     geo=getattr(reducer, "geo", None), step=step).loss)
     uneven = sum(1 for b in buckets if not b.plan.even)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, uneven
+    rows_cut = sum(1 for m in opt.mains if ".mlp." in m.name and not m.whole)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, uneven, rows_cut
 
 
 @pytest.mark.parametrize("overrides", [["optimizer.name=muon"],
                                        ["optimizer.name=adamw", "comm.transform=geo", "comm.dtype=fp32",
-                                        "geo.layers=layers.*.mlp.down_proj.weight", "geo.rank=4",
+                                        "geo.layers=layers.*.mlp.*_proj.weight", "geo.rank=4",
                                         "geo.refresh_interval=2"]], ids=["muon", "adamw-geo-fp32-wire"])
 def test_dp3_with_uneven_owner_ranges_matches_single_process(overrides):
-    ref_losses, ref_params, _ = run_distributed(_train, 1, overrides, 3)[0]
+    ref_losses, ref_params, *_ = run_distributed(_train, 1, overrides, 3)[0]
     out = run_distributed(_train, 3, overrides, 3)
     assert out[0][2] > 0, "the DP=3 run must use uneven owner ranges"
+    if "comm.transform=geo" in overrides:  # a GeoFP8 layer's rows are split between owners somewhere
+        assert sum(o[3] for o in out) > 0, [o[3] for o in out]
     tol = 1e-5 if "optimizer.name=muon" in overrides else 1e-4  # geo: transform round trip in FP32
-    for losses, params, _ in out:
+    for losses, params, *_ in out:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=tol)
         for n, p in params.items():
             torch.testing.assert_close(p, ref_params[n], rtol=0, atol=tol, msg=lambda m: f"{n}: {m}")
@@ -235,10 +244,10 @@ GEO_FP32 = ["optimizer.name=adamw", "comm.transform=geo", "comm.dtype=fp32", "ge
 
 
 def test_tp2_dp2_and_accumulation_with_uneven_owner_ranges():
-    ref_losses, ref_params, _ = run_distributed(_train, 1, GEO_FP32, 2)[0]
+    ref_losses, ref_params, *_ = run_distributed(_train, 1, GEO_FP32, 2)[0]
     tp2 = run_distributed(_train, 4, GEO_FP32, 2, 2)             # TP = 2 x DP = 2, down projections owned whole
     assert tp2[0][2] > 0
-    for losses, _, _ in tp2:
+    for losses, *_ in tp2:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=1e-4)
     a = run_distributed(_train, 3, ["optimizer.name=muon"], 2, 1, 1)   # micro batch 1 x 4 per rank
     b = run_distributed(_train, 3, ["optimizer.name=muon"], 2, 1, 4)   # micro batch 4 x 1

@@ -110,7 +110,8 @@ class LowPrecisionReducer(Reducer):
     def attach_geo(self, geo, buckets) -> None:
         """Communicate the selected parameters' gradients as G T (see :mod:`megatron_geo.geometry`).
 
-        Each selected parameter must be owned whole by one DP rank (atomic in the shard plan).
+        Each selected parameter's rows must stay whole on their owner (the shard plan cuts it only between
+        rows): ``G T`` mixes columns only, so each owner inverts its own rows.
         """
         self.geo = geo
         want = {id(p): n for n, p in geo.params.items()}
@@ -174,9 +175,13 @@ class LowPrecisionReducer(Reducer):
             return y
         end = start + y.numel()
         for name, off, rows, cols in slots:
-            n = rows * cols
-            if name in self.geo.selected and start <= off and off + n <= end:
-                self.geo.transforms[name].apply_inverse_(y[off - start:off - start + n].view(rows, cols))
+            lo, hi = max(off, start), min(off + rows * cols, end)
+            if name not in self.geo.selected or lo >= hi:
+                continue
+            if (lo - off) % cols or (hi - off) % cols:
+                raise RuntimeError(f"GeoFP8 layer {name} is cut inside a row by the shard plan; its rows must "
+                                   f"stay whole on their owner (granule {cols})")
+            self.geo.transforms[name].apply_inverse_(y[lo - start:hi - start].view(-1, cols))  # rows are independent
         return y
 
     # -- encode / decode of whole chunks --------------------------------------------------------------

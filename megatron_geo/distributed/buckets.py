@@ -42,7 +42,7 @@ def default_flops(p: nn.Parameter) -> float:
 
 
 def build_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_size: int, dp_size: int,
-                  atomic_fn, align: int = 1, flops_fn=default_flops) -> list[Bucket]:
+                  atomic_fn, align: int = 1, flops_fn=default_flops, granule_fn=None) -> list[Bucket]:
     """Group parameters into buckets and move them into contiguous buffers.
 
     Args:
@@ -52,9 +52,12 @@ def build_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_size: int
         atomic_fn: ``param -> bool``, True if the parameter must be owned whole by one DP rank.
         align: every rank's range is a multiple of this many elements.
         flops_fn: ``param -> float``, optimizer FLOPs per step of owning ``param`` (balances ownership).
+        granule_fn: ``param -> int``, a non-atomic parameter is cut only at multiples of this many elements
+            (default 1: anywhere).
     """
     group = [(n, p) for n, p in reversed(named_params) if p.requires_grad]
-    specs = [ParamSpec(p.numel(), bool(atomic_fn(p)), float(flops_fn(p))) for _, p in group]
+    specs = [ParamSpec(p.numel(), bool(atomic_fn(p)), float(flops_fn(p)), int(granule_fn(p)) if granule_fn else 1)
+             for _, p in group]
     buckets = []
     for bi, (idx, plan) in enumerate(plan_model(specs, bucket_size, dp_size, align)):
         params = [group[i][1] for i in idx]

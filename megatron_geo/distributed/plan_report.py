@@ -104,9 +104,9 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
         numel = 1
         for d in shape:
             numel *= d
-        atomic = sharded and ((muon and use_muon) or n in geo)
+        atomic = sharded and muon and use_muon
         flops = newton_schulz_flops(shape) if (muon and use_muon) else ADAMW_FLOPS_PER_ELEMENT * numel
-        specs.append(ParamSpec(numel, atomic, flops))
+        specs.append(ParamSpec(numel, atomic, flops, shape[1] if sharded and n in geo else 1))
     plans = plan_model(specs, cfg.parallel.bucket_size, dp_size, reducer_alignment(cfg))
     P = sum(s.numel for s in specs)
     buffer = sum(pl.buffer_numel for _, pl in plans)

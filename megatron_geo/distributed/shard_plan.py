@@ -8,7 +8,8 @@ Two kinds of parameter:
 - *atomic* parameters must be owned whole by one rank (Muon orthogonalises whole matrices; GeoFP8's
   inverse transform needs whole rows).
 - *splittable* parameters (element-wise optimizers such as AdamW) may be cut at any element, as in
-  Megatron's distributed optimizer.
+  Megatron's distributed optimizer, or only at multiples of a *granule* (GeoFP8 layers under AdamW: whole
+  rows, since ``G T`` mixes columns only and each row is inverted on its own).
 
 Two plans, chosen per model by :func:`plan_model`:
 
@@ -194,12 +195,14 @@ def newton_schulz_flops(shape: tuple[int, ...], steps: int = 5) -> float:
 
 @dataclass
 class ParamSpec:
-    """What the planner needs of one parameter: elements, whether one rank must own it whole, and the
-    optimizer FLOPs per step of owning it (``newton_schulz_flops`` for Muon, ~12 per element for AdamW)."""
+    """What the planner needs of one parameter: elements, whether one rank must own it whole, the optimizer
+    FLOPs per step of owning it (``newton_schulz_flops`` for Muon, ~12 per element for AdamW), and the
+    granule a splittable parameter may be cut at."""
 
     numel: int
     atomic: bool
     flops: float
+    granule: int = 1   # splittable only at multiples of this many elements from the start (e.g. a row)
 
 
 def group_in_buckets(indices: list[int], numels: list[int], bucket_size: int) -> list[list[int]]:
@@ -279,13 +282,43 @@ def _atomic_bucket(idx: list[int], specs: list[ParamSpec], owner: list[int], dp:
 
 def _splittable_bucket(idx: list[int], specs: list[ParamSpec], stream_start: int, cuts: list[int], align: int
                        ) -> ShardPlan:
+    # granular parameters start and end aligned (padding around them), so a cut between two of their
+    # granules is also a cut at the alignment, and rounding a cut elsewhere down to the alignment never
+    # lands inside them
     offsets, pos = [], 0
     for i in idx:
+        g = specs[i].granule > 1
+        pos = _ceil_to(pos, align) if g else pos
         offsets.append(pos)
-        pos += specs[i].numel
+        pos = _ceil_to(pos + specs[i].numel, align) if g else pos + specs[i].numel
     padded = _ceil_to(pos, align)
     dp = len(cuts) - 1
-    bounds = [0] + [min(max(cuts[r] - stream_start, 0) // align * align, padded) for r in range(1, dp)] + [padded]
+    starts, seen = [], 0   # where each parameter starts in the splittable stream (no padding there)
+    for i in idx:
+        starts.append(seen)
+        seen += specs[i].numel
+
+    def to_buffer(c: int) -> int:
+        c = c - stream_start
+        if c <= 0:
+            return 0
+        for j, i in enumerate(idx):
+            n = specs[i].numel
+            if c < starts[j] + n or j == len(idx) - 1:
+                within = min(c - starts[j], n)
+                g = specs[i].granule
+                if g > 1 and 0 < within < n:
+                    unit = g * align // math.gcd(g, align)
+                    within = within // unit * unit
+                b = offsets[j] + within
+                if g <= 1:
+                    return b // align * align
+                return _ceil_to(b, align) if within == n else b   # the end: into the padding after it
+        return padded
+
+    bounds = [0] + [min(to_buffer(cuts[r]), padded) for r in range(1, dp)] + [padded]
+    for r in range(1, dp + 1):  # monotone after rounding
+        bounds[r] = max(bounds[r], bounds[r - 1])
     pieces: list[list[Piece]] = [[] for _ in range(dp)]
     for r in range(dp):
         lo_r, hi_r = bounds[r], bounds[r + 1]
@@ -319,7 +352,7 @@ def plan_model(specs: list[ParamSpec], bucket_size: int, dp_size: int, align: in
         raise ValueError(f"dp_size={dp_size}, align={align} and bucket_size={bucket_size} must be >= 1")
     numels = [s.numel for s in specs]
     order = list(range(len(specs)))
-    if dp_size == 1 or not any(s.atomic for s in specs):
+    if dp_size == 1 or not any(s.atomic or s.granule > 1 for s in specs):
         return [(g, plan_shards([numels[i] for i in g], [False] * len(g), dp_size, align))
                 for g in group_in_buckets(order, numels, bucket_size)]
     owner = assign_owners(specs, dp_size)

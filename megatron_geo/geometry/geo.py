@@ -58,7 +58,7 @@ class GeoState:
                  power: float = 0.5, power_search: tuple[float, ...] = ()):
         self.candidates = select_parameters(model, patterns)
         params = dict(model.named_parameters())
-        self.params = {n: params[n] for n in self.candidates}   # every candidate is owned whole (atomic)
+        self.params = {n: params[n] for n in self.candidates}   # rows of every candidate stay whole on their owner
         self.auto_layers, self.profile_steps, self.fp8_max, self.log = auto_layers, profile_steps, fp8_max, log
         self.underflow_below = underflow_below  # half the format's smallest subnormal: rounds to zero
         self.hits = {n: 0.0 for n in self.candidates}            # summed bound-hit fractions while profiling

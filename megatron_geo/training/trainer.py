@@ -109,10 +109,11 @@ def build_model_and_optimizer(cfg: Config, pctx: ParallelContext):
     reducer = build_reducer(cfg.comm, pctx.dp_group, pctx.dp_size, pctx.dp_rank, seed=cfg.train.seed,
                             device=pctx.device)
     sharded = cfg.parallel.distributed_optimizer
+    # Muon matrices are owned whole; GeoFP8 layers under AdamW by whole rows (G T mixes columns only)
     buckets = build_buckets(list(model.named_parameters()), cfg.parallel.bucket_size, pctx.dp_size,
-                            atomic_fn=lambda p: sharded and ((muon and getattr(p, "use_muon", False))
-                                                             or id(p) in geo_ids),
-                            align=reducer.alignment(), flops_fn=optimizer_flops_fn(cfg.optimizer.name))
+                            atomic_fn=lambda p: sharded and muon and getattr(p, "use_muon", False),
+                            align=reducer.alignment(), flops_fn=optimizer_flops_fn(cfg.optimizer.name),
+                            granule_fn=lambda p: p.shape[1] if sharded and id(p) in geo_ids else 1)
     for b in buckets:
         reducer.register_bucket(b.index, b.plan.offsets, [p.numel() for p in b.params], b.plan.bounds, pctx.device)
     if geo is not None:
