@@ -3,3 +3,16 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def world():
+    """A one-process gloo world (for tests that call collectives in the test process itself)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD

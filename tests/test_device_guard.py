@@ -7,26 +7,16 @@ rejects a CPU tensor) and which no op can mix with real data.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ckpt_helpers import make_corpus, tiny_train_overrides
 from dist_harness import run_distributed
 from megatron_geo.parallel import collectives as C
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def world():
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
 
 
 def test_guard_rejects_wrong_device_and_names_the_fix(world):

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -22,13 +21,6 @@ from megatron_geo.model.te import use_transformer_engine
 from megatron_geo.training.mfu import gpu_flops_metrics, mfu, peak_bf16_flops, tflops_per_gpu
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def world():
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
 
 
 # -- MFU ---------------------------------------------------------------------------------------------------------

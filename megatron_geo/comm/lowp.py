@@ -185,48 +185,28 @@ class LowPrecisionReducer(Reducer):
         return y
 
     # -- encode / decode of whole chunks --------------------------------------------------------------
-    def _encode(self, x: torch.Tensor, layout: ScaleLayout, chunks: list[int], sync: bool):
-        """Encode ``x`` ``[len(chunks) * chunk]`` (those chunks of the bucket, in order).
-
-        Returns (payload uint8 ``[len(chunks), bytes_per_chunk]``, decoded FP32 of x (for error feedback),
-        the per-segment scales ``[dp, K]`` when ``sync`` (shared by all ranks, so not sent) else None).
-        """
-        n, c = len(chunks), layout.chunk
+    def _encode(self, x: torch.Tensor, layout: ScaleLayout, r: int):
+        """Encode ``x``, this rank's range ``r`` of an even plan, for the all-gather stage of :meth:`all_reduce`:
+        payload uint8 ``[1, bytes]`` (codes followed by the range's own per-segment scales)."""
+        c = layout.chunk
         if self.fmt in _CAST:
-            wire = x.view(n, c).to(_CAST[self.fmt])
-            return wire.contiguous().view(torch.uint8).view(n, -1), wire.float().view(-1), None
+            return x.view(1, c).to(_CAST[self.fmt]).contiguous().view(torch.uint8).view(1, -1)
         if self.fmt == "nvfp4":
-            blocks = x.view(n, -1, NVFP4_BLOCK)
-            g = nvfp4_global_scale(x.view(n, c).abs().amax(dim=1))                        # [n]
-            packed, bscale = nvfp4_encode(blocks.reshape(-1, NVFP4_BLOCK), g.repeat_interleave(c // NVFP4_BLOCK)
-                                          .unsqueeze(1), self.rounding, self.generator)
-            dec = nvfp4_decode(packed, bscale, g.repeat_interleave(c // NVFP4_BLOCK).unsqueeze(1)).view(-1)
-            payload = torch.cat([packed.view(n, -1), bscale.view(n, -1), _as_bytes(g.view(n, 1))], dim=1)
-            return payload, dec, None
-        if len(chunks) == layout.dp_size:
-            amax = layout.group_amax(x)
-            if sync:
-                amax = torch.nan_to_num(amax, nan=float("inf"))
-                C.all_reduce(amax, self.group, op=dist.ReduceOp.MAX)
-                self._count_allreduce(amax.numel() * 4)
-                amax = torch.where(torch.isinf(amax), torch.full_like(amax, float("nan")), amax)
-            seg = layout.segment_values(fp8_scale_from_amax(amax, self.fmt))               # [dp, K]
-        else:  # a single chunk (all-gather stage): per-segment scales of this chunk only
-            (r,) = chunks
-            if layout.block_size is not None:
-                amax = x.view(1, -1, layout.block_size).abs().amax(dim=2)
-            else:
-                lens = layout.lengths[r]
-                used = lens > 0  # padded (zero-length) segments sit at the end of the row
-                amax = torch.zeros(1, layout.K, dtype=torch.float32, device=x.device)
-                amax[0, : int(used.sum())] = torch.segment_reduce(x.abs(), "max", lengths=lens[used], unsafe=True,
-                                                                  initial=0.0)
-            seg = fp8_scale_from_amax(amax, self.fmt)
-        scale = torch.stack([layout.expand(seg[i], ch) for i, ch in enumerate(chunks)]).view(-1)
-        codes = fp8_encode(x, scale, self.fmt, self.rounding, self.generator)
-        dec = fp8_decode(codes, scale, self.fmt)
-        parts = [codes.view(n, c)] + ([] if sync else [_as_bytes(seg.contiguous())])
-        return torch.cat(parts, dim=1), dec, (seg if sync else None)
+            g = nvfp4_global_scale(x.abs().amax().view(1))                                 # [1]
+            gb = g.expand(c // NVFP4_BLOCK).unsqueeze(1)
+            packed, bscale = nvfp4_encode(x.view(-1, NVFP4_BLOCK), gb, self.rounding, self.generator)
+            return torch.cat([packed.view(1, -1), bscale.view(1, -1), _as_bytes(g.view(1, 1))], dim=1)
+        if layout.block_size is not None:
+            amax = x.view(1, -1, layout.block_size).abs().amax(dim=2)
+        else:
+            lens = layout.lengths[r]
+            used = lens > 0  # padded (zero-length) segments sit at the end of the row
+            amax = torch.zeros(1, layout.K, dtype=torch.float32, device=x.device)
+            amax[0, : int(used.sum())] = torch.segment_reduce(x.abs(), "max", lengths=lens[used], unsafe=True,
+                                                              initial=0.0)
+        seg = fp8_scale_from_amax(amax, self.fmt)
+        codes = fp8_encode(x, layout.expand(seg[0], r), self.fmt, self.rounding, self.generator)
+        return torch.cat([codes.view(1, c), _as_bytes(seg.contiguous())], dim=1)
 
     def _decode(self, payload: torch.Tensor, layout: ScaleLayout, chunk_index: int, sync_scales) -> torch.Tensor:
         """Decode ``payload`` ``[m, bytes_per_chunk]`` (m copies of chunk ``chunk_index``) to FP32 ``[m, chunk]``."""
@@ -343,13 +323,13 @@ class LowPrecisionReducer(Reducer):
         if not self._even(buf, key):
             raise ValueError(f"all_reduce needs an even plan; bucket {key} has uneven ranges")
         layout = self.layouts[key]
-        dp, r, c = self.dp_size, self.dp_rank, layout.chunk
+        dp, r = self.dp_size, self.dp_rank
         rs = self._reduce_scatter(buf, key, keep_wire=True)
 
         def gather():
             rs.wait()
             shard = self._shard_in_wire_coords.pop(key)
-            payload, _, _ = self._encode(shard, layout, [r], False)
+            payload = self._encode(shard, layout, r)
             out = torch.empty((dp, payload.shape[1]), dtype=torch.uint8, device=buf.device)
             C.all_gather_into(out.view(-1), payload.reshape(-1), self.group)
             self.bytes_sent += (dp - 1) * payload.shape[1]

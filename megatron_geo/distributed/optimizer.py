@@ -20,7 +20,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ..config.schema import OptimizerConfig
 from ..optim import build_muon
