@@ -4,11 +4,12 @@
     python tools/dry_run.py --config configs/llama_600m.yaml --dp 64 [--steps 2] [--json OUT] [key=value ...]
 
 torchtitan's "fake backend" idea: ``torch.distributed`` is initialised with the ``fake`` backend (every
-collective returns at once and moves no data), so rank 0 of a ``dp x tp`` job builds exactly the buckets,
-shard plan, reducer state, GeoFP8 state and optimizer it would build in the real job and runs real
-forward / backward / reduction / optimizer steps on its own data -- the shapes, plans, memory and op
-counts of the 64-rank job, on one CPU or GPU. What it cannot show: the values other ranks would have sent
-(the reduced gradient is this rank's own), and communication time.
+collective returns at once and moves no data; an all-to-all delivers this rank's own part and zeros from the
+others), so rank 0 of a ``dp x tp`` job builds exactly the buckets, shard plan, reducer state, GeoFP8 state
+and optimizer it would build in the real job and runs real forward / backward / reduction / optimizer steps
+on its own data -- the shapes, plans, memory and op counts of the 64-rank job, on one CPU or GPU. What it
+cannot show: the values other ranks would have sent (the reduced gradient is this rank's own contribution,
+as if the others' were zero, for every reducer alike), and communication time.
 
 Data are random tokens; shrink ``model.seq_length``, ``train.global_batch_size`` and
 ``train.micro_batch_size`` to fit the device. Prints per step the loss, gradient norm and time, then the
@@ -87,14 +88,19 @@ def main(argv: list[str] | None = None) -> int:
                          "plain normal draw of the same std, which changes values only")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
+    for flag, v in (("--dp", args.dp), ("--tp", args.tp), ("--steps", args.steps)):
+        if v < 1:
+            print(f"error: {flag} {v} must be >= 1", file=sys.stderr)
+            return 2
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        print(f"error: --json {args.json}: the folder {str(Path(args.json).parent)!r} does not exist; create it or "
+              f"choose another path", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.config, args.overrides + [f"parallel.tensor={args.tp}"])
         validate_config(cfg, args.dp * args.tp)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.dp < 1 or args.steps < 1:
-        print(f"error: --dp {args.dp} and --steps {args.steps} must be >= 1", file=sys.stderr)
         return 2
     from torch.testing._internal.distributed.fake_pg import FakeStore
 

@@ -4,7 +4,7 @@
     python tools/plan_report.py --config configs/llama_600m.yaml --dp 64 [--tp 1] [--json OUT] [key=value ...]
     python tools/plan_report.py --config configs/llama_600m.yaml --dp 8 16 64 128 --markdown
 
-Prints rank 0 and the worst rank (figures defined in ``megatron_geo/distributed/plan_report.py``); ``--json``
+Prints rank 0, the rank with the most wire bytes and the rank with the most persistent memory (figures defined in ``megatron_geo/distributed/plan_report.py``); ``--json``
 writes one object per DP size (a list when several are given).
 """
 
@@ -46,7 +46,9 @@ def report_text(f: dict) -> str:
              f"  optimizer FLOPs max/mean {f['optimizer_flops_max_over_mean']:.3f}; owned elements max/mean "
              f"{f['elements_owned_max_over_mean']:.3f}; codec scratch (largest bucket, transient) "
              f"{f['codec_scratch_bytes'] / GiB:.2f} GiB",
-             *_fmt_rank("rank 0", f["rank0"]), *_fmt_rank(f"worst rank {f['worst_rank']['rank']}", f["worst_rank"])]
+             *_fmt_rank("rank 0", f["rank0"]),
+             *_fmt_rank(f"rank {f['worst_rank']['rank']} (most wire bytes)", f["worst_rank"]),
+             *_fmt_rank(f"rank {f['most_memory_rank']['rank']} (most persistent memory)", f["most_memory_rank"])]
     return "\n".join(lines)
 
 
@@ -61,28 +63,50 @@ MD_HEADER = ("| config | DP | padding_ratio | optimizer FLOPs max/mean | wire by
              "gather bytes / even all-gather | persistent GiB per rank |\n|---|---|---|---|---|---|---|")
 
 
+def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``key=value`` tokens are overrides wherever they stand (``--dp 8 16 key=value`` must not read the override
+    as a DP size); everything else goes to argparse."""
+    over = [a for a in argv if "=" in a and not a.startswith("-")]
+    return [a for a in argv if a not in over], over
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog="overrides: dotted key=value anywhere on the line, e.g. optimizer.name=adamw")
     ap.add_argument("--config", action="append", required=True, metavar="FILE", help="YAML config(s), merged in order")
     ap.add_argument("--dp", type=int, nargs="+", required=True, help="data-parallel size(s)")
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    ap.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: parallel.tensor of the config)")
     ap.add_argument("--json", default=None, metavar="OUT", help="write the figures as JSON here")
     ap.add_argument("--markdown", action="store_true", help="one Markdown table row per DP size")
-    ap.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    args = ap.parse_intermixed_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    rest, overrides = _split_overrides(argv)
+    args = ap.parse_args(rest)
+    bad = [d for d in args.dp if d < 1]
+    if bad:
+        print(f"error: --dp {bad[0]}: data-parallel sizes must be >= 1", file=sys.stderr)
+        return 2
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        print(f"error: --json {args.json}: the folder {str(Path(args.json).parent)!r} does not exist; create it or "
+              f"choose another path", file=sys.stderr)
+        return 2
     try:
-        cfg = load_config(args.config, args.overrides + [f"parallel.tensor={args.tp}"])
-        validate_config(cfg, args.tp * max(args.dp))
+        cfg = load_config(args.config, overrides)
+        if args.tp is not None and cfg.parallel.tensor not in (1, args.tp) and any(
+                o.startswith("parallel.tensor=") for o in overrides):
+            raise ConfigError(f"--tp {args.tp} and parallel.tensor={cfg.parallel.tensor} disagree; give one of them")
+        tp = args.tp if args.tp is not None else cfg.parallel.tensor
+        if tp < 1:
+            raise ConfigError(f"--tp {tp}: the tensor-parallel size must be >= 1")
+        cfg.parallel.tensor = tp
+        for d in args.dp:  # every DP size must be a valid job (global batch, heads, ...)
+            validate_config(cfg, tp * d)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    bad = [d for d in args.dp if d < 1]
-    if bad or args.tp < 1:
-        print(f"error: --dp {bad[0] if bad else ''} --tp {args.tp}: sizes must be >= 1", file=sys.stderr)
-        return 2
-    params = meta_model_params(cfg, args.tp)
-    figs = [plan_figures(cfg, d, params, args.tp) for d in args.dp]
-    name = " + ".join(Path(c).stem for c in args.config) + (" " + " ".join(args.overrides) if args.overrides else "")
+    params = meta_model_params(cfg, tp)
+    figs = [plan_figures(cfg, d, params, tp) for d in args.dp]
+    name = " + ".join(Path(c).stem for c in args.config) + (" " + " ".join(overrides) if overrides else "") + \
+        (f" (TP={tp})" if tp > 1 else "")
     if args.markdown:
         print(MD_HEADER)
         for f in figs:

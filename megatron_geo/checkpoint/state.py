@@ -141,6 +141,7 @@ def build_save_state(layout: StateLayout, reducer, geo, with_optimizer_state: bo
     for name, res in residual_views(layout, reducer).items():
         sd[f"{tag}/ef/{name}"] = res.detach().clone()
     if geo is not None:
+        geo._fold_hits()
         sd[f"{tag}/geo/hits"] = torch.tensor([geo.hits[n] for n in sorted(geo.hits)], dtype=torch.float64, device="cpu")
         for name, t in geo.transforms.items():
             sd[f"tp{pctx.tp_rank}/geo/{name}/U"] = t.U.detach().cpu().clone()

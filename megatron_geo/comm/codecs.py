@@ -22,6 +22,7 @@ format's range saturate to +-max.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -40,6 +41,21 @@ _E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # midpoints whose tie goes up to the even code (0.75, 1.75, 3.5) are replaced by the FP32 value just
 # below them (one FP32 ulp less: 2**-24, 2**-23, 2**-22).
 _E2M1_BOUNDS = (0.25, 0.75 - 2.0 ** -24, 1.25, 1.75 - 2.0 ** -23, 2.5, 3.5 - 2.0 ** -22, 5.0)
+
+
+@functools.lru_cache(maxsize=64)
+def _const(values: tuple[float, ...], device: torch.device) -> Tensor:
+    """A small float32 constant table on ``device``, built once (no host-to-device copy per call)."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _e2m1_byte_table(device: torch.device) -> Tensor:
+    """``[256, 2]`` float32: the (low, high) E2M1 values of every packed byte."""
+    grid = _const(_E2M1_GRID, device)
+    signed = torch.cat((grid, -grid))  # value of each 4-bit code
+    nib = torch.arange(256, device=device)
+    return torch.stack((signed[nib & 15], signed[nib >> 4]), dim=1)
 
 
 def _check_fmt(fmt: str) -> None:
@@ -192,12 +208,10 @@ def _e2m1_index(a: Tensor, rounding: str, generator: torch.Generator | None) -> 
         # bucketize counts boundaries strictly below a. At the midpoints whose tie goes up to the even
         # code (0.75 -> 1.0, 1.75 -> 2.0, 3.5 -> 4.0) the boundary is the FP32 value just below the
         # midpoint, so "a > boundary" means "a >= midpoint"; the other ties stay down (even code).
-        bounds = torch.tensor(_E2M1_BOUNDS, dtype=torch.float32, device=a.device)
-        idx = torch.bucketize(a, bounds, out_int32=True)
+        idx = torch.bucketize(a, _const(_E2M1_BOUNDS, a.device), out_int32=True)
     else:
         q = _stochastic_round(a, 1, 0, generator)  # E2M1: 1 mantissa bit, min normal 1, subnormal 0.5
-        grid = torch.tensor(_E2M1_GRID, dtype=torch.float32, device=a.device)
-        idx = torch.bucketize(q, grid, out_int32=True).clamp_(max=7)  # q on the grid: its index
+        idx = torch.bucketize(q, _const(_E2M1_GRID, a.device), out_int32=True).clamp_(max=7)  # q's grid index
     return idx.to(torch.uint8)
 
 
@@ -266,11 +280,7 @@ def nvfp4_decode(packed: Tensor, block_scale_codes: Tensor, global_scale: Tensor
                          f"{tuple(packed.shape)} and {tuple(block_scale_codes.shape)}")
     nblk = packed.shape[0]
     g = _global_rows(global_scale, nblk)
-    grid = torch.tensor(_E2M1_GRID, dtype=torch.float32, device=packed.device)
-    signed = torch.cat((grid, -grid))  # value of each 4-bit code
-    nib = torch.arange(256, device=packed.device)
-    byte_table = torch.stack((signed[nib & 15], signed[nib >> 4]), dim=1)  # [256, 2] (low, high)
-    vals = byte_table[packed.long()].view(nblk, NVFP4_BLOCK)
+    vals = _e2m1_byte_table(packed.device)[packed.long()].view(nblk, NVFP4_BLOCK)
     s = block_scale_codes.view(torch.float8_e4m3fn).float().view(nblk, 1)
     return (vals * s) * g  # e2m1 * e4m3 is exact in FP32; one rounding for the global scale
 

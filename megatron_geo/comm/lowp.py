@@ -72,6 +72,7 @@ class LowPrecisionReducer(Reducer):
         self.rounding, self.error_feedback, self.transform = rounding, error_feedback, transform
         self.hadamard_block, self.scale_sync = hadamard_block, scale_sync
         self.layouts: dict[int, ScaleLayout] = {}
+        self._range_lengths: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._shard_in_wire_coords: dict[int, torch.Tensor] = {}
         self.geo = None
         self.geo_slots: dict[int, list[tuple[str, int, int, int]]] = {}
@@ -98,6 +99,10 @@ class LowPrecisionReducer(Reducer):
         bounds = self.bounds[key]
         scaling = "block" if self.scaling == "block" and self.fmt != "nvfp4" else "tensor"
         self.layouts[key] = build_scale_layout(offsets, numels, bounds, self.dp_size, scaling, self.block_size, device)
+        sizes = self.layouts[key].sizes  # per-range tables for NVFP4, built once (no host data per reduction)
+        self._range_lengths[key] = (torch.tensor(sizes, dtype=torch.int64, device="cpu").to(device),
+                                    torch.tensor([n // NVFP4_BLOCK for n in sizes], dtype=torch.int64,
+                                                 device="cpu").to(device))
         if self.error_feedback:
             self.residuals[key] = torch.zeros(bounds[-1], dtype=torch.float32, device=device)
 
@@ -196,56 +201,46 @@ class LowPrecisionReducer(Reducer):
             gb = g.expand(c // NVFP4_BLOCK).unsqueeze(1)
             packed, bscale = nvfp4_encode(x.view(-1, NVFP4_BLOCK), gb, self.rounding, self.generator)
             return torch.cat([packed.view(1, -1), bscale.view(1, -1), _as_bytes(g.view(1, 1))], dim=1)
-        if layout.block_size is not None:
-            amax = x.view(1, -1, layout.block_size).abs().amax(dim=2)
-        else:
-            lens = layout.lengths[r]
-            used = lens > 0  # padded (zero-length) segments sit at the end of the row
-            amax = torch.zeros(1, layout.K, dtype=torch.float32, device=x.device)
-            amax[0, : int(used.sum())] = torch.segment_reduce(x.abs(), "max", lengths=lens[used], unsafe=True,
-                                                              initial=0.0)
-        seg = fp8_scale_from_amax(amax, self.fmt)
+        seg = fp8_scale_from_amax(layout.row_amax(x, r), self.fmt)                        # [1, K]
         codes = fp8_encode(x, layout.expand(seg[0], r), self.fmt, self.rounding, self.generator)
         return torch.cat([codes.view(1, c), _as_bytes(seg.contiguous())], dim=1)
 
-    def _decode(self, payload: torch.Tensor, layout: ScaleLayout, chunk_index: int, sync_scales) -> torch.Tensor:
-        """Decode ``payload`` ``[m, bytes_per_chunk]`` (m copies of chunk ``chunk_index``) to FP32 ``[m, chunk]``."""
-        m, c = payload.shape[0], layout.chunk
+    def _decode_all(self, out: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
+        """FP32 ``[dp * chunk]``: every rank's range from the gathered payloads ``out`` ``[dp, bytes]`` (even plan)."""
+        dp, c = out.shape[0], layout.chunk
         if self.fmt in _CAST:
-            return payload.reshape(-1).clone().view(_CAST[self.fmt]).view(m, c).float()
+            return out.view(_CAST[self.fmt]).reshape(-1).float()
         if self.fmt == "nvfp4":
             nb = c // NVFP4_BLOCK
-            packed = payload[:, : c // 2].reshape(-1, NVFP4_BLOCK // 2)
-            bscale = payload[:, c // 2: c // 2 + nb].reshape(-1)
-            g = _as_f32(payload[:, c // 2 + nb:]).view(m)
-            return nvfp4_decode(packed, bscale, g.repeat_interleave(nb).unsqueeze(1)).view(m, c)
-        codes = payload[:, :c]
-        seg = sync_scales if sync_scales is not None else _as_f32(payload[:, c:])
-        scale = layout.expand(seg, chunk_index)
-        return fp8_decode(codes.contiguous(), scale.view(m, c), self.fmt)
+            packed = out[:, : c // 2].reshape(-1, NVFP4_BLOCK // 2)
+            bscale = out[:, c // 2: c // 2 + nb].reshape(-1)
+            g = _as_f32(out[:, c // 2 + nb:])                                              # [dp, 1]
+            return nvfp4_decode(packed, bscale, g.expand(dp, nb).reshape(-1, 1)).view(-1)
+        scale = layout.expand_all(_as_f32(out[:, c:]))                                     # [dp * chunk]
+        return fp8_decode(out[:, :c].reshape(-1), scale, self.fmt)
 
-    def _encode_ranges(self, x: torch.Tensor, layout: ScaleLayout, sync: bool):
+    def _encode_ranges(self, x: torch.Tensor, layout: ScaleLayout, sync: bool, key=None):
         """Encode the whole buffer ``x`` ``[numel]`` for the reduce-scatter's all-to-all.
 
         Returns ``(codes, scales, dec, shared)``: ``codes`` a list of ``(uint8 tensor, split sizes in bytes
         per destination rank)``; ``scales`` float32 ``[dp, K]`` (row r: what rank r needs to decode its range;
-        None when nothing is sent); ``dec`` the decoded FP32 ``x`` (error feedback); ``shared`` the
+        None when nothing is sent); ``dec`` the decoded FP32 ``x`` (with error feedback only, else None); ``shared`` the
         MAX-synchronised per-segment scales ``[dp, K]`` (``comm.scale_sync=max``) or None.
         """
         sizes = layout.sizes
+        ef = self.error_feedback  # the decoded copy is only needed for the residual
         if self.fmt in _CAST:
             wire = x.to(_CAST[self.fmt])
             es = wire.element_size()
-            return [(wire.view(torch.uint8), [n * es for n in sizes])], None, wire.float(), None
+            return [(wire.view(torch.uint8), [n * es for n in sizes])], None, wire.float() if ef else None, None
         if self.fmt == "nvfp4":
             n_el = x.numel()
-            per_block = torch.tensor([n // NVFP4_BLOCK for n in sizes], dtype=torch.int64, device="cpu").to(x.device)
-            lens = torch.tensor(sizes, dtype=torch.int64, device="cpu").to(x.device)
+            lens, per_block = self._range_lengths[key]
             amax = torch.segment_reduce(x.abs(), "max", lengths=lens, unsafe=True, initial=0.0)
             g = nvfp4_global_scale(amax)                                                   # [dp]
             gb = g.repeat_interleave(per_block, output_size=n_el // NVFP4_BLOCK).unsqueeze(1)
             packed, bscale = nvfp4_encode(x.view(-1, NVFP4_BLOCK), gb, self.rounding, self.generator)
-            dec = nvfp4_decode(packed, bscale, gb).view(-1)
+            dec = nvfp4_decode(packed, bscale, gb).view(-1) if ef else None
             codes = [(packed.view(-1), [n // 2 for n in sizes]), (bscale.view(-1), [n // NVFP4_BLOCK for n in sizes])]
             return codes, g.view(-1, 1), dec, None
         amax = layout.group_amax(x)
@@ -257,7 +252,7 @@ class LowPrecisionReducer(Reducer):
         seg = layout.segment_values(fp8_scale_from_amax(amax, self.fmt))                   # [dp, K]
         scale = layout.expand_all(seg)
         codes = fp8_encode(x, scale, self.fmt, self.rounding, self.generator)
-        dec = fp8_decode(codes, scale, self.fmt)
+        dec = fp8_decode(codes, scale, self.fmt) if ef else None
         return [(codes.view(torch.uint8), list(sizes))], (None if sync else seg.contiguous()), dec, \
             (seg if sync else None)
 
@@ -287,9 +282,9 @@ class LowPrecisionReducer(Reducer):
         if self.error_feedback:
             x = x + self.residuals[key]
         sync = self.scale_sync == "max"
-        codes, scales, dec, shared = self._encode_ranges(x, layout, sync)
+        codes, scales, dec, shared = self._encode_ranges(x, layout, sync, key)
         if self.error_feedback:
-            self.residuals[key] = x - dec
+            torch.sub(x, dec, out=self.residuals[key])  # in place: what this rank's quantiser lost
         works, recvs = [], []
         for send, splits in codes:
             assert send.dtype == torch.uint8, "the wire carries raw uint8 codes"
@@ -333,8 +328,7 @@ class LowPrecisionReducer(Reducer):
             out = torch.empty((dp, payload.shape[1]), dtype=torch.uint8, device=buf.device)
             C.all_gather_into(out.view(-1), payload.reshape(-1), self.group)
             self.bytes_sent += (dp - 1) * payload.shape[1]
-            vals = torch.cat([self._decode(out[i:i + 1], layout, i, None) for i in range(dp)], dim=1).view(-1)
-            buf.copy_(self._from_wire(vals, key, 0))
+            buf.copy_(self._from_wire(self._decode_all(out, layout), key, 0))
 
         pending = PendingReduction(None, gather)
         if not async_op:

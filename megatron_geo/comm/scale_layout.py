@@ -39,6 +39,9 @@ class ScaleLayout:
     chunk: int
     block_size: int | None
     sizes: list[int] | None = None
+    used_lengths: torch.Tensor | None = None   # tensor scaling: lengths of the non-empty segments, in order
+    used_groups: torch.Tensor | None = None    # ... and their scale groups (so no boolean mask per call)
+    used_per_row: list[int] | None = None      # non-empty segments of each range (python ints)
 
     @property
     def numel(self) -> int:
@@ -60,12 +63,20 @@ class ScaleLayout:
             if self.chunk >= 0:
                 return amax
             return torch.cat([amax, amax.new_zeros(1)])  # + the padding group of uneven rows
-        flat_len = self.lengths.reshape(-1)
-        used = flat_len > 0
-        # max/amax reductions propagate NaN (torch semantics), so a NaN anywhere reaches its group's amax
-        seg_amax = torch.segment_reduce(x.abs(), "max", lengths=flat_len[used], unsafe=True, initial=0.0)
+        # max/amax reductions propagate NaN (torch semantics), so a NaN anywhere reaches its group's amax;
+        # the non-empty segments were listed once at build time: no boolean mask, no data-dependent shape
+        seg_amax = torch.segment_reduce(x.abs(), "max", lengths=self.used_lengths, unsafe=True, initial=0.0)
         out = torch.zeros(self.num_groups, dtype=torch.float32, device=x.device)
-        return out.scatter_reduce_(0, self.groups.reshape(-1)[used], seg_amax, reduce="amax", include_self=True)
+        return out.scatter_reduce_(0, self.used_groups, seg_amax, reduce="amax", include_self=True)
+
+    def row_amax(self, x: torch.Tensor, r: int) -> torch.Tensor:
+        """Max |x| per segment of range ``r`` alone (``x`` is that range), float32 ``[1, K]`` (empty ones 0)."""
+        if self.block_size is not None:
+            amax = x.view(-1, self.block_size).abs().amax(dim=1)
+            return torch.cat([amax, amax.new_zeros(self.K - amax.numel())]).view(1, -1)
+        n = self.used_per_row[r]
+        seg = torch.segment_reduce(x.abs(), "max", lengths=self.lengths[r, :n], unsafe=True, initial=0.0)
+        return torch.cat([seg, seg.new_zeros(self.K - n)]).view(1, -1)
 
     def segment_values(self, group_values: torch.Tensor) -> torch.Tensor:
         """``[dp, K]`` per-segment values (e.g. scales) from per-group values; padded segments get 1."""
@@ -145,4 +156,7 @@ def build_scale_layout(offsets: list[int], numels: list[int], bounds, dp_size: i
     for r, row in enumerate(rows):
         for j, (n, g) in enumerate(row):
             lengths[r, j], groups[r, j] = n, g
-    return ScaleLayout(lengths.to(device), groups.to(device), pad_group + 1, chunk, None, sizes)
+    used = lengths.reshape(-1) > 0
+    return ScaleLayout(lengths.to(device), groups.to(device), pad_group + 1, chunk, None, sizes,
+                       lengths.reshape(-1)[used].to(device), groups.reshape(-1)[used].to(device),
+                       [len(row) for row in rows])

@@ -161,6 +161,7 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
                 "gather_sent_bytes": (buffer - own[r]) * param_b if sharded else 0, "optimizer_flops": flops[r]}
 
     worst = max(range(dp_size), key=lambda r: (max(sent[r], recv[r]), own[r]))
+    most_mem = max(range(dp_size), key=lambda r: (rank_bytes(r)["persistent_bytes"], -r))
     mean_flops = sum(flops) / dp_size
     even_rs = (dp_size - 1) / dp_size * P * wire_b
     out = {
@@ -185,6 +186,7 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
         "persistent_bytes_per_rank": max(rank_bytes(r)["persistent_bytes"] for r in range(dp_size)),
         "codec_scratch_bytes": scratch,
         "rank0": rank_bytes(0),
-        "worst_rank": {"rank": worst, **rank_bytes(worst)},
+        "worst_rank": {"rank": worst, **rank_bytes(worst)},      # the most wire bytes
+        "most_memory_rank": {"rank": most_mem, **rank_bytes(most_mem)},
     }
     return out

@@ -62,6 +62,7 @@ class GeoState:
         self.auto_layers, self.profile_steps, self.fp8_max, self.log = auto_layers, profile_steps, fp8_max, log
         self.underflow_below = underflow_below  # half the format's smallest subnormal: rounds to zero
         self.hits = {n: 0.0 for n in self.candidates}            # summed bound-hit fractions while profiling
+        self._hits_dev: dict[str, list[torch.Tensor]] = {}       # ... per step, not yet folded in (device)
         self.profiled = 0
         self.selected = dict(self.candidates) if not auto_layers else {}
         self.rank, self.damping, self.interval, self.ef_on_refresh = rank, damping, refresh_interval, ef_on_refresh
@@ -110,12 +111,20 @@ class GeoState:
         elements at the format max after scaling plus non-zero elements that round to zero."""
         g = grad.float()
         amax = g.abs().max()
-        if not torch.isfinite(amax) or amax == 0:
-            return
-        y = g / (amax / self.fp8_max)
-        sat = (y.abs() >= self.fp8_max).sum()
-        under = ((y.abs() <= self.underflow_below) & (g != 0)).sum()
-        self.hits[name] += float(sat + under) / g.numel()
+        ok = torch.isfinite(amax) & (amax > 0)  # an all-zero or non-finite gradient counts no hits
+        y = g / torch.where(ok, amax / self.fp8_max, torch.ones_like(amax))
+        hits = ((y.abs() >= self.fp8_max).sum() + ((y.abs() <= self.underflow_below) & (g != 0)).sum())
+        frac = torch.where(ok, hits.double() / g.numel(), torch.zeros((), dtype=torch.float64, device=g.device))
+        # kept on the device (no host sync inside the backward hooks); folded into hits at _choose
+        self._hits_dev.setdefault(name, []).append(frac)
+
+    def _fold_hits(self) -> None:
+        """Add the device-side bound-hit fractions to ``hits`` one by one, in step order (the same float sums
+        wherever a checkpoint falls); one host sync, at the selection and at checkpoints."""
+        for name, fracs in self._hits_dev.items():
+            for t in fracs:
+                self.hits[name] += float(t)
+        self._hits_dev.clear()
 
     def end_profiled_step(self) -> None:
         if self.profiling:
@@ -123,6 +132,7 @@ class GeoState:
 
     def _choose(self) -> None:
         """All-reduce the profile over DP (every rank picks the same set) and keep the top layers."""
+        self._fold_hits()
         names = sorted(self.hits)
         dev = self.params[names[0]].device if names else torch.device("cpu")
         rates = torch.tensor([self.hits[n] / max(self.profiled, 1) for n in names], dtype=torch.float64, device=dev)
@@ -234,6 +244,7 @@ class GeoState:
                 f"or the eigendecomposition were not identical on every rank (checksum mismatch)")
 
     def state_dict(self) -> dict:
+        self._fold_hits()
         return {"last_refresh": self.last_refresh, "selected": sorted(self.selected), "hits": dict(self.hits),
                 "profiled": self.profiled,
                 "transforms": {n: {"U": t.U, "d": t.d} for n, t in self.transforms.items()}}

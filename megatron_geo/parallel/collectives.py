@@ -127,18 +127,16 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group, out_splits: l
 
 
 def _loopback(out: torch.Tensor, inp: torch.Tensor, group, out_splits, in_splits) -> None:
-    """Fake backend (dry runs): every source "sends" what this rank sends itself, so received buffers hold
-    real values (as if all ranks had this rank's data) instead of uninitialised memory."""
+    """Fake backend (dry runs): this rank "receives" its own part from itself and zeros from every other rank,
+    so received buffers hold defined values and a sum over sources equals this rank's own contribution --
+    the same as the fake ``reduce`` (which leaves this rank's data in place)."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     ins = in_splits or [inp.shape[0] // world] * world
     outs = out_splits or [out.shape[0] // world] * world
-    lo = sum(ins[:me])
-    mine = inp[lo:lo + ins[me]]
-    pos = 0
-    for n in outs:
-        if n == mine.shape[0]:
-            out[pos:pos + n].copy_(mine)
-        pos += n
+    lo, pos = sum(ins[:me]), sum(outs[:me])
+    out.zero_()
+    if outs[me] == ins[me]:
+        out[pos:pos + outs[me]].copy_(inp[lo:lo + ins[me]])
 
 
 def barrier(group) -> None:

@@ -154,10 +154,13 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
     flops_tok = flops_per_token(cfg.model)
     gpu_name = torch.cuda.get_device_name(pctx.device) if pctx.device.type == "cuda" else None
     pad = sum(b.plan.padding([p.numel() for p in b.params]) for b in buckets)
+    uneven = sum(1 for b in buckets if not b.plan.even)
     _log0(pctx, f"parameters: {n_params:,}")
     _log0(pctx, f"parallel: world={pctx.world_size} TP={pctx.tp_size} DP={pctx.dp_size} backend={pctx.backend} "
-                f"device={pctx.device} | {len(buckets)} buckets, shard padding {pad} elements | "
-                f"comm.dtype={cfg.comm.dtype} distributed_optimizer={cfg.parallel.distributed_optimizer}")
+                f"device={pctx.device} | {len(buckets)} buckets ({uneven} with uneven owner ranges), shard padding {pad} "
+                f"elements | "
+                f"comm.dtype={cfg.comm.dtype} distributed_optimizer={cfg.parallel.distributed_optimizer} "
+                f"overlap_param_gather={optimizer.overlap_param_gather}")
     ckpt = Checkpointer(cfg, pctx, model, optimizer, reducer, geo, lambda m: _log0(pctx, m))
     start_step, consumed, skipped_in_a_row = ckpt.resume()
     if start_step >= t.steps:  # nothing to train: write nothing (no checkpoint, metrics untouched)
