@@ -105,9 +105,12 @@ def test_plan_report_meets_the_targets_at_the_users_shape(tmp_path, configs):
             assert key in f, key
         assert f["buffer_elements_per_rank"] >= f["parameters"]
         assert f["padding_ratio"] <= 1.05, f
-        assert f["wire_bytes_per_rank"] <= 1.05 * f["even_reduce_scatter_bytes"] or f["dp"] == 128, f
-        if f["dp"] <= 64:
+        assert f["wire_bytes_per_rank"] <= 1.05 * f["even_reduce_scatter_bytes"], f
+        if f["dp"] <= 64 or f["config"]["optimizer"] != "muon":
             assert f["optimizer_flops_max_over_mean"] <= 1.25, f
+        else:  # whole-matrix Newton-Schulz: no plan beats the largest matrix over the mean (docs/sharding.md)
+            mlp = (1536, 4096) if "600m" in configs[0] else (1024, 2816)
+            assert f["optimizer_flops_max"] == pytest.approx(newton_schulz_flops(mlp), rel=1e-3)
     by_dp = {f["dp"]: f for f in figs}
     assert by_dp[64]["uneven_buckets"] == by_dp[64]["buckets"]
     # the even plan of the same model pads to the largest matrix: the figure this change removes

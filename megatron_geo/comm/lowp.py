@@ -305,9 +305,10 @@ class LowPrecisionReducer(Reducer):
                 w.wait()
             vals = self._decode_own(recvs, recv_scales, layout)
             avg = vals.sum(dim=0).div_(dp)
-            if keep_wire:  # the all-gather stage re-encodes the shard in wire coordinates
-                self._shard_in_wire_coords[key] = avg
-            buf[lo:lo + own] = self._from_wire(avg.clone(), key, lo)
+            if keep_wire:  # all-reduce: the gather stage re-encodes the shard in wire coordinates and then
+                self._shard_in_wire_coords[key] = avg  # overwrites all of buf (even chunks may cut GeoFP8 rows)
+                return
+            buf[lo:lo + own] = self._from_wire(avg, key, lo)
 
         return PendingReduction(None, epilogue)
 
