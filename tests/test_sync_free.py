@@ -15,49 +15,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_geo.comm.op_trace import OpRecorder
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PRESETS = ["fp32", "bf16", "fp8", "fp8_ef", "fp8_block", "fp8_e5m2", "fp8_hadamard", "fp8_shared_scale", "nvfp4",
            "geofp8", "geonvfp4"]
-# views and metadata ops launch no kernel: not counted as work
-_VIEWS = {"aten::view", "aten::slice", "aten::select", "aten::alias", "aten::as_strided", "aten::_reshape_alias",
-          "aten::expand", "aten::t", "aten::transpose", "aten::unsqueeze", "aten::squeeze", "aten::detach",
-          "aten::reshape", "aten::permute", "aten::_unsafe_view", "aten::unbind", "aten::split", "aten::chunk",
-          "aten::narrow", "aten::view_as", "aten::numpy_T", "aten::expand_as", "aten::unflatten", "aten::flatten"}
-_SYNC = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique_dim",
-         "aten::_unique2", "aten::unique_consecutive", "aten::equal", "aten::is_nonzero", "aten::item",
-         "aten::lift_fresh", "aten::masked_scatter"}
-
-
-class OpRecorder(TorchDispatchMode):
-    """Counts aten ops by name and lists the ones that force a host sync or a data-dependent shape."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: Counter = Counter()
-        self.bad: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func._schema.name
-        self.ops[name] += 1
-        if name in _SYNC:
-            self.bad.append(name)
-        elif name == "aten::repeat_interleave" and isinstance(args[1] if len(args) > 1 else None, torch.Tensor) \
-                and kwargs.get("output_size") is None and (len(args) < 4 or args[3] is None):
-            self.bad.append("repeat_interleave without output_size")
-        elif name in ("aten::index", "aten::index_put", "aten::index_put_") and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or [])):
-            self.bad.append(f"{name} with a boolean mask")
-        return func(*args, **kwargs)
 
 
 def preset_ops(preset: str, rank: int, dp: int) -> dict:
@@ -86,10 +55,7 @@ def preset_ops(preset: str, rank: int, dp: int) -> dict:
         rec = OpRecorder()
         with rec:
             reducer.reduce_scatter(b.grad_data, key=b.index).wait()
-        c10d = sum(n for k, n in rec.ops.items() if k.startswith("c10d::"))
-        work = {k: n for k, n in rec.ops.items() if not k.startswith("c10d::") and k not in _VIEWS}
-        out.append({"compute": sum(work.values()), "c10d": c10d, "bad": rec.bad, "uneven": not b.plan.even,
-                    "ops": work})
+        out.append({"compute": rec.work, "c10d": rec.collectives, "bad": rec.bad, "uneven": not b.plan.even})
     return {"buckets": out}
 
 

@@ -1,0 +1,71 @@
+"""Record the aten ops of a piece of code and find the ones that force a host synchronisation.
+
+:class:`OpRecorder` is a ``TorchDispatchMode``: every aten op run inside it is counted by name, with the bytes
+of its tensor inputs and outputs (a memory-traffic estimate for unfused eager code), and the ops that make
+the host wait for the device or produce data-dependent shapes are listed in ``bad``: ``.item()``
+(``_local_scalar_dense``), ``nonzero``, ``masked_select``, ``unique``, boolean-mask indexing,
+``repeat_interleave`` with tensor repeats and no ``output_size``, and tensors made from host data
+(``lift_fresh``: a blocking host-to-device copy on a GPU). Views launch no kernel and are not counted as work.
+Used by ``tests/test_sync_free.py`` and ``benchmarks/reducer_codec.py``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+# views and metadata ops launch no kernel: not counted as work
+_VIEWS = {"aten::view", "aten::slice", "aten::select", "aten::alias", "aten::as_strided", "aten::_reshape_alias",
+          "aten::expand", "aten::t", "aten::transpose", "aten::unsqueeze", "aten::squeeze", "aten::detach",
+          "aten::reshape", "aten::permute", "aten::_unsafe_view", "aten::unbind", "aten::split", "aten::chunk",
+          "aten::narrow", "aten::view_as", "aten::numpy_T", "aten::expand_as", "aten::unflatten", "aten::flatten"}
+_SYNC = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique_dim",
+         "aten::_unique2", "aten::unique_consecutive", "aten::equal", "aten::is_nonzero", "aten::item",
+         "aten::lift_fresh", "aten::masked_scatter"}
+
+
+class OpRecorder(TorchDispatchMode):
+    """Counts aten ops by name and lists the ones that force a host sync or a data-dependent shape.
+
+    Attributes:
+        ops: ``Counter`` of op names (``aten::...``, ``c10d::...``).
+        bad: names of the sync-forcing / data-dependent-shape ops seen, in order.
+        traffic_bytes: bytes of the tensor inputs and outputs of every kernel-launching op (views and
+            collectives excluded): the memory traffic of unfused eager execution.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter = Counter()
+        self.bad: list[str] = []
+        self.traffic_bytes = 0
+
+    @property
+    def work(self) -> int:
+        """Kernel-launching ops: all but views and collectives."""
+        return sum(n for k, n in self.ops.items() if k not in _VIEWS and not k.startswith("c10d::"))
+
+    @property
+    def collectives(self) -> int:
+        return sum(n for k, n in self.ops.items() if k.startswith("c10d::"))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        self.ops[name] += 1
+        if name in _SYNC:
+            self.bad.append(name)
+        elif name == "aten::repeat_interleave" and isinstance(args[1] if len(args) > 1 else None, torch.Tensor) \
+                and kwargs.get("output_size") is None and (len(args) < 4 or args[3] is None):
+            self.bad.append("repeat_interleave without output_size")
+        elif name in ("aten::index", "aten::index_put", "aten::index_put_") and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or [])):
+            self.bad.append(f"{name} with a boolean mask")
+        out = func(*args, **kwargs)
+        if name not in _VIEWS and not name.startswith("c10d::"):
+            leaves = tree_flatten((args, kwargs, out))[0]
+            self.traffic_bytes += sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+        return out
