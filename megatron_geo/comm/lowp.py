@@ -257,11 +257,10 @@ class LowPrecisionReducer(Reducer):
             (seg if sync else None)
 
     def _decode_own(self, recv: list[torch.Tensor], scales: torch.Tensor | None, layout: ScaleLayout) -> torch.Tensor:
-        """FP32 ``[dp, own]``: every source's copy of this rank's range, from the received codes and scales."""
+        """FP32 ``[dp, own]``: every source's copy of this rank's range, from the received codes and scales
+        (FP8 and NVFP4; the cast wires are summed directly from their dtype)."""
         dp, r = self.dp_size, self.dp_rank
         own = layout.sizes[r]
-        if self.fmt in _CAST:
-            return recv[0].view(_CAST[self.fmt]).view(dp, own).float()
         if self.fmt == "nvfp4":
             nb = own // NVFP4_BLOCK
             gb = scales.view(dp).repeat_interleave(nb).unsqueeze(1)
@@ -303,8 +302,10 @@ class LowPrecisionReducer(Reducer):
         def epilogue():
             for w in works:
                 w.wait()
-            vals = self._decode_own(recvs, recv_scales, layout)
-            avg = vals.sum(dim=0).div_(dp)
+            if self.fmt in _CAST:  # sum straight from the wire dtype (no FP32 copy of the receive buffer)
+                avg = torch.sum(recvs[0].view(_CAST[self.fmt]).view(dp, own), dim=0, dtype=torch.float32).div_(dp)
+            else:
+                avg = self._decode_own(recvs, recv_scales, layout).sum(dim=0).div_(dp)
             if keep_wire:  # all-reduce: the gather stage re-encodes the shard in wire coordinates and then
                 self._shard_in_wire_coords[key] = avg  # overwrites all of buf (even chunks may cut GeoFP8 rows)
                 return

@@ -194,37 +194,8 @@ class CastReducer(Reducer):
         work = C.all_to_all_single(recv, send, self.group, [own.numel()] * self.dp_size, sizes, async_op=True)
         self._count_sent(buf, key, self.wire_dtype)
 
-        def epilogue():
-            parts = recv.view(self.dp_size, -1).float()
-            own.copy_(parts.sum(dim=0)).div_(self.dp_size)
+        def epilogue():  # the FP32 sum accumulates straight from the wire dtype (no FP32 copy of recv)
+            torch.sum(recv.view(self.dp_size, -1), dim=0, dtype=torch.float32, out=own)
+            own.div_(self.dp_size)
 
         return PendingReduction(work, epilogue)
-
-
-def build_reducer(comm, dp_group, dp_size: int, dp_rank: int, seed: int = 0, device=None) -> Reducer:
-    """The reducer for a ``comm`` config section (or just a ``comm.dtype`` string).
-
-    fp32 -> :class:`FP32Reducer`; bf16 -> :class:`CastReducer`; fp8_e4m3 / fp8_e5m2 / nvfp4 ->
-    :class:`~megatron_geo.comm.lowp.LowPrecisionReducer` with the section's scaling, rounding, error
-    feedback, transform and scale sync.
-
-    Raises:
-        ValueError: an unknown ``comm.dtype``.
-    """
-    dtype = comm if isinstance(comm, str) else comm.dtype
-    plain = isinstance(comm, str) or comm.transform == "none"
-    if dtype == "fp32" and plain:
-        return FP32Reducer(dp_group, dp_size, dp_rank)
-    if dtype == "bf16" and plain:
-        r = CastReducer(dp_group, dp_size, dp_rank, torch.bfloat16)
-        r.name = "bf16"
-        return r
-    if dtype in ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4"):
-        from .lowp import LowPrecisionReducer
-
-        kw = {} if isinstance(comm, str) else dict(
-            scaling=comm.scaling, block_size=comm.block_size, rounding=comm.rounding,
-            error_feedback=comm.error_feedback, transform=comm.transform, hadamard_block=comm.hadamard_block,
-            scale_sync=comm.scale_sync)
-        return LowPrecisionReducer(dp_group, dp_size, dp_rank, dtype, seed=seed, device=device, **kw)
-    raise ValueError(f"comm.dtype={dtype!r} is not supported; choose fp32, bf16, fp8_e4m3, fp8_e5m2 or nvfp4")
