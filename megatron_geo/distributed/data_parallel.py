@@ -42,6 +42,8 @@ class GradSync:
             if (on_cuda if comm_stream is None else comm_stream) else None
         self._pending: dict[int, PendingReduction] = {}
         self._remaining: dict[int, int] = {}
+        self._ready: set[int] = set()
+        self._next = 0  # position in self.buckets of the next bucket to launch
         self._last = True
         self._defer = False
         self._handles = []
@@ -56,8 +58,21 @@ class GradSync:
             if self._last and self.overlap and not self._defer:
                 self._remaining[bucket.index] -= 1
                 if self._remaining[bucket.index] == 0:
-                    self._launch(bucket)
+                    self._ready.add(bucket.index)
+                    self._launch_ready()
         return hook
+
+    def _launch_ready(self) -> None:
+        """Launch buckets strictly in bucket order, each once it and all before it are ready.
+
+        Collectives are matched by call order across ranks, so every rank must launch the same buckets in
+        the same order: a parameter that gets no gradient on one rank only (unused in its forward) keeps its
+        bucket, and every later one, for :meth:`finish` on that rank, which then launches them in order too.
+        Buckets are numbered by when their last gradient arrives in backward, so normally nothing waits.
+        """
+        while self._next < len(self.buckets) and self.buckets[self._next].index in self._ready:
+            self._launch(self.buckets[self._next])
+            self._next += 1
 
     def _launch(self, bucket: Bucket) -> None:
         op = self.reducer.reduce_scatter if self.sharded else self.reducer.all_reduce
@@ -83,6 +98,8 @@ class GradSync:
             b.grad_data.zero_()
         self._pending.clear()
         self._remaining = {b.index: len(b.params) for b in self.buckets}
+        self._ready.clear()
+        self._next = 0
         self._last = True
 
     def set_last_micro_batch(self, last: bool) -> None:
@@ -90,10 +107,10 @@ class GradSync:
         self._last = last
 
     def finish(self) -> None:
-        """Launch buckets not launched yet (unused parameters, overlap off) in bucket order, then wait all."""
-        for b in self.buckets:
-            if b.index not in self._pending:
-                self._launch(b)
+        """Launch the buckets not launched yet (unused parameters, overlap off) in bucket order, then wait all."""
+        for b in self.buckets[self._next:]:
+            self._launch(b)
+        self._next = len(self.buckets)
         if self._stream is None:
             for b in self.buckets:
                 self._pending[b.index].wait()

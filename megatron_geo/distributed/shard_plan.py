@@ -341,8 +341,8 @@ def plan_model(specs: list[ParamSpec], bucket_size: int, dp_size: int, align: in
         align: every rank's range is a multiple of this many elements.
 
     Returns:
-        ``[(indices into specs, plan), ...]`` in launch order (by each bucket's first parameter in backward
-        order); plan offsets and pieces index into that bucket's ``indices``. Even plans when no parameter is
+        ``[(indices into specs, plan), ...]`` in launch order (by each bucket's last parameter in backward
+        order, i.e. when it is ready); plan offsets and pieces index into that bucket's ``indices``. Even plans when no parameter is
         atomic or ``dp_size == 1`` (see the module docstring), whole-parameter plans otherwise.
 
     Raises:
@@ -362,7 +362,8 @@ def plan_model(specs: list[ParamSpec], bucket_size: int, dp_size: int, align: in
             atomic_el[r] += specs[i].numel
     a_groups = group_in_buckets([i for i in order if specs[i].atomic], numels, bucket_size)
     s_groups = group_in_buckets([i for i in order if not specs[i].atomic], numels, bucket_size)
-    groups = sorted([(g, True) for g in a_groups] + [(g, False) for g in s_groups], key=lambda t: t[0][0])
+    # launch order = when a bucket's last gradient arrives in backward (the norms + embedding bucket goes last)
+    groups = sorted([(g, True) for g in a_groups] + [(g, False) for g in s_groups], key=lambda t: max(t[0]))
     quotas = splittable_quotas(atomic_el, sum(numels[i] for g in s_groups for i in g))
     cuts = [0]
     for q in quotas:
