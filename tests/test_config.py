@@ -151,3 +151,27 @@ def test_power_search_accepts_a_yaml_list_and_the_preset(tmp_path):
     g.write_text("comm:\n  dtype: [fp8_e4m3]\n")
     with pytest.raises(ConfigError, match="expected a string"):
         load_config([str(g)])
+
+
+# -- c05: values are typed against the schema field, never guessed first --------------------------------------------
+
+@pytest.mark.parametrize("text", ["2.5e0", "2.5", "2.5E+0", "nan", "inf", "3x"])
+def test_non_integral_values_for_integer_keys_are_errors_in_every_spelling(tmp_path, text):
+    with pytest.raises(ConfigError, match=r"train\.steps: expected an integer"):
+        load_config([], [f"train.steps={text}"])
+    f = tmp_path / "c.yaml"
+    f.write_text(f"train:\n  steps: {text}\n")
+    with pytest.raises(ConfigError, match=r"train\.steps: expected an integer"):
+        load_config([str(f)])
+
+
+def test_integral_spellings_and_string_keys_keep_what_was_written(tmp_path):
+    cfg = load_config([], ["train.steps=1e3", "parallel.bucket_size=4_000_000", "train.run_dir=1e3",
+                           "logging.wandb_name=0.10", "parallel.distributed_optimizer=yes"])
+    assert (cfg.train.steps, cfg.parallel.bucket_size) == (1000, 4_000_000)
+    assert (cfg.train.run_dir, cfg.logging.wandb_name) == ("1e3", "0.10")   # the text, not str(float)
+    assert cfg.parallel.distributed_optimizer is True
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  steps: 2.0\n  run_dir: 0x10\nlogging:\n  wandb_name: 007\n")
+    cfg = load_config([str(f)])
+    assert (cfg.train.steps, cfg.train.run_dir, cfg.logging.wandb_name) == (2, "0x10", "007")

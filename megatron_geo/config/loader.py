@@ -34,13 +34,32 @@ _EMPTY_OK = ("geo.power_search",)                 # strings whose empty value me
 _AUTO_BOOL_KEYS = ("parallel.overlap_param_gather",)  # str keys whose values are auto, true or false
 
 
+def _int_from_text(text: str) -> int | None:
+    """``"20"``, ``"4_000_000"``, ``"1e3"``, ``"2.0"`` -> int; ``"2.5e0"``, ``"2.5"``, ``"x"`` -> None (never truncated)."""
+    t = text.strip()
+    try:
+        return int(t, 10)
+    except ValueError:
+        pass
+    try:
+        f = float(t)
+    except ValueError:
+        return None
+    return int(f) if f == f and abs(f) != float("inf") and f.is_integer() else None
+
+
 def _coerce(value: Any, typ: type, where: str) -> Any:
-    """Convert ``value`` (from YAML or a command-line string) to ``typ`` or raise ConfigError."""
+    """Convert ``value`` to the schema field's type ``typ`` or raise ConfigError.
+
+    Values are typed against the field, never guessed first: YAML files are read without implicit typing
+    (every scalar is its text) and overrides are their text, so a string key keeps the text exactly as written
+    and a non-integral number for an integer key is an error in every spelling (``2.5``, ``2.5e0``).
+    """
     if typ is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
+        if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+            return value.strip().lower() in ("true", "1", "yes", "on")
         raise ConfigError(f"{where}: expected true/false, got {value!r}")
     if typ is int:
         if isinstance(value, bool):
@@ -49,24 +68,29 @@ def _coerce(value: Any, typ: type, where: str) -> Any:
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        if isinstance(value, str):
-            try:
-                return int(float(value)) if value.strip().lower().count("e") else int(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if isinstance(value, str) and (n := _int_from_text(value)) is not None:
+            return n
+        raise ConfigError(f"{where}: expected an integer, got {value!r} (a whole number, e.g. 20 or 1e3)")
     if typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         if isinstance(value, str):
             try:
-                return float(value)
+                return float(value.strip())
             except ValueError:
                 pass
         raise ConfigError(f"{where}: expected a number, got {value!r}")
     if typ is str:
         if isinstance(value, bool) and where.endswith(_AUTO_BOOL_KEYS):  # auto | true | false keys
             return "true" if value else "false"
+        if isinstance(value, str) and where.endswith(_AUTO_BOOL_KEYS):
+            low = value.strip().lower()
+            return {"yes": "true", "on": "true", "no": "false", "off": "false"}.get(low, low)
+        if isinstance(value, str) and where.endswith(_LIST_KEYS) and value.strip().startswith("["):
+            try:
+                value = yaml.load(value, Loader=yaml.BaseLoader)  # an override written as a YAML list
+            except yaml.YAMLError:
+                raise ConfigError(f"{where}: {value!r} is not a valid list; e.g. [0.5, 0.25, 0]") from None
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         if value is None and where.endswith(_EMPTY_OK):
@@ -74,6 +98,8 @@ def _coerce(value: Any, typ: type, where: str) -> Any:
         scalars = isinstance(value, list) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool)
                                                   for v in value)
         if scalars and where.endswith(_LIST_KEYS):
+            if any(str(v).strip() == "" for v in value):
+                raise ConfigError(f"{where}: the list {value!r} has an empty element; e.g. [0.5, 0.25, 0]")
             return ",".join(str(v) for v in value)  # a YAML list of patterns / numbers = the comma-separated form
         if isinstance(value, list) and where.endswith(_LIST_KEYS):
             raise ConfigError(f"{where}: expected a list of numbers or strings, got {value!r}; e.g. [0.5, 0.25, 0]")
@@ -93,13 +119,6 @@ def _apply(cfg: Config, section: str, key: str, value: Any, origin: str) -> None
     setattr(sec, key, _coerce(value, hints[key], f"{origin}: {section}.{key}"))
 
 
-def _parse_scalar(text: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
 def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Build a :class:`Config`: defaults, then each YAML file in order, then ``section.key=value`` overrides.
 
@@ -113,7 +132,8 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
         if not path.is_file():
             raise ConfigError(f"config file '{f}' not found (pass an existing YAML file to --config)")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            # no implicit typing: every scalar stays its text and is typed against the schema (_coerce)
+            data = yaml.load(path.read_text(encoding="utf-8-sig"), Loader=yaml.BaseLoader) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file '{f}' is not valid YAML: {e}") from None
         if not isinstance(data, dict):
@@ -128,7 +148,7 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
             raise ConfigError(f"override '{ov}' is not of the form section.key=value (e.g. train.steps=20)")
         dotted, value = ov.split("=", 1)
         section, key = dotted.split(".", 1)
-        _apply(cfg, section.strip(), key.strip(), _parse_scalar(value), "override")
+        _apply(cfg, section.strip(), key.strip(), value, "override")
     return cfg
 
 
