@@ -302,3 +302,35 @@ def test_default_corpus_concurrent_callers(tmp_path):
     assert results[0] == results[1]
     assert sorted(os.listdir(tmp_path)) == ["shakespeare_v256", "shakespeare_v256.lock"]
     assert len(IndexedDataset(results[0].valid_prefix)) > 0
+
+
+# -- c09: a UTF-8 byte-order mark is not part of the text ----------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl"])
+def test_byte_order_mark_is_dropped_by_preprocess_data(tok, tmp_path, kind):
+    doc = "First words of a file saved by an editor that writes a byte-order mark."
+    outs = []
+    for tag, bom in (("plain", ""), ("bom", "\ufeff")):
+        src = tmp_path / f"{tag}.{kind}"
+        text = doc if kind == "txt" else json.dumps({"text": doc}, ensure_ascii=False) + "\n"
+        src.write_bytes((bom + text).encode("utf-8"))
+        prefix = str(tmp_path / tag)
+        r = _run_tool("preprocess_data.py", "--input", str(src), "--tokenizer-model", tok.model_path,
+                      "--output-prefix", prefix, tmp_path=tmp_path)
+        assert r.returncode == 0, r.stderr
+        outs.append(IndexedDataset(prefix)[0].tolist())
+    assert outs[0] == outs[1] == tok.encode(doc) + [tok.eod_id]
+
+
+def test_byte_order_mark_is_dropped_when_reading_documents_and_training_tokenizers(tmp_path):
+    from megatron_geo.data.corpus import read_document
+    from megatron_geo.data.tokenizer import train_tokenizer
+
+    text = "alpha beta gamma delta\n" * 50
+    (tmp_path / "a.txt").write_bytes(("\ufeff" + text).encode("utf-8"))
+    (tmp_path / "b.txt").write_bytes(text.encode("utf-8"))
+    assert read_document(str(tmp_path / "a.txt")) == read_document(str(tmp_path / "b.txt")) == text
+    with_bom = Tokenizer(train_tokenizer([str(tmp_path / "a.txt")], str(tmp_path / "ta"), vocab_size=40))
+    without = Tokenizer(train_tokenizer([str(tmp_path / "b.txt")], str(tmp_path / "tb"), vocab_size=40))
+    pieces = lambda t: [t._sp.id_to_piece(i) for i in range(t.vocab_size)]  # noqa: E731
+    assert pieces(with_bom) == pieces(without) and "\ufeff" not in "".join(pieces(with_bom))

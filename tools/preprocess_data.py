@@ -24,7 +24,7 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 from megatron_geo.data.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
-from megatron_geo.data.tokenizer import Tokenizer  # noqa: E402
+from megatron_geo.data.tokenizer import Tokenizer, strip_bom  # noqa: E402
 
 _BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -76,7 +76,7 @@ def _batches(rows, text_key: str, size: int):
         text = row[text_key]
         if text is not None and not isinstance(text, str):
             raise ValueError(f"column {text_key!r} holds {type(text).__name__}, expected str.")
-        batch.append(text)
+        batch.append(strip_bom(text) if text else text)  # a UTF-8 byte-order mark is not part of the text
         if len(batch) == size:
             yield batch
             batch = []

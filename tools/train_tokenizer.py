@@ -35,6 +35,7 @@ def dump_hf_dataset(name: str, config: str | None, split: str, text_key: str, ma
                 raise ValueError(f"text key {text_key!r} not in dataset {name!r} "
                                  f"(keys: {sorted(row)}); use --text-key.")
             text = row[text_key]
+            text = text.removeprefix("\ufeff") if isinstance(text, str) else text  # no byte-order mark
             if text:
                 f.write(text if text.endswith("\n") else text + "\n")
                 n += 1

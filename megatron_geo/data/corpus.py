@@ -73,7 +73,7 @@ def work_key(path: str) -> str:
 
 def read_document(path: str) -> str:
     """Text of one file, with ``\\r\\n`` normalised and any Project Gutenberg licence header/footer removed."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is dropped
         text = f.read().replace("\r\n", "\n").replace("\r", "\n")
     start, end = _GUTENBERG_START.search(text), _GUTENBERG_END.search(text)
     if start:

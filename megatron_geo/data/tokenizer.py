@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -21,6 +22,20 @@ MODEL_TYPES = ("bpe", "unigram", "char", "word")
 # take more than a quarter of the vocabulary.
 BYTE_FALLBACK_MIN_VOCAB = 1024
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+
+def _starts_with_bom(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(3) == b"\xef\xbb\xbf"
+
+
+def _copy_without_bom(path: str, folder: str, i: int) -> str:
+    out = os.path.join(folder, f"{i}-{os.path.basename(path)}")
+    with open(path, "rb") as src, open(out, "wb") as dst:
+        src.read(3)
+        while chunk := src.read(1 << 24):
+            dst.write(chunk)
+    return out
 
 
 def _check_inputs(input_files: Sequence[str], vocab_size: int, model_type: str) -> list[str]:
@@ -59,6 +74,15 @@ def _explain_failure(err: RuntimeError, vocab_size: int, byte_fallback: bool, fi
     return ValueError(f"SentencePiece training failed for inputs {files[:3]}...: {msg}")
 
 
+BOM = "\ufeff"
+
+
+def strip_bom(text: str) -> str:
+    """``text`` without a leading UTF-8 byte-order mark (U+FEFF), as ``encoding="utf-8-sig"`` reads a file:
+    the mark says how the file was saved, it is not part of the document."""
+    return text[1:] if text.startswith(BOM) else text
+
+
 def train_tokenizer(
     input_files: list[str],
     model_prefix: str,
@@ -92,6 +116,9 @@ def train_tokenizer(
             the text, or too small for its characters); the message gives the valid bound.
     """
     files = _check_inputs(input_files, vocab_size, model_type)
+    bom_free = tempfile.TemporaryDirectory(prefix="mg-tok-") if any(_starts_with_bom(f) for f in files) else None
+    if bom_free is not None:  # SentencePiece reads the files itself: give it copies without the byte-order mark
+        files = [_copy_without_bom(f, bom_free.name, i) if _starts_with_bom(f) else f for i, f in enumerate(files)]
     if byte_fallback is None:
         byte_fallback = vocab_size >= BYTE_FALLBACK_MIN_VOCAB
     Path(model_prefix).parent.mkdir(parents=True, exist_ok=True)
