@@ -75,3 +75,25 @@ def test_bad_launch_variables_are_clear_errors(env, bad, message):
         env.setenv(k, v)
     with pytest.raises(LaunchError, match=message):
         detect_launch_env()
+
+
+# -- c06: Slurm's full host-list syntax in the fallback (no scontrol) ----------------------------------------------
+
+@pytest.mark.parametrize("nodelist,hosts", [
+    ("rack[1-2]-ib", ["rack1-ib", "rack2-ib"]),
+    ("gh[001-003,070],login1", ["gh001", "gh002", "gh003", "gh070", "login1"]),
+    ("r[1-2]n[09-10]", ["r1n09", "r1n10", "r2n09", "r2n10"]),
+    ("a-[7]-b,c[2]", ["a-7-b", "c2"]),
+    ("node7", ["node7"]),
+])
+def test_hostlist_expansion_follows_slurm_syntax(nodelist, hosts):
+    from megatron_geo.parallel.launch_env import expand_hostlist
+
+    assert expand_hostlist(nodelist) == hosts
+    assert _expand_first_host(nodelist) == hosts[0]
+
+
+@pytest.mark.parametrize("bad", ["n[1-", "n]1[", "n[3-1]", "n[a-b]", "", "x[1-2]]"])
+def test_unparsable_hostlist_is_a_clear_error(bad):
+    with pytest.raises(LaunchError, match=r"SLURM_JOB_NODELIST=.*set MASTER_ADDR"):
+        _expand_first_host(bad)

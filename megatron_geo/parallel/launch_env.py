@@ -23,16 +23,78 @@ class LaunchEnv:
     launcher: str  # "torchrun" | "slurm" | "single"
 
 
+def _split_top_level(text: str) -> list[str]:
+    """Split a Slurm host list at the commas outside brackets."""
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError("unbalanced ']'")
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if depth:
+        raise ValueError("unbalanced '['")
+    parts.append("".join(cur))
+    return [p for p in parts if p]
+
+
+def _expand_range_set(body: str) -> list[str]:
+    """``"001-003,070"`` -> ``["001", "002", "003", "070"]`` (zero padding kept, as Slurm does)."""
+    out = []
+    for item in body.split(","):
+        lo, sep, hi = item.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"bad range {item!r}")
+        if not sep:
+            out.append(lo)
+            continue
+        if int(hi) < int(lo):
+            raise ValueError(f"descending range {item!r}")
+        width = len(lo) if lo.startswith("0") else 0
+        out += [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
+    return out
+
+
+def expand_hostlist(nodelist: str) -> list[str]:
+    """Every host of a Slurm host list, in Slurm's order, without calling ``scontrol``.
+
+    Follows Slurm's syntax: hosts separated by commas; any number of bracket ranges per host, with text
+    before, between and after them (``rack[1-2]-ib``, ``r[1-2]n[01-04]``); zero padding of ranges kept.
+
+    Raises:
+        LaunchError: the list cannot be parsed (names the value and the fix).
+    """
+    try:
+        hosts = []
+        for expr in _split_top_level(nodelist.strip()):
+            pieces = re.split(r"(\[[^\]]*\])", expr)
+            expanded = [""]
+            for piece in pieces:
+                if piece.startswith("["):
+                    choices = _expand_range_set(piece[1:-1])
+                    expanded = [h + c for h in expanded for c in choices]
+                elif "[" in piece or "]" in piece:
+                    raise ValueError(f"bad bracket in {expr!r}")
+                else:
+                    expanded = [h + piece for h in expanded]
+            hosts += expanded
+        if not hosts:
+            raise ValueError("empty")
+        return hosts
+    except ValueError as e:
+        raise LaunchError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r} ({e}); set MASTER_ADDR to the first "
+                          f"node's hostname, or put scontrol on PATH") from None
+
+
 def _expand_first_host(nodelist: str) -> str:
-    """First host of a Slurm node list such as ``gh[001-064,070],login1`` without calling scontrol."""
-    m = re.match(r"^([^\[,]+)(\[([^\]]+)\])?", nodelist)
-    if not m:
-        raise LaunchError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}; set MASTER_ADDR explicitly")
-    prefix, _, ranges = m.groups()
-    if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+    """First host of a Slurm node list such as ``gh[001-064,070],login1`` or ``rack[1-2]-ib`` (no scontrol)."""
+    return expand_hostlist(nodelist)[0]
 
 
 def slurm_master_addr(nodelist: str) -> str:
