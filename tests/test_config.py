@@ -1,5 +1,6 @@
 """Config loading, merging, overrides and the validation messages users see."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -175,3 +176,47 @@ def test_integral_spellings_and_string_keys_keep_what_was_written(tmp_path):
     f.write_text("train:\n  steps: 2.0\n  run_dir: 0x10\nlogging:\n  wandb_name: 007\n")
     cfg = load_config([str(f)])
     assert (cfg.train.steps, cfg.train.run_dir, cfg.logging.wandb_name) == (2, "0x10", "007")
+
+
+# -- c11: every file and device named in the config is checked before any process group starts ---------------------
+
+def _pretrain(*args, nproc=None, timeout=120):
+    cmd = [sys.executable, "pretrain_llama.py"] if nproc is None else \
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", "29533",
+         "pretrain_llama.py"]
+    return subprocess.run(cmd + ["--config", "configs/tiny.yaml", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("extra,expect", [
+    (["data.train_prefix=data/trian"], r"data\.train_prefix='data/trian': 'data/trian\.bin' and 'data/trian\.idx' "
+                                       r"not found"),
+    (["data.train_prefix={ok}", "data.valid_prefix=nowhere/v"], r"data\.valid_prefix='nowhere/v'"),
+    (["data.train_prefix={ok}", "data.tokenizer_model=nope.model"], r"data\.tokenizer_model='nope\.model' not found"),
+    (["data.train_prefix={ok}", "train.device=cuda"], r"train\.device=cuda but CUDA is not available"),
+])
+def test_missing_files_and_devices_are_one_error_line_before_any_process_group(tmp_path, extra, expect):
+    if "cuda" in expect:
+        import torch
+        if torch.cuda.is_available():
+            pytest.skip("CUDA is available here")
+    ok = tmp_path / "d"
+    ok.with_suffix(".bin").write_bytes(b"")
+    ok.with_suffix(".idx").write_bytes(b"")
+    tok = tmp_path / "t.model"
+    tok.write_bytes(b"")
+    args = ["data.source=indexed", f"data.tokenizer_model={tok}", f"train.run_dir={tmp_path / 'run'}"] + \
+        [e.format(ok=ok) for e in extra]
+    for nproc in (None, 2) if "trian" in expect else (None,):  # under torchrun once (the same code path)
+        r = _pretrain(*args, nproc=nproc)
+        assert r.returncode in (2, 1 if nproc else 2), r.stderr[-2000:]
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and re.search(expect, errors[0]), r.stderr[-2000:]
+        # no traceback of ours (torchrun prints its own ChildFailedError report after any non-zero exit)
+        assert "pretrain_llama.py\", line" not in r.stderr and "megatron_geo/" not in r.stderr
+        assert "waiting for" not in r.stdout
+        if nproc is None:
+            assert "Traceback" not in r.stderr
+    if "cuda" not in expect:  # the Slurm wrappers' pre-flight check (--print-config) catches the files too
+        r = _pretrain(*args, "--print-config")
+        assert r.returncode == 2 and re.search(expect, r.stderr), r.stderr

@@ -152,6 +152,43 @@ def validate_config(cfg: Config, world_size: int) -> None:
                           "(make them with tools/train_tokenizer.py and tools/preprocess_data.py)")
 
 
+def check_inputs(cfg: Config, devices: bool = True) -> None:
+    """Every file and device the config names, checked before any process group starts (DESIGN: bad input is
+    one clear error, not a traceback on every rank).
+
+    Files: ``data.train_prefix`` / ``data.valid_prefix`` (``.bin`` and ``.idx``) and ``data.tokenizer_model``
+    with ``data.source=indexed``, ``checkpoint.load`` (a folder). Devices (``devices=True``; the Slurm pre-flight
+    check on a login node leaves them out): ``train.device=cuda`` or ``parallel.backend=nccl`` without CUDA.
+
+    Raises:
+        ConfigError: naming the key, the value and the fix.
+    """
+    d = cfg.data
+    if d.source == "indexed":
+        for key, prefix in (("data.train_prefix", d.train_prefix), ("data.valid_prefix", d.valid_prefix)):
+            if not prefix:
+                continue
+            missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(os.path.expanduser(prefix + ext))]
+            if missing:
+                raise ConfigError(f"{key}={prefix!r}: {' and '.join(repr(m) for m in missing)} not found; write them with "
+                                  f"tools/preprocess_data.py --output-prefix {prefix} or fix the path")
+        if d.tokenizer_model and not os.path.isfile(os.path.expanduser(d.tokenizer_model)):
+            raise ConfigError(f"data.tokenizer_model={d.tokenizer_model!r} not found; train one with "
+                              f"tools/train_tokenizer.py or fix the path")
+    ck = cfg.checkpoint.load
+    if ck not in ("auto", "latest", "none", "") and not os.path.isdir(os.path.expanduser(ck)):
+        raise ConfigError(f"checkpoint.load={ck!r} is not a folder; use auto, latest, none or an existing checkpoint "
+                          f"folder")
+    if devices:
+        import torch
+
+        wants_cuda = cfg.train.device == "cuda" or cfg.parallel.backend == "nccl"
+        if wants_cuda and not torch.cuda.is_available():
+            key = "train.device=cuda" if cfg.train.device == "cuda" else "parallel.backend=nccl"
+            raise ConfigError(f"{key} but CUDA is not available on this machine; use train.device=auto (or cpu) and "
+                              f"parallel.backend=auto (or gloo), or run on a GPU node")
+
+
 def parse_power_search(spec, key: str = "geo.power_search") -> tuple[float, ...]:
     """``geo.power_search`` ("0.5,0.25,0", or "[0.5, 0.25, 0]") -> (0.5, 0.25, 0.0); "" -> () (the fixed
     ``geo.power``). ``key`` names the setting in error messages.

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..comm import build_reducer
 from ..config import Config, ConfigError, config_to_dict, dump_config, load_config, validate_config
-from ..config.validate import parse_power_search
+from ..config.validate import check_inputs, parse_power_search
 from ..distributed import DistributedOptimizer, GradSync, build_buckets
 from ..distributed.shard_plan import ADAMW_FLOPS_PER_ELEMENT, newton_schulz_flops
 from ..geometry import GeoState
@@ -323,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         env = detect_launch_env()
         validate_config(cfg, env.world_size)
+        check_inputs(cfg, devices=not args.print_config)  # files always; devices where the run will happen
         if args.print_config:
             print(dump_config(cfg), end="")
             return 0
