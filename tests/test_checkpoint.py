@@ -296,11 +296,12 @@ def _launch(run_dir: Path, corpus: list[str], *extra: str, env=None):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env or dict(os.environ))
 
 
-def test_sigterm_saves_checkpoint_and_exits_4(tmp_path, corpus):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT-ctrl-c"])
+def test_stop_signal_saves_checkpoint_and_exits_4(tmp_path, corpus, sig):
     run = tmp_path / "run"
     p = _launch(run, corpus)
     _wait_for_records(run / "metrics.jsonl", 2, [p])
-    p.send_signal(signal.SIGTERM)
+    p.send_signal(sig)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 4, err
     ck = run / "checkpoints"
@@ -308,6 +309,7 @@ def test_sigterm_saves_checkpoint_and_exits_4(tmp_path, corpus):
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert meta["step"] == steps[-1] >= 2
     assert "stopped by signal" in out and "relaunch with the same train.run_dir" in out
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
 
 
 def test_killed_rank_makes_the_other_exit(tmp_path, corpus):

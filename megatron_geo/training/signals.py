@@ -1,5 +1,5 @@
-"""Stop requests from the scheduler: SIGTERM / SIGUSR1 (Slurm sends them before preemption or the time
-limit, e.g. ``#SBATCH --signal=USR1@120``). The first one only sets a flag; the loop checks it after each
+"""Stop requests: SIGTERM / SIGUSR1 from the scheduler (Slurm sends them before preemption or the time
+limit, e.g. ``#SBATCH --signal=USR1@120``) and SIGINT (Ctrl-C) from a user. The first one only sets a flag; the loop checks it after each
 step, all ranks agree (MAX all-reduce), a checkpoint is saved and the process exits with code 4. A second
 signal of the same kind is handled as it would be without this module."""
 
@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..parallel import collectives as C
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class StopRequest:
