@@ -245,7 +245,9 @@ class LowPrecisionReducer(Reducer):
             return codes, g.view(-1, 1), dec, None
         amax = layout.group_amax(x)
         if sync:
-            amax = torch.nan_to_num(amax, nan=float("inf"))
+            # NaN and inf both become +inf so that they survive the MAX (nan_to_num would turn +inf into
+            # the largest finite float: a shared scale that launders an infinite gradient, case c01)
+            amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("inf")))
             C.all_reduce(amax, self.group, op=dist.ReduceOp.MAX)
             self._count_allreduce(amax.numel() * 4)
             amax = torch.where(torch.isinf(amax), torch.full_like(amax, float("nan")), amax)

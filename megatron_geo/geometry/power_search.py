@@ -63,7 +63,7 @@ def roundtrip_errors(grad: torch.Tensor, base: LowRankTransform, powers: list[fl
         t = with_power(base, p)
         err = t.apply_inverse(roundtrip(t.apply(g))) - g
         out[j] = err.double().pow(2).sum()
-    return torch.nan_to_num(out, nan=float("inf"))
+    return torch.where(torch.isfinite(out), out, torch.full_like(out, float("inf")))  # NaN and inf -> +inf
 
 
 def pick_powers(errors: torch.Tensor, powers: list[float]) -> list[float]:
