@@ -334,3 +334,30 @@ def test_byte_order_mark_is_dropped_when_reading_documents_and_training_tokenize
     without = Tokenizer(train_tokenizer([str(tmp_path / "b.txt")], str(tmp_path / "tb"), vocab_size=40))
     pieces = lambda t: [t._sp.id_to_piece(i) for i in range(t.vocab_size)]  # noqa: E731
     assert pieces(with_bom) == pieces(without) and "\ufeff" not in "".join(pieces(with_bom))
+
+
+# -- c10: the tokenizer's round trip and its one documented exception ------------------------------------------------
+
+def test_tokenizer_round_trip_holds_except_for_the_whitespace_marker(tmp_path):
+    import random
+
+    text = "".join(DOCS) * 2 + "Zebra quartz! 42 + 7 = 49; naïve café, 東京 — «ok»\n\t end"
+    (tmp_path / "t.txt").write_text(text * 20, encoding="utf-8")
+    model = Tokenizer(train_tokenizer([str(tmp_path / "t.txt")], str(tmp_path / "tb"), vocab_size=500,
+                                      byte_fallback=True))
+    alphabet = sorted(set(text)) + ["\u00e9", "\u2603", "\U0001f600"]   # + characters the model never saw
+    rnd = random.Random(0)
+    for _ in range(300):  # with byte fallback every string round-trips ...
+        s = "".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, 40)))
+        assert model.decode(model.encode(s)) == s, repr(s)
+    # ... except SentencePiece's whitespace marker U+2581, which comes back as a space (documented)
+    assert model.decode(model.encode("abc\u2581d d")) == "abc d d"
+    assert tok_without_fallback_unknown(tmp_path) == "a  \u2047  b"   # " ⁇ " in place of the snowman
+
+
+def tok_without_fallback_unknown(tmp_path) -> str:
+    """Without byte fallback an unknown character decodes as the unknown piece (documented)."""
+    (tmp_path / "s.txt").write_text("a b c d e\n" * 50, encoding="utf-8")
+    small = Tokenizer(train_tokenizer([str(tmp_path / "s.txt")], str(tmp_path / "ts"), vocab_size=15,
+                                      byte_fallback=False))
+    return small.decode(small.encode("a \u2603 b"))

@@ -149,6 +149,12 @@ def train_tokenizer(
 class Tokenizer:
     """Wrapper around a trained SentencePiece ``.model`` file.
 
+    Round trip: ``decode(encode(text)) == text`` for every string whose characters the model knows (with
+    byte fallback, the default from a 1,024-piece vocabulary, every character), with one exception by
+    construction of SentencePiece: U+2581 (LOWER ONE EIGHTH BLOCK, SentencePiece's whitespace marker)
+    comes back as a space U+0020. Without byte fallback an unknown character comes back as `` ⁇ `` (the
+    unknown piece). ``tests/test_data.py`` pins both.
+
     Raises:
         FileNotFoundError: ``model_path`` does not exist.
         ValueError: the file is not a SentencePiece model.
