@@ -33,6 +33,7 @@ def test_shard_plan_covers_each_element_once():
         atomic = [rnd.random() < 0.5 for _ in range(k)]
         plan = plan_shards(numels, atomic, dp, align)
         assert plan.chunk % align == 0
+        assert all(off % align == 0 for off in plan.offsets)  # no codec block spans two parameters
         cover = [0] * plan.buffer_numel
         owned = [0] * k
         for r, pieces in enumerate(plan.pieces):

@@ -42,8 +42,9 @@ def test_plan_model_covers_each_element_once_and_keeps_atomic_parameters_whole()
             b = plan.bounds
             assert len(b) == dp + 1 and b[0] == 0 and all(x <= y for x, y in zip(b, b[1:]))
             assert all(n % align == 0 for n in plan.sizes), (trial, plan.sizes)
-            granular = sum(1 for i in idx if specs[i].granule > 1)
-            assert plan.padding([specs[i].numel for i in idx]) < (dp + 1 + 2 * granular) * align
+            # every parameter starts aligned (no codec block spans two parameters): at most align per parameter
+            assert plan.padding([specs[i].numel for i in idx]) < (dp + 1 + 2 * len(idx)) * align
+            assert all(off % align == 0 for off in plan.offsets), (trial, plan.offsets)
             cover = [0] * plan.buffer_numel
             for r, pieces in enumerate(plan.pieces):
                 for pc in pieces:

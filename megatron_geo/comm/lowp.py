@@ -10,15 +10,17 @@ uneven whole-parameter ranges, see :mod:`megatron_geo.distributed.shard_plan`):
    ``comm.scale_sync=max``, the MAX over the DP group (NaN mapped to +inf so it survives the MAX);
 4. encode the buffer; a uint8 all-to-all with split sizes moves range r's codes to rank r, and a small
    FP32 all-to-all its scales (FP8: one per segment; NVFP4: the E4M3 block scales travel with the codes,
-   the FP32 per-range scale here);
+   the FP32 per-parameter scales here, one per run of blocks);
 5. decode each source's copy of this rank's range with that source's scales, sum in FP32 in rank order, divide by
    ``dp_size`` once; undo the rotation. ``e <- r - decode(encode(r))`` (what this rank's quantiser lost).
 
 The all-reduce path re-encodes the averaged shard (no error feedback on that stage), all-gathers the
 uint8 payloads and decodes every chunk on every rank, so all ranks hold bitwise identical values.
 
-NVFP4 (E2M1 + one E4M3 scale per 16 elements) takes its FP32 "tensor" scale per rank range, i.e. per
-tensor sent on the wire; ranges are aligned to 16 elements. The all-reduce path needs an even plan.
+NVFP4 (E2M1 + one E4M3 scale per 16 elements) takes its FP32 "tensor" scale per parameter (its amax over the
+whole bucket, like tensor-scaled FP8), and parameters start 16-aligned, so no block or scale spans two
+parameters (a TP-replicated norm weight is encoded the same on every TP rank). The all-reduce path needs an
+even plan.
 
 Non-finite inputs are never hidden: a NaN/inf in a group makes that group's scale NaN, the decoded
 values NaN, and the global gradient norm (all-reduced) non-finite on every rank.
@@ -33,7 +35,7 @@ from .codecs import (FP8_FORMATS, NVFP4_BLOCK, fp8_decode, fp8_encode, fp8_scale
                      nvfp4_encode, nvfp4_global_scale)
 from .hadamard import block_hadamard, block_hadamard_inverse, hadamard_signs
 from .reducer import PendingReduction, Reducer
-from .scale_layout import ScaleLayout, build_scale_layout
+from .scale_layout import BlockRuns, ScaleLayout, block_runs, build_scale_layout
 from ..parallel import collectives as C
 
 
@@ -72,7 +74,7 @@ class LowPrecisionReducer(Reducer):
         self.rounding, self.error_feedback, self.transform = rounding, error_feedback, transform
         self.hadamard_block, self.scale_sync = hadamard_block, scale_sync
         self.layouts: dict[int, ScaleLayout] = {}
-        self._range_lengths: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._block_runs: dict[int, BlockRuns] = {}
         self._shard_in_wire_coords: dict[int, torch.Tensor] = {}
         self.geo = None
         self.geo_slots: dict[int, list[tuple[str, int, int, int]]] = {}
@@ -98,11 +100,13 @@ class LowPrecisionReducer(Reducer):
         super().register_bucket(key, offsets, numels, bounds, device)
         bounds = self.bounds[key]
         scaling = "block" if self.scaling == "block" and self.fmt != "nvfp4" else "tensor"
-        self.layouts[key] = build_scale_layout(offsets, numels, bounds, self.dp_size, scaling, self.block_size, device)
-        sizes = self.layouts[key].sizes  # per-range tables for NVFP4, built once (no host data per reduction)
-        self._range_lengths[key] = (torch.tensor(sizes, dtype=torch.int64, device="cpu").to(device),
-                                    torch.tensor([n // NVFP4_BLOCK for n in sizes], dtype=torch.int64,
-                                                 device="cpu").to(device))
+        # a parameter's scale group covers the alignment padding after it: parameters start aligned, so its
+        # last (rotation or scale) block ends there, and that block's rotated values belong to it alone
+        a = self.alignment()
+        extents = [n if a == 1 or n == 0 else -(-n // a) * a for n in numels]
+        self.layouts[key] = build_scale_layout(offsets, extents, bounds, self.dp_size, scaling, self.block_size, device)
+        if self.fmt == "nvfp4":  # per-parameter global scales at block granularity, built once
+            self._block_runs[key] = block_runs(self.layouts[key], NVFP4_BLOCK, device)
         if self.error_feedback:
             self.residuals[key] = torch.zeros(bounds[-1], dtype=torch.float32, device=device)
 
@@ -190,32 +194,36 @@ class LowPrecisionReducer(Reducer):
         return y
 
     # -- encode / decode of whole chunks --------------------------------------------------------------
-    def _encode(self, x: torch.Tensor, layout: ScaleLayout, r: int):
+    def _encode(self, x: torch.Tensor, layout: ScaleLayout, r: int, key=None):
         """Encode ``x``, this rank's range ``r`` of an even plan, for the all-gather stage of :meth:`all_reduce`:
         payload uint8 ``[1, bytes]`` (codes followed by the range's own per-segment scales)."""
         c = layout.chunk
         if self.fmt in _CAST:
             return x.view(1, c).to(_CAST[self.fmt]).contiguous().view(torch.uint8).view(1, -1)
-        if self.fmt == "nvfp4":
-            g = nvfp4_global_scale(x.abs().amax().view(1))                                 # [1]
-            gb = g.expand(c // NVFP4_BLOCK).unsqueeze(1)
+        if self.fmt == "nvfp4":  # per-parameter global scales of this range's pieces, one per run of blocks
+            runs = self._block_runs[key]
+            seg = layout.row_amax(x, r)[0]                                                 # [K] per segment
+            amax = torch.zeros(layout.num_groups, dtype=torch.float32, device=x.device)
+            amax = amax.scatter_reduce_(0, layout.groups[r], seg, reduce="amax", include_self=True)
+            g = runs.values(nvfp4_global_scale(amax))[r]                                   # [K runs]
+            gb = runs.expand_row(g, r).unsqueeze(1)
             packed, bscale = nvfp4_encode(x.view(-1, NVFP4_BLOCK), gb, self.rounding, self.generator)
-            return torch.cat([packed.view(1, -1), bscale.view(1, -1), _as_bytes(g.view(1, 1))], dim=1)
+            return torch.cat([packed.view(1, -1), bscale.view(1, -1), _as_bytes(g.view(1, -1))], dim=1)
         seg = fp8_scale_from_amax(layout.row_amax(x, r), self.fmt)                        # [1, K]
         codes = fp8_encode(x, layout.expand(seg[0], r), self.fmt, self.rounding, self.generator)
         return torch.cat([codes.view(1, c), _as_bytes(seg.contiguous())], dim=1)
 
-    def _decode_all(self, out: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
+    def _decode_all(self, out: torch.Tensor, layout: ScaleLayout, key=None) -> torch.Tensor:
         """FP32 ``[dp * chunk]``: every rank's range from the gathered payloads ``out`` ``[dp, bytes]`` (even plan)."""
-        dp, c = out.shape[0], layout.chunk
+        c = layout.chunk
         if self.fmt in _CAST:
             return out.view(_CAST[self.fmt]).reshape(-1).float()
         if self.fmt == "nvfp4":
             nb = c // NVFP4_BLOCK
             packed = out[:, : c // 2].reshape(-1, NVFP4_BLOCK // 2)
             bscale = out[:, c // 2: c // 2 + nb].reshape(-1)
-            g = _as_f32(out[:, c // 2 + nb:])                                              # [dp, 1]
-            return nvfp4_decode(packed, bscale, g.expand(dp, nb).reshape(-1, 1)).view(-1)
+            g = _as_f32(out[:, c // 2 + nb:])                                              # [dp, K runs]
+            return nvfp4_decode(packed, bscale, self._block_runs[key].expand_all(g).view(-1, 1)).view(-1)
         scale = layout.expand_all(_as_f32(out[:, c:]))                                     # [dp * chunk]
         return fp8_decode(out[:, :c].reshape(-1), scale, self.fmt)
 
@@ -234,15 +242,13 @@ class LowPrecisionReducer(Reducer):
             es = wire.element_size()
             return [(wire.view(torch.uint8), [n * es for n in sizes])], None, wire.float() if ef else None, None
         if self.fmt == "nvfp4":
-            n_el = x.numel()
-            lens, per_block = self._range_lengths[key]
-            amax = torch.segment_reduce(x.abs(), "max", lengths=lens, unsafe=True, initial=0.0)
-            g = nvfp4_global_scale(amax)                                                   # [dp]
-            gb = g.repeat_interleave(per_block, output_size=n_el // NVFP4_BLOCK).unsqueeze(1)
+            runs = self._block_runs[key]
+            g = runs.values(nvfp4_global_scale(layout.group_amax(x)))                     # [dp, K] per run
+            gb = runs.expand_all(g).unsqueeze(1)                                            # per 16-block
             packed, bscale = nvfp4_encode(x.view(-1, NVFP4_BLOCK), gb, self.rounding, self.generator)
             dec = nvfp4_decode(packed, bscale, gb).view(-1) if ef else None
             codes = [(packed.view(-1), [n // 2 for n in sizes]), (bscale.view(-1), [n // NVFP4_BLOCK for n in sizes])]
-            return codes, g.view(-1, 1), dec, None
+            return codes, g.contiguous(), dec, None
         amax = layout.group_amax(x)
         if sync:
             # NaN and inf both become +inf so that they survive the MAX (nan_to_num would turn +inf into
@@ -258,14 +264,14 @@ class LowPrecisionReducer(Reducer):
         return [(codes.view(torch.uint8), list(sizes))], (None if sync else seg.contiguous()), dec, \
             (seg if sync else None)
 
-    def _decode_own(self, recv: list[torch.Tensor], scales: torch.Tensor | None, layout: ScaleLayout) -> torch.Tensor:
+    def _decode_own(self, recv: list[torch.Tensor], scales: torch.Tensor | None, layout: ScaleLayout,
+                    key=None) -> torch.Tensor:
         """FP32 ``[dp, own]``: every source's copy of this rank's range, from the received codes and scales
         (FP8 and NVFP4; the cast wires are summed directly from their dtype)."""
         dp, r = self.dp_size, self.dp_rank
         own = layout.sizes[r]
-        if self.fmt == "nvfp4":
-            nb = own // NVFP4_BLOCK
-            gb = scales.view(dp).repeat_interleave(nb).unsqueeze(1)
+        if self.fmt == "nvfp4":  # scales: [dp, K] every source's per-run global scales of this range
+            gb = self._block_runs[key].expand_row(scales, r).reshape(-1, 1)
             return nvfp4_decode(recv[0].view(-1, NVFP4_BLOCK // 2), recv[1].view(-1), gb).view(dp, own)
         scale = layout.expand(scales, r)                                                    # [dp, own]
         return fp8_decode(recv[0].view(dp, own), scale, self.fmt)
@@ -307,7 +313,7 @@ class LowPrecisionReducer(Reducer):
             if self.fmt in _CAST:  # sum straight from the wire dtype (no FP32 copy of the receive buffer)
                 avg = torch.sum(recvs[0].view(_CAST[self.fmt]).view(dp, own), dim=0, dtype=torch.float32).div_(dp)
             else:
-                avg = self._decode_own(recvs, recv_scales, layout).sum(dim=0).div_(dp)
+                avg = self._decode_own(recvs, recv_scales, layout, key).sum(dim=0).div_(dp)
             if keep_wire:  # all-reduce: the gather stage re-encodes the shard in wire coordinates and then
                 self._shard_in_wire_coords[key] = avg  # overwrites all of buf (even chunks may cut GeoFP8 rows)
                 return
@@ -328,11 +334,11 @@ class LowPrecisionReducer(Reducer):
         def gather():
             rs.wait()
             shard = self._shard_in_wire_coords.pop(key)
-            payload = self._encode(shard, layout, r)
+            payload = self._encode(shard, layout, r, key)
             out = torch.empty((dp, payload.shape[1]), dtype=torch.uint8, device=buf.device)
             C.all_gather_into(out.view(-1), payload.reshape(-1), self.group)
             self.bytes_sent += (dp - 1) * payload.shape[1]
-            buf.copy_(self._from_wire(self._decode_all(out, layout), key, 0))
+            buf.copy_(self._from_wire(self._decode_all(out, layout, key), key, 0))
 
         pending = PendingReduction(None, gather)
         if not async_op:

@@ -160,3 +160,65 @@ def build_scale_layout(offsets: list[int], numels: list[int], bounds, dp_size: i
     return ScaleLayout(lengths.to(device), groups.to(device), pad_group + 1, chunk, None, sizes,
                        lengths.reshape(-1)[used].to(device), groups.reshape(-1)[used].to(device),
                        [len(row) for row in rows])
+
+
+@dataclass
+class BlockRuns:
+    """Scale groups at the granularity of fixed blocks (NVFP4's 16 elements): ``lengths[r, j]`` consecutive
+    blocks of range r belong to group ``groups[r, j]`` (a block belongs to the group of its first element;
+    parameters start block-aligned, so a block only ever holds one parameter and, after its end, padding).
+    Zero-length runs pad every row to the same K. ``[dp, K]`` int64 tensors on the buffer's device."""
+
+    lengths: torch.Tensor
+    groups: torch.Tensor
+    blocks: list[int]          # blocks per range
+
+    def values(self, group_values: torch.Tensor) -> torch.Tensor:
+        """``[dp, K]`` per-run values from per-group values; padded runs get 1."""
+        vals = group_values[self.groups]
+        return torch.where(self.lengths > 0, vals, torch.ones_like(vals))
+
+    def expand_all(self, run_vals: torch.Tensor) -> torch.Tensor:
+        """Per-block values ``[total blocks]`` of the whole buffer from ``[dp, K]`` run values."""
+        return run_vals.reshape(-1).repeat_interleave(self.lengths.reshape(-1), output_size=sum(self.blocks))
+
+    def expand_row(self, run_vals: torch.Tensor, r: int) -> torch.Tensor:
+        """Per-block values ``[..., blocks[r]]`` of range r from ``[..., K]`` run values."""
+        return run_vals.repeat_interleave(self.lengths[r], dim=-1, output_size=self.blocks[r])
+
+
+def block_runs(layout: ScaleLayout, block: int, device) -> BlockRuns:
+    """:class:`BlockRuns` of a tensor-scaling layout whose ranges are multiples of ``block``.
+
+    Raises:
+        ValueError: a range that is not a multiple of ``block``.
+    """
+    lengths, groups = layout.lengths.cpu().tolist(), layout.groups.cpu().tolist()
+    rows = []
+    for r, n in enumerate(layout.sizes):
+        if n % block:
+            raise ValueError(f"range {r} has {n} elements, not a multiple of {block}")
+        starts, pos = [], 0  # (element start, group) of each segment
+        for ln, g in zip(lengths[r], groups[r]):
+            if ln:
+                starts.append((pos, g))
+                pos += ln
+        runs, j = [], 0
+        for b in range(n // block):
+            e = b * block
+            while j + 1 < len(starts) and starts[j + 1][0] <= e:
+                j += 1
+            g = starts[j][1]
+            if runs and runs[-1][1] == g:
+                runs[-1][0] += 1
+            else:
+                runs.append([1, g])
+        rows.append(runs)
+    k = max(1, max(len(r) for r in rows))
+    pad = layout.num_groups - 1
+    lt = torch.zeros((len(rows), k), dtype=torch.int64, device="cpu")
+    gt = torch.full((len(rows), k), pad, dtype=torch.int64, device="cpu")
+    for r, runs in enumerate(rows):
+        for j, (ln, g) in enumerate(runs):
+            lt[r, j], gt[r, j] = ln, g
+    return BlockRuns(lt.to(device), gt.to(device), [n // block for n in layout.sizes])

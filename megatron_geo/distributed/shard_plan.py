@@ -103,7 +103,7 @@ def _ceil_to(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def _try_pack(numels: list[int], atomic: list[bool], dp: int, chunk: int) -> ShardPlan | None:
+def _try_pack(numels: list[int], atomic: list[bool], dp: int, chunk: int, align: int = 1) -> ShardPlan | None:
     atoms = sorted((i for i, a in enumerate(atomic) if a), key=lambda i: (-numels[i], i))
     splits = [i for i, a in enumerate(atomic) if not a]
     offsets = [0] * len(numels)
@@ -122,14 +122,16 @@ def _try_pack(numels: list[int], atomic: list[bool], dp: int, chunk: int) -> Sha
         if carry_idx is None:
             remaining = []
             for i in atoms:
-                if numels[i] <= end - pos:
-                    offsets[i] = pos
-                    pieces[r].append(Piece(i, 0, numels[i], pos))
-                    pos += numels[i]
+                start = _ceil_to(pos, align)  # every parameter starts aligned: no codec block spans two
+                if numels[i] <= end - start:
+                    offsets[i] = start
+                    pieces[r].append(Piece(i, 0, numels[i], start))
+                    pos = start + numels[i]
                 else:
                     remaining.append(i)
             atoms = remaining
-            while pos < end and si < len(splits):
+            while si < len(splits) and _ceil_to(pos, align) < end:
+                pos = _ceil_to(pos, align)
                 i = splits[si]
                 si += 1
                 offsets[i] = pos
@@ -158,8 +160,8 @@ def plan_shards(numels: list[int], atomic: list[bool], dp_size: int, align: int 
         numels: element count of each parameter (in bucket order).
         atomic: True where the parameter must be owned whole by one rank.
         dp_size: number of data-parallel ranks (>= 1).
-        align: chunk size is a multiple of this (e.g. a quantisation block size, so blocks never straddle
-            two ranks' shards).
+        align: chunk size is a multiple of this, and so is every parameter's offset (e.g. a quantisation block
+            size: blocks never straddle two ranks' shards nor two parameters).
 
     Returns:
         A :class:`ShardPlan`; every element of every parameter is owned by exactly one rank.
@@ -170,7 +172,7 @@ def plan_shards(numels: list[int], atomic: list[bool], dp_size: int, align: int 
     biggest = max((n for n, a in zip(numels, atomic) if a), default=0)
     chunk = _ceil_to(max(math.ceil(total / dp_size), biggest, 1), align)
     while True:
-        plan = _try_pack(numels, atomic, dp_size, chunk)
+        plan = _try_pack(numels, atomic, dp_size, chunk, align)
         if plan is not None:
             return plan
         chunk = _ceil_to(chunk + max(1, chunk // 32), align)
@@ -271,6 +273,7 @@ def _atomic_bucket(idx: list[int], specs: list[ParamSpec], owner: list[int], dp:
         start = pos
         for j, i in enumerate(idx):
             if owner[i] == r:
+                pos = _ceil_to(pos, align)  # every parameter starts aligned: no codec block spans two
                 offsets[j] = pos
                 pieces[r].append(Piece(j, 0, specs[i].numel, pos))
                 pos += specs[i].numel
@@ -286,8 +289,8 @@ def _splittable_bucket(idx: list[int], specs: list[ParamSpec], stream_start: int
     # granules is also a cut at the alignment, and rounding a cut elsewhere down to the alignment never
     # lands inside them
     offsets, pos = [], 0
-    for i in idx:
-        g = specs[i].granule > 1
+    for i in idx:  # with align > 1 every parameter starts aligned (no codec block spans two parameters)
+        g = specs[i].granule > 1 or align > 1
         pos = _ceil_to(pos, align) if g else pos
         offsets.append(pos)
         pos = _ceil_to(pos + specs[i].numel, align) if g else pos + specs[i].numel
