@@ -35,6 +35,17 @@ MODES = {
     "fp8_ef": ["comm.dtype=fp8_e4m3", "comm.error_feedback=true"],
     "geofp8": ["comm.dtype=fp8_e4m3", "comm.transform=geo", "geo.rank=8", "geo.refresh_interval=3",
                "comm.error_feedback=true", "comm.rounding=stochastic"],
+    # c13: sketched statistics, resumed just after a refresh (3), at one (exit at 6: refresh at 6 right after
+    # the resume) and before one (5), with geo.select=auto and geo.power_search
+    "geofp8_sketch": ["comm.dtype=fp8_e4m3", "comm.transform=geo", "geo.rank=4", "geo.refresh_interval=3",
+                      "comm.error_feedback=true", "geo.statistics=sketch", "geo.sketch_size=16"],
+    "geofp8_sketch_at_refresh": ["comm.dtype=fp8_e4m3", "comm.transform=geo", "geo.rank=4", "geo.refresh_interval=3",
+                                 "comm.error_feedback=true", "geo.statistics=sketch", "geo.sketch_size=16",
+                                 "train.exit_interval=6"],
+    "geofp8_auto_search_before_refresh": [
+        "comm.dtype=fp8_e4m3", "comm.transform=geo", "geo.rank=4", "geo.refresh_interval=3", "geo.select=auto",
+        "geo.num_layers=1", "geo.profile_steps=1", "geo.statistics=sketch", "geo.sketch_size=16",
+        "geo.power_search=[0.5,0.25,0]", "train.exit_interval=5"],
 }
 
 
@@ -57,9 +68,10 @@ def _records(run_dir: Path) -> list[dict]:
 def test_resume_is_bitwise_identical(tmp_path, corpus):
     first, second = [], []
     for mode, extra in MODES.items():
-        base = ["train.steps=8", *extra]
+        exit_at = [e for e in extra if e.startswith("train.exit_interval=")] or ["train.exit_interval=4"]
+        base = ["train.steps=8", *(e for e in extra if not e.startswith("train.exit_interval="))]
         first.append(tiny_train_overrides(tmp_path / f"{mode}-straight", corpus, *base))
-        first.append(tiny_train_overrides(tmp_path / f"{mode}-resumed", corpus, *base, "train.exit_interval=4"))
+        first.append(tiny_train_overrides(tmp_path / f"{mode}-resumed", corpus, *base, *exit_at))
         second.append(tiny_train_overrides(tmp_path / f"{mode}-resumed", corpus, *base))
     run_distributed(_train_jobs, 2, first)
     # fresh processes: everything comes from the checkpoint; then a relaunch with train.steps below the
@@ -74,6 +86,8 @@ def test_resume_is_bitwise_identical(tmp_path, corpus):
         assert resumed == straight, mode
         ckdir = tmp_path / f"{mode}-resumed/checkpoints"
         assert (ckdir / "latest").read_text().strip() == "step_00000008"
+        if mode.startswith("geofp8_"):
+            continue
         assert sorted(p.name for p in ckdir.glob("step_*")) == ["step_00000004", "step_00000008"]
         meta = json.loads((ckdir / "step_00000004/meta.json").read_text())
         assert meta["step"] == 4 and meta["consumed_samples"] == 32

@@ -36,6 +36,7 @@ class InputStats:
         self.disarm()
         self.sums.clear()
         self.counts.clear()
+        self.traces.clear()  # per refresh, like the sums (kept across refreshes, a resumed run diverged: c13)
         for name, mod in self.modules.items():
             self._handles.append(mod.register_forward_pre_hook(self._hook(name)))
 
