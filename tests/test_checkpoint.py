@@ -481,3 +481,29 @@ def test_truncated_data_file_and_damaged_meta_and_latest_are_clear_errors(tmp_pa
     assert "not the name of a step_* folder" in logs[0] and "using the newest complete checkpoint" in logs[0]
     with pytest.raises(ConfigError, match="checkpoint.load=latest but .* not the name of a step_\\* folder"):
         resolve_load(load_config([], [f"train.run_dir={tmp_path}", "checkpoint.load=latest"]))
+
+
+# ---------------------------------------------------------------------------------------------------
+# c07: resuming from step N starts a new timeline; later checkpoints of the old one are moved aside
+
+def test_resuming_from_an_earlier_step_moves_the_abandoned_timeline_aside(tmp_path, corpus):
+    run = tmp_path / "run"
+    ck = run / "checkpoints"
+    first = tiny_train_overrides(run, corpus, "train.steps=6", "checkpoint.interval=2", "checkpoint.keep_latest=0")
+    second = tiny_train_overrides(run, corpus, "train.steps=4", "checkpoint.interval=2", "checkpoint.keep_latest=1",
+                                  f"checkpoint.load={ck / 'step_00000002'}")
+    run_distributed(_train_jobs, 1, [first])
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000002", "step_00000004", "step_00000006"]
+    old4 = json.loads((ck / "step_00000004/meta.json").read_text())["saved_at"]
+    run_distributed(_train_jobs, 1, [second])
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000004"]            # keep_latest=1 of the new one
+    assert json.loads((ck / "step_00000004/meta.json").read_text())["step"] == 4
+    aside = sorted(p.name.split("-")[0] for p in (ck / "abandoned").iterdir())
+    assert aside == ["step_00000004", "step_00000006"]                             # the old 4 and 6, kept aside
+    assert (ck / "latest").read_text().strip() == "step_00000004"
+    (ck / "latest").unlink()                                                       # a crash before the pointer ...
+    auto = tiny_train_overrides(run, corpus, "train.steps=5", "checkpoint.interval=0", "checkpoint.save_at_end=false")
+    out = run_distributed(_train_jobs, 1, [auto])[0][0]                            # ... auto resumes the new 4
+    assert out["steps"] == 5
+    recs = _records(run)
+    assert [r["step"] for r in recs][-1] == 5 and old4

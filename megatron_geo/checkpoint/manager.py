@@ -22,7 +22,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from ..config import Config, ConfigError, config_to_dict
 from ..parallel import collectives as C
@@ -216,6 +215,32 @@ def save_checkpoint(root: Path, step: int, state: dict, meta: dict, keep_latest:
         prune(root, keep_latest)
     C.barrier(group)
     return final
+
+
+def abandon_later(root: Path, step: int) -> list[tuple[Path, Path]]:
+    """Start a new timeline at ``step``: move every checkpoint of ``root`` with a later step (complete or
+    partial) into ``root/abandoned/`` so that retention and ``checkpoint.load=auto`` never see them, and
+    point ``latest`` at the newest checkpoint that remains (or remove it). Returns ``[(from, to), ...]``."""
+    if not root.is_dir():
+        return []
+    later = [p for p in root.iterdir() if p.is_dir() and p.name.removeprefix(".tmp-").startswith("step_")
+             and p.name.removeprefix(".tmp-")[len("step_"):].isdigit()
+             and int(p.name.removeprefix(".tmp-")[len("step_"):]) > step]
+    moved = []
+    if later:
+        aside = root / "abandoned"
+        aside.mkdir(exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for p in sorted(later):
+            dest = aside / f"{p.name.removeprefix('.tmp-')}-{stamp}{'-partial' if p.name.startswith('.tmp-') else ''}"
+            os.replace(p, dest)
+            moved.append((p, dest))
+        done = complete_checkpoints(root)
+        if done:
+            _write_atomic(root / "latest", done[-1].name + "\n")
+        elif (root / "latest").exists():
+            (root / "latest").unlink()
+    return moved
 
 
 def prune(root: Path, keep_latest: int) -> list[Path]:

@@ -7,10 +7,12 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..checkpoint.manager import check_compatible, checkpoint_root, read_meta, resolve_load, save_checkpoint
+from ..checkpoint.manager import (abandon_later, check_compatible, checkpoint_root, read_meta, resolve_load,
+                                  save_checkpoint)
 from ..checkpoint.state import StateLayout, build_save_state, load_state, optimizer_state_ready
 from ..config import Config, ConfigError, config_to_dict
 from ..parallel import ParallelContext
+from ..parallel import collectives as C
 
 
 class Checkpointer:
@@ -51,6 +53,11 @@ class Checkpointer:
                               f"or incomplete: load an older one (checkpoint.load=PATH of another step_* folder) or "
                               f"start fresh (checkpoint.load=none)") from None
         self.last_saved_step = meta["step"]
+        if self.pctx.is_main:  # resuming from step N starts a new timeline: later checkpoints are moved aside
+            for src, dest in abandon_later(self.root, meta["step"]):
+                self.log(f"checkpoint: {src.name} belongs to an abandoned timeline (resumed at step {meta['step']}); "
+                         f"moved to {dest}")
+        C.barrier(self.pctx.world_group)
         self.log(f"resumed from {path} at step {meta['step']} ({meta['consumed_samples']:,} samples consumed)")
         return meta["step"], meta["consumed_samples"], meta.get("skipped_in_a_row", 0)
 
