@@ -507,3 +507,37 @@ def test_resuming_from_an_earlier_step_moves_the_abandoned_timeline_aside(tmp_pa
     assert out["steps"] == 5
     recs = _records(run)
     assert [r["step"] for r in recs][-1] == 5 and old4
+
+
+# ---------------------------------------------------------------------------------------------------
+# c08: a save that fails (disk full) is one error line, exit 6, no partial folder, the previous checkpoint intact
+
+_ENOSPC_SCRIPT = textwrap.dedent("""
+    import errno, sys
+    import torch.distributed.checkpoint.filesystem as fs
+    real, calls = fs.FileSystemWriter.write_data, [0]
+    def full_disk(self, plan, planner):
+        calls[0] += 1
+        if calls[0] >= 2:                       # the second save runs out of space while writing its data
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, plan, planner)
+    fs.FileSystemWriter.write_data = full_disk
+    from megatron_geo.training.trainer import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_a_save_that_runs_out_of_disk_space_is_one_clear_error(tmp_path, corpus):
+    run = tmp_path / "run"
+    args = tiny_train_overrides(run, corpus, "train.steps=4", "checkpoint.interval=2", "checkpoint.keep_latest=1",
+                                "checkpoint.save_at_end=false")
+    r = subprocess.run([sys.executable, "-c", _ENOSPC_SCRIPT, *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 6, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no space left on device" in errors[0] and str(run / "checkpoints") in errors[0]
+    assert "Traceback" not in r.stderr
+    ck = run / "checkpoints"
+    assert not list(ck.glob(".tmp-*"))                                            # the partial folder is gone
+    assert (ck / "latest").read_text().strip() == "step_00000002"                 # the previous one is intact
+    assert json.loads((ck / "step_00000002/meta.json").read_text())["step"] == 2

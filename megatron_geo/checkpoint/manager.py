@@ -22,6 +22,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config import Config, ConfigError, config_to_dict
 from ..parallel import collectives as C
@@ -184,10 +185,38 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (disk full, permission lost, a writer killed); the partial folder was
+    removed and the previous checkpoint is intact. The trainer exits with code 6."""
+
+
+def _save_failure(tmp: Path, err: BaseException) -> CheckpointSaveError:
+    """One line naming the folder and the cause (``no space left on device`` and the like, from the errno of
+    the first OSError in the exception chain or the message DCP gathered from the failing rank)."""
+    cause, seen = None, err
+    while seen is not None and cause is None:
+        if isinstance(seen, OSError) and seen.errno:
+            cause = os.strerror(seen.errno).lower()
+        seen = seen.__cause__ or seen.__context__
+    text = str(err)
+    for errno_name, words in ((28, "no space left on device"), (13, "permission denied"), (122, "disk quota exceeded"),
+                              (30, "read-only file system")):
+        if cause is None and (words in text.lower() or f"errno {errno_name}]" in text.lower()):
+            cause = words
+    first = text.strip().splitlines()[0][:200] if text.strip() else type(err).__name__
+    return CheckpointSaveError(f"could not save the checkpoint to {tmp.parent}: {cause or first}; the partial "
+                               f"folder was removed and the previous checkpoint is intact (free space or fix the "
+                               f"permissions of checkpoint.dir, then relaunch to resume)")
+
+
 def save_checkpoint(root: Path, step: int, state: dict, meta: dict, keep_latest: int, group, is_main: bool) -> Path:
     """Write ``state`` (a DCP state dict; every rank its own part) as ``root/step_N`` and publish it.
 
     Collective over ``group`` (the world). Returns the final folder.
+
+    Raises:
+        CheckpointSaveError: on every rank when any rank failed to write (DCP gathers the failure); the
+            partial ``.tmp-step_N`` folder is removed first, the previous checkpoint and ``latest`` stay.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -200,19 +229,29 @@ def save_checkpoint(root: Path, step: int, state: dict, meta: dict, keep_latest:
         tmp.mkdir()
     C.barrier(group)
     t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # DCP warns on each ShardedTensor (see state.py)
-        dcp.save(state, checkpoint_id=str(tmp))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # DCP warns on each ShardedTensor (see state.py)
+            dcp.save(state, checkpoint_id=str(tmp))
+    except (Exception, CheckpointException) as e:  # DCP raises on every rank alike (it gathers every outcome;
+        # its CheckpointException is a BaseException)
+        if is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _save_failure(tmp, e) from None
     C.barrier(group)  # every rank's files are written
     if is_main:
-        meta = dict(meta, format=FORMAT, step=step, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
-                    save_seconds=round(time.perf_counter() - t0, 3), torch=torch.__version__)
-        _write_atomic(tmp / META, json.dumps(meta, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _write_atomic(root / "latest", name + "\n")
-        prune(root, keep_latest)
+        try:
+            meta = dict(meta, format=FORMAT, step=step, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                        save_seconds=round(time.perf_counter() - t0, 3), torch=torch.__version__)
+            _write_atomic(tmp / META, json.dumps(meta, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _write_atomic(root / "latest", name + "\n")
+            prune(root, keep_latest)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise _save_failure(tmp, e) from None
     C.barrier(group)
     return final
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.manager import CheckpointSaveError
 from ..comm import build_reducer
 from ..config import Config, ConfigError, config_to_dict, dump_config, load_config, validate_config
 from ..config.validate import check_inputs, parse_power_search
@@ -352,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         if pctx.is_main:
             print(str(e), flush=True)
         return 4
+    except CheckpointSaveError as e:
+        if pctx.is_main:
+            print(f"error: {e}", file=sys.stderr)
+        return 6
     except (dist.DistError, RuntimeError) as e:
         if not isinstance(e, dist.DistError) and not _is_collective_failure(e):
             raise
