@@ -65,3 +65,30 @@ def test_a_non_finite_element_on_one_rank_makes_the_norm_non_finite_everywhere()
                     assert math.isfinite(norm), (preset, which, rank, value, norm)
                 else:
                     assert not math.isfinite(norm), (preset, which, rank, value, norm)
+
+
+def _overflow(rank, world):
+    import torch
+
+    from megatron_geo.comm import build_reducer
+    from megatron_geo.config import load_config
+
+    pctx = pctx_for(1)
+    out = {}
+    for preset in ("fp32", "bf16", "fp8", "fp8_shared_scale", "nvfp4"):
+        comm = load_config([str(ROOT / "configs" / "comm" / f"{preset}.yaml")]).comm
+        red = build_reducer(comm, pctx.dp_group, world, rank)
+        n = 64
+        red.register_bucket(0, [0], [n], n // world, "cpu")
+        buf = torch.full((n,), 3e38)
+        red.reduce_scatter(buf, key=0).wait()
+        out[preset] = buf[rank * (n // world):(rank + 1) * (n // world)].clone()
+    return out
+
+
+def test_an_fp32_sum_that_overflows_is_non_finite_and_the_step_is_skipped():
+    """The documented decision: every rank sends 3e38, the FP32 sum (6e38) overflows to inf before the single
+    division by DP; the norm is then non-finite and every rank skips the step (nothing is silently clipped)."""
+    for out in run_distributed(_overflow, 2):
+        for preset, vals in out.items():
+            assert bool((vals == float("inf")).all()), (preset, vals[:4])
