@@ -49,6 +49,23 @@ MODES = {
 }
 
 
+def _preset_overrides(name: str) -> list[str]:
+    """``configs/comm/<name>.yaml`` as dotted overrides (GeoFP8 refreshing every 3 steps of the 8)."""
+    import yaml
+
+    data = yaml.safe_load((ROOT / "configs" / "comm" / f"{name}.yaml").read_text())
+    out = [f"{sec}.{k}={'[' + ','.join(map(str, v)) + ']' if isinstance(v, list) else v}"
+           for sec, body in data.items() for k, v in body.items()]
+    return out + (["geo.refresh_interval=3", "geo.rank=8"] if "geo" in data else [])
+
+
+# every preset, resumed just after a refresh (exit at 4; GeoFP8 refreshes at 0, 3, 6)
+MODES.update({f"preset_{p.stem}": _preset_overrides(p.stem) for p in sorted((ROOT / "configs" / "comm").glob("*.yaml"))})
+# geo.power_search resumed at a refresh (3) and before one (5)
+MODES["preset_geofp8_search_at_refresh"] = _preset_overrides("geofp8_search") + ["train.exit_interval=3"]
+MODES["preset_geofp8_search_before_refresh"] = _preset_overrides("geofp8_search") + ["train.exit_interval=5"]
+
+
 def _train_jobs(rank, world, jobs):
     from megatron_geo.config import load_config, validate_config
     from megatron_geo.training.trainer import train
@@ -86,7 +103,7 @@ def test_resume_is_bitwise_identical(tmp_path, corpus):
         assert resumed == straight, mode
         ckdir = tmp_path / f"{mode}-resumed/checkpoints"
         assert (ckdir / "latest").read_text().strip() == "step_00000008"
-        if mode.startswith("geofp8_"):
+        if mode.startswith(("geofp8_", "preset_")):
             continue
         assert sorted(p.name for p in ckdir.glob("step_*")) == ["step_00000004", "step_00000008"]
         meta = json.loads((ckdir / "step_00000004/meta.json").read_text())
