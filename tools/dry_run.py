@@ -33,6 +33,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_geo.config import ConfigError, load_config, validate_config  # noqa: E402
+from megatron_geo.config.validate import output_file_problem  # noqa: E402
 
 GiB = 2 ** 30
 
@@ -92,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         if v < 1:
             print(f"error: {flag} {v} must be >= 1", file=sys.stderr)
             return 2
-    if args.json and not Path(args.json).resolve().parent.is_dir():
-        print(f"error: --json {args.json}: the folder {str(Path(args.json).parent)!r} does not exist; create it or "
-              f"choose another path", file=sys.stderr)
+    problem = output_file_problem("--json", args.json)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
         cfg = load_config(args.config, args.overrides + [f"parallel.tensor={args.tp}"])

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from megatron_geo.config import ConfigError, load_config, validate_config  # noqa: E402
+from megatron_geo.config.validate import output_file_problem  # noqa: E402
 from megatron_geo.distributed.plan_report import meta_model_params, plan_figures  # noqa: E402
 
 GiB = 2 ** 30
@@ -85,9 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"error: --dp {bad[0]}: data-parallel sizes must be >= 1", file=sys.stderr)
         return 2
-    if args.json and not Path(args.json).resolve().parent.is_dir():
-        print(f"error: --json {args.json}: the folder {str(Path(args.json).parent)!r} does not exist; create it or "
-              f"choose another path", file=sys.stderr)
+    problem = output_file_problem("--json", args.json)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
         cfg = load_config(args.config, overrides)

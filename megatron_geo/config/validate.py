@@ -152,6 +152,15 @@ def validate_config(cfg: Config, world_size: int) -> None:
                           "(make them with tools/train_tokenizer.py and tools/preprocess_data.py)")
 
 
+def output_file_problem(flag: str, path: str | None) -> str | None:
+    """Why a tool could not write ``path`` given by ``flag`` (its folder is missing), or None: checked before
+    any work so that a long run does not fail at its end."""
+    if path and not os.path.isdir(os.path.dirname(os.path.abspath(os.path.expanduser(path)))):
+        return (f"{flag} {path}: the folder {os.path.dirname(path)!r} does not exist; create it or choose another "
+                f"path")
+    return None
+
+
 def check_inputs(cfg: Config, devices: bool = True) -> None:
     """Every file and device the config names, checked before any process group starts (DESIGN: bad input is
     one clear error, not a traceback on every rank).
