@@ -257,9 +257,10 @@ def save_checkpoint(root: Path, step: int, state: dict, meta: dict, keep_latest:
 
 
 def abandon_later(root: Path, step: int) -> list[tuple[Path, Path]]:
-    """Start a new timeline at ``step``: move every checkpoint of ``root`` with a later step (complete or
-    partial) into ``root/abandoned/`` so that retention and ``checkpoint.load=auto`` never see them, and
-    point ``latest`` at the newest checkpoint that remains (or remove it). Returns ``[(from, to), ...]``."""
+    """Start a new timeline at ``step``: move every complete checkpoint of ``root`` with a later step into
+    ``root/abandoned/`` (and remove later partial ``.tmp-step_*`` folders) so that retention and
+    ``checkpoint.load=auto`` never see them, and point ``latest`` at the newest checkpoint that remains (or
+    remove it). Returns ``[(from, to or None when removed), ...]``."""
     if not root.is_dir():
         return []
     later = [p for p in root.iterdir() if p.is_dir() and p.name.removeprefix(".tmp-").startswith("step_")
@@ -268,10 +269,14 @@ def abandon_later(root: Path, step: int) -> list[tuple[Path, Path]]:
     moved = []
     if later:
         aside = root / "abandoned"
-        aside.mkdir(exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         for p in sorted(later):
-            dest = aside / f"{p.name.removeprefix('.tmp-')}-{stamp}{'-partial' if p.name.startswith('.tmp-') else ''}"
+            if p.name.startswith(".tmp-"):  # an interrupted save: nothing loadable, removed
+                shutil.rmtree(p, ignore_errors=True)
+                moved.append((p, None))
+                continue
+            aside.mkdir(exist_ok=True)
+            dest = aside / f"{p.name}-{stamp}"
             os.replace(p, dest)
             moved.append((p, dest))
         done = complete_checkpoints(root)

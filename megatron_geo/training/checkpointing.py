@@ -56,7 +56,7 @@ class Checkpointer:
         if self.pctx.is_main:  # resuming from step N starts a new timeline: later checkpoints are moved aside
             for src, dest in abandon_later(self.root, meta["step"]):
                 self.log(f"checkpoint: {src.name} belongs to an abandoned timeline (resumed at step {meta['step']}); "
-                         f"moved to {dest}")
+                         + (f"moved to {dest}" if dest else "removed (an interrupted save)"))
         C.barrier(self.pctx.world_group)
         self.log(f"resumed from {path} at step {meta['step']} ({meta['consumed_samples']:,} samples consumed)")
         return meta["step"], meta["consumed_samples"], meta.get("skipped_in_a_row", 0)
