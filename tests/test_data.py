@@ -352,6 +352,8 @@ def test_tokenizer_round_trip_holds_except_for_the_whitespace_marker(tmp_path):
         assert model.decode(model.encode(s)) == s, repr(s)
     # ... except SentencePiece's whitespace marker U+2581, which comes back as a space (documented)
     assert model.decode(model.encode("abc\u2581d d")) == "abc d d"
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert "U+2581" in Tokenizer.__doc__ and "U+2581" in readme and "byte fallback" in Tokenizer.__doc__
     assert tok_without_fallback_unknown(tmp_path) == "a  \u2047  b"   # " ⁇ " in place of the snowman
 
 
