@@ -167,6 +167,7 @@ def test_non_integral_values_for_integer_keys_are_errors_in_every_spelling(tmp_p
 
 
 def test_integral_spellings_and_string_keys_keep_what_was_written(tmp_path):
+    assert load_config([], ["train.steps=1e30"]).train.steps == 10 ** 30                # exact, not via a float
     cfg = load_config([], ["train.steps=1e3", "parallel.bucket_size=4_000_000", "train.run_dir=1e3",
                            "logging.wandb_name=0.10", "parallel.distributed_optimizer=yes"])
     assert (cfg.train.steps, cfg.parallel.bucket_size) == (1000, 4_000_000)

@@ -6,6 +6,7 @@ Errors are :class:`ConfigError` with a message that names the offending file/key
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import difflib
 import typing
 from pathlib import Path
@@ -42,10 +43,10 @@ def _int_from_text(text: str) -> int | None:
     except ValueError:
         pass
     try:
-        f = float(t)
-    except ValueError:
+        d = decimal.Decimal(t.replace("_", ""))  # exact: 1e30 is 10**30, not the nearest float
+    except decimal.InvalidOperation:
         return None
-    return int(f) if f == f and abs(f) != float("inf") and f.is_integer() else None
+    return int(d) if d.is_finite() and d == d.to_integral_value() else None
 
 
 def _coerce(value: Any, typ: type, where: str) -> Any:
