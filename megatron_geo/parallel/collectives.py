@@ -34,13 +34,6 @@ class CollectiveDeviceError(RuntimeError):
     """A tensor handed to a collective is not on the device type its process group's backend needs."""
 
 
-class _Done:
-    """A finished work handle (nothing was sent)."""
-
-    def wait(self) -> bool:
-        return True
-
-
 class _Works:
     """Several async works waited as one."""
 
