@@ -105,7 +105,8 @@ def test_fp8_reduce_scatter_matches_independent_reference(world, fmt, scaling, s
     both = run_distributed(_run_rs_ar, world, kw)
     results, ar = [b[0] for b in both], [b[1] for b in both]
     chunk = results[0][2]
-    plan = plan_shards(NUMELS, [False] * len(NUMELS), world, 16 if scaling == "block" else 1)
+    # tensor-scaled FP8 keeps parameters 16-aligned (its scales reach the elements one per 16-element block)
+    plan = plan_shards(NUMELS, [False] * len(NUMELS), world, 16)
     assert plan.chunk == chunk
     ref = _reference_fp8(world, fmt, scaling, 16, sync == "max", plan)
     for r, (outs, sent, _, _, _) in enumerate(results):
@@ -144,7 +145,7 @@ def test_identical_inputs_round_trip_and_bytes():
     x = _rank_grads(1)[0].float()
     kw = dict(dtype="fp8_e4m3")
     out = run_distributed(_run, world, kw, "rs", 1, [x])
-    plan = plan_shards(NUMELS, [False] * len(NUMELS), world, 1)
+    plan = plan_shards(NUMELS, [False] * len(NUMELS), world, 16)
     buf = _to_buffer(x.double(), plan).float()
     for r, (outs, sent, chunk, _, _) in enumerate(out):
         got = outs[0][r * chunk:(r + 1) * chunk]
@@ -153,7 +154,8 @@ def test_identical_inputs_round_trip_and_bytes():
         assert ((got - want).abs() <= want.abs().max() * 2 ** -4 + 1e-12).all()
         # bytes = codes + one FP32 scale per segment of each other rank's chunk, as handed to all_to_all
         from megatron_geo.comm.scale_layout import build_scale_layout
-        lay = build_scale_layout(plan.offsets, NUMELS, chunk, world, "tensor", 128, "cpu")
+        extents = [-(-n // 16) * 16 for n in NUMELS]
+        lay = build_scale_layout(plan.offsets, extents, chunk, world, "tensor", 128, "cpu", granule=16)
         assert sent == (world - 1) * (chunk + 4 * lay.K)
 
 
@@ -162,7 +164,7 @@ def test_error_feedback_telescopes_and_stays_bounded():
     world, steps = 2, 12
     g = torch.Generator().manual_seed(9)
     stream = [torch.randn(sum(NUMELS), generator=g) * (1 + 0.1 * t) for t in range(steps)]
-    plan = plan_shards(NUMELS, [False] * len(NUMELS), world, 1)
+    plan = plan_shards(NUMELS, [False] * len(NUMELS), world, 16)
     truth = torch.stack([_to_buffer(s.double(), plan) for s in stream]).sum(0)
     rs_out = run_distributed(_run, world, dict(dtype="fp8_e4m3", error_feedback=True), "rs", steps, stream)
     for r, (o, _, c, res, _) in enumerate(rs_out):
@@ -274,9 +276,9 @@ def test_nonfinite_actions():
     from megatron_geo.training.trainer import NonFiniteGradientError, handle_nonfinite
 
     red = build_reducer(CommConfig(dtype="fp8_e4m3", error_feedback=True), None, 2, 0)
-    red.register_bucket(0, [0], [4], 2, "cpu")
+    red.register_bucket(0, [0], [4], 16, "cpu")  # one 4-element parameter; chunks of the 16-element granule
     red.residuals[0].fill_(float("nan"))
     handle_nonfinite(7, float("nan"), "skip", red)
-    assert torch.equal(red.residuals[0], torch.zeros(4))
+    assert torch.equal(red.residuals[0], torch.zeros(32))
     with pytest.raises(NonFiniteGradientError, match="step 7: the gradient norm is inf .* train.nonfinite=stop"):
         handle_nonfinite(7, float("inf"), "stop", red)

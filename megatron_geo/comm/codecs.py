@@ -44,14 +44,31 @@ _E2M1_BOUNDS = (0.25, 0.75 - 2.0 ** -24, 1.25, 1.75 - 2.0 ** -23, 2.5, 3.5 - 2.0
 
 
 @functools.lru_cache(maxsize=64)
-def _const(values: tuple[float, ...], device: torch.device) -> Tensor:
-    """A small float32 constant table on ``device``, built once (no host-to-device copy per call)."""
+def _cached_const(values: tuple[float, ...], device: torch.device) -> Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
+def _const(values: tuple[float, ...], device: torch.device) -> Tensor:
+    """A small float32 constant table on ``device``: built once in eager mode (no host-to-device copy per
+    call); inside a ``torch.compile`` trace a graph constant."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(values, dtype=torch.float32, device=device)
+    return _cached_const(values, device)
+
+
 @functools.lru_cache(maxsize=16)
+def _cached_e2m1_byte_table(device: torch.device) -> Tensor:
+    return _build_e2m1_byte_table(device)
+
+
 def _e2m1_byte_table(device: torch.device) -> Tensor:
-    """``[256, 2]`` float32: the (low, high) E2M1 values of every packed byte."""
+    """``[256, 2]`` float32: the (low, high) E2M1 values of every packed byte (cached in eager mode)."""
+    if torch.compiler.is_compiling():
+        return _build_e2m1_byte_table(device)
+    return _cached_e2m1_byte_table(device)
+
+
+def _build_e2m1_byte_table(device: torch.device) -> Tensor:
     grid = _const(_E2M1_GRID, device)
     signed = torch.cat((grid, -grid))  # value of each 4-bit code
     nib = torch.arange(256, device=device)

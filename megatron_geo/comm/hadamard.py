@@ -5,6 +5,13 @@
 so the rotation preserves norms and its inverse is ``D H_b y / sqrt(b)``. It spreads outliers across
 a block before quantization (the randomized Hadamard transform of QuaRot / "Hadamard incoherence"
 processing) and uses no statistics of the data, so every rank applies the same map.
+
+The reducer applies it as one batched matmul per bucket, ``x.view(-1, b) @ M`` with
+``M = D H_b / sqrt(b)`` in FP32 (:func:`hadamard_matrix`; inverse ``y @ M^T``): one pass over the bucket
+instead of the ``2 log2(b)`` passes of the butterfly (:func:`block_hadamard`, kept as a reference). The
+two agree to FP32 rounding (``tests/test_codecs.py``), not bitwise. On CUDA the matmul follows torch's
+FP32 matmul precision: leave ``torch.backends.cuda.matmul.allow_tf32`` off (the default) or the rotation
+is only TF32-accurate (about 1e-3 relative, still far below FP8's 2**-4).
 """
 
 from __future__ import annotations
@@ -26,6 +33,24 @@ def hadamard_signs(block_size: int, seed: int) -> Tensor:
     g = torch.Generator().manual_seed(seed)
     bits = torch.randint(0, 2, (block_size,), generator=g, device="cpu")
     return (1 - 2 * bits).to(torch.float32)
+
+
+def hadamard_matrix(signs: Tensor) -> Tensor:
+    """float32 ``[b, b]`` ``M = diag(signs) H_b / sqrt(b)`` on ``signs``' device, so that a row vector rotates
+    as ``x @ M`` (the same map as :func:`block_hadamard`) and ``(x @ M) @ M.T == x`` up to FP32 rounding.
+    Built in FP64 and rounded once per entry.
+
+    Raises:
+        ValueError: ``b`` not a power of two.
+    """
+    b = signs.numel()
+    if b < 1 or b & (b - 1):
+        raise ValueError(f"block size b={b} is not a power of two")
+    h = torch.ones((1, 1), dtype=torch.float64, device="cpu")
+    while h.shape[0] < b:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    m = signs.to(device="cpu", dtype=torch.float64).view(b, 1) * h * b ** -0.5
+    return m.to(dtype=torch.float32, device=signs.device)
 
 
 def _check(x: Tensor, signs: Tensor) -> int:

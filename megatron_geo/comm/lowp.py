@@ -31,25 +31,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .codecs import (FP8_FORMATS, NVFP4_BLOCK, fp8_decode, fp8_encode, fp8_scale_from_amax, nvfp4_decode,
-                     nvfp4_encode, nvfp4_global_scale)
-from .hadamard import block_hadamard, block_hadamard_inverse, hadamard_signs
+from .codecs import FP8_FORMATS, NVFP4_BLOCK
+from .compiled import resolve_compile
+from .hadamard import hadamard_matrix, hadamard_signs
 from .reducer import PendingReduction, Reducer
-from .scale_layout import BlockRuns, ScaleLayout, block_runs, build_scale_layout
+from .scale_layout import ScaleLayout, build_scale_layout
+from .wire_cast import CAST_DTYPES, CastWire
+from .wire_fp8 import FP8Wire
+from .wire_nvfp4 import NVFP4Wire
 from ..parallel import collectives as C
 
-
-_CAST = {"fp32": torch.float32, "bf16": torch.bfloat16}  # exact/cast wires, used with a transform
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """``[m, k]`` float32 -> ``[m, 4k]`` uint8 (the scale bytes of a payload row)."""
-    return t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
-
-
-def _as_f32(b: torch.Tensor) -> torch.Tensor:
-    """``[m, 4k]`` uint8 (any strides/offset) -> ``[m, k]`` float32 copy."""
-    return b.reshape(-1).clone().view(torch.float32).view(b.shape[0], -1)
+# tensor-scaled FP8 keeps parameters 16-aligned so that its scales reach the elements one per 16-element block
+FP8_TENSOR_GRANULE = 16
 
 
 class LowPrecisionReducer(Reducer):
@@ -64,9 +57,9 @@ class LowPrecisionReducer(Reducer):
     def __init__(self, dp_group, dp_size: int, dp_rank: int, fmt: str, scaling: str = "tensor",
                  block_size: int = 128, rounding: str = "nearest", error_feedback: bool = False,
                  transform: str = "none", hadamard_block: int = 128, scale_sync: str = "none", seed: int = 0,
-                 device=None):
+                 device=None, compile: str | bool = "auto"):
         super().__init__(dp_group, dp_size, dp_rank)
-        if fmt not in FP8_FORMATS and fmt not in _CAST and fmt != "nvfp4":
+        if fmt not in FP8_FORMATS and fmt not in CAST_DTYPES and fmt != "nvfp4":
             raise ValueError(f"comm.dtype={fmt!r} is not supported here (fp32, bf16, fp8_e4m3, fp8_e5m2, nvfp4)")
         if fmt == "nvfp4" and scale_sync != "none":
             raise ValueError("comm.scale_sync=max is only supported for fp8 formats (nvfp4 block scales are data)")
@@ -74,7 +67,6 @@ class LowPrecisionReducer(Reducer):
         self.rounding, self.error_feedback, self.transform = rounding, error_feedback, transform
         self.hadamard_block, self.scale_sync = hadamard_block, scale_sync
         self.layouts: dict[int, ScaleLayout] = {}
-        self._block_runs: dict[int, BlockRuns] = {}
         self._shard_in_wire_coords: dict[int, torch.Tensor] = {}
         self.geo = None
         self.geo_slots: dict[int, list[tuple[str, int, int, int]]] = {}
@@ -82,16 +74,28 @@ class LowPrecisionReducer(Reducer):
         dev = torch.device(device) if device is not None else torch.device("cpu")
         # drawn on the host (identical on every machine), kept where the gradients are
         self.signs = hadamard_signs(hadamard_block, seed).to(dev) if transform == "hadamard" else None
+        if self.signs is not None:  # the rotation as one [b, b] matrix: y = x M, x = y M^T (per block row)
+            self.rotation = hadamard_matrix(self.signs)
+            self.rotation_t = self.rotation.t().contiguous()
         self.generator = torch.Generator(device=dev)
         self.generator.manual_seed(seed * 1_000_003 + dp_rank)
+        self.compile = resolve_compile(compile, dev)
+        if fmt in FP8_FORMATS:
+            self.wire = FP8Wire(fmt, rounding, self.generator, self.compile)
+        elif fmt == "nvfp4":
+            self.wire = NVFP4Wire(rounding, self.generator, self.compile)
+        else:
+            self.wire = CastWire(fmt)
 
     def alignment(self) -> int:
         """Chunk sizes must be multiples of this (quantisation/rotation blocks never straddle ranks)."""
         a = 1
         if self.fmt == "nvfp4":
             a = NVFP4_BLOCK
-        elif self.scaling == "block":
+        elif self.scaling == "block" and self.fmt in FP8_FORMATS:
             a = self.block_size
+        elif self.fmt in FP8_FORMATS:
+            a = FP8_TENSOR_GRANULE
         if self.signs is not None:
             a = max(a, self.hadamard_block)  # both powers of two or block | hadamard_block checked by config
         return a
@@ -104,9 +108,8 @@ class LowPrecisionReducer(Reducer):
         # last (rotation or scale) block ends there, and that block's rotated values belong to it alone
         a = self.alignment()
         extents = [n if a == 1 or n == 0 else -(-n // a) * a for n in numels]
-        self.layouts[key] = build_scale_layout(offsets, extents, bounds, self.dp_size, scaling, self.block_size, device)
-        if self.fmt == "nvfp4":  # per-parameter global scales at block granularity, built once
-            self._block_runs[key] = block_runs(self.layouts[key], NVFP4_BLOCK, device)
+        self.layouts[key] = build_scale_layout(offsets, extents, bounds, self.dp_size, scaling, self.block_size,
+                                               device, granule=a)
         if self.error_feedback:
             self.residuals[key] = torch.zeros(bounds[-1], dtype=torch.float32, device=device)
 
@@ -159,7 +162,7 @@ class LowPrecisionReducer(Reducer):
         """The buffer in the coordinates that are quantised: a new tensor for the Hadamard rotation, ``x``
         itself transformed in place for GeoFP8 (``x`` is the bucket's gradient buffer, consumed by the reduction)."""
         if self.signs is not None:
-            return block_hadamard(x.view(-1, self.hadamard_block), self.signs).view(-1)
+            return torch.mm(x.view(-1, self.hadamard_block), self.rotation).view(-1)
         slots = self.geo_slots.get(key)
         if not slots:
             return x
@@ -178,7 +181,7 @@ class LowPrecisionReducer(Reducer):
     def _from_wire(self, y: torch.Tensor, key, start: int) -> torch.Tensor:
         """Undo :meth:`_to_wire` on ``y``, the buffer range ``[start, start + len(y))`` (whole parameters)."""
         if self.signs is not None:
-            return block_hadamard_inverse(y.view(-1, self.hadamard_block), self.signs).view(-1)
+            return torch.mm(y.view(-1, self.hadamard_block), self.rotation_t).view(-1)
         slots = self.geo_slots.get(key)
         if not slots:
             return y
@@ -193,88 +196,14 @@ class LowPrecisionReducer(Reducer):
             self.geo.transforms[name].apply_inverse_(y[lo - start:hi - start].view(-1, cols))  # rows are independent
         return y
 
-    # -- encode / decode of whole chunks --------------------------------------------------------------
-    def _encode(self, x: torch.Tensor, layout: ScaleLayout, r: int, key=None):
-        """Encode ``x``, this rank's range ``r`` of an even plan, for the all-gather stage of :meth:`all_reduce`:
-        payload uint8 ``[1, bytes]`` (codes followed by the range's own per-segment scales)."""
-        c = layout.chunk
-        if self.fmt in _CAST:
-            return x.view(1, c).to(_CAST[self.fmt]).contiguous().view(torch.uint8).view(1, -1)
-        if self.fmt == "nvfp4":  # per-parameter global scales of this range's pieces, one per run of blocks
-            runs = self._block_runs[key]
-            seg = layout.row_amax(x, r)[0]                                                 # [K] per segment
-            amax = torch.zeros(layout.num_groups, dtype=torch.float32, device=x.device)
-            amax = amax.scatter_reduce_(0, layout.groups[r], seg, reduce="amax", include_self=True)
-            g = runs.values(nvfp4_global_scale(amax))[r]                                   # [K runs]
-            gb = runs.expand_row(g, r).unsqueeze(1)
-            packed, bscale = nvfp4_encode(x.view(-1, NVFP4_BLOCK), gb, self.rounding, self.generator)
-            return torch.cat([packed.view(1, -1), bscale.view(1, -1), _as_bytes(g.view(1, -1))], dim=1)
-        seg = fp8_scale_from_amax(layout.row_amax(x, r), self.fmt)                        # [1, K]
-        codes = fp8_encode(x, layout.expand(seg[0], r), self.fmt, self.rounding, self.generator)
-        return torch.cat([codes.view(1, c), _as_bytes(seg.contiguous())], dim=1)
-
-    def _decode_all(self, out: torch.Tensor, layout: ScaleLayout, key=None) -> torch.Tensor:
-        """FP32 ``[dp * chunk]``: every rank's range from the gathered payloads ``out`` ``[dp, bytes]`` (even plan)."""
-        c = layout.chunk
-        if self.fmt in _CAST:
-            return out.view(_CAST[self.fmt]).reshape(-1).float()
-        if self.fmt == "nvfp4":
-            nb = c // NVFP4_BLOCK
-            packed = out[:, : c // 2].reshape(-1, NVFP4_BLOCK // 2)
-            bscale = out[:, c // 2: c // 2 + nb].reshape(-1)
-            g = _as_f32(out[:, c // 2 + nb:])                                              # [dp, K runs]
-            return nvfp4_decode(packed, bscale, self._block_runs[key].expand_all(g).view(-1, 1)).view(-1)
-        scale = layout.expand_all(_as_f32(out[:, c:]))                                     # [dp * chunk]
-        return fp8_decode(out[:, :c].reshape(-1), scale, self.fmt)
-
-    def _encode_ranges(self, x: torch.Tensor, layout: ScaleLayout, sync: bool, key=None):
-        """Encode the whole buffer ``x`` ``[numel]`` for the reduce-scatter's all-to-all.
-
-        Returns ``(codes, scales, dec, shared)``: ``codes`` a list of ``(uint8 tensor, split sizes in bytes
-        per destination rank)``; ``scales`` float32 ``[dp, K]`` (row r: what rank r needs to decode its range;
-        None when nothing is sent); ``dec`` the decoded FP32 ``x`` (with error feedback only, else None); ``shared`` the
-        MAX-synchronised per-segment scales ``[dp, K]`` (``comm.scale_sync=max``) or None.
-        """
-        sizes = layout.sizes
-        ef = self.error_feedback  # the decoded copy is only needed for the residual
-        if self.fmt in _CAST:
-            wire = x.to(_CAST[self.fmt])
-            es = wire.element_size()
-            return [(wire.view(torch.uint8), [n * es for n in sizes])], None, wire.float() if ef else None, None
-        if self.fmt == "nvfp4":
-            runs = self._block_runs[key]
-            g = runs.values(nvfp4_global_scale(layout.group_amax(x)))                     # [dp, K] per run
-            gb = runs.expand_all(g).unsqueeze(1)                                            # per 16-block
-            packed, bscale = nvfp4_encode(x.view(-1, NVFP4_BLOCK), gb, self.rounding, self.generator)
-            dec = nvfp4_decode(packed, bscale, gb).view(-1) if ef else None
-            codes = [(packed.view(-1), [n // 2 for n in sizes]), (bscale.view(-1), [n // NVFP4_BLOCK for n in sizes])]
-            return codes, g.contiguous(), dec, None
-        amax = layout.group_amax(x)
-        if sync:
-            # NaN and inf both become +inf so that they survive the MAX (nan_to_num would turn +inf into
-            # the largest finite float: a shared scale that launders an infinite gradient, case c01)
-            amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("inf")))
-            C.all_reduce(amax, self.group, op=dist.ReduceOp.MAX)
-            self._count_allreduce(amax.numel() * 4)
-            amax = torch.where(torch.isinf(amax), torch.full_like(amax, float("nan")), amax)
-        seg = layout.segment_values(fp8_scale_from_amax(amax, self.fmt))                   # [dp, K]
-        scale = layout.expand_all(seg)
-        codes = fp8_encode(x, scale, self.fmt, self.rounding, self.generator)
-        dec = fp8_decode(codes, scale, self.fmt) if ef else None
-        return [(codes.view(torch.uint8), list(sizes))], (None if sync else seg.contiguous()), dec, \
-            (seg if sync else None)
-
-    def _decode_own(self, recv: list[torch.Tensor], scales: torch.Tensor | None, layout: ScaleLayout,
-                    key=None) -> torch.Tensor:
-        """FP32 ``[dp, own]``: every source's copy of this rank's range, from the received codes and scales
-        (FP8 and NVFP4; the cast wires are summed directly from their dtype)."""
-        dp, r = self.dp_size, self.dp_rank
-        own = layout.sizes[r]
-        if self.fmt == "nvfp4":  # scales: [dp, K] every source's per-run global scales of this range
-            gb = self._block_runs[key].expand_row(scales, r).reshape(-1, 1)
-            return nvfp4_decode(recv[0].view(-1, NVFP4_BLOCK // 2), recv[1].view(-1), gb).view(dp, own)
-        scale = layout.expand(scales, r)                                                    # [dp, own]
-        return fp8_decode(recv[0].view(dp, own), scale, self.fmt)
+    def _sync_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        """``comm.scale_sync=max``: the per-group amax MAX-reduced over DP (NaN and inf both become +inf so
+        that they survive the MAX, then NaN: nan_to_num would turn +inf into the largest finite float, a
+        shared scale that launders an infinite gradient, case c01)."""
+        amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("inf")))
+        C.all_reduce(amax, self.group, op=dist.ReduceOp.MAX)
+        self._count_allreduce(amax.numel() * 4)
+        return torch.where(torch.isinf(amax), torch.full_like(amax, float("nan")), amax)
 
     def _count_allreduce(self, nbytes: int) -> None:
         self.bytes_sent += 2 * (self.dp_size - 1) * nbytes // self.dp_size
@@ -286,12 +215,12 @@ class LowPrecisionReducer(Reducer):
         dp, r = self.dp_size, self.dp_rank
         lo, own = bounds[r], layout.sizes[r]
         x = self._to_wire(buf, key)
-        if self.error_feedback:
-            x = x + self.residuals[key]
-        sync = self.scale_sync == "max"
-        codes, scales, dec, shared = self._encode_ranges(x, layout, sync, key)
-        if self.error_feedback:
-            torch.sub(x, dec, out=self.residuals[key])  # in place: what this rank's quantiser lost
+        residual = self.residuals.get(key)
+        if residual is not None:  # in place: x is the consumed bucket buffer (or the rotated copy of it)
+            x = x.add_(residual)
+        sync = self._sync_amax if self.scale_sync == "max" else None
+        # the wire format also sets the residual to what this rank's quantiser lost, in place
+        codes, scales, shared = self.wire.encode_ranges(x, layout, sync, residual)
         works, recvs = [], []
         for send, splits in codes:
             assert send.dtype == torch.uint8, "the wire carries raw uint8 codes"
@@ -310,10 +239,7 @@ class LowPrecisionReducer(Reducer):
         def epilogue():
             for w in works:
                 w.wait()
-            if self.fmt in _CAST:  # sum straight from the wire dtype (no FP32 copy of the receive buffer)
-                avg = torch.sum(recvs[0].view(_CAST[self.fmt]).view(dp, own), dim=0, dtype=torch.float32).div_(dp)
-            else:
-                avg = self._decode_own(recvs, recv_scales, layout, key).sum(dim=0).div_(dp)
+            avg = self.wire.decode_own(recvs, recv_scales, layout, r)                   # FP32 [own], / dp
             if keep_wire:  # all-reduce: the gather stage re-encodes the shard in wire coordinates and then
                 self._shard_in_wire_coords[key] = avg  # overwrites all of buf (even chunks may cut GeoFP8 rows)
                 return
@@ -334,11 +260,11 @@ class LowPrecisionReducer(Reducer):
         def gather():
             rs.wait()
             shard = self._shard_in_wire_coords.pop(key)
-            payload = self._encode(shard, layout, r, key)
+            payload = self.wire.encode_chunk(shard, layout, r)
             out = torch.empty((dp, payload.shape[1]), dtype=torch.uint8, device=buf.device)
             C.all_gather_into(out.view(-1), payload.reshape(-1), self.group)
             self.bytes_sent += (dp - 1) * payload.shape[1]
-            buf.copy_(self._from_wire(self._decode_all(out, layout, key), key, 0))
+            buf.copy_(self._from_wire(self.wire.decode_all(out, layout), key, 0))
 
         pending = PendingReduction(None, gather)
         if not async_op:

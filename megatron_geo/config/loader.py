@@ -32,7 +32,7 @@ def _suggest(name: str, options, prefix: str = "") -> str:
 
 _LIST_KEYS = ("geo.layers", "geo.power_search")  # comma-separated strings that may be written as YAML lists
 _EMPTY_OK = ("geo.power_search",)                 # strings whose empty value means "off"
-_AUTO_BOOL_KEYS = ("parallel.overlap_param_gather",)  # str keys whose values are auto, true or false
+_AUTO_BOOL_KEYS = ("parallel.overlap_param_gather", "comm.compile")  # str keys whose values are auto, true or false
 
 
 def _int_from_text(text: str) -> int | None:

@@ -108,6 +108,9 @@ class CommConfig:
     transform: str = "none"        # none | hadamard (fixed block-Hadamard rotation) | geo (GeoFP8, see geo.*)
     hadamard_block: int = 128      # rotation block (power of two)
     scale_sync: str = "none"       # none (per-rank scales, sent with the payload) | max (shared MAX scales)
+    # torch.compile(fullgraph=True) each codec's encode and decode (codes bitwise equal to eager);
+    # auto = on with CUDA, off on CPU (where a C++ compiler and a first-call compile are needed)
+    compile: str = "auto"
 
 
 @dataclass

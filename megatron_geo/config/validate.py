@@ -18,6 +18,7 @@ _CHOICES = {
     ("train", "autocast_dtype"): ("auto", "none", "bf16"),
     ("parallel", "backend"): ("auto", "gloo", "nccl"),
     ("parallel", "overlap_param_gather"): ("auto", "true", "false"),
+    ("comm", "compile"): ("auto", "true", "false"),
     ("data", "source"): ("shakespeare", "indexed"),
     ("comm", "dtype"): ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4"),
     ("comm", "scaling"): ("tensor", "block"),

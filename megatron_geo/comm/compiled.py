@@ -1,0 +1,40 @@
+"""``comm.compile``: the codecs' encode and decode as ``torch.compile(fullgraph=True)`` graphs.
+
+Each wire format (:mod:`.wire_fp8`, :mod:`.wire_nvfp4`, :mod:`.wire_cast`) writes its hot path as pure tensor
+functions with no data-dependent shapes and no host syncs; :func:`maybe_compile` turns each into one graph
+(``fullgraph=True``: a graph break is an error, not a silent fallback) with dynamic sizes, so buckets of
+different lengths share the graph. Inductor fuses the scale broadcast, the division, the clamp and the cast
+into one pass over the bucket (encode) and the FP8 upcast, the scale and the sum over DP into one pass
+(decode); the codes are bitwise equal to eager (``tests/test_codec_compile.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def resolve_compile(setting: str | bool, device) -> bool:
+    """``comm.compile`` (``auto`` | ``true`` | ``false``, or a bool) -> whether to compile on ``device``.
+
+    ``auto`` is on with CUDA and off on CPU.
+
+    Raises:
+        ValueError: any other value.
+    """
+    if isinstance(setting, bool):
+        return setting
+    s = str(setting).strip().lower()
+    if s == "auto":
+        return torch.device(device if device is not None else "cpu").type == "cuda"
+    if s in ("true", "false"):
+        return s == "true"
+    raise ValueError(f"comm.compile={setting!r} is not valid; choose auto, true or false")
+
+
+def maybe_compile(fn: Callable, enabled: bool) -> Callable:
+    """``torch.compile(fn, fullgraph=True, dynamic=True)`` when ``enabled``, else ``fn`` itself."""
+    if not enabled:
+        return fn
+    return torch.compile(fn, fullgraph=True, dynamic=True)

@@ -1,0 +1,105 @@
+"""The NVFP4 wire format of :class:`~megatron_geo.comm.lowp.LowPrecisionReducer`.
+
+What travels: E2M1 codes packed two per byte, one E4M3 block scale per 16 elements (both from
+:func:`.codecs.nvfp4_encode`), and one FP32 "global" scale per scale segment: the parameter's
+``amax / (448 * 6)`` (:func:`.codecs.nvfp4_global_scale`) over the whole bucket, like tensor-scaled FP8.
+Parameters start 16-aligned and their segment covers the padding after them (:mod:`.scale_layout` with
+granule 16), so no block holds two parameters and a TP-replicated norm weight is encoded the same on every
+TP rank.
+
+The global scale reaches each 16-element block through the constant block-to-segment table; with
+``comm.compile`` encode and decode (with the sum over DP) are one ``torch.compile`` graph each.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .codecs import NVFP4_BLOCK, nvfp4_decode, nvfp4_encode, nvfp4_global_scale
+from .compiled import maybe_compile
+from .scale_layout import ScaleLayout
+from .wire_fp8 import block_amax
+
+
+def _encode(x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """``(packed [nb, 8], block scale codes [nb])`` of float32 ``x`` ``[nb, 16]``, global scale per block ``[nb]``."""
+    return nvfp4_encode(x, g.unsqueeze(1))
+
+
+def _encode_ef(x: Tensor, g: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+    """As :func:`_encode`; also writes ``residual`` ``[nb, 16]`` = ``x - decode`` in place."""
+    packed, bscale = nvfp4_encode(x, g.unsqueeze(1))
+    residual.copy_(x - nvfp4_decode(packed, bscale, g.unsqueeze(1)))
+    return packed, bscale
+
+
+def _decode_sum(packed: Tensor, bscale: Tensor, g: Tensor) -> Tensor:
+    """float32 ``[nb * 16]``: the mean over sources of ``packed`` ``[dp, nb, 8]`` with block scale codes
+    ``[dp, nb]`` and global scales ``[dp, nb]`` (FP32 sum over dim 0, then one division by dp)."""
+    dp = packed.shape[0]
+    d = nvfp4_decode(packed.reshape(-1, NVFP4_BLOCK // 2), bscale.reshape(-1), g.reshape(-1, 1))
+    return d.view(dp, -1).sum(dim=0).div_(dp)
+
+
+def _decode(packed: Tensor, bscale: Tensor, g: Tensor) -> Tensor:
+    """float32 ``[nb * 16]`` of ``packed`` ``[nb, 8]``, block scale codes ``[nb]``, global scales ``[nb]``."""
+    return nvfp4_decode(packed, bscale, g.unsqueeze(1)).view(-1)
+
+
+class NVFP4Wire:
+    """Encode / decode of bucket buffers in NVFP4 (``rounding="stochastic"`` runs eagerly with ``generator``)."""
+
+    def __init__(self, rounding: str, generator: torch.Generator, compile: bool):
+        self.rounding, self.generator = rounding, generator
+        self.amax = maybe_compile(block_amax, compile)
+        self.encode = maybe_compile(_encode, compile)
+        self.encode_ef = maybe_compile(_encode_ef, compile)
+        self.decode = maybe_compile(_decode, compile)
+        self.decode_sum = maybe_compile(_decode_sum, compile)
+
+    def _encode(self, x2: Tensor, g: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+        if self.rounding == "stochastic":
+            packed, bscale = nvfp4_encode(x2, g.unsqueeze(1), "stochastic", self.generator)
+            if residual is not None:
+                residual.copy_(x2 - nvfp4_decode(packed, bscale, g.unsqueeze(1)))
+            return packed, bscale
+        if residual is not None:
+            return self.encode_ef(x2, g, residual)
+        return self.encode(x2, g)
+
+    def encode_ranges(self, x: Tensor, layout: ScaleLayout, sync_amax=None, residual: Tensor | None = None):
+        """Encode the whole buffer ``x`` ``[numel]``; see :meth:`.wire_fp8.FP8Wire.encode_ranges` (NVFP4 has no
+        shared scales: ``sync_amax`` must be None). Two payloads travel: packed codes and block scale codes."""
+        assert sync_amax is None, "comm.scale_sync=max is fp8 only"
+        x2 = x.view(-1, NVFP4_BLOCK)
+        seg = layout.segment_values(nvfp4_global_scale(layout.group_amax(self.amax(x2))))  # [dp, K]
+        packed, bscale = self._encode(x2, layout.block_values(seg),
+                                      None if residual is None else residual.view(-1, NVFP4_BLOCK))
+        sizes = layout.sizes
+        codes = [(packed.view(-1), [n // 2 for n in sizes]), (bscale.view(-1), [n // NVFP4_BLOCK for n in sizes])]
+        return codes, seg.contiguous(), None
+
+    def decode_own(self, recv: list[Tensor], scales: Tensor, layout: ScaleLayout, r: int) -> Tensor:
+        """FP32 ``[own]``: the mean over sources of range ``r`` (packed codes ``recv[0]``, block scales ``recv[1]``,
+        every source's global scales ``scales`` ``[dp, K]``)."""
+        dp = scales.shape[0]
+        g = layout.row_block_values(scales, r)                                            # [dp, nb]
+        return self.decode_sum(recv[0].view(dp, -1, NVFP4_BLOCK // 2), recv[1].view(dp, -1), g)
+
+    def encode_chunk(self, x: Tensor, layout: ScaleLayout, r: int) -> Tensor:
+        """Payload uint8 ``[1, bytes]`` of range ``r``: packed codes, block scale codes, then its own
+        per-segment global scales ``[K]`` (amax of this range alone)."""
+        x2 = x.view(-1, NVFP4_BLOCK)
+        seg = nvfp4_global_scale(layout.row_segment_amax(self.amax(x2), r))               # [K]
+        packed, bscale = self._encode(x2, layout.row_block_values(seg, r), None)
+        return torch.cat([packed.view(1, -1), bscale.view(1, -1), seg.view(1, -1).view(torch.uint8)], dim=1)
+
+    def decode_all(self, out: Tensor, layout: ScaleLayout) -> Tensor:
+        """FP32 ``[numel]`` of every rank's range from the gathered payloads ``out`` ``[dp, bytes]`` (even plan)."""
+        c = layout.chunk
+        nb = c // NVFP4_BLOCK
+        packed = out[:, : c // 2].reshape(-1, NVFP4_BLOCK // 2)
+        bscale = out[:, c // 2: c // 2 + nb].reshape(-1)
+        seg = out[:, c // 2 + nb:].contiguous().view(torch.float32)                        # [dp, K]
+        return self.decode(packed, bscale, layout.block_values(seg))
