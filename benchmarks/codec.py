@@ -1,123 +1,186 @@
 #!/usr/bin/env python
-"""Quantize + dequantize throughput of the gradient codecs, next to a plain memory copy.
+"""The reducer's own encode + decode of one bucket, per preset, eager and compiled, next to a same-size copy.
 
-Each operation takes an FP32 buffer of ``--numel`` elements (standard-normal values) through one
-encode/decode round trip with the project's kernels (megatron_geo/comm/codecs.py, hadamard.py), the way
-the low-precision reducer does it (scale from the amax, encode, decode):
+    python benchmarks/codec.py [--numel 16777216] [--dp 2] [--repeats 5] [--threads 1]
+                               [--device cpu|cuda] [--presets fp8 nvfp4 ...] [--compile both|eager|compiled]
+                               [--json OUT]
 
-- ``fp8_e4m3 tensor``: one FP32 scale (amax / 448) for the whole buffer;
-- ``fp8_e4m3 block128``: one FP32 scale per 128 elements;
-- ``fp8_e5m2 tensor``;
-- ``nvfp4``: FP32 global scale, E4M3 scale per 16 elements, E2M1 elements;
-- ``fp8_e4m3 stochastic``: tensor scaling with unbiased stochastic rounding;
-- ``hadamard128``: block-Hadamard rotation and its inverse (no quantization);
-- ``bf16 cast``: ``x.to(bfloat16).float()``;
-- ``copy``: ``dst.copy_(src)`` of the same buffer (the memory-bandwidth reference).
+This times exactly what a bucket costs in training: ``reducer.reduce_scatter(bucket).wait()`` of the preset's
+reducer (``configs/comm/<preset>.yaml``) on a bucket of four parameters (two 6.29M-element matrices, a norm
+weight, the rest one matrix), DP rank 0 of a ``--dp`` job on torch's ``fake`` process group: transform, error
+feedback, scales, encode, the all-to-all (the fake backend moves no bytes; it zero-fills the receive buffer
+and copies this rank's own part, about 2 bytes per element), decode, FP32 sum over sources, the division by
+DP and the write-back. Each preset runs eagerly and with ``comm.compile=true`` (``torch.compile`` of each
+codec's encode and decode; the first call compiles and is not timed). The copy reference is
+``dst.copy_(src)`` of the FP32 bucket (8 bytes per element read + written), timed round-robin with the
+presets in the same run (median of ``--repeats``).
 
-Throughput = bytes of the FP32 input (4 * numel) / time, in GB/s (1e9 bytes); the median over
-``--repeats`` timed runs after one warm-up run. The operations are timed round-robin (each repeat runs
-every operation once), so load changes on the machine affect all of them alike. ``ratio`` = throughput /
-copy throughput. On CUDA, ``torch.cuda.synchronize()`` is called before and after each timed run.
-
-    python benchmarks/codec.py [--numel 16777216] [--repeats 5] [--device cpu|cuda]
+Per preset and mode: ``ms``, ``memcpy_ms``, ``ratio_to_memcpy`` (= ms / memcpy_ms), and from one run under
+:class:`megatron_geo.comm.op_trace.OpRecorder`: ``ops_per_bucket`` (kernel-launching aten ops the dispatcher
+sees; a compiled graph's fused kernels are not aten ops, so compiled counts are the ops left outside the
+graphs), ``syncs_per_bucket`` (ops that force a host sync or a data-dependent shape) and
+``traffic_bytes_per_element`` (bytes of the inputs and outputs of those ops per bucket element: what an
+unfused eager execution moves). Compiled rows also say whether the reduced shard is bitwise equal to eager
+(``bitwise_equal_eager``). GeoFP8 presets are left out (their transform cost is
+``benchmarks/geo_overhead.py``'s). ``tools/project_scaling.py --codec-output OUT.json`` reads the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import time
 
 import torch
+import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
-from megatron_geo.comm.codecs import (NVFP4_BLOCK, fp8_decode, fp8_encode, fp8_scale_from_amax,  # noqa: E402
-                                      nvfp4_decode, nvfp4_encode, nvfp4_global_scale)
-from megatron_geo.comm.hadamard import block_hadamard, block_hadamard_inverse, hadamard_signs  # noqa: E402
+import dataclasses  # noqa: E402
 
+from megatron_geo.comm import build_reducer  # noqa: E402
+from megatron_geo.comm.op_trace import OpRecorder  # noqa: E402
+from megatron_geo.config import ConfigError, load_config  # noqa: E402
+from megatron_geo.distributed.shard_plan import plan_shards  # noqa: E402
 
-def make_ops(x: torch.Tensor, dst: torch.Tensor) -> dict:
-    """name -> zero-argument callable running one round trip of ``x`` (FP32, 1-D, numel % 128 == 0)."""
-    gen = torch.Generator(device=x.device).manual_seed(0)
-    signs = hadamard_signs(128, 0).to(x.device)
-
-    def fp8_tensor(fmt, rounding="nearest"):
-        def run():
-            s = fp8_scale_from_amax(x.abs().amax(), fmt)
-            return fp8_decode(fp8_encode(x, s, fmt, rounding, gen if rounding == "stochastic" else None), s, fmt)
-        return run
-
-    def fp8_block():
-        v = x.view(-1, 128)
-        s = fp8_scale_from_amax(v.abs().amax(dim=1, keepdim=True), "fp8_e4m3")
-        return fp8_decode(fp8_encode(v, s, "fp8_e4m3"), s, "fp8_e4m3")
-
-    def nvfp4():
-        g = nvfp4_global_scale(x.abs().amax())
-        packed, bs = nvfp4_encode(x.view(-1, NVFP4_BLOCK), g)
-        return nvfp4_decode(packed, bs, g)
-
-    def hadamard():
-        return block_hadamard_inverse(block_hadamard(x.view(-1, 128), signs), signs)
-
-    return {
-        "copy": lambda: dst.copy_(x),
-        "fp8_e4m3 tensor": fp8_tensor("fp8_e4m3"),
-        "fp8_e4m3 block128": fp8_block,
-        "fp8_e5m2 tensor": fp8_tensor("fp8_e5m2"),
-        "nvfp4": nvfp4,
-        "fp8_e4m3 stochastic": fp8_tensor("fp8_e4m3", "stochastic"),
-        "hadamard128 rot+inv": hadamard,
-        "bf16 cast": lambda: x.to(torch.bfloat16).float(),
-    }
+PRESETS = ["fp32", "bf16", "fp8", "fp8_e5m2", "fp8_block", "fp8_ef", "fp8_shared_scale", "fp8_hadamard", "nvfp4"]
 
 
-def bench(numel: int, repeats: int, device: str) -> dict[str, list[float]]:
-    """Seconds per run of every operation, ``repeats`` values each (after one warm-up run)."""
-    dev = torch.device(device)
-    cuda = dev.type == "cuda"
-    x = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(dev)
-    ops = make_ops(x, torch.empty_like(x))
-    times: dict[str, list[float]] = {k: [] for k in ops}
-    for rep in range(repeats + 1):
-        for name, fn in ops.items():
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            if cuda:
-                torch.cuda.synchronize()
-            if rep:  # repeat 0 is the warm-up
-                times[name].append(time.perf_counter() - t0)
-    return times
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--numel", type=int, default=16 * 2**20, help="FP32 elements (multiple of 128; default 16M)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per operation (median; default 5)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    args = p.parse_args(argv)
-    if args.numel <= 0 or args.numel % 128:
-        p.error("--numel must be a positive multiple of 128")
-    if args.repeats < 1:
-        p.error("--repeats must be >= 1")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda but CUDA is not available")
-    times = bench(args.numel, args.repeats, args.device)
-    nbytes = 4 * args.numel
-    dev = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
-    print(f"codec round trip (quantize + dequantize), {args.numel:,} FP32 elements ({nbytes / 2**20:.0f} MiB), "
-          f"median of {args.repeats}, {dev}, torch {torch.__version__}")
-    print(f"{'operation':<22} {'median ms':>10} {'GB/s':>9} {'ratio to copy':>14}")
-    copy_gbs = nbytes / statistics.median(times["copy"]) / 1e9
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        gbs = nbytes / med / 1e9
-        print(f"{name:<22} {med * 1e3:>10.2f} {gbs:>9.2f} {gbs / copy_gbs:>14.3f}")
+def bucket_numels(numel: int) -> list[int]:
+    big = min(6291456, max(numel // 4, 1))
+    rest = numel - 2 * big - 1536
+    if rest < 1:
+        raise ValueError(f"--numel {numel} is too small; use at least {2 * big + 1537}")
+    return [big, big, 1536, rest]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--numel", type=int, default=16 * 2 ** 20)
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--presets", nargs="+", default=PRESETS)
+    ap.add_argument("--compile", choices=["both", "eager", "compiled"], default="both",
+                    help="time the eager codecs, the compiled ones (comm.compile=true), or both (default)")
+    ap.add_argument("--json", default=None, metavar="OUT")
+    a = ap.parse_args(argv)
+    if a.dp < 2 or a.repeats < 1 or a.threads < 1:
+        print(f"error: --dp {a.dp} must be >= 2, --repeats {a.repeats} and --threads {a.threads} >= 1", file=sys.stderr)
+        return 2
+    unknown = [p for p in a.presets if not os.path.isfile(os.path.join(ROOT, "configs", "comm", f"{p}.yaml"))]
+    if unknown:
+        print(f"error: --presets {unknown[0]}: no configs/comm/{unknown[0]}.yaml", file=sys.stderr)
+        return 2
+    try:
+        numels = bucket_numels(a.numel)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(a.threads)
+    dev = torch.device(a.device)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=a.dp)
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(a.numel, generator=g).to(dev)
+    dst = torch.empty_like(src)
+    modes = {"both": ["eager", "compiled"], "eager": ["eager"], "compiled": ["compiled"]}[a.compile]
+    runs = {}
+    for p in a.presets:
+        try:
+            comm = load_config([os.path.join(ROOT, "configs", "comm", f"{p}.yaml")]).comm
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if comm.transform == "geo":
+            continue
+        for mode in modes:
+            c = dataclasses.replace(comm, compile="true" if mode == "compiled" else "false")
+            red = build_reducer(c, dist.group.WORLD, a.dp, 0, device=dev)
+            plan = plan_shards(numels, [False] * len(numels), a.dp, red.alignment())
+            red.register_bucket(0, plan.offsets, numels, getattr(plan, "bounds", None) or plan.chunk, dev)
+            buf = torch.zeros(plan.buffer_numel, device=dev)
+            runs[(p, mode)] = (red, buf, plan)
+
+    def reduce_once(red, buf) -> float:
+        buf[: a.numel].copy_(src)
+        _sync(dev)
+        t0 = time.perf_counter()
+        red.reduce_scatter(buf, key=0).wait()
+        _sync(dev)
+        return time.perf_counter() - t0
+
+    def copy_once() -> float:
+        _sync(dev)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(dev)
+        return time.perf_counter() - t0
+
+    shards = {}
+    for k, (red, buf, plan) in runs.items():  # warm-up (constant tables, allocator, compilation)
+        reduce_once(red, buf)
+        shards[k] = buf[: plan.bounds[1] if getattr(plan, "bounds", None) else plan.chunk].clone()
+    copy_once()
+    times = {k: [] for k in runs}
+    copies = []
+    for _ in range(a.repeats):
+        copies.append(copy_once())
+        for k, (red, buf, _) in runs.items():
+            times[k].append(reduce_once(red, buf))
+    memcpy = statistics.median(copies)
+    out: dict = {m: {} for m in modes}
+    for (p, mode), (red, buf, _) in runs.items():
+        ms = statistics.median(times[(p, mode)])
+        row = {"ms": ms * 1e3, "memcpy_ms": memcpy * 1e3, "ratio_to_memcpy": ms / memcpy}
+        if mode == "eager":  # torch.compile refuses to run under a dispatch mode: compiled rows are not traced
+            buf[: a.numel].copy_(src)
+            rec = OpRecorder()
+            with rec:
+                red.reduce_scatter(buf, key=0).wait()
+            row.update({"ops_per_bucket": rec.work, "syncs_per_bucket": len(rec.bad),
+                        "traffic_bytes_per_element": rec.traffic_bytes / a.numel})
+        if mode == "compiled" and (p, "eager") in shards:
+            row["bitwise_equal_eager"] = bool(torch.equal(shards[(p, mode)], shards[(p, "eager")]))
+        out[mode][p] = row
+    print(f"reducer encode + decode of one {a.numel:,}-element bucket, DP={a.dp} (rank 0, fake process group), "
+          f"{dev}, {a.threads} thread(s); memcpy {memcpy * 1e3:.2f} ms")
+    head = f"{'preset':<18}"
+    for mode in modes:
+        head += f" {mode + ' ms':>12} {'x memcpy':>9}"
+    print(head + f" {'ops':>5} {'syncs':>6} {'bytes/el':>9}" + ("  compiled == eager" if len(modes) == 2 else ""))
+    for p in out[modes[0]]:
+        line = f"{p:<18}"
+        for mode in modes:
+            r = out[mode][p]
+            line += f" {r['ms']:12.2f} {r['ratio_to_memcpy']:9.1f}"
+        r = out[modes[0]][p]
+        if "ops_per_bucket" in r:
+            line += f" {r['ops_per_bucket']:5d} {r['syncs_per_bucket']:6d} {r['traffic_bytes_per_element']:9.1f}"
+        else:
+            line += f" {'-':>5} {'-':>6} {'-':>9}"
+        if len(modes) == 2:
+            line += f"  {'bitwise' if out['compiled'][p]['bitwise_equal_eager'] else 'DIFFERS'}"
+        print(line)
+    print("ops, syncs, bytes/el: op trace of the eager path (torch.compile cannot run under the trace; the "
+          "compiled path runs the same Python code with each codec step fused into one fullgraph graph)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"numel": a.numel, "dp": a.dp, "device": str(dev), "threads": a.threads,
+                       "presets": out[modes[0]], **{f"presets_{m}": out[m] for m in modes}}, f, indent=1)
+            f.write("\n")
+    dist.destroy_process_group()
     return 0
 
 

@@ -79,7 +79,7 @@ def _device(args) -> tuple[torch.device, str | None]:
 
 
 def phase_codec(args) -> dict:
-    from codec import make_ops
+    from codec_kernels import make_ops
 
     dev, skipped = _device(args)
     numel = args.numel if skipped is None else 1 << 18

@@ -220,16 +220,20 @@ def _global_rows(global_scale: Tensor, nblk: int) -> Tensor:
 
 
 def _e2m1_index(a: Tensor, rounding: str, generator: torch.Generator | None) -> Tensor:
-    """Magnitude code (0-7, uint8) on the E2M1 grid of ``a`` in ``[0, 6]`` (NaN gives some code in 0-7)."""
+    """Magnitude code (0-7, int32) on the E2M1 grid of ``a`` in ``[0, 6]`` (NaN gives 7).
+
+    Nearest: the number of rounding boundaries strictly below ``a`` (what ``torch.bucketize`` returns, as
+    seven comparisons in int32 so that a compiled graph vectorises them). At the midpoints whose tie goes up
+    to the even code (0.75 -> 1.0, 1.75 -> 2.0, 3.5 -> 4.0) the boundary is the FP32 value just below the
+    midpoint, so "a > boundary" means "a >= midpoint"; the other ties stay down (even code).
+    """
     if rounding == "nearest":
-        # bucketize counts boundaries strictly below a. At the midpoints whose tie goes up to the even
-        # code (0.75 -> 1.0, 1.75 -> 2.0, 3.5 -> 4.0) the boundary is the FP32 value just below the
-        # midpoint, so "a > boundary" means "a >= midpoint"; the other ties stay down (even code).
-        idx = torch.bucketize(a, _const(_E2M1_BOUNDS, a.device), out_int32=True)
-    else:
-        q = _stochastic_round(a, 1, 0, generator)  # E2M1: 1 mantissa bit, min normal 1, subnormal 0.5
-        idx = torch.bucketize(q, _const(_E2M1_GRID, a.device), out_int32=True).clamp_(max=7)  # q's grid index
-    return idx.to(torch.uint8)
+        idx = (a > _E2M1_BOUNDS[0]).to(torch.int32)
+        for b in _E2M1_BOUNDS[1:]:
+            idx = idx + (a > b).to(torch.int32)
+        return torch.where(torch.isnan(a), 7, idx)
+    q = _stochastic_round(a, 1, 0, generator)  # E2M1: 1 mantissa bit, min normal 1, subnormal 0.5
+    return torch.bucketize(q, _const(_E2M1_GRID, a.device), out_int32=True).clamp_(max=7)  # q's grid index
 
 
 def nvfp4_encode(x: Tensor, global_scale: Tensor, rounding: str = "nearest",
@@ -268,12 +272,13 @@ def nvfp4_encode(x: Tensor, global_scale: Tensor, rounding: str = "nearest",
     s_units = torch.where(torch.isfinite(bamax), s_units, math.nan)
     s_code = torch.clamp(s_units, max=_E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     s_code = torch.where((s_code == 0) & (bamax > 0), torch.ones_like(s_code), s_code)
+    s_code = torch.where(torch.isnan(s_units), 0x7F, s_code)  # one NaN pattern (+NaN) on every backend
     denom = s_code.view(torch.float8_e4m3fn).float() * g
     y = x / torch.where(denom == 0, 1.0, denom)  # denom == 0 only for all-zero blocks (or g == 0)
     a = y.abs().clamp_(max=_E2M1_MAX)  # NaN elements get an arbitrary code; the block scale is NaN
-    codes = _e2m1_index(a, rounding, generator) | (y.signbit().to(torch.uint8) << 3)
+    codes = _e2m1_index(a, rounding, generator) | (y.signbit().to(torch.int32) << 3)   # int32: vectorises
     pairs = codes.view(nblk, NVFP4_BLOCK // 2, 2)
-    packed = pairs[..., 0] | (pairs[..., 1] << 4)
+    packed = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
     return packed, s_code.view(nblk)
 
 

@@ -1,0 +1,156 @@
+"""``comm.compile``: each codec's encode and decode compiles to one graph (``fullgraph=True``: a graph break is
+an error) and gives codes and values bitwise equal to eager; the reducer with ``comm.compile=true`` reduces
+bitwise like the eager one (DP = 2, gloo, tensor- and block-scaled FP8, error feedback, shared scales,
+Hadamard, NVFP4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_harness import run_distributed
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _inputs(nb: int, granule: int, seed: int) -> torch.Tensor:
+    """float32 ``[nb, granule]``: normal values over 12 decades, exact zeros, one all-zero row, NaN and inf rows."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(nb, granule, generator=g) * torch.logspace(-6, 6, nb).unsqueeze(1)
+    x[3] = 0.0
+    x[5, 1] = float("nan")
+    x[7, 0] = float("inf")
+    x[9, 2] = 0.0
+    return x
+
+
+def _scales(x: torch.Tensor, fmax: float) -> torch.Tensor:
+    from megatron_geo.comm.codecs import _scale_from_amax
+
+    return _scale_from_amax(x.abs().amax(1), fmax)
+
+
+def _fresh():
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    return counters
+
+
+def _same_fp8_codes(a: torch.Tensor, b: torch.Tensor, dt) -> bool:
+    """Bitwise equal, except that a NaN code may differ in its sign bit (x / NaN takes the sign of x in one
+    backend and not in the other; both decode to NaN)."""
+    na, nb = a.view(dt).float().isnan(), b.view(dt).float().isnan()
+    return torch.equal(na, nb) and torch.equal(a[~na], b[~nb])
+
+
+def _compiled_graphs(counters) -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_wire_functions_compile_to_one_graph_each_and_match_eager_bitwise(fmt):
+    from megatron_geo.comm import wire_fp8 as W
+    from megatron_geo.comm.compiled import maybe_compile
+
+    counters = _fresh()
+    fmax = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}[fmt]
+    for granule, nb in ((16, 64), (128, 40)):   # the second shape reuses the dynamic-shape graphs
+        x = _inputs(nb, granule, 0)
+        s = _scales(x, fmax)
+        eager, comp = W.FP8Wire(fmt, "nearest", None, False), W.FP8Wire(fmt, "nearest", None, True)
+        a_e, a_c = eager.amax(x), comp.amax(x)
+        assert torch.equal(a_c.nan_to_num(), a_e.nan_to_num()) and torch.equal(a_c.isnan(), a_e.isnan())
+        dt = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[fmt]
+        codes = eager.encode(x, s)
+        assert codes.dtype == torch.uint8 and _same_fp8_codes(comp.encode(x, s), codes, dt)
+        r_e, r_c = torch.empty_like(x), torch.empty_like(x)
+        assert _same_fp8_codes(comp.encode_ef(x, s, r_c), eager.encode_ef(x, s, r_e), dt)
+        assert torch.equal(r_c.nan_to_num(), r_e.nan_to_num()) and torch.equal(r_c.isnan(), r_e.isnan())
+        recv = torch.stack([codes, eager.encode(x * 0.5, s)])
+        s2 = torch.stack([s, s])
+        d_e, d_c = eager.decode_sum(recv, s2), comp.decode_sum(recv, s2)
+        assert torch.equal(d_c.nan_to_num(), d_e.nan_to_num()) and torch.equal(d_c.isnan(), d_e.isnan())
+        # the codes are torch's own casts of x / scale (independent reference)
+        want = (x / s.unsqueeze(1)).clamp(-fmax, fmax).to(dt).view(torch.uint8)
+        assert _same_fp8_codes(codes, want, dt)
+    assert _compiled_graphs(counters) >= 4 and not counters["graph_break"], "amax, encode, encode_ef, decode_sum"
+
+
+def test_nvfp4_wire_functions_compile_to_one_graph_each_and_match_eager_bitwise():
+    from megatron_geo.comm import wire_nvfp4 as W
+    from megatron_geo.comm.codecs import nvfp4_global_scale
+
+    counters = _fresh()
+    eager, comp = W.NVFP4Wire("nearest", None, False), W.NVFP4Wire("nearest", None, True)
+    for nb in (96, 50):
+        x = _inputs(nb, 16, 1)
+        g = nvfp4_global_scale(x.abs().amax(1)) * torch.linspace(0.5, 1, nb)  # per-block global scales
+        p_e, b_e = eager.encode(x, g)
+        p_c, b_c = comp.encode(x, g)
+        assert torch.equal(p_c, p_e) and torch.equal(b_c, b_e)
+        r_e, r_c = torch.empty_like(x), torch.empty_like(x)
+        comp.encode_ef(x, g, r_c)
+        eager.encode_ef(x, g, r_e)
+        assert torch.equal(r_c.nan_to_num(), r_e.nan_to_num())
+        d_e = eager.decode_sum(torch.stack([p_e, p_e]), torch.stack([b_e, b_e]), torch.stack([g, g]))
+        d_c = comp.decode_sum(torch.stack([p_e, p_e]), torch.stack([b_e, b_e]), torch.stack([g, g]))
+        assert torch.equal(d_c.nan_to_num(), d_e.nan_to_num()) and torch.equal(d_c.isnan(), d_e.isnan())
+    assert _compiled_graphs(counters) >= 3 and not counters["graph_break"]
+
+
+def test_comm_compile_setting():
+    from megatron_geo.comm.compiled import resolve_compile
+    from megatron_geo.config import ConfigError, load_config
+    from megatron_geo.config.validate import validate_config
+
+    assert resolve_compile("auto", "cpu") is False and resolve_compile("auto", "cuda") is True
+    assert resolve_compile("true", "cpu") is True and resolve_compile(False, "cuda") is False
+    with pytest.raises(ValueError, match="comm.compile='maybe'"):
+        resolve_compile("maybe", "cpu")
+    assert load_config([str(ROOT / "configs/comm/fp8.yaml")], ["comm.compile=on"]).comm.compile == "true"
+    with pytest.raises(ConfigError, match="comm.compile"):
+        validate_config(load_config([str(ROOT / "configs/comm/fp8.yaml")], ["comm.compile=maybe"]), 1)
+
+
+PRESETS = ["fp8", "fp8_block", "fp8_ef", "fp8_shared_scale", "fp8_hadamard", "nvfp4"]
+NUMELS = [3000, 37, 1, 0, 2500, 130, 16, 700]
+
+
+def _eager_vs_compiled(rank, world):
+    from megatron_geo.comm import build_reducer
+    from megatron_geo.config import load_config
+    from megatron_geo.distributed.shard_plan import plan_shards
+    from helpers import pctx_for
+
+    pctx = pctx_for(1)
+    out = {}
+    for preset in PRESETS:
+        comm = load_config([str(ROOT / "configs/comm" / f"{preset}.yaml")]).comm
+        res = {}
+        for mode in ("false", "true"):
+            red = build_reducer(dataclasses.replace(comm, compile=mode), pctx.dp_group, world, rank, seed=1)
+            plan = plan_shards(NUMELS, [False] * len(NUMELS), world, red.alignment())
+            red.register_bucket(0, plan.offsets, NUMELS, plan.chunk, "cpu")
+            g = torch.Generator().manual_seed(rank)
+            steps = []
+            for step in range(2):  # two steps: the error-feedback residual feeds the second
+                buf = torch.randn(plan.buffer_numel, generator=g) * (10.0 ** (rank * 3))
+                (red.reduce_scatter if step == 0 else red.all_reduce)(buf, key=0).wait()
+                steps.append(buf[:plan.chunk].clone() if step == 0 else buf.clone())
+            res[mode] = steps
+        out[preset] = res
+    return out
+
+
+def test_reducer_with_comm_compile_reduces_bitwise_like_eager():
+    ranks = run_distributed(_eager_vs_compiled, 2)
+    for r, out in enumerate(ranks):
+        for preset in PRESETS:
+            for e, c in zip(out[preset]["false"], out[preset]["true"]):
+                assert torch.equal(e, c), (preset, r, (e - c).abs().max())
