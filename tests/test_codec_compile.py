@@ -154,3 +154,22 @@ def test_reducer_with_comm_compile_reduces_bitwise_like_eager():
         for preset in PRESETS:
             for e, c in zip(out[preset]["false"], out[preset]["true"]):
                 assert torch.equal(e, c), (preset, r, (e - c).abs().max())
+
+
+def test_compiled_nvfp4_decode_equals_the_table_for_every_byte():
+    """The compiled decode computes E2M1 values arithmetically; every byte (both nibbles, -0.0 included) must
+    give the eager table's value and sign."""
+    from megatron_geo.comm.codecs import _e2m1_values, nvfp4_decode
+    from megatron_geo.comm.compiled import maybe_compile
+
+    codes = torch.arange(16, dtype=torch.int32)
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    want = torch.cat([grid, -grid])                       # OCP E2M1: sign bit 3, magnitude bits 0-2
+    got = _e2m1_values(codes)
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+    _fresh()
+    packed = torch.arange(256, dtype=torch.uint8).view(-1, 8)
+    bscale = torch.tensor([0x38, 0x01, 0x7E, 0x40] * 8, dtype=torch.uint8)
+    g = torch.full((32, 1), 0.37)
+    e, c = nvfp4_decode(packed, bscale, g), maybe_compile(nvfp4_decode, True)(packed, bscale, g)
+    assert torch.equal(c, e) and torch.equal(c.signbit(), e.signbit())

@@ -137,3 +137,22 @@ def test_gpu_check_figures_replace_the_cpu_ones(tmp_path):
     assert "MFU 0.350 |" in res.stdout and "device copy 2000 GB/s |" in res.stdout and "(GPU codec)" in res.stdout
     with pytest.raises(ps.ProjectionError, match="dry run"):
         ps.load_gpu_check(str(_gpu_check_json(tmp_path, dry=True)))
+
+
+def test_codec_json_of_the_reducer_path(tmp_path):
+    """``benchmarks/codec.py --json`` rows: compiled preferred, throughput = memcpy / ms, Hadamard = the
+    fp8_hadamard preset minus fp8; a JSON without the needed presets names them."""
+    import json
+
+    row = lambda ms: {"ms": ms, "memcpy_ms": 2.0, "ratio_to_memcpy": ms / 2.0}  # noqa: E731
+    d = {"presets": {"bf16": row(4.0), "fp8": row(40.0), "fp8_hadamard": row(60.0), "nvfp4": row(80.0)},
+         "presets_compiled": {"bf16": row(4.0), "fp8": row(10.0), "fp8_hadamard": row(18.0), "nvfp4": row(16.0)}}
+    r = ps.parse_codec_json(json.dumps(d), "c.json")
+    assert r["fp8_e4m3 tensor"] == pytest.approx(0.2) and r["nvfp4"] == pytest.approx(0.125)
+    assert r["hadamard128 rot+inv"] == pytest.approx(2.0 / 8.0) and r["bf16 cast"] == pytest.approx(0.5)
+    del d["presets_compiled"]
+    assert ps.parse_codec_json(json.dumps(d), "c.json")["fp8_e4m3 tensor"] == pytest.approx(0.05)
+    with pytest.raises(ps.ProjectionError, match=r"lacks presets \['nvfp4'\]"):
+        ps.parse_codec_json(json.dumps({"presets": {k: v for k, v in d["presets"].items() if k != "nvfp4"}}), "c")
+    with pytest.raises(ps.ProjectionError, match="not the JSON"):
+        ps.parse_codec_json("fp8 1 2 3", "c.json")

@@ -18,7 +18,7 @@ Model (DESIGN.md section 5), TP = 1, data parallel over all n GPUs, per step:
 - codec: two quantize+dequantize round trips of the N-element gradient per step (the reduce stage encodes
   the whole buffer and decodes every source's chunk, the all-gather stage the same for the averaged shard),
   time = 2 * 4N / (ratio_to_copy * ``--copy-gbs``), ``ratio_to_copy`` = the mode's codec throughput over a
-  plain memory copy measured by ``benchmarks/codec.py`` (so the CPU measurement is carried to the GPU as a
+  plain memory copy measured on the reducer's own path by ``benchmarks/codec.py --json`` (so the CPU measurement is carried to the GPU as a
   fraction of its copy bandwidth); Hadamard adds two rotations (forward and inverse), error feedback one
   extra copy-speed pass;
 - GeoFP8 / GeoNVFP4 = the Euclidean mode with error feedback times (1 + o), o = the added step time measured
@@ -122,7 +122,7 @@ class Costs:
 
 
 def parse_codec_output(text: str, source: str) -> dict[str, float]:
-    """``{operation: ratio to copy}`` from benchmarks/codec.py stdout."""
+    """``{operation: ratio to copy}`` from benchmarks/codec_kernels.py stdout (bare kernels, one scale)."""
     rows = {}
     for line in text.splitlines():
         m = re.match(r"^(\S.*?)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$", line)
@@ -131,9 +131,34 @@ def parse_codec_output(text: str, source: str) -> dict[str, float]:
     need = {r for r in CODEC_ROW.values() if r} | {"hadamard128 rot+inv", "copy"}
     missing = need - rows.keys()
     if missing:
-        raise ProjectionError(f"{source}: benchmarks/codec.py output lacks rows {sorted(missing)}; rerun "
-                              f"`python benchmarks/codec.py > {source}` or pass --run-benchmarks")
+        raise ProjectionError(f"{source}: benchmarks/codec_kernels.py output lacks rows {sorted(missing)}; rerun "
+                              f"`python benchmarks/codec_kernels.py > {source}` or pass --run-benchmarks")
     return rows
+
+
+def parse_codec_json(text: str, source: str) -> dict[str, float]:
+    """``{operation: throughput / copy}`` from ``benchmarks/codec.py --json OUT`` (the reducer's real path per
+    preset): ``memcpy_ms / ms`` of the compiled rows when present (``comm.compile``, the default on CUDA),
+    else the eager ones. The Hadamard row is the rotation alone: the fp8_hadamard preset minus fp8.
+
+    Raises:
+        ProjectionError: not JSON, or presets bf16, fp8, fp8_hadamard or nvfp4 missing.
+    """
+    import json
+
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ProjectionError(f"{source}: not the JSON of benchmarks/codec.py --json ({e.msg})") from None
+    rows = d.get("presets_compiled") or d.get("presets") or {}
+    missing = {"bf16", "fp8", "fp8_hadamard", "nvfp4"} - rows.keys()
+    if missing:
+        raise ProjectionError(f"{source}: benchmarks/codec.py JSON lacks presets {sorted(missing)}; rerun "
+                              f"`python benchmarks/codec.py --json {source}` or pass --run-benchmarks")
+    ratio = {k: float(r["memcpy_ms"]) / float(r["ms"]) for k, r in rows.items()}
+    rot_ms = float(rows["fp8_hadamard"]["ms"]) - float(rows["fp8"]["ms"])
+    return {"copy": 1.0, "bf16 cast": ratio["bf16"], "fp8_e4m3 tensor": ratio["fp8"], "nvfp4": ratio["nvfp4"],
+            "hadamard128 rot+inv": float(rows["fp8"]["memcpy_ms"]) / rot_ms if rot_ms > 0 else 1e9}
 
 
 def parse_geo_output(text: str, source: str) -> float:
@@ -190,16 +215,25 @@ def load_gpu_check(path: str) -> dict:
 def load_costs(codec_path: str | None, geo_path: str | None, run: bool, geo_overhead: float | None) -> Costs:
     sources = {}
     if run:
-        codec_text = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "codec.py"), "--numel", "4194304"],
-                                    capture_output=True, text=True, check=True).stdout
-        sources["codec"] = "benchmarks/codec.py --numel 4194304 (run now)"
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "codec.json"
+            subprocess.run([sys.executable, str(ROOT / "benchmarks" / "codec.py"), "--numel", "4194304",
+                            "--json", str(out)], capture_output=True, text=True, check=True)
+            codec_text = out.read_text()
+        sources["codec"] = "benchmarks/codec.py --numel 4194304 --json (run now)"
+        codec_path = "codec.json"
     else:
         p = Path(codec_path)
         if not p.is_file():
-            raise ProjectionError(f"codec benchmark output '{p}' not found; save `python benchmarks/codec.py` "
-                                  f"stdout there, pass --codec-output FILE, or --run-benchmarks")
+            raise ProjectionError(f"codec benchmark output '{p}' not found; write it with `python benchmarks/codec.py "
+                                  f"--json {p}`, pass --codec-output FILE, or --run-benchmarks")
         codec_text, sources["codec"] = p.read_text(), _show(p)
-    ratios = parse_codec_output(codec_text, sources["codec"])
+    if str(codec_path).endswith(".json"):
+        ratios = parse_codec_json(codec_text, sources["codec"])
+    else:  # saved stdout of benchmarks/codec_kernels.py (the bare kernels on one scale)
+        ratios = parse_codec_output(codec_text, sources["codec"])
     if geo_overhead is not None:
         o, sources["geo"] = geo_overhead, "--geo-overhead (given)"
     elif run:
@@ -377,7 +411,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="fraction of the collective hidden behind compute (default: calibrated to the paper)")
     ap.add_argument("--copy-gbs", type=float, default=None,
                     help=f"device memory-copy throughput, GB/s (default {d.copy_gbs}, or the --gpu-check measurement)")
-    ap.add_argument("--codec-output", default=str(ROOT / "docs" / "bench" / "codec_cpu.txt"))
+    ap.add_argument("--codec-output", default=str(ROOT / "docs" / "bench" / "codec_cpu.json"),
+                    help="benchmarks/codec.py --json OUT (the reducer path; default: the committed CPU run), or "
+                         "saved stdout of benchmarks/codec_kernels.py")
     ap.add_argument("--geo-output", default=str(ROOT / "docs" / "bench" / "geo_overhead_cpu.txt"))
     ap.add_argument("--codec-ratio", type=float, default=None,
                     help="assume every codec runs at this fraction of copy speed (e.g. 0.5 for fused GPU kernels) "

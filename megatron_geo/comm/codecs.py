@@ -222,12 +222,14 @@ def _global_rows(global_scale: Tensor, nblk: int) -> Tensor:
 def _e2m1_index(a: Tensor, rounding: str, generator: torch.Generator | None) -> Tensor:
     """Magnitude code (0-7, int32) on the E2M1 grid of ``a`` in ``[0, 6]`` (NaN gives 7).
 
-    Nearest: the number of rounding boundaries strictly below ``a`` (what ``torch.bucketize`` returns, as
-    seven comparisons in int32 so that a compiled graph vectorises them). At the midpoints whose tie goes up
+    Nearest: the number of rounding boundaries strictly below ``a`` (``torch.bucketize`` in eager mode; seven
+    int32 comparisons in a compiled graph, which vectorise; the same codes, NaN included). At the midpoints whose tie goes up
     to the even code (0.75 -> 1.0, 1.75 -> 2.0, 3.5 -> 4.0) the boundary is the FP32 value just below the
     midpoint, so "a > boundary" means "a >= midpoint"; the other ties stay down (even code).
     """
     if rounding == "nearest":
+        if not torch.compiler.is_compiling():  # eager: one bucketize (NaN counts as above every boundary: 7)
+            return torch.bucketize(a, _const(_E2M1_BOUNDS, a.device), out_int32=True)
         idx = (a > _E2M1_BOUNDS[0]).to(torch.int32)
         for b in _E2M1_BOUNDS[1:]:
             idx = idx + (a > b).to(torch.int32)
@@ -276,10 +278,22 @@ def nvfp4_encode(x: Tensor, global_scale: Tensor, rounding: str = "nearest",
     denom = s_code.view(torch.float8_e4m3fn).float() * g
     y = x / torch.where(denom == 0, 1.0, denom)  # denom == 0 only for all-zero blocks (or g == 0)
     a = y.abs().clamp_(max=_E2M1_MAX)  # NaN elements get an arbitrary code; the block scale is NaN
-    codes = _e2m1_index(a, rounding, generator) | (y.signbit().to(torch.int32) << 3)   # int32: vectorises
+    # the sign bit read from the FP32 bits (like signbit, -0.0 included): int32 throughout, so that a compiled
+    # graph vectorises it
+    codes = _e2m1_index(a, rounding, generator) | ((y.view(torch.int32) < 0).to(torch.int32) << 3)
     pairs = codes.view(nblk, NVFP4_BLOCK // 2, 2)
     packed = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
     return packed, s_code.view(nblk)
+
+
+def _e2m1_values(c: Tensor) -> Tensor:
+    """float32 E2M1 value of int32 4-bit codes ``c`` (bit 3 sign, bits 2-1 exponent, bit 0 mantissa):
+    ``m * 0.5`` for exponent 0 (0, 0.5), else ``(2 + m) * 2**(e - 2)``; code 8 is -0.0. Exact."""
+    mag_code = c & 7
+    e = mag_code >> 1
+    f = (mag_code & 1).float()
+    mag = torch.where(e == 0, f * 0.5, (f + 2.0) * torch.exp2((e - 2).float()))
+    return torch.where((c & 8) != 0, -mag, mag)
 
 
 def nvfp4_decode(packed: Tensor, block_scale_codes: Tensor, global_scale: Tensor) -> Tensor:
@@ -302,7 +316,11 @@ def nvfp4_decode(packed: Tensor, block_scale_codes: Tensor, global_scale: Tensor
                          f"{tuple(packed.shape)} and {tuple(block_scale_codes.shape)}")
     nblk = packed.shape[0]
     g = _global_rows(global_scale, nblk)
-    vals = _e2m1_byte_table(packed.device)[packed.long()].view(nblk, NVFP4_BLOCK)
+    if torch.compiler.is_compiling():  # arithmetic (vectorises in a compiled graph); the same values as the table
+        p = packed.to(torch.int32)
+        vals = torch.stack((_e2m1_values(p & 15), _e2m1_values(p >> 4)), dim=-1).view(nblk, NVFP4_BLOCK)
+    else:
+        vals = _e2m1_byte_table(packed.device)[packed.long()].view(nblk, NVFP4_BLOCK)
     s = block_scale_codes.view(torch.float8_e4m3fn).float().view(nblk, 1)
     return (vals * s) * g  # e2m1 * e4m3 is exact in FP32; one rounding for the global scale
 
