@@ -127,11 +127,32 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
         ConfigError: missing file, YAML syntax error, unknown section/key (with the closest valid
             key suggested), a value of the wrong type, or a malformed override.
     """
+    from .label import resolve_label
+
+    cfg, preset = _build(files, overrides)
+    preset_only = _build([preset[1]], ())[0] if preset is not None else None
+    cfg.comm.label = resolve_label(cfg, preset[0] if preset else None, preset_only)
+    return cfg
+
+
+def _build(files, overrides) -> tuple[Config, tuple[str, str] | None]:
+    """Defaults, files, overrides -> ``(cfg, (preset name, preset file) or None)`` (no label yet)."""
+    from .label import preset_name, reset_comm_sections
+
     cfg = Config()
+    preset = None
     for f in files:
         path = Path(f)
         if not path.is_file():
             raise ConfigError(f"config file '{f}' not found (pass an existing YAML file to --config)")
+        name = preset_name(path)
+        if name is not None:
+            if preset is not None:
+                raise ConfigError(f"config files '{preset[1]}' and '{f}' are both comm presets; a preset sets the "
+                                  f"whole comm and geo sections, so pass one and change keys with overrides "
+                                  f"(e.g. comm.error_feedback=true)")
+            preset = (name, f)
+            reset_comm_sections(cfg)  # a preset replaces comm and geo (never a silent merge with earlier files)
         try:
             # no implicit typing: every scalar stays its text and is typed against the schema (_coerce)
             data = yaml.load(path.read_text(encoding="utf-8-sig"), Loader=yaml.BaseLoader) or {}
@@ -150,7 +171,7 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
         dotted, value = ov.split("=", 1)
         section, key = dotted.split(".", 1)
         _apply(cfg, section.strip(), key.strip(), value, "override")
-    return cfg
+    return cfg, preset
 
 
 def config_to_dict(cfg: Config) -> dict:

@@ -111,6 +111,9 @@ class CommConfig:
     # torch.compile(fullgraph=True) each codec's encode and decode (codes bitwise equal to eager);
     # auto = on with CUDA, off on CPU (where a C++ compiler and a first-call compile are needed)
     compile: str = "auto"
+    # the run's name for its comm settings (wandb group and tag, run name, summary, compare_runs.py); empty:
+    # the preset's name (configs/comm/<name>.yaml) or a compact label of the non-default comm/geo keys
+    label: str = ""
 
 
 @dataclass

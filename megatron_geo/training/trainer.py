@@ -23,7 +23,7 @@ from ..model import Llama, count_parameters, flops_per_token
 from ..parallel import LaunchError, ParallelContext, destroy_parallel, detect_launch_env, init_parallel
 from .data_setup import build_data, train_micro_batches, valid_micro_batches
 from .checkpointing import Checkpointer
-from .eta import eta_line
+from .log_line import log_line, use_progress_bar
 from .metrics import MetricsLogger
 from .mfu import gpu_flops_metrics
 from .schedule import lr_at
@@ -160,7 +160,8 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
     _log0(pctx, f"parallel: world={pctx.world_size} TP={pctx.tp_size} DP={pctx.dp_size} backend={pctx.backend} "
                 f"device={pctx.device} | {len(buckets)} buckets ({uneven} with uneven owner ranges), shard padding {pad} "
                 f"elements | "
-                f"comm.dtype={cfg.comm.dtype} distributed_optimizer={cfg.parallel.distributed_optimizer} "
+                f"comm={cfg.comm.label} (comm.dtype={cfg.comm.dtype}) "
+                f"distributed_optimizer={cfg.parallel.distributed_optimizer} "
                 f"overlap_param_gather={optimizer.overlap_param_gather}")
     ckpt = Checkpointer(cfg, pctx, model, optimizer, reducer, geo, lambda m: _log0(pctx, m))
     start_step, consumed, skipped_in_a_row = ckpt.resume()
@@ -174,13 +175,15 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
 
-    tags = [f"comm.dtype={cfg.comm.dtype}", f"opt={cfg.optimizer.name}", f"tp={pctx.tp_size}", f"dp={pctx.dp_size}"]
+    label = cfg.comm.label
+    tags = [f"comm={label}", f"comm.dtype={cfg.comm.dtype}", f"opt={cfg.optimizer.name}", f"tp={pctx.tp_size}",
+            f"dp={pctx.dp_size}"]
     logger = MetricsLogger(str(run_dir), pctx.is_main, cfg.logging.wandb, cfg.logging.wandb_project,
-                           cfg.logging.wandb_group or f"comm-{cfg.comm.dtype}", cfg.logging.wandb_name, tags,
+                           cfg.logging.wandb_group or label, cfg.logging.wandb_name or f"{label}-seed{t.seed}", tags,
                            config_to_dict(cfg), resume_step=start_step)
     valid_batches = valid_micro_batches(data.valid, cfg, pctx) if data.valid and t.eval_batches else []
     progress = None
-    if pctx.is_main and t.progress:
+    if pctx.is_main and use_progress_bar(t.progress, sys.stdout):  # a log file gets lines, not \r updates
         from tqdm import tqdm
 
         progress = tqdm(total=t.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
@@ -188,7 +191,7 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
     stop = StopRequest()
     every = cfg.checkpoint.interval
 
-    first_loss, last, val_loss, logged_refresh = None, None, None, False
+    first_loss, last, val_loss, logged_refresh, skipped_total = None, None, None, False, 0
     tok_per_s_hist, bytes_hist, step_times = [], [], []
     try:
         for step in range(start_step, t.steps):
@@ -234,9 +237,10 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
             if step > start_step:
                 tok_per_s_hist.append(record["tokens_per_sec"])
                 step_times.append(dt)
-                if progress is None and (step + 1) % max(10, t.log_interval) == 0:  # no bar: an ETA line instead
-                    _log0(pctx, eta_line(step + 1, t.steps, step_times[-20:],
-                                         t.global_batch_size * cfg.model.seq_length))
+
+            skipped_total += int(res.skipped)
+            if progress is None and ((step + 1) % t.log_interval == 0 or step + 1 == t.steps):
+                _log0(pctx, log_line(record, t.steps, step_times[-20:], skipped_total))  # no bar: one line
             bytes_hist.append(comm_bytes)
             if progress is not None:
                 progress.update(1)
@@ -265,7 +269,7 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
         "val_loss": val_loss,
         "tokens_per_sec": sum(tok_per_s_hist) / len(tok_per_s_hist) if tok_per_s_hist else last["tokens_per_sec"],
         "comm_bytes_per_step": sum(bytes_hist) / len(bytes_hist), "run_dir": str(run_dir.resolve()),
-        "checkpoint": ckpt.last_path,
+        "checkpoint": ckpt.last_path, "comm": cfg.comm.label, "start_step": start_step,
     }
     _log0(pctx, format_summary(summary, cfg))
     return summary
@@ -276,8 +280,9 @@ def format_summary(s: dict, cfg: Config) -> str:
     return "\n".join([
         "=" * 72,
         f"summary: {s['steps']} steps{'' if s['steps'] == cfg.train.steps else f' of train.steps={cfg.train.steps}'}, "
-        f"{s['parameters']:,} parameters, comm.dtype={cfg.comm.dtype}",
-        f"  train loss      {s['start_loss']:.4f} (first step) -> {s['final_loss']:.4f} (last step)",
+        f"{s['parameters']:,} parameters, comm={cfg.comm.label} (comm.dtype={cfg.comm.dtype})",
+        f"  train loss      {s['start_loss']:.4f} (step {s.get('start_step', 0) + 1}"
+        f"{', first of this run' if s.get('start_step') else ', first step'}) -> {s['final_loss']:.4f} (last step)",
         f"  validation loss {val}",
         f"  throughput      {s['tokens_per_sec']:,.1f} tokens/s (global"
         f"{', excluding the first step' if s['steps'] > 1 else ''})",

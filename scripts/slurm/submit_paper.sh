@@ -57,6 +57,10 @@ if [[ "${MG_VALIDATE:-1}" != 0 ]] && command -v "$py" >/dev/null 2>&1 && "$py" -
     RANK=0 WORLD_SIZE=$((nodes * tasks)) "$py" pretrain_llama.py --config "configs/$model.yaml" \
         --config "configs/comm/$preset.yaml" "train.run_dir=$run_dir" "$@" --print-config >/dev/null || exit 2
 fi
+# where the run writes (checkpoint.dir defaults to <train.run_dir>/checkpoints; a checkpoint.dir=... override wins)
+ckpt_dir="$run_dir/checkpoints"
+for kv in "$@"; do [[ "$kv" == checkpoint.dir=* ]] && ckpt_dir="${kv#checkpoint.dir=}"; done
+echo "run folder: $run_dir | checkpoints: $ckpt_dir (every checkpoint.interval steps; a resubmitted job resumes)" >&2
 if (( dry )); then
     printf '%q ' "${cmd[@]}"; echo
     exit 0

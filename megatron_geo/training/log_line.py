@@ -1,0 +1,49 @@
+"""Megatron-style progress lines for logs that are not a terminal (Slurm log files).
+
+A tqdm bar writes ``\\r`` updates into one endless line of a log file, so the trainer uses it only when stdout
+is a terminal and otherwise prints one line every ``train.log_interval`` steps::
+
+    step 120/20000 | loss 3.4521 | lr 2.99e-04 | grad norm 0.812 | 1,677,722 tok/s | 1.250 s/step |
+    comm 45.2 MB/rank | skipped 0 | ETA 6h54m
+
+(one line in the log; wrapped here).
+"""
+
+from __future__ import annotations
+
+import math
+
+from .eta import format_duration
+
+
+def use_progress_bar(progress: bool, stream) -> bool:
+    """tqdm only when ``train.progress`` is on and ``stream`` (stdout) is an interactive terminal."""
+    isatty = getattr(stream, "isatty", None)
+    return bool(progress) and callable(isatty) and bool(isatty())
+
+
+def log_line(record: dict, total_steps: int, recent_step_times: list[float], skipped_total: int) -> str:
+    """One line for the metrics ``record`` of a step (keys ``step``, ``loss``, ``lr``, ``grad_norm``,
+    ``tokens_per_sec``, ``step_time_s``, ``comm_bytes``; ``val_loss`` when evaluated).
+
+    ``recent_step_times``: durations (s) of the last steps for the ETA (empty: this step's time);
+    ``skipped_total``: non-finite steps skipped so far in this run. ``comm`` is the bytes this rank sent for
+    the DP gradient reduction in this step, in MB (1e6 bytes).
+    """
+    times = recent_step_times or [record["step_time_s"]]
+    spt = sum(times) / len(times)
+    left = (total_steps - record["step"]) * spt
+    gn = record.get("grad_norm")
+    parts = [
+        f"step {record['step']}/{total_steps}",
+        f"loss {record['loss']:.4f}",
+        *([f"val loss {record['val_loss']:.4f}"] if record.get("val_loss") is not None else []),
+        f"lr {record['lr']:.3e}",
+        f"grad norm {gn:.3f}" if gn is not None and math.isfinite(gn) else f"grad norm {gn}",
+        f"{record['tokens_per_sec']:,.0f} tok/s",
+        f"{record['step_time_s']:.3f} s/step",
+        f"comm {record['comm_bytes'] / 1e6:,.1f} MB/rank",
+        f"skipped {skipped_total}",
+        f"ETA {format_duration(left)}",
+    ]
+    return " | ".join(parts)
