@@ -50,14 +50,56 @@ def test_slurm_submission_uses_sbatch_with_the_same_args(tmp_path):
     assert manifest["presets"] == ["fp8"] and manifest["seeds"] == [5] and manifest["launcher"] == "slurm"
 
 
-def test_skip_finished(tmp_path):
+def test_skip_finished_is_resume(tmp_path):
     d = tmp_path / "sw" / "bf16-seed1"
     d.mkdir(parents=True)
     (d / "config.yaml").write_text("train:\n  steps: 2\n")
     (d / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     res = subprocess.run(TOOL + ["--skip-finished", "--presets", "bf16", "--seeds", "1", "--sweep-dir",
                                  str(tmp_path / "sw")], capture_output=True, text=True, cwd=REPO)
-    assert res.returncode == 0 and "finished before, skipped" in res.stdout
+    assert res.returncode == 0 and "ok (already complete with the same arguments" in res.stdout
+
+
+def _fake_sbatch(tmp_path):
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir(exist_ok=True)
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'calls.txt'}\necho Submitted batch job 7\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    return {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+
+
+def test_rerun_into_a_sweep_refuses_other_arguments_unless_forced(tmp_path):
+    env = _fake_sbatch(tmp_path)
+    sw = tmp_path / "sw"
+    base = TOOL + ["--slurm", "--presets", "fp8", "--seeds", "1", "--sweep-dir", str(sw)]
+    res = subprocess.run(base + ["train.steps=9"], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stderr
+    run = sw / "fp8-seed1"
+    assert json.loads((run / "sweep_args.json").read_text())["config_args"][-1] == "train.steps=9"
+    manifest = (sw / "sweep.json").read_text()
+    # finished with the same arguments: reported, not submitted again
+    (run / "config.yaml").write_text("train:\n  steps: 9\n")
+    (run / "metrics.jsonl").write_text('{"step": 9}\n')
+    res = subprocess.run(base + ["train.steps=9"], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert res.returncode == 0 and "ok (already complete with the same arguments" in res.stdout
+    assert (tmp_path / "calls.txt").read_text().count("--job-name") == 1
+    # other overrides into the same folder: an error naming both, nothing written
+    res = subprocess.run(base + ["train.steps=20"], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert res.returncode == 2 and "train.steps=9" in res.stderr and "train.steps=20" in res.stderr
+    assert "--force" in res.stderr and (sw / "sweep.json").read_text() == manifest
+    # --force: new runs; the old folder is moved aside, not deleted
+    res = subprocess.run(base + ["--force", "train.steps=20"], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stderr
+    moved = list((sw / ".replaced").iterdir())
+    assert len(moved) == 1 and (moved[0] / "metrics.jsonl").read_text() == '{"step": 9}\n'
+    assert json.loads((run / "sweep_args.json").read_text())["config_args"][-1] == "train.steps=20"
+    # a folder without a record needs --resume (or --force)
+    (run / "sweep_args.json").unlink()
+    (run / "metrics.jsonl").write_text('{"step": 3}\n')
+    res = subprocess.run(base + ["train.steps=20"], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert res.returncode == 2 and "--resume" in res.stderr
+    res = subprocess.run(base + ["--resume", "train.steps=20"], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stderr
 
 
 def test_bad_arguments(tmp_path):

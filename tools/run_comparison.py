@@ -16,7 +16,14 @@ Locally each run is ``torchrun --standalone --nproc-per-node N pretrain_llama.py
 ``sbatch [--job-name ...] scripts/slurm/pretrain.sbatch --config MODEL --config PRESET OVERRIDES``
 (nodes, GPUs and time go in ``--sbatch-arg``; submit from the repository root, which the job uses as
 ``MG_ROOT``; Slurm logs go to ``logs/``). ``SWEEP_DIR/sweep.json`` records the presets, seeds and
-exact commands. ``tools/compare_runs.py SWEEP_DIR`` then makes the plots and tables.
+exact commands, and each run folder its own arguments (``sweep_args.json``). ``tools/compare_runs.py
+SWEEP_DIR`` then makes the plots and tables.
+
+Re-running into an existing sweep folder: a run folder whose recorded arguments equal this run's is
+continued (a finished one is reported "already complete with the same arguments", an unfinished one resumes
+from its checkpoint). A run folder with different (or unrecorded) arguments is an error unless
+``--resume`` (unrecorded arguments: trust that they are the same and continue) or ``--force`` (start new
+runs; the old folders are moved to ``SWEEP_DIR/.replaced/``, nothing is deleted).
 
 Exit status: 0 if every run finished (or was submitted), 1 if any failed (the others still run),
 2 for bad arguments (unknown preset, missing config file, missing sbatch script).
@@ -108,6 +115,60 @@ def run_finished(run_dir: Path) -> bool:
         return False
 
 
+ARGS_FILE = "sweep_args.json"
+
+
+def last_step(run_dir: Path) -> int:
+    """The last step in ``run_dir/metrics.jsonl`` (0 when there is none)."""
+    m = run_dir / "metrics.jsonl"
+    if not m.is_file():
+        return 0
+    for ln in reversed(m.read_text().splitlines()):
+        try:
+            return int(json.loads(ln)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0
+
+
+def recorded_args(run_dir: Path) -> list[str] | None:
+    """The arguments a run folder was started with (None: not recorded, or not a run folder yet)."""
+    f = run_dir / ARGS_FILE
+    try:
+        return json.loads(f.read_text())["config_args"] if f.is_file() else None
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def check_existing(runs: list[dict], resume: bool, force: bool) -> list[dict]:
+    """Per planned run whose folder already exists: ``{"run", "state"}`` with state ``same`` (recorded
+    arguments equal), ``unrecorded`` (a folder with outputs but no record) or ``different``.
+
+    Raises:
+        SweepError: a folder with different arguments (without ``--force``), or unrecorded ones (without
+            ``--resume`` or ``--force``); the message names the run and the differing arguments.
+    """
+    out = []
+    for r in runs:
+        d = Path(r["run_dir"])
+        if not d.is_dir() or not any(d.iterdir()):
+            continue
+        rec = recorded_args(d)
+        state = "unrecorded" if rec is None else ("same" if rec == r["config_args"] else "different")
+        out.append({"run": r, "state": state})
+        if force:
+            continue
+        if state == "different":
+            old, new = set(rec) - set(r["config_args"]), set(r["config_args"]) - set(rec)
+            raise SweepError(f"run folder '{d}' was started with other arguments (it has {sorted(old)}, this sweep "
+                             f"passes {sorted(new)}); use another --sweep-dir, or --force to start new runs "
+                             f"(the old folders are moved to {d.parent / '.replaced'}/)")
+        if state == "unrecorded" and not resume:
+            raise SweepError(f"run folder '{d}' exists but records no arguments ({ARGS_FILE}); pass --resume to "
+                             f"continue it as this sweep's run, or --force to start new runs")
+    return out
+
+
 def local_command(run: dict, nproc: int, python: str) -> list[str]:
     torchrun = [python, "-m", "torch.distributed.run"]
     return [*torchrun, "--standalone", "--nproc-per-node", str(nproc), str(ROOT / "pretrain_llama.py"),
@@ -134,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sbatch-arg", action="append", default=[],
                     help="extra sbatch option, e.g. --sbatch-arg=--nodes=64 (repeatable)")
     ap.add_argument("--skip-finished", action="store_true",
-                    help="skip runs whose metrics.jsonl already reaches train.steps (resume a sweep)")
+                    help="old spelling of --resume (finished runs with the same arguments are always skipped)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue run folders that record no arguments as this sweep's runs")
+    ap.add_argument("--force", action="store_true",
+                    help="start new runs where a folder exists (moved to SWEEP_DIR/.replaced/, not deleted)")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     ap.add_argument("overrides", nargs="*", help="section.key=value passed to every run")
     a = ap.parse_args(argv)
@@ -153,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
             raise SweepError(f"--slurm needs {SBATCH_SCRIPT} (not found)")
         if a.slurm and not a.dry_run and shutil.which("sbatch") is None:
             raise SweepError("--slurm: 'sbatch' is not on PATH; run on a Slurm login node or drop --slurm")
+        if a.resume and a.force:
+            raise SweepError("--resume and --force contradict each other; pass one")
+        existing = check_existing(runs, a.resume or a.skip_finished, a.force)
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -163,6 +231,14 @@ def main(argv: list[str] | None = None) -> int:
             print(shlex.join(c))
         return 0
     sweep_dir.mkdir(parents=True, exist_ok=True)
+    if a.force:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for e in existing:
+            d = Path(e["run"]["run_dir"])
+            dest = sweep_dir / ".replaced" / f"{d.name}-{stamp}"
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(d), str(dest))
+            print(f"{d.name}: the old run folder was moved to {dest}", flush=True)
     manifest = {"sweep": sweep_dir.name, "presets": list(dict.fromkeys(r["preset"] for r in runs)), "seeds": seeds,
                 "launcher": "slurm" if a.slurm else f"torchrun x{a.nproc}", "argv": sys.argv,
                 "runs": [{**r, "command": shlex.join(c)} for r, c in zip(runs, cmds)]}
@@ -171,9 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     for i, (run, cmd) in enumerate(zip(runs, cmds), 1):
         run_dir = Path(run["run_dir"])
-        if a.skip_finished and run_finished(run_dir):
-            print(f"[{i}/{len(runs)}] {run['name']}: finished before, skipped", flush=True)
+        if run_finished(run_dir):  # arguments checked above: the same (or --resume)
+            print(f"[{i}/{len(runs)}] {run['name']}: ok (already complete with the same arguments; not run again)",
+                  flush=True)
             continue
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / ARGS_FILE).write_text(json.dumps({"config_args": run["config_args"]}, indent=1) + "\n")
+        before = last_step(run_dir)
         if a.slurm:
             Path("logs").mkdir(exist_ok=True)  # pretrain.sbatch writes logs/%x-%j.out under the submit folder
             res = subprocess.run(cmd, capture_output=True, text=True)
@@ -182,13 +262,14 @@ def main(argv: list[str] | None = None) -> int:
             if res.returncode:
                 failed.append(run["name"])
             continue
-        run_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
         print(f"[{i}/{len(runs)}] {run['name']}: {shlex.join(cmd)}", flush=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with open(run_dir / "train.log", "w") as log:
+        with open(run_dir / "train.log", "a" if before else "w") as log:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
-        status = "ok" if rc == 0 else f"FAILED (exit {rc}; see {run_dir / 'train.log'})"
+        after = last_step(run_dir)
+        how = f"trained steps {before + 1}-{after}" + (f" (resumed from step {before})" if before else "")
+        status = f"ok ({how})" if rc == 0 else f"FAILED (exit {rc}; see {run_dir / 'train.log'})"
         print(f"[{i}/{len(runs)}] {run['name']}: {status} in {time.time() - t0:.0f} s", flush=True)
         if rc:
             failed.append(run["name"])
