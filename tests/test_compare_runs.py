@@ -158,3 +158,37 @@ def test_empty_run_folder_is_reported_not_silently_skipped(sweep, capsys):
     err = capsys.readouterr().err
     assert f"warning: ignoring '{sweep / 'stray-seed9'}': no config.yaml, metrics.jsonl" in err
     assert "bf16-seed1" not in err
+
+
+def test_verdicts_known_answers(sweep, tmp_path):
+    """fp8 - bf16 per seed: 0.3, 0.2, 0.1 -> mean 0.2, sd 0.1, t(0.975, 2) = 4.302653 (table):
+    interval 0.2 +- 0.24841 straddles 0 -> not distinguishable; seeds to resolve: smallest n with
+    t(0.975, n-1) 0.1 / sqrt(n) < 0.2 -> n = 4 (3.182446 * 0.1 / 2 = 0.1591; n = 3: 0.2484)."""
+    rows = {r["mode"]: r for r in cr.summarize(cr.group_modes(cr.load_sweep(sweep)), "bf16")}
+    f = rows["fp8"]
+    half = 4.302653 * 0.1 / math.sqrt(3)
+    assert f["ci_lo"] == pytest.approx(0.2 - half, abs=1e-6) and f["ci_hi"] == pytest.approx(0.2 + half, abs=1e-6)
+    assert f["verdict"] == "not distinguishable at 3 seeds" and f["seeds_needed"] == 4 and f["ci_method"] == "t"
+    assert rows["bf16"]["verdict"] == "reference"
+    res = subprocess.run([sys.executable, str(REPO / "tools" / "compare_runs.py"), str(sweep), "--no-plots"],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    md = (sweep / "results.md").read_text()
+    assert f"| fp8 | 3 | +0.2000 | [{0.2 - half:+.4f}, {0.2 + half:+.4f}] (t) | **not distinguishable at 3 seeds** | 4 |" in md
+
+
+def test_rows_sorted_by_gap_and_modes_grouped_by_comm_label(tmp_path):
+    root = tmp_path / "sw"
+    for seed in (1, 2, 3):
+        _write_run(root / f"bf16-seed{seed}", "bf16", seed)
+        _write_run(root / f"a-seed{seed}", "fp8", seed, extra_val_shift=0.5)       # worst
+        _write_run(root / f"b-seed{seed}", "fp8", seed, extra_val_shift=-0.6)      # best: d = -0.3, -0.4, -0.5
+        # a folder name that is not the mode: its config's comm.label decides
+        d = root / f"run{seed}"
+        _write_run(d, "fp8", seed)
+        (d / "config.yaml").write_text(f"train:\n  seed: {seed}\n  steps: 4\ncomm:\n  dtype: fp8_e4m3\n"
+                                       f"  label: fp8_e4m3+ef\n")
+    rows = cr.summarize(cr.group_modes(cr.load_sweep(root)), "bf16")
+    assert [r["mode"] for r in rows] == ["bf16", "b", "fp8_e4m3+ef", "a"]
+    assert [r["seeds"] for r in rows] == [3, 3, 3, 3]
+    assert rows[1]["verdict"] == "better" and rows[3]["verdict"] == "worse"

@@ -5,13 +5,17 @@
 
 Reads every run folder under SWEEP_DIR that holds ``metrics.jsonl`` and ``config.yaml`` (written by
 ``pretrain_llama.py``; see ``tools/run_comparison.py``), or, for a folder without ``metrics.jsonl``, its offline
-wandb run (``wandb/offline-run-*/run-*.wandb``, read locally: config, run name and logged history). The mode of a run is the part of its folder name
-before ``-seed<k>`` (else ``comm.dtype`` [+transform, +ef] from its config); the seed is ``train.seed``.
+wandb run (``wandb/offline-run-*/run-*.wandb``, read locally: config, run name and logged history). The mode of a
+run is its ``comm.label`` (config.yaml; the preset name or a compact label of its comm keys), else, for runs made
+before labels existed, the part of its folder name before ``-seed<k>`` (else ``comm.dtype`` [+transform, +ef]);
+the seed is ``train.seed``.
 
 Writes into ``--out`` (default ``SWEEP_DIR``):
 - ``loss.png``: train loss (moving average over ``--smooth`` logged steps) and validation loss vs step,
-  one line per mode = mean over seeds, band = min..max over seeds;
-- ``gap_to_<baseline>.png``: loss minus the baseline run *of the same seed*, vs step (mean, min..max band);
+  one line per mode = mean over seeds, band = min..max over seeds, each mode its own line style and marker
+  (equal curves stay visible);
+- ``gap_to_<baseline>.png``: loss minus the baseline run *of the same seed*, vs step (mean over seeds, band =
+  95% t interval of that mean);
 - ``results.md`` and ``results.csv``, one row per mode:
   - ``final_val_loss_mean`` / ``_std``: last validation loss of each run, mean and sample std (ddof=1) over seeds;
   - ``gap`` = mean(mode) - mean(baseline); ``gap_sigma`` = gap / std(baseline) (DESIGN.md section 4,
@@ -19,7 +23,10 @@ Writes into ``--out`` (default ``SWEEP_DIR``):
     (mode - baseline) of the same seed;
   - ``comm_bytes_per_step``: mean of ``comm_bytes`` over all logged steps and seeds (bytes one rank sent
     for DP gradient reduction per step) and ``bytes_rel`` = that / the baseline's;
-  - ``tokens_per_sec``: mean over steps after the first, then over seeds (global tokens/s).
+  - ``tokens_per_sec``: mean over steps after the first, then over seeds (global tokens/s);
+  - ``ci_lo``/``ci_hi``/``ci_method``/``verdict``/``seeds_needed``: the paired verdict of ``tools/verdict.py``
+  (95% interval of the same-seed gap; better / worse / not distinguishable at n seeds);
+  rows sorted by the paired gap, the baseline first; ``results.md`` adds a verdict table.
 
 Errors (exit status 2, one ``error:`` line): SWEEP_DIR missing or without runs; a run folder without
 metrics or stopped before ``train.steps`` (use ``--skip-incomplete`` to leave it out); a malformed metrics line (file and line named).
@@ -38,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/verdict.py, also when imported from tests
 
 DEFAULT_ORDER = ["fp32", "bf16", "fp8", "fp8_ef", "fp8_hadamard", "geofp8", "nvfp4", "geonvfp4"]
 
@@ -84,13 +93,22 @@ class Run:
 
 
 def _mode_from_config(cfg: dict) -> str:
+    """The run's ``comm.label`` (written by pretrain_llama.py), else a name built from the comm keys (older runs)."""
     c = cfg.get("comm", {})
+    if c.get("label"):
+        return str(c["label"])
     name = str(c.get("dtype", "unknown"))
     if c.get("transform", "none") not in ("none", None):
         name += f"_{c['transform']}"
     if c.get("error_feedback"):
         name += "_ef"
     return name
+
+
+def _label(cfg: dict) -> str | None:
+    """``comm.label`` of a run's config (the mode runs are grouped by), or None for runs made before it existed."""
+    lab = (cfg.get("comm") or {}).get("label")
+    return str(lab) if lab else None
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -191,7 +209,7 @@ def load_sweep(sweep_dir: str | Path, skip_incomplete: bool = False) -> list[Run
                 continue
             raise CompareError(f"wandb run '{f}' has no logged steps; rerun it or pass --skip-incomplete")
         match = re.fullmatch(r"(.+)-seed(\d+)", name) or re.fullmatch(r"(.+)-seed(\d+)", d.name)
-        mode = match.group(1) if match else _mode_from_config(cfg)
+        mode = _label(cfg) or (match.group(1) if match else _mode_from_config(cfg))
         seed = cfg.get("train", {}).get("seed", int(match.group(2)) if match else 0)
         runs.append(Run(d, mode, int(seed), recs))
     for d in dirs:
@@ -216,7 +234,7 @@ def load_sweep(sweep_dir: str | Path, skip_incomplete: bool = False) -> list[Run
                                f"or failed: see its train.log); wait, rerun it (tools/run_comparison.py "
                                f"--skip-finished), or pass --skip-incomplete")
         match = re.fullmatch(r"(.+)-seed(\d+)", d.name)
-        mode = match.group(1) if match else _mode_from_config(cfg)
+        mode = _label(cfg) or (match.group(1) if match else _mode_from_config(cfg))
         seed = cfg.get("train", {}).get("seed", int(match.group(2)) if match else 0)
         runs.append(Run(d, mode, int(seed), recs))
     if not runs:
@@ -257,8 +275,11 @@ def summarize(modes: dict[str, list[Run]], baseline: str = "bf16") -> list[dict]
     b_mean, b_std = _mean(b_val), _std(b_val)
     b_bytes = _mean([r.comm_bytes_per_step for r in base]) if base else math.nan
     b_by_seed = {r.seed: r.final_val_loss for r in base} if base else {}
+    from verdict import paired_verdict
+
     rows = []
     for mode, rs in modes.items():
+        v = paired_verdict({r.seed: r.final_val_loss for r in rs}, b_by_seed) if base and mode != baseline else None
         val = [r.final_val_loss for r in rs]
         mean, std = _mean(val), _std(val)
         paired = [r.final_val_loss - b_by_seed[r.seed] for r in rs if r.seed in b_by_seed]
@@ -272,12 +293,18 @@ def summarize(modes: dict[str, list[Run]], baseline: str = "bf16") -> list[dict]
             "final_train_loss_mean": _mean([r.final_loss for r in rs]),
             "comm_bytes_per_step": by, "bytes_rel": by / b_bytes if b_bytes and b_bytes > 0 else math.nan,
             "tokens_per_sec": _mean([r.tokens_per_sec for r in rs]),
+            "ci_lo": v["lo"] if v else math.nan, "ci_hi": v["hi"] if v else math.nan,
+            "ci_method": v["method"] if v else "", "verdict": v["verdict"] if v else ("reference" if base else ""),
+            "seeds_needed": v["seeds_needed"] if v else math.nan, "paired_seeds": v["n"] if v else 0,
         })
+    # sorted by the paired gap (the reference first, modes without a pair last)
+    rows.sort(key=lambda r: (r["mode"] != baseline, math.isnan(r["paired_gap"]), r["paired_gap"]))
     return rows
 
 
 CSV_COLUMNS = ["mode", "seeds", "steps", "final_val_loss_mean", "final_val_loss_std", "gap", "gap_sigma",
-               "paired_gap", "final_train_loss_mean", "comm_bytes_per_step", "bytes_rel", "tokens_per_sec"]
+               "paired_gap", "ci_lo", "ci_hi", "ci_method", "verdict", "seeds_needed", "final_train_loss_mean",
+               "comm_bytes_per_step", "bytes_rel", "tokens_per_sec"]
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
@@ -302,6 +329,23 @@ def markdown_table(rows: list[dict], baseline: str) -> str:
             f" | {_f(r['gap'], '+.4f')} | {_f(r['gap_sigma'], '+.2f')} | {_f(r['paired_gap'], '+.4f')}"
             f" | {_f(r['final_train_loss_mean'], '.4f')} | {_f(r['comm_bytes_per_step'], ',.0f')}"
             f" | {_f(r['bytes_rel'], '.3f')} | {_f(r['tokens_per_sec'], ',.0f')} |")
+    return "\n".join(lines)
+
+
+def verdict_table(rows: list[dict], baseline: str) -> str:
+    """One line per mode: paired gap of the final validation loss to ``baseline`` with its 95% interval and
+    the verdict (rows as :func:`summarize` sorts them)."""
+    lines = [f"| mode | paired seeds | final val loss - {baseline} (same seed) | 95% interval | verdict | "
+             f"seeds to resolve the gap |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["mode"] == baseline or not r["verdict"]:
+            continue
+        need = r["seeds_needed"]
+        need = "n/a" if isinstance(need, float) and math.isnan(need) else ("never (gap 0)" if need == math.inf
+                                                                          else f"{int(need)}")
+        lines.append(f"| {r['mode']} | {r['paired_seeds']} | {_f(r['paired_gap'], '+.4f')} | "
+                     f"[{_f(r['ci_lo'], '+.4f')}, {_f(r['ci_hi'], '+.4f')}] ({r['ci_method'] or '-'}) | "
+                     f"**{r['verdict']}** | {need} |")
     return "\n".join(lines)
 
 
@@ -337,12 +381,27 @@ def gap_series(rs: list[Run], base: list[Run], key: str, smooth: int = 1) -> tup
     return steps, [[a - b for a, b in zip(vals[2 * i], vals[2 * i + 1])] for i in range(len(pairs))]
 
 
-def _band(ax, steps, vals, label, color):
+STYLES = ["-", "--", "-.", ":"]
+MARKERS = ["o", "s", "^", "v", "D", "x", "+", "*"]
+
+
+def _band(ax, steps, vals, label, color, i=0, band="minmax"):
+    """Seed mean with a shaded band: ``minmax`` = min..max over seeds, ``ci`` = 95% t interval of the mean.
+    Each mode gets its own line style and marker (``i``), so equal curves stay visible on top of each other."""
     mean = [sum(c) / len(c) for c in zip(*vals)]
-    ax.plot(steps, mean, label=label, color=color, lw=1.3, marker="o" if len(steps) <= 30 else None, ms=3)
+    every = max(1, len(steps) // 12)
+    ax.plot(steps, mean, label=label, color=color, lw=1.4, ls=STYLES[i % len(STYLES)],
+            marker=MARKERS[i % len(MARKERS)], markevery=every, ms=4, mfc="none")
     if len(vals) > 1:
-        ax.fill_between(steps, [min(c) for c in zip(*vals)], [max(c) for c in zip(*vals)], color=color, alpha=0.18,
-                        lw=0)
+        if band == "ci":
+            from verdict import t_quantile
+
+            n = len(vals)
+            half = [t_quantile(n - 1) * statistics.stdev(c) / math.sqrt(n) for c in zip(*vals)]
+            lo, hi = [m - h for m, h in zip(mean, half)], [m + h for m, h in zip(mean, half)]
+        else:
+            lo, hi = [min(c) for c in zip(*vals)], [max(c) for c in zip(*vals)]
+        ax.fill_between(steps, lo, hi, color=color, alpha=0.15, lw=0)
 
 
 def plot(modes: dict[str, list[Run]], out: Path, baseline: str, smooth: int, title: str) -> list[Path]:
@@ -359,7 +418,7 @@ def plot(modes: dict[str, list[Run]], out: Path, baseline: str, smooth: int, tit
         for ax, key, sm in ((axes[0], "loss", smooth), (axes[1], "val_loss", 1)):
             steps, vals = aligned(rs, key, sm)
             if steps:
-                _band(ax, steps, vals, f"{mode} (n={len(rs)})", colors(i % 10))
+                _band(ax, steps, vals, f"{mode} (n={len(rs)})", colors(i % 10), i)
     axes[0].set_title(f"train loss (moving average over {smooth} steps)" if smooth > 1 else "train loss")
     axes[1].set_title("validation loss")
     zoom_from = _zoom(axes[1], modes, "val_loss")
@@ -386,7 +445,7 @@ def plot(modes: dict[str, list[Run]], out: Path, baseline: str, smooth: int, tit
             for ax, key, sm in ((axes[0], "loss", smooth), (axes[1], "val_loss", 1)):
                 steps, vals = gap_series(rs, base, key, sm)
                 if steps:
-                    _band(ax, steps, vals, mode, colors(i % 10))
+                    _band(ax, steps, vals, f"{mode} (n={len(vals)})", colors(i % 10), i, band="ci")
         for ax, what in zip(axes, ("train loss", "validation loss")):
             ax.axhline(0.0, color="k", lw=0.8)
             ax.set_title(f"{what} minus {baseline} (same seed)")
@@ -394,7 +453,7 @@ def plot(modes: dict[str, list[Run]], out: Path, baseline: str, smooth: int, tit
             ax.set_ylabel("loss gap (nats/token)")
             ax.grid(alpha=0.3)
         axes[1].legend(fontsize=8)
-        fig.suptitle(f"{title}: gap to {baseline}, seed mean, band = min..max over seeds")
+        fig.suptitle(f"{title}: gap to {baseline} (same seed), mean over seeds, band = 95% t interval of the mean")
         fig.tight_layout()
         p = out / f"gap_to_{baseline}.png"
         fig.savefig(p, dpi=120)
@@ -452,8 +511,16 @@ def main(argv: list[str] | None = None) -> int:
             f"(mean - {a.baseline} mean) / {a.baseline} std; paired gap = mean over seeds of (run - {a.baseline} "
             f"run of the same seed); bytes/step = bytes one rank sent for DP gradient reduction per step; "
             f"tokens/s = global, mean over steps after the first.")
-    (out / "results.md").write_text(f"{note}\n\n{table}\n")
+    verdicts = verdict_table(rows, a.baseline) if a.baseline in modes else ""
+    vnote = (f"Verdicts: paired (same-seed) difference of the final validation loss to {a.baseline}, 95% "
+             f"confidence interval of its mean over seeds (Student t below 5 seeds, BCa bootstrap from 5); better / "
+             f"worse only when the interval excludes 0; seeds to resolve = paired seeds whose t interval would be "
+             f"narrower than the observed gap (tools/verdict.py).")
+    (out / "results.md").write_text(f"{note}\n\n{table}\n" + (f"\n{vnote}\n\n{verdicts}\n" if verdicts else ""))
     print(table)
+    if verdicts:
+        print()
+        print(verdicts)
     if not a.no_plots:
         for p in plot(modes, out, a.baseline, a.smooth, Path(a.sweep_dir).name):
             print(f"wrote {p}")
