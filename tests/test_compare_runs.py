@@ -192,3 +192,19 @@ def test_rows_sorted_by_gap_and_modes_grouped_by_comm_label(tmp_path):
     assert [r["mode"] for r in rows] == ["bf16", "b", "fp8_e4m3+ef", "a"]
     assert [r["seeds"] for r in rows] == [3, 3, 3, 3]
     assert rows[1]["verdict"] == "better" and rows[3]["verdict"] == "worse"
+
+
+def test_rel_err_plot_from_telemetry_records(tmp_path):
+    root = tmp_path / "sw"
+    for seed in (1, 2):
+        _write_run(root / f"fp8-seed{seed}", "fp8", seed)
+        m = root / f"fp8-seed{seed}" / "metrics.jsonl"
+        recs = [json.loads(x) for x in m.read_text().splitlines()]
+        recs[1].update({"comm/rel_err/bucket0": 0.02, "comm/rel_err/bucket1": 0.04,
+                        "comm/rel_err/geo/l0": 0.01, "comm/rel_err/euclid/l0": 0.03})
+        m.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    runs = cr.group_modes(cr.load_sweep(root))
+    assert runs["fp8"][0].mean_series("comm/rel_err/bucket") == ([2], [pytest.approx(0.03)])
+    p = cr.plot_rel_err(runs, tmp_path, "t")
+    assert p is not None and p.read_bytes()[:4] == b"\x89PNG"
+    assert cr.plot_rel_err(cr.group_modes(cr.load_sweep(tmp_path / "sw", False)), tmp_path, "t") is not None

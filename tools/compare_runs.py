@@ -16,6 +16,8 @@ Writes into ``--out`` (default ``SWEEP_DIR``):
   (equal curves stay visible);
 - ``gap_to_<baseline>.png``: loss minus the baseline run *of the same seed*, vs step (mean over seeds, band =
   95% t interval of that mean);
+- ``rel_err.png`` (when the runs logged ``comm/rel_err/...``, see ``comm.telemetry_interval``): the live
+  quantization error per mode, and for GeoFP8 layers through the transform vs the plain codec;
 - ``results.md`` and ``results.csv``, one row per mode:
   - ``final_val_loss_mean`` / ``_std``: last validation loss of each run, mean and sample std (ddof=1) over seeds;
   - ``gap`` = mean(mode) - mean(baseline); ``gap_sigma`` = gap / std(baseline) (DESIGN.md section 4,
@@ -69,6 +71,17 @@ class Run:
         pts = [(r["step"], float(r[key])) for r in self.records
                if r.get(key) is not None and math.isfinite(float(r[key]))]
         return [p[0] for p in pts], [p[1] for p in pts]
+
+    def mean_series(self, prefix: str) -> tuple[list[int], list[float]]:
+        """``(steps, mean over keys starting with prefix)`` at the records that carry any such key (e.g. the
+        live quantization error ``comm/rel_err/bucket`` of every bucket, averaged)."""
+        steps, vals = [], []
+        for r in self.records:
+            v = [float(x) for k, x in r.items() if k.startswith(prefix) and x is not None and math.isfinite(float(x))]
+            if v:
+                steps.append(r["step"])
+                vals.append(sum(v) / len(v))
+        return steps, vals
 
     @property
     def final_val_loss(self) -> float:
@@ -462,6 +475,48 @@ def plot(modes: dict[str, list[Run]], out: Path, baseline: str, smooth: int, tit
     return written
 
 
+def plot_rel_err(modes: dict[str, list[Run]], out: Path, title: str) -> Path | None:
+    """``rel_err.png``: the live quantization error (``comm.telemetry_interval``) per mode, mean over its
+    buckets (left) and, for GeoFP8 runs, its layers through the geometry-aware codec vs the plain codec
+    (right); seed mean with a min..max band. None when no run logged it."""
+    series = {}
+    for mode, rs in modes.items():
+        for key in ("comm/rel_err/bucket", "comm/rel_err/geo/", "comm/rel_err/euclid/"):
+            per = [dict(zip(*r.mean_series(key))) for r in rs]
+            steps = sorted(set.intersection(*(set(d) for d in per))) if per and all(per) else []
+            if steps:
+                series[mode, key] = (steps, [[d[st] for st in steps] for d in per])
+    if not series:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = plt.get_cmap("tab10")
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    for i, mode in enumerate(modes):
+        if (mode, "comm/rel_err/bucket") in series:
+            _band(axes[0], *series[mode, "comm/rel_err/bucket"], mode, colors(i % 10), i)
+        for j, (key, what) in enumerate((("comm/rel_err/geo/", "geo"), ("comm/rel_err/euclid/", "plain codec"))):
+            if (mode, key) in series:
+                _band(axes[1], *series[mode, key], f"{mode}: {what}", colors(i % 10), i + j)
+    axes[0].set_title("round-trip error of each rank's gradient, mean over buckets")
+    axes[1].set_title("GeoFP8 layers: through the transform vs the plain codec")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.set_ylabel("||Q(g) - g|| / ||g||  (DP mean)")
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize=8)
+    fig.suptitle(f"{title}: live quantization error (comm.telemetry_interval), seed mean, band = min..max")
+    fig.tight_layout()
+    p = out / "rel_err.png"
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return p
+
+
 def _zoom(ax, modes, key) -> int | None:
     """Limit the y axis to the values of the last 60% of steps (where the modes differ); returns the first
     step of that range."""
@@ -523,6 +578,9 @@ def main(argv: list[str] | None = None) -> int:
         print(verdicts)
     if not a.no_plots:
         for p in plot(modes, out, a.baseline, a.smooth, Path(a.sweep_dir).name):
+            print(f"wrote {p}")
+        p = plot_rel_err(modes, out, Path(a.sweep_dir).name)
+        if p is not None:
             print(f"wrote {p}")
     print(f"wrote {out / 'results.md'} and {out / 'results.csv'}")
     return 0

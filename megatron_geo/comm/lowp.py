@@ -71,6 +71,8 @@ class LowPrecisionReducer(Reducer):
         self.geo = None
         self.geo_slots: dict[int, list[tuple[str, int, int, int]]] = {}
         self.residuals: dict[int, torch.Tensor] = {}
+        # comm.telemetry_interval: a list while armed; each reduction appends (name, ||Q(g) - g||^2, ||g||^2)
+        self.telemetry: list | None = None
         dev = torch.device(device) if device is not None else torch.device("cpu")
         # drawn on the host (identical on every machine), kept where the gradients are
         self.signs = hadamard_signs(hadamard_block, seed).to(dev) if transform == "hadamard" else None
@@ -209,7 +211,31 @@ class LowPrecisionReducer(Reducer):
         self.bytes_sent += 2 * (self.dp_size - 1) * nbytes // self.dp_size
 
     # -- collectives --------------------------------------------------------------------------------
+    def _measure(self, buf: torch.Tensor, key) -> None:
+        """Telemetry: the round trip of this rank's own gradient ``buf`` through the active codec (transform,
+        encode, decode, inverse transform; no error feedback, no reduction), squared error and squared norm per
+        bucket, and for each selected GeoFP8 layer also through the plain Euclidean codec. Tensors only (no host
+        sync here); the trainer reduces them over DP once per telemetry step."""
+        layout, out = self.layouts[key], self.telemetry
+        profiling = self.geo is not None and self.geo.profiling
+        x = buf.clone()
+        if not profiling:
+            x = self._to_wire(x, key)
+        y = self._from_wire(self.wire.roundtrip(x, layout), key, 0) if not profiling else self.wire.roundtrip(x, layout)
+        err = y.sub_(buf)
+        out.append((f"bucket{key}", err.square().sum(), buf.square().sum()))
+        slots = [s for s in self.geo_slots.get(key, []) if not profiling and s[0] in self.geo.selected]
+        if slots:
+            e_euclid = self.wire.roundtrip(buf.clone(), layout).sub_(buf)
+            for name, off, rows, cols in slots:
+                sl = slice(off, off + rows * cols)
+                g2 = buf[sl].square().sum()
+                out.append((f"geo/{name}", err[sl].square().sum(), g2))
+                out.append((f"euclid/{name}", e_euclid[sl].square().sum(), g2))
+
     def _reduce_scatter(self, buf: torch.Tensor, key=None, keep_wire: bool = False) -> PendingReduction:
+        if self.telemetry is not None:
+            self._measure(buf, key)
         layout = self.layouts[key]
         bounds = self.bounds[key]
         dp, r = self.dp_size, self.dp_rank

@@ -27,6 +27,10 @@ class CastWire:
         es = wire.element_size()
         return [(wire.view(torch.uint8), [n * es for n in layout.sizes])], None, None
 
+    def roundtrip(self, x: Tensor, layout: ScaleLayout) -> Tensor:
+        """FP32 ``x.to(dtype).float()`` of the whole buffer."""
+        return x.to(self.dtype).float()
+
     def decode_own(self, recv: list[Tensor], scales, layout: ScaleLayout, r: int) -> Tensor:
         """FP32 ``[own]``: the received ``[dp, own]`` values summed in FP32 straight from the wire dtype, / dp."""
         dp = layout.dp_size

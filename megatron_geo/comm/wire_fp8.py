@@ -112,6 +112,15 @@ class FP8Wire:
             return codes, None, seg
         return codes, seg.contiguous(), None
 
+    def roundtrip(self, x: Tensor, layout: ScaleLayout) -> Tensor:
+        """FP32 ``decode(encode(x))`` of the whole buffer ``x`` ``[numel]`` with this rank's own scales (round to
+        nearest; with shared scales, the local ones): what this rank's quantiser makes of its gradient."""
+        g = layout.granule
+        x2 = x.view(-1, g)
+        seg = layout.segment_values(self.scales(layout.group_amax(self.amax(x2))))
+        bscale = layout.block_values(seg)
+        return self.decode(self.encode(x2, bscale), bscale)
+
     def decode_own(self, recv: list[Tensor], scales: Tensor, layout: ScaleLayout, r: int) -> Tensor:
         """FP32 ``[own]``: the mean over sources of this rank's range ``r`` from the received codes ``recv[0]``
         ``[dp * own]`` and every source's scales ``[dp, K]``."""

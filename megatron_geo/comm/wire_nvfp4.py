@@ -86,6 +86,13 @@ class NVFP4Wire:
         codes = [(packed.view(-1), [n // 2 for n in sizes]), (bscale.view(-1), [n // NVFP4_BLOCK for n in sizes])]
         return codes, seg.contiguous(), None
 
+    def roundtrip(self, x: Tensor, layout: ScaleLayout) -> Tensor:
+        """FP32 ``decode(encode(x))`` of the whole buffer ``x`` ``[numel]`` (round to nearest, this rank's scales)."""
+        x2 = x.view(-1, NVFP4_BLOCK)
+        g = layout.block_values(layout.segment_values(nvfp4_global_scale(layout.group_amax(self.amax(x2)))))
+        packed, bscale = self.encode(x2, g)
+        return self.decode(packed, bscale, g)
+
     def decode_own(self, recv: list[Tensor], scales: Tensor, layout: ScaleLayout, r: int) -> Tensor:
         """FP32 ``[own]``: the mean over sources of range ``r`` (packed codes ``recv[0]``, block scales ``recv[1]``,
         every source's global scales ``scales`` ``[dp, K]``)."""

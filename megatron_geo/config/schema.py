@@ -114,6 +114,10 @@ class CommConfig:
     # the run's name for its comm settings (wandb group and tag, run name, summary, compare_runs.py); empty:
     # the preset's name (configs/comm/<name>.yaml) or a compact label of the non-default comm/geo keys
     label: str = ""
+    # every this many steps, each rank measures the relative round-trip error ||Q(g) - g|| / ||g|| of its own
+    # gradient per low-precision bucket (and GeoFP8 layer, also through the plain codec), DP-averaged with one
+    # small all-reduce and logged as comm/rel_err/...; 0: off
+    telemetry_interval: int = 50
 
 
 @dataclass

@@ -135,6 +135,8 @@ def validate_config(cfg: Config, world_size: int) -> None:
     ck = cfg.checkpoint
     if t.exit_interval < 0:
         raise ConfigError(f"train.exit_interval={t.exit_interval} must be >= 0 (0 disables it)")
+    if cfg.comm.telemetry_interval < 0:
+        raise ConfigError(f"comm.telemetry_interval={cfg.comm.telemetry_interval} must be >= 0 (0 disables it)")
     for key in ("interval", "keep_latest"):
         if getattr(ck, key) < 0:
             raise ConfigError(f"checkpoint.{key}={getattr(ck, key)} must be >= 0 (checkpoint.interval=0: no periodic "

@@ -23,6 +23,7 @@ from ..model import Llama, count_parameters, flops_per_token
 from ..parallel import LaunchError, ParallelContext, destroy_parallel, detect_launch_env, init_parallel
 from .data_setup import build_data, train_micro_batches, valid_micro_batches
 from .checkpointing import Checkpointer
+from . import telemetry
 from .log_line import log_line, use_progress_bar
 from .metrics import MetricsLogger
 from .mfu import gpu_flops_metrics
@@ -199,8 +200,10 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
             batches = train_micro_batches(data.train, consumed, cfg, pctx)
             scale = lr_at(step, max_lr=1.0, min_lr=cfg.optimizer.min_lr / cfg.optimizer.lr,
                           warmup_steps=t.warmup_steps, total_steps=t.steps, style=t.lr_decay_style)
+            measuring = telemetry.arm(reducer, step, cfg.comm.telemetry_interval)
             res = train_step(model, batches, grad_sync, optimizer, pctx, scale, cfg.optimizer.clip_grad,
                              t.autocast_dtype, geo=geo, step=step)
+            rel_err = telemetry.collect(reducer, pctx.dp_group, pctx.dp_size) if measuring else {}
             consumed += t.global_batch_size
             dt = time.perf_counter() - t0
             refreshed = geo is not None and geo.last_refresh == step
@@ -212,6 +215,7 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
             record = {"step": step + 1, "loss": res.loss, "lr": cfg.optimizer.lr * scale, "grad_norm": res.grad_norm,
                       "tokens_per_sec": res.tokens / dt, "comm_bytes": comm_bytes, "step_time_s": dt,
                       "consumed_samples": consumed, "skipped": res.skipped}
+            record.update(rel_err)
             if geo is not None:
                 record["geo_refresh"] = geo.last_refresh == step
             if gpu_name is not None:  # MFU and memory (DESIGN.md section 5 metrics)
@@ -230,7 +234,8 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
                 optimizer.wait_param_gather()
                 val_loss = evaluate(model, valid_batches, pctx, t.autocast_dtype)
                 record["val_loss"] = val_loss
-            if res.skipped or ((step + 1) % t.log_interval == 0 or "val_loss" in record or step + 1 == t.steps):
+            if res.skipped or rel_err or ((step + 1) % t.log_interval == 0 or "val_loss" in record
+                                          or step + 1 == t.steps):
                 logger.log(record)
             first_loss = res.loss if first_loss is None else first_loss
             last = record
