@@ -255,3 +255,21 @@ def test_summary_mean_std_delta():
     assert s["table"]["bf16"]["t"]["mean"] == pytest.approx(0.6)
     assert s["table"]["bf16"]["t"]["std"] == pytest.approx(0.1414213, abs=1e-6)
     assert s["table"]["fp8"]["t"]["std"] == pytest.approx(0.2) and s["table"]["fp8"]["t"]["delta"] == pytest.approx(0.0)
+
+
+def test_unreachable_hub_switches_to_offline_at_once(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("eval_downstream_tool", REPO / "tools" / "eval_downstream.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(tool, "hub_reachable", lambda: False)
+    assert "offline mode" in tool.go_offline_if_unreachable()
+    assert os.environ["HF_HUB_OFFLINE"] == "1" and os.environ["HF_DATASETS_OFFLINE"] == "1"
+    assert tool.go_offline_if_unreachable() is None  # the user's (or our) offline choice stands
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE")
+    monkeypatch.setattr(tool, "hub_reachable", lambda: True)
+    assert tool.go_offline_if_unreachable() is None and "HF_HUB_OFFLINE" not in os.environ

@@ -96,3 +96,12 @@ def test_paper_configs_checkpoint_every_500_steps():
     for m in ("llama_300m", "llama_600m"):
         c = load_config([str(ROOT / "configs" / f"{m}.yaml")]).checkpoint
         assert (c.interval, c.keep_latest) == (500, 2)
+
+
+def test_print_config_outside_a_launcher_checks_the_smallest_fitting_world():
+    r = subprocess.run([sys.executable, str(ROOT / "pretrain_llama.py"), "--config", TINY, "parallel.tensor=2",
+                        "--print-config"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={k: v for k, v in __import__("os").environ.items()
+                            if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")})
+    assert r.returncode == 0, r.stderr
+    assert yaml.safe_load(r.stdout)["parallel"]["tensor"] == 2

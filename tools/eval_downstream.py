@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import socket
 import sys
 from pathlib import Path
 
@@ -39,6 +41,27 @@ def _clean(o):
     if isinstance(o, list):
         return [_clean(v) for v in o]
     return o
+
+
+def hub_reachable(host: str = "huggingface.co", port: int = 443, timeout: float = 3.0) -> bool:
+    """One TCP connect to the Hugging Face Hub with a short timeout (no retries)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def go_offline_if_unreachable() -> str | None:
+    """Without a reachable Hub, set ``HF_HUB_OFFLINE=1`` and ``HF_DATASETS_OFFLINE=1`` (before lm-eval and datasets
+    load) so cached task data is used at once and missing data fails at once, instead of a minute of Hub
+    retries. Returns the note to print, or None (online, or offline already chosen by the user)."""
+    if os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE"):
+        return None
+    if hub_reachable():
+        return None
+    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    return "Hugging Face Hub unreachable (3 s probe): offline mode, cached task data only"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
                                       f"(tools/convert_checkpoint.py)")
         if a.tokenizer and not Path(a.tokenizer).is_file():
             raise ValueError(f"--tokenizer '{a.tokenizer}' not found; pass the SentencePiece .model file")
+        note = go_offline_if_unreachable()
+        if note:
+            print(note, flush=True)
         evals = []
         for i, c in enumerate(a.checkpoints):
             print(f"[{i + 1}/{len(a.checkpoints)}] evaluating {c} on {len(tasks)} task(s)", flush=True)

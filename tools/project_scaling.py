@@ -529,8 +529,19 @@ def main(argv: list[str] | None = None) -> int:
     sep = " | " if a.markdown else "  "
     head = ["model", "GPUs"] + [f"{m} ms (vs fp32 / vs bf16)" for m in MODES]
     print("\nprojected step time (calibrated cluster) and end-to-end reduction:")
+    src = costs.sources["codec"]
+    if a.codec_ratio is not None:
+        print(f"codec cost: assumed {a.codec_ratio:g} x copy speed for every codec (--codec-ratio), not measured")
+    elif "GPU" in src:
+        print(f"codec cost: measured on a GPU ({src}); this is the figure to believe for a GPU cluster")
+    else:
+        print(f"codec cost: measured on a CPU ({src}), carried to the GPU as a fraction of copy speed; a GPU "
+              f"codec is usually relatively faster, so read this as an upper bound on the codec's share and "
+              f"prefer --gpu-check gpu_check.json from benchmarks/gpu_check.sh")
     if a.markdown:
         print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    else:
+        print(sep.join(head))
     for mname in dict.fromkeys(r["model"] for r in rows):
         for n in a.gpus:
             cells = [mname, str(n)]

@@ -333,7 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         env = detect_launch_env()
-        validate_config(cfg, env.world_size)
+        # --print-config outside a launcher (one process, no WORLD_SIZE) checks the config for the smallest
+        # world it fits: one data-parallel rank of parallel.tensor processes
+        world = env.world_size
+        if args.print_config and env.launcher == "single" and world == 1:
+            world = max(1, cfg.parallel.tensor)
+        validate_config(cfg, world)
         check_inputs(cfg, devices=not args.print_config)  # files always; devices where the run will happen
         if args.print_config:
             print(dump_config(cfg), end="")
