@@ -82,6 +82,15 @@ fi
 # 2. codec and GeoFP8 overhead on device tensors
 run_phase codec "$T_BENCH" "${PY[@]}" codec "${DRYFLAG[@]}" --out "$DIR/parts/codec.json"
 run_phase geo "$T_BENCH" "${PY[@]}" geo "${DRYFLAG[@]}" --out "$DIR/parts/geo.json"
+# the reducer's own bucket path per preset, eager and compiled (comm.compile), next to a device copy, with a
+# bitwise compiled-vs-eager check on this device (issue: codecs at the memory-bandwidth limit)
+if [[ $DRY == 1 ]]; then
+    run_phase reducer_codec "$T_BENCH" "$MG_PYTHON" benchmarks/codec.py --device cpu --numel 1048576 --repeats 1 \
+        --compile eager --presets fp8 nvfp4 --json "$DIR/parts/reducer_codec.json"
+else
+    run_phase reducer_codec "$((T_BENCH * 3))" "$MG_PYTHON" benchmarks/codec.py --device cuda --numel 67108864 \
+        --repeats 10 --json "$DIR/parts/reducer_codec.json"
+fi
 
 # 3. a few training steps on one GPU (global batch 8 = 2 micro-batches of 4; paper's seq lengths)
 run_phase train_300m "$T_TRAIN" "${PY[@]}" train "${DRYFLAG[@]}" --config configs/llama_300m.yaml \

@@ -36,6 +36,8 @@ def test_gpu_check_dry_run_writes_one_json(tmp_path):
     assert t["tokens_per_sec"] > 0 and t["tflops_per_gpu"] > 0 and t["mfu"] is None  # no peak for a CPU
     assert 5.0 < t["first_loss"] < 7.5  # ln(512) = 6.24 at init on the dry run's 512-token vocab
     assert "train_600m, train_600m_geofp8: skipped in the dry run" in r.stdout
+    rc = d["reducer_codec"]["presets"]  # the reducer-path codec benchmark ran (eager in the dry run)
+    assert set(rc) == {"fp8", "nvfp4"} and all(r["syncs_per_bucket"] == 0 and r["ms"] > 0 for r in rc.values())
     dr = d["dry_run_600m"]
     assert dr["dp"] == 64 and dr["optimizer_steps"] == 2 and abs(dr["measured_over_plan"] - 1) <= 0.1
 

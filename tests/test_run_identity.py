@@ -34,6 +34,7 @@ P = lambda name: str(ROOT / "configs/comm" / f"{name}.yaml")  # noqa: E731
     ([TINY, P("geofp8_search")], [], "geofp8_search"),
     ([TINY, P("fp8")], ["comm.error_feedback=true"], "fp8_e4m3+ef"),
     ([TINY, P("fp8")], ["comm.compile=true", "train.steps=3"], "fp8"),         # how it runs, not what it sends
+    ([TINY, P("geofp8_search")], ["comm.telemetry_interval=20", "logging.wandb=disabled"], "geofp8_search"),
     ([TINY, P("geofp8")], ["geo.rank=16"], "fp8_e4m3+ef+geo(r16,p=0.5)"),
     ([TINY], ["comm.dtype=fp8_e4m3", "comm.transform=geo", "comm.error_feedback=true", "geo.power_search=0.5,0.25"],
      "fp8_e4m3+ef+geo(r32,p=auto)"),

@@ -51,10 +51,12 @@ def derive_label(cfg: Config) -> str:
     return "+".join(parts)
 
 
+# comm keys that say how the run executes or reports, not what travels on the wire: not part of the label
+NOT_LABELLED = ("label", "compile", "telemetry_interval")
+
+
 def _sections(cfg: Config) -> dict:
-    comm = asdict(cfg.comm)
-    comm.pop("label", None)
-    comm.pop("compile", None)  # how the codec runs, not what it sends
+    comm = {k: v for k, v in asdict(cfg.comm).items() if k not in NOT_LABELLED}
     return {"comm": comm, "geo": asdict(cfg.geo)}
 
 
