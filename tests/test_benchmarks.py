@@ -40,3 +40,14 @@ def test_geo_overhead_rejects_bad_input_before_starting_workers(argv, message):
                        text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--dp", "1"], "--dp 1 must be >= 2"),
+    (["--presets", "geofp8"], "GeoFP8 presets are not timed here"),
+    (["--json", "/nonexistent_dir_x/c.json"], "does not exist"),
+])
+def test_codec_benchmark_rejects_bad_input_before_running(argv, message):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/codec.py"), *argv], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr

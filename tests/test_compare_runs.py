@@ -208,3 +208,22 @@ def test_rel_err_plot_from_telemetry_records(tmp_path):
     p = cr.plot_rel_err(runs, tmp_path, "t")
     assert p is not None and p.read_bytes()[:4] == b"\x89PNG"
     assert cr.plot_rel_err(cr.group_modes(cr.load_sweep(tmp_path / "sw", False)), tmp_path, "t") is not None
+
+
+def test_replaced_runs_are_ignored_and_unequal_lengths_are_flagged(sweep, tmp_path):
+    old = sweep / ".replaced" / "bf16-seed1-20260101-000000"   # moved aside by run_comparison --force
+    _write_run(old, "bf16", 1)
+    runs = cr.load_sweep(sweep)
+    assert len(runs) == 6 and all(".replaced" not in str(r.path) for r in runs)
+    _write_run(sweep / "fp8_long-seed1", "fp8", 1, n_steps=4)
+    m = sweep / "fp8_long-seed1" / "metrics.jsonl"
+    m.write_text(m.read_text() + json.dumps({"step": 5, "loss": 1.0, "val_loss": 4.0, "comm_bytes": 1,
+                                             "tokens_per_sec": 1.0}) + "\n")
+    (sweep / "fp8_long-seed1" / "config.yaml").write_text("train:\n  seed: 1\n  steps: 5\n")
+    res = subprocess.run([sys.executable, str(REPO / "tools" / "compare_runs.py"), str(sweep), "--no-plots"],
+                         capture_output=True, text=True)
+    assert res.returncode == 0 and "different lengths (4, 5 steps)" in res.stderr
+    assert "different lengths" in (sweep / "results.md").read_text()
+    res = subprocess.run([sys.executable, str(REPO / "tools" / "compare_runs.py"), str(sweep), "--out",
+                          str(sweep / "bf16-seed1" / "config.yaml")], capture_output=True, text=True)
+    assert res.returncode == 2 and "is a file" in res.stderr

@@ -156,3 +156,11 @@ def test_codec_json_of_the_reducer_path(tmp_path):
         ps.parse_codec_json(json.dumps({"presets": {k: v for k, v in d["presets"].items() if k != "nvfp4"}}), "c")
     with pytest.raises(ps.ProjectionError, match="not the JSON"):
         ps.parse_codec_json("fp8 1 2 3", "c.json")
+
+
+@pytest.mark.parametrize("args,msg", [(["--gpus", "0"], "--gpus 0 must be >= 1"), (["--mfu", "1.5"], "--mfu 1.5"),
+                                      (["--plot", "/nonexistent_dir_x/p.png"], "does not exist")])
+def test_bad_arguments_are_one_error_line(args, msg):
+    res = subprocess.run([sys.executable, str(REPO / "tools" / "project_scaling.py"), *args], capture_output=True,
+                         text=True)
+    assert res.returncode == 2 and msg in res.stderr and "Traceback" not in res.stderr

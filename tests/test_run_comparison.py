@@ -14,14 +14,14 @@ TOOL = [sys.executable, str(REPO / "tools" / "run_comparison.py")]
 
 def test_dry_run_plan(tmp_path):
     res = subprocess.run(TOOL + ["--dry-run", "--presets", "bf16", "geofp8", "--seeds", "2", "--sweep-dir",
-                                 str(tmp_path / "sw"), "--nproc", "3", "train.steps=7"],
+                                 str(tmp_path / "sw"), "--nproc", "4", "train.steps=7"],
                          capture_output=True, text=True, cwd=REPO)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.strip().splitlines()
     assert len(lines) == 4
     # seed-major order; every run: its folder, seed, the sweep's wandb group, then the extra overrides
     for line, (preset, seed) in zip(lines, [("bf16", 1), ("geofp8", 1), ("bf16", 2), ("geofp8", 2)]):
-        assert "--nproc-per-node 3" in line and "--config configs/tiny.yaml" in line
+        assert "--nproc-per-node 4" in line and "--config configs/tiny.yaml" in line
         assert f"--config configs/comm/{preset}.yaml" in line
         assert f"train.run_dir={tmp_path / 'sw'}/{preset}-seed{seed} train.seed={seed}" in line
         assert "logging.wandb_group=sw" in line and f"logging.wandb_name={preset}-seed{seed}" in line
@@ -83,9 +83,14 @@ def test_rerun_into_a_sweep_refuses_other_arguments_unless_forced(tmp_path):
     res = subprocess.run(base + ["train.steps=9"], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert res.returncode == 0 and "ok (already complete with the same arguments" in res.stdout
     assert (tmp_path / "calls.txt").read_text().count("--job-name") == 1
-    # other overrides into the same folder: an error naming both, nothing written
+    # the same settings spelled in another order are the same run
+    res = subprocess.run(base + ["train.log_interval=1", "train.steps=9"], capture_output=True, text=True,
+                         cwd=tmp_path, env=env)
+    assert res.returncode == 0 and "already complete" in res.stdout, res.stderr
+    manifest = (sw / "sweep.json").read_text()
+    # other overrides into the same folder: an error naming the key and both values, nothing written
     res = subprocess.run(base + ["train.steps=20"], capture_output=True, text=True, cwd=tmp_path, env=env)
-    assert res.returncode == 2 and "train.steps=9" in res.stderr and "train.steps=20" in res.stderr
+    assert res.returncode == 2 and "train.steps: 9 -> 20" in res.stderr
     assert "--force" in res.stderr and (sw / "sweep.json").read_text() == manifest
     # --force: new runs; the old folder is moved aside, not deleted
     res = subprocess.run(base + ["--force", "train.steps=20"], capture_output=True, text=True, cwd=tmp_path, env=env)
@@ -100,6 +105,19 @@ def test_rerun_into_a_sweep_refuses_other_arguments_unless_forced(tmp_path):
     assert res.returncode == 2 and "--resume" in res.stderr
     res = subprocess.run(base + ["--resume", "train.steps=20"], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert res.returncode == 0, res.stderr
+
+
+def test_configs_are_checked_before_anything_runs(tmp_path):
+    sw = tmp_path / "sw"
+    res = subprocess.run(TOOL + ["--presets", "bf16", "fp8", "--seeds", "1", "--sweep-dir", str(sw), "train.stepz=2"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert res.returncode == 2 and "run bf16-seed1" in res.stderr and "train.stepz" in res.stderr
+    assert not sw.exists(), "nothing was created or launched"
+    res = subprocess.run(TOOL + ["--dry-run", "--config", "configs/tiny.yaml", "--config", "configs/comm/fp8.yaml",
+                                 "--presets", "bf16", "--seeds", "1"], capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 2 and "both comm presets" in res.stderr
+    res = subprocess.run(TOOL + ["--dry-run", "--presets", "bf16", "bf16"], capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 2 and "names bf16 twice" in res.stderr
 
 
 def test_bad_arguments(tmp_path):

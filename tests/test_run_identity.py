@@ -32,7 +32,14 @@ P = lambda name: str(ROOT / "configs/comm" / f"{name}.yaml")  # noqa: E731
     ([TINY, P("fp8")], [], "fp8"),
     ([TINY, P("fp8_ef")], [], "fp8_ef"),
     ([TINY, P("geofp8_search")], [], "geofp8_search"),
-    ([TINY, P("fp8")], ["comm.error_feedback=true"], "fp8_e4m3+ef"),
+    ([TINY, P("fp8")], ["comm.error_feedback=true"], "fp8_ef"),                 # equal settings, one name
+    ([TINY, P("fp8")], ["comm.scale_sync=max"], "fp8_shared_scale"),
+    ([TINY, P("fp8")], ["geo.rank=16"], "fp8"),                                 # geo keys count only with geo
+    ([TINY], ["comm.dtype=fp8_e4m3"], "fp8"),
+    ([TINY, P("fp8")], ["comm.rounding=stochastic"], "fp8_e4m3+sr"),
+    ([TINY, P("geofp8")], ["geo.refresh_interval=10"], "fp8_e4m3+ef+geo(r32,p=0.5,refresh=10)"),
+    ([TINY, P("geofp8")], ["geo.damping=0.1", "geo.statistics=sketch"],
+     "fp8_e4m3+ef+geo(r32,p=0.5,damp=0.1,stats=sketch)"),
     ([TINY, P("fp8")], ["comm.compile=true", "train.steps=3"], "fp8"),         # how it runs, not what it sends
     ([TINY, P("geofp8_search")], ["comm.telemetry_interval=20", "logging.wandb=disabled"], "geofp8_search"),
     ([TINY, P("geofp8")], ["geo.rank=16"], "fp8_e4m3+ef+geo(r16,p=0.5)"),
@@ -52,6 +59,24 @@ def test_every_preset_gets_a_distinct_label_and_its_keys_alone():
     assert labels == presets
     derived = {derive_label(load_config([TINY, P(p)])) for p in presets}
     assert len(derived) == len(presets), "the derived labels also tell every preset apart"
+
+
+def test_a_reloaded_config_yaml_keeps_its_label_only_while_its_settings_hold(tmp_path):
+    from megatron_geo.config import dump_config
+
+    f = tmp_path / "config.yaml"
+    f.write_text(dump_config(load_config([TINY, P("fp8")], ["comm.label=mine"])))
+    assert load_config([str(f)]).comm.label == "mine"
+    assert load_config([str(f)], ["train.steps=3", "comm.compile=true"]).comm.label == "mine"
+    assert load_config([str(f)], ["comm.error_feedback=true"]).comm.label == "fp8_ef"
+    assert load_config([str(f)], ["comm.dtype=bf16"]).comm.label == "bf16"
+
+
+def test_different_geo_settings_get_different_labels():
+    keys = ["geo.refresh_interval=10", "geo.damping=0.1", "geo.layers=layers.*.mlp.up_proj.weight",
+            "geo.statistics=sketch", "geo.ef_on_refresh=reset", "geo.sketch_size=16", "geo.select=auto"]
+    labels = [load_config([TINY, P("geofp8")], [k]).comm.label for k in keys]
+    assert len(set(labels)) == len(keys) and "geofp8" not in labels
 
 
 def test_stacking_two_presets_is_an_error_and_a_preset_replaces_comm():

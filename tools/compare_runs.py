@@ -200,17 +200,22 @@ def load_sweep(sweep_dir: str | Path, skip_incomplete: bool = False) -> list[Run
     root = Path(sweep_dir)
     if not root.is_dir():
         raise CompareError(f"sweep folder '{root}' not found; pass the --sweep-dir of tools/run_comparison.py")
+    def hidden(p: Path) -> bool:  # .replaced/ (old runs moved aside by run_comparison --force), .git, ...
+        return any(part.startswith(".") for part in p.relative_to(root).parts)
+
     dirs = sorted({p.parent for pat in ("config.yaml", "metrics.jsonl") for p in root.rglob(pat)
-                   if "wandb" not in p.relative_to(root).parts})
+                   if "wandb" not in p.relative_to(root).parts and not hidden(p)})
     wandb_runs: dict[Path, Path] = {}
     for f in sorted(root.rglob("run-*.wandb")):
+        if hidden(f):
+            continue
         parts = f.relative_to(root).parts
         if "wandb" in parts and f.parent.name.startswith("offline-run-"):
             owner = root.joinpath(*parts[:parts.index("wandb")])
             if not (owner / "metrics.jsonl").is_file():
                 wandb_runs[owner] = f  # sorted: the latest offline run of a folder wins
     found = set(dirs) | set(wandb_runs)
-    for child in sorted(p for p in root.iterdir() if p.is_dir()):
+    for child in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         if not any(child == d or child in d.parents for d in found):
             print(f"warning: ignoring '{child}': no config.yaml, metrics.jsonl or offline wandb run in it",
                   file=sys.stderr)
@@ -236,7 +241,7 @@ def load_sweep(sweep_dir: str | Path, skip_incomplete: bool = False) -> list[Run
                 continue
             what = "config.yaml" if recs else "metrics (metrics.jsonl missing or empty)"
             raise CompareError(f"run '{d}' has no {what}; let the run finish, rerun it "
-                               f"(tools/run_comparison.py --skip-finished), or pass --skip-incomplete")
+                               f"(tools/run_comparison.py --resume), or pass --skip-incomplete")
         cfg = yaml.safe_load(c.read_text()) or {}
         steps = cfg.get("train", {}).get("steps")
         if isinstance(steps, int) and recs[-1]["step"] < steps:
@@ -245,7 +250,7 @@ def load_sweep(sweep_dir: str | Path, skip_incomplete: bool = False) -> list[Run
                 continue
             raise CompareError(f"run '{d}' stopped at step {recs[-1]['step']} of train.steps={steps} (still running, "
                                f"or failed: see its train.log); wait, rerun it (tools/run_comparison.py "
-                               f"--skip-finished), or pass --skip-incomplete")
+                               f"--resume), or pass --skip-incomplete")
         match = re.fullmatch(r"(.+)-seed(\d+)", d.name)
         mode = _label(cfg) or (match.group(1) if match else _mode_from_config(cfg))
         seed = cfg.get("train", {}).get("seed", int(match.group(2)) if match else 0)
@@ -554,8 +559,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(a.out or a.sweep_dir)
+    if out.exists() and not out.is_dir():
+        print(f"error: --out '{out}' is a file; pass a folder", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
+    lengths = sorted({r.records[-1]["step"] for r in runs})
+    unequal = ""
+    if len(lengths) > 1:
+        unequal = (f"**Warning:** the runs have different lengths ({', '.join(map(str, lengths))} steps); their final "
+                   f"losses are not comparable. Put runs of one length in one sweep folder.")
+        print(f"warning: {unequal.replace('**', '')}", file=sys.stderr)
     rows = summarize(modes, a.baseline)
+    if a.baseline not in modes and a.baseline != "bf16":
+        print(f"error: --baseline {a.baseline} is not a mode of this sweep; choose one of {', '.join(modes)}",
+              file=sys.stderr)
+        return 2
     if a.baseline not in modes:
         print(f"warning: baseline mode '{a.baseline}' not in the sweep (modes: {', '.join(modes)}); gap and "
               f"relative-bytes columns are n/a (choose one with --baseline)", file=sys.stderr)
@@ -571,7 +589,8 @@ def main(argv: list[str] | None = None) -> int:
              f"confidence interval of its mean over seeds (Student t below 5 seeds, BCa bootstrap from 5); better / "
              f"worse only when the interval excludes 0; seeds to resolve = paired seeds whose t interval would be "
              f"narrower than the observed gap (tools/verdict.py).")
-    (out / "results.md").write_text(f"{note}\n\n{table}\n" + (f"\n{vnote}\n\n{verdicts}\n" if verdicts else ""))
+    (out / "results.md").write_text((f"{unequal}\n\n" if unequal else "") + f"{note}\n\n{table}\n"
+                                    + (f"\n{vnote}\n\n{verdicts}\n" if verdicts else ""))
     print(table)
     if verdicts:
         print()

@@ -426,6 +426,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default=None, help="write the reduction-vs-GPUs plot (PNG) here")
     ap.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     a = ap.parse_args(argv)
+    bad = [f"--gpus {n} must be >= 1" for n in a.gpus if n < 1]
+    if a.mfu is not None and not 0 < a.mfu <= 1:
+        bad.append(f"--mfu {a.mfu} must be in (0, 1] (a fraction of the peak)")
+    if a.plot and not Path(a.plot).resolve().parent.is_dir():
+        bad.append(f"--plot {a.plot}: folder {Path(a.plot).parent} does not exist; create it or choose another path")
+    if bad:
+        print(f"error: {bad[0]}", file=sys.stderr)
+        return 2
     try:
         gpu = load_gpu_check(a.gpu_check) if a.gpu_check else None
         mfu_src = copy_src = "assumption"

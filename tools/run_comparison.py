@@ -131,13 +131,49 @@ def last_step(run_dir: Path) -> int:
     return 0
 
 
-def recorded_args(run_dir: Path) -> list[str] | None:
-    """The arguments a run folder was started with (None: not recorded, or not a run folder yet)."""
+def recorded_args(run_dir: Path) -> dict | None:
+    """``{"config_args": [...], "config": resolved config}`` a run folder was started with (None: not recorded,
+    or not a run folder yet)."""
     f = run_dir / ARGS_FILE
     try:
-        return json.loads(f.read_text())["config_args"] if f.is_file() else None
-    except (ValueError, KeyError, TypeError):
+        rec = json.loads(f.read_text()) if f.is_file() else None
+        return rec if rec and "config_args" in rec else None
+    except (ValueError, TypeError):
         return None
+
+
+def resolve_configs(runs: list[dict], world: int | None) -> None:
+    """Load and check every run's config before anything is launched (a typo'd key, a bad value or two comm
+    presets fail here, naming the run, instead of once per run inside its train.log); stores the resolved
+    config in ``run["config"]``. ``world``: processes per run (None: the smallest that fits, for --slurm).
+
+    Raises:
+        SweepError: the first run whose config does not load or validate.
+    """
+    sys.path.insert(0, str(ROOT))
+    from megatron_geo.config import ConfigError, config_to_dict, load_config, validate_config
+
+    for r in runs:
+        args = r["config_args"]
+        files = [a for prev, a in zip(args, args[1:]) if prev == "--config"]
+        overrides = [a for i, a in enumerate(args) if a != "--config" and (i == 0 or args[i - 1] != "--config")]
+        try:
+            cfg = load_config(files, overrides)
+            validate_config(cfg, world if world is not None else cfg.parallel.tensor)
+        except ConfigError as e:
+            raise SweepError(f"run {r['name']}: {e}") from None
+        r["config"] = config_to_dict(cfg)
+
+
+def _differences(old: dict, new: dict) -> list[str]:
+    """``section.key: old -> new`` for every key whose resolved value differs."""
+    out = []
+    for sec in sorted(set(old) | set(new)):
+        a, b = old.get(sec) or {}, new.get(sec) or {}
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                out.append(f"{sec}.{k}: {a.get(k)!r} -> {b.get(k)!r}")
+    return out
 
 
 def check_existing(runs: list[dict], resume: bool, force: bool) -> list[dict]:
@@ -154,15 +190,22 @@ def check_existing(runs: list[dict], resume: bool, force: bool) -> list[dict]:
         if not d.is_dir() or not any(d.iterdir()):
             continue
         rec = recorded_args(d)
-        state = "unrecorded" if rec is None else ("same" if rec == r["config_args"] else "different")
+        diffs = []
+        if rec is None:
+            state = "unrecorded"
+        elif "config" in rec and "config" in r:  # compare what the runs would train, not how it was spelled
+            diffs = _differences(rec["config"], r["config"])
+            state = "different" if diffs else "same"
+        else:
+            state = "same" if sorted(rec["config_args"]) == sorted(r["config_args"]) else "different"
+            diffs = [f"arguments {rec['config_args']} -> {r['config_args']}"] if state == "different" else []
         out.append({"run": r, "state": state})
         if force:
             continue
         if state == "different":
-            old, new = set(rec) - set(r["config_args"]), set(r["config_args"]) - set(rec)
-            raise SweepError(f"run folder '{d}' was started with other arguments (it has {sorted(old)}, this sweep "
-                             f"passes {sorted(new)}); use another --sweep-dir, or --force to start new runs "
-                             f"(the old folders are moved to {d.parent / '.replaced'}/)")
+            raise SweepError(f"run folder '{d}' was started with another config ({'; '.join(diffs[:6])}"
+                             f"{'; ...' if len(diffs) > 6 else ''}); use another --sweep-dir, or --force to start "
+                             f"new runs (the old folders are moved to {d.parent / '.replaced'}/)")
         if state == "unrecorded" and not resume:
             raise SweepError(f"run folder '{d}' exists but records no arguments ({ARGS_FILE}); pass --resume to "
                              f"continue it as this sweep's run, or --force to start new runs")
@@ -220,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
             raise SweepError("--slurm: 'sbatch' is not on PATH; run on a Slurm login node or drop --slurm")
         if a.resume and a.force:
             raise SweepError("--resume and --force contradict each other; pass one")
+        dup = sorted({r["name"] for r in runs if sum(x["name"] == r["name"] for x in runs) > 1})
+        if dup:
+            raise SweepError(f"--presets names {dup[0].rsplit('-seed', 1)[0]} twice; pass each preset once")
+        resolve_configs(runs, None if a.slurm else a.nproc)
         existing = check_existing(runs, a.resume or a.skip_finished, a.force)
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -241,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{d.name}: the old run folder was moved to {dest}", flush=True)
     manifest = {"sweep": sweep_dir.name, "presets": list(dict.fromkeys(r["preset"] for r in runs)), "seeds": seeds,
                 "launcher": "slurm" if a.slurm else f"torchrun x{a.nproc}", "argv": sys.argv,
-                "runs": [{**r, "command": shlex.join(c)} for r, c in zip(runs, cmds)]}
+                "runs": [{**{k: v for k, v in r.items() if k != "config"}, "command": shlex.join(c)}
+                         for r, c in zip(runs, cmds)]}
     (sweep_dir / "sweep.json").write_text(json.dumps(manifest, indent=1))
 
     failed = []
@@ -252,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             continue
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / ARGS_FILE).write_text(json.dumps({"config_args": run["config_args"]}, indent=1) + "\n")
+        (run_dir / ARGS_FILE).write_text(json.dumps({"config_args": run["config_args"], "config": run["config"]},
+                                                    indent=1) + "\n")
         before = last_step(run_dir)
         if a.slurm:
             Path("logs").mkdir(exist_ok=True)  # pretrain.sbatch writes logs/%x-%j.out under the submit folder
@@ -276,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"error: {len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1
-    print(f"sweep done: {len(runs)} runs in {sweep_dir}/; next: python tools/compare_runs.py {sweep_dir}")
+    print(f"sweep done: {len(runs)} runs in {sweep_dir}/; next: {sys.executable} tools/compare_runs.py {sweep_dir}")
     return 0
 
 

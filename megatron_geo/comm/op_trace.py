@@ -6,7 +6,7 @@ the host wait for the device or produce data-dependent shapes are listed in ``ba
 (``_local_scalar_dense``), ``nonzero``, ``masked_select``, ``unique``, boolean-mask indexing,
 ``repeat_interleave`` with tensor repeats and no ``output_size``, and tensors made from host data
 (``lift_fresh``: a blocking host-to-device copy on a GPU). Views launch no kernel and are not counted as work.
-Used by ``tests/test_sync_free.py`` and ``benchmarks/reducer_codec.py``.
+Used by ``tests/test_sync_free.py`` and ``benchmarks/codec.py``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,36 @@
 """The run's ``comm`` label: which communication precision a run used, in one short string.
 
 Runs are compared by it (wandb group and tag, run name, ``config.yaml``, the start-up line, the summary,
-``tools/compare_runs.py``), so it must tell every preset apart: ``comm.dtype`` alone does not (fp8, fp8_ef,
-fp8_hadamard, fp8_shared_scale, geofp8 and geofp8_search are all ``fp8_e4m3``).
+``tools/compare_runs.py``), so it must tell every setting apart and give equal settings the same name:
+``comm.dtype`` alone does not (fp8, fp8_ef, fp8_hadamard, fp8_shared_scale, geofp8 and geofp8_search are all
+``fp8_e4m3``). Only what travels on the wire counts: ``comm.compile`` and ``comm.telemetry_interval`` (how the
+run executes and reports) do not, nor do ``geo.*`` keys while ``comm.transform`` is not ``geo``.
 
-- A run given one ``configs/comm/<name>.yaml`` preset and no ``comm.*`` / ``geo.*`` change after it is
-  labelled ``<name>``.
-- Otherwise the label lists what differs from the defaults (:func:`derive_label`), e.g. ``fp8_e4m3+ef+geo(r32,p=auto)``.
-- ``comm.label=...`` set explicitly wins.
+In order:
+
+1. ``comm.label=...`` given as an override wins.
+2. A label read from a file (e.g. a run's ``config.yaml`` loaded again) is kept while the settings still equal
+   the ones that file described; a later change of a counted key re-derives it.
+3. The name of a ``configs/comm/<name>.yaml`` preset whose settings equal the run's: the preset the run was
+   given first, then every preset next to it (so ``fp8`` + ``comm.error_feedback=true`` is ``fp8_ef``).
+4. Else a compact label of the counted keys that differ from the defaults (:func:`derive_label`), e.g.
+   ``fp8_e4m3+ef+geo(r32,p=auto)`` or ``fp8_e4m3+ef+geo(r32,p=0.5,refresh=10)``.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from .schema import CommConfig, Config, GeoConfig
 
 PRESET_DIR = "comm"  # a YAML file in a folder of this name is a comm preset (configs/comm/*.yaml)
+# comm keys that say how the run executes or reports, not what travels on the wire: not part of the label
+NOT_LABELLED = ("label", "compile", "telemetry_interval")
+# geo keys shown inside geo(...) when they differ from the defaults (rank, power and select have their own forms)
+_GEO_SHORT = {"layers": "layers", "num_layers": "n", "profile_steps": "profile", "damping": "damp",
+              "refresh_interval": "refresh", "ef_on_refresh": "ef_refresh", "statistics": "stats",
+              "sketch_size": "sketch"}
 
 
 def preset_name(path: str | Path) -> str | None:
@@ -26,12 +39,19 @@ def preset_name(path: str | Path) -> str | None:
     return p.stem if p.parent.name == PRESET_DIR else None
 
 
+def wire_settings(cfg: Config) -> dict:
+    """The counted settings: comm keys but :data:`NOT_LABELLED`, and the geo section only with ``transform=geo``."""
+    comm = {k: v for k, v in asdict(cfg.comm).items() if k not in NOT_LABELLED}
+    return {"comm": comm, "geo": asdict(cfg.geo) if cfg.comm.transform == "geo" else {}}
+
+
 def derive_label(cfg: Config) -> str:
-    """A compact label of the comm and geo keys that differ from the defaults.
+    """A compact label of the counted comm and geo keys that differ from the defaults.
 
     ``dtype`` first, then ``block<N>`` (block scaling), ``sr`` (stochastic rounding), ``ef`` (error feedback),
-    ``shared`` (MAX-shared scales), ``had<N>`` (Hadamard rotation), ``geo(r<rank>,p=<power>|auto)`` (GeoFP8;
-    ``auto`` with ``geo.power_search``; ``,sel=auto`` with profiled layer selection), joined by ``+``.
+    ``shared`` (MAX-shared scales), ``had<N>`` (Hadamard rotation), ``geo(r<rank>,p=<power>|auto,...)`` (GeoFP8;
+    ``auto`` with ``geo.power_search``; ``sel=auto`` with profiled layer selection; any other geo key that
+    differs from its default as ``short=value``), joined by ``+``.
     """
     c, g = cfg.comm, cfg.geo
     parts = [c.dtype]
@@ -46,30 +66,38 @@ def derive_label(cfg: Config) -> str:
     if c.transform == "hadamard":
         parts.append(f"had{c.hadamard_block}")
     elif c.transform == "geo":
-        p = "auto" if g.power_search else f"{g.power:g}"
-        parts.append(f"geo(r{g.rank},p={p}{',sel=auto' if g.select == 'auto' else ''})")
+        d = GeoConfig()
+        inner = [f"r{g.rank}", f"p={'auto' if g.power_search else format(g.power, 'g')}"]
+        if g.select == "auto":
+            inner.append("sel=auto")
+        for f in fields(GeoConfig):
+            if f.name in _GEO_SHORT and getattr(g, f.name) != getattr(d, f.name):
+                v = getattr(g, f.name)
+                inner.append(f"{_GEO_SHORT[f.name]}={format(v, 'g') if isinstance(v, float) else v}")
+        parts.append(f"geo({','.join(inner)})")
     return "+".join(parts)
-
-
-# comm keys that say how the run executes or reports, not what travels on the wire: not part of the label
-NOT_LABELLED = ("label", "compile", "telemetry_interval")
-
-
-def _sections(cfg: Config) -> dict:
-    comm = {k: v for k, v in asdict(cfg.comm).items() if k not in NOT_LABELLED}
-    return {"comm": comm, "geo": asdict(cfg.geo)}
-
-
-def resolve_label(cfg: Config, preset: str | None, preset_only: Config | None) -> str:
-    """The label of ``cfg``: ``comm.label`` if set; the preset's name if ``cfg``'s comm and geo sections equal
-    ``preset_only`` (the preset loaded alone); else :func:`derive_label`."""
-    if cfg.comm.label:
-        return cfg.comm.label
-    if preset is not None and preset_only is not None and _sections(cfg) == _sections(preset_only):
-        return preset
-    return derive_label(cfg)
 
 
 def reset_comm_sections(cfg: Config) -> None:
     """A preset sets the whole comm and geo sections: start both from the defaults."""
     cfg.comm, cfg.geo = CommConfig(), GeoConfig()
+
+
+def resolve_label(cfg: Config, explicit: str | None, file_label: tuple[str, dict] | None,
+                  presets: list[tuple[str, Config]]) -> str:
+    """The label of ``cfg`` by the rules of the module docstring.
+
+    Args:
+        explicit: a ``comm.label=...`` override, or None.
+        file_label: ``(label, wire_settings when that file was read)`` of the last file that set ``comm.label``.
+        presets: ``(name, preset loaded alone)``, the run's own preset first.
+    """
+    if explicit:
+        return explicit
+    now = wire_settings(cfg)
+    if file_label is not None and file_label[1] == now:
+        return file_label[0]
+    for name, preset_cfg in presets:
+        if wire_settings(preset_cfg) == now:
+            return name
+    return derive_label(cfg)

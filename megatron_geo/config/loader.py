@@ -6,6 +6,7 @@ Errors are :class:`ConfigError` with a message that names the offending file/key
 from __future__ import annotations
 
 import dataclasses
+import functools
 import decimal
 import difflib
 import typing
@@ -129,18 +130,43 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
     """
     from .label import resolve_label
 
-    cfg, preset = _build(files, overrides)
-    preset_only = _build([preset[1]], ())[0] if preset is not None else None
-    cfg.comm.label = resolve_label(cfg, preset[0] if preset else None, preset_only)
+    cfg, preset, file_label, explicit = _build(files, overrides)
+    cfg.comm.label = resolve_label(cfg, explicit, file_label, _presets(preset))
     return cfg
 
 
-def _build(files, overrides) -> tuple[Config, tuple[str, str] | None]:
-    """Defaults, files, overrides -> ``(cfg, (preset name, preset file) or None)`` (no label yet)."""
-    from .label import preset_name, reset_comm_sections
+# the repository's presets: named when a run's settings equal one of them (also without --config configs/comm/...)
+_PRESET_FOLDER = Path(__file__).resolve().parents[2] / "configs" / "comm"
+
+
+def _presets(preset: tuple[str, str] | None) -> list[tuple[str, Config]]:
+    """``(name, preset loaded alone)``: the run's own preset first, then every other preset in its folder (the
+    repository's ``configs/comm`` without one); a preset that does not load is left out."""
+    folder = Path(preset[1]).parent if preset is not None else _PRESET_FOLDER
+    paths = [Path(preset[1])] if preset is not None else []
+    if folder.is_dir():
+        paths += [p for p in sorted(folder.glob("*.yaml")) if preset is None or p.resolve() != Path(preset[1]).resolve()]
+    out = []
+    for p in paths:
+        try:
+            out.append((p.stem, _load_preset(str(p.resolve()), p.stat().st_mtime_ns)))
+        except (ConfigError, OSError):
+            continue
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _load_preset(path: str, mtime_ns: int) -> Config:
+    return _build([path], ())[0]
+
+
+def _build(files, overrides):
+    """Defaults, files, overrides -> ``(cfg, (preset name, file) or None, (label, wire settings) of the last file
+    that set comm.label or None, the comm.label override or None)``; ``cfg.comm.label`` is left empty."""
+    from .label import preset_name, reset_comm_sections, wire_settings
 
     cfg = Config()
-    preset = None
+    preset = file_label = explicit = None
     for f in files:
         path = Path(f)
         if not path.is_file():
@@ -165,13 +191,18 @@ def _build(files, overrides) -> tuple[Config, tuple[str, str] | None]:
                 raise ConfigError(f"{f}: section '{section}' must be a mapping of key: value")
             for key, value in body.items():
                 _apply(cfg, section, key, value, f)
+        if cfg.comm.label:  # e.g. a run's config.yaml: its label describes the settings it was written with
+            file_label = (cfg.comm.label, wire_settings(cfg))
+            cfg.comm.label = ""
     for ov in overrides:
         if "=" not in ov or "." not in ov.split("=", 1)[0]:
             raise ConfigError(f"override '{ov}' is not of the form section.key=value (e.g. train.steps=20)")
         dotted, value = ov.split("=", 1)
         section, key = dotted.split(".", 1)
         _apply(cfg, section.strip(), key.strip(), value, "override")
-    return cfg, preset
+        if (section.strip(), key.strip()) == ("comm", "label"):
+            explicit, cfg.comm.label = cfg.comm.label, ""
+    return cfg, preset, file_label, explicit
 
 
 def config_to_dict(cfg: Config) -> dict:
