@@ -84,6 +84,8 @@ def test_stacking_two_presets_is_an_error_and_a_preset_replaces_comm():
         load_config([TINY, P("geofp8"), P("fp8")])
     cfg = load_config([TINY, P("fp8")])
     assert cfg.comm.transform == "none" and not cfg.comm.error_feedback
+    with pytest.raises(ConfigError, match="after the comm preset .*pass the preset last"):
+        load_config([P("fp8"), TINY])  # tiny.yaml's comm.dtype=fp32 would silently replace the preset
 
 
 def test_progress_bar_only_on_a_terminal():
