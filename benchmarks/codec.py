@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         bad.append(f"--json {a.json}: folder {os.path.dirname(a.json)} does not exist")
     geo = [p for p in a.presets if p.startswith("geo")]
     if geo:
-        bad.append(f"--presets {geo[0]}: GeoFP8 presets are not timed here (their transform cost is "
+        bad.append(f"--presets {geo[0]}: the geometry-aware presets are not timed here (their transform cost is "
                    f"benchmarks/geo_overhead.py's); the codec itself is the fp8 / nvfp4 row")
     if bad:
         print(f"error: {bad[0]}", file=sys.stderr)

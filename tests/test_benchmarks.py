@@ -44,7 +44,7 @@ def test_geo_overhead_rejects_bad_input_before_starting_workers(argv, message):
 
 @pytest.mark.parametrize("argv,message", [
     (["--dp", "1"], "--dp 1 must be >= 2"),
-    (["--presets", "geofp8"], "GeoFP8 presets are not timed here"),
+    (["--presets", "geofp8"], "the geometry-aware presets are not timed here"),
     (["--json", "/nonexistent_dir_x/c.json"], "does not exist"),
 ])
 def test_codec_benchmark_rejects_bad_input_before_running(argv, message):

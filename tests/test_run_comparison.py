@@ -83,6 +83,10 @@ def test_rerun_into_a_sweep_refuses_other_arguments_unless_forced(tmp_path):
     res = subprocess.run(base + ["train.steps=9"], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert res.returncode == 0 and "ok (already complete with the same arguments" in res.stdout
     assert (tmp_path / "calls.txt").read_text().count("--job-name") == 1
+    # the same folder named by a relative path is the same run
+    res = subprocess.run(TOOL + ["--slurm", "--presets", "fp8", "--seeds", "1", "--sweep-dir", "sw", "train.steps=9"],
+                         capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert res.returncode == 0 and "already complete" in res.stdout, res.stderr
     # the same settings spelled in another order are the same run
     res = subprocess.run(base + ["train.log_interval=1", "train.steps=9"], capture_output=True, text=True,
                          cwd=tmp_path, env=env)
@@ -118,6 +122,17 @@ def test_configs_are_checked_before_anything_runs(tmp_path):
     assert res.returncode == 2 and "both comm presets" in res.stderr
     res = subprocess.run(TOOL + ["--dry-run", "--presets", "bf16", "bf16"], capture_output=True, text=True, cwd=REPO)
     assert res.returncode == 2 and "names bf16 twice" in res.stderr
+    bad = [(["--presets", "fp8", "fp8_ef", "comm.error_feedback=true"], "resolve to the same comm settings"),
+           (["--presets", "bf16", "train.run_dir =/tmp/elsewhere"], "train.run_dir is set per run"),
+           (["--presets", "bf16", " train.seed=4"], "train.seed is set per run"),
+           (["--presets", "bf16", "--seed-list", "-3"], "distinct integer >= 0"),
+           (["--presets", "bf16", "--seed-list", "1", "1"], "distinct integer >= 0"),
+           (["--presets", ","], "no presets"),
+           (["--presets", "configs/tiny.yaml"], "not in a 'comm' folder")]
+    for args, msg in bad:
+        res = subprocess.run(TOOL + ["--dry-run", "--sweep-dir", str(tmp_path / "d"), *args], capture_output=True,
+                             text=True, cwd=REPO)
+        assert res.returncode == 2 and msg in res.stderr, (args, res.stderr)
 
 
 def test_bad_arguments(tmp_path):

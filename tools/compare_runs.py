@@ -553,7 +553,10 @@ def main(argv: list[str] | None = None) -> int:
         order = None
         manifest = Path(a.sweep_dir) / "sweep.json"
         if manifest.is_file():
-            order = json.loads(manifest.read_text()).get("presets")
+            try:
+                order = json.loads(manifest.read_text()).get("presets")
+            except (ValueError, AttributeError):
+                print(f"warning: '{manifest}' is not a sweep record (damaged?); modes in default order", file=sys.stderr)
         modes = group_modes(runs, order)
     except CompareError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -568,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(lengths) > 1:
         unequal = (f"**Warning:** the runs have different lengths ({', '.join(map(str, lengths))} steps); their final "
                    f"losses are not comparable. Put runs of one length in one sweep folder.")
-        print(f"warning: {unequal.replace('**', '')}", file=sys.stderr)
+        print(f"warning: {unequal.replace('**Warning:** ', '')}", file=sys.stderr)
     rows = summarize(modes, a.baseline)
     if a.baseline not in modes and a.baseline != "bf16":
         print(f"error: --baseline {a.baseline} is not a mode of this sweep; choose one of {', '.join(modes)}",

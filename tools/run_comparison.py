@@ -58,6 +58,9 @@ def resolve_preset(name: str) -> tuple[str, Path]:
     if p.suffix in (".yaml", ".yml"):
         if not p.is_file():
             raise SweepError(f"preset file '{name}' not found")
+        if p.parent.name != "comm":
+            raise SweepError(f"preset file '{name}' is not in a 'comm' folder; comm presets live in configs/comm/ (a "
+                             f"model config goes to --config)")
         return p.stem, p
     path = PRESET_DIR / f"{name}.yaml"
     if not path.is_file():
@@ -75,13 +78,17 @@ def plan_runs(configs: list[str], presets: list[str], seeds: list[int], sweep_di
         if not Path(c).is_file():
             raise SweepError(f"model config '{c}' not found (pass an existing YAML file to --config)")
     for ov in overrides:
-        key = ov.split("=", 1)[0]
+        key = "".join(ov.split("=", 1)[0].split())  # the config loader ignores spaces in keys: so does this check
         if "=" not in ov or "." not in key:
             raise SweepError(f"override '{ov}' is not of the form section.key=value (e.g. train.steps=300)")
         if key in RESERVED:
             raise SweepError(f"override '{ov}': {key} is set per run by the sweep; use --sweep-dir/--seeds instead")
     if not seeds:
         raise SweepError("no seeds: pass --seeds N (N >= 1) or --seed-list")
+    if any(sd < 0 for sd in seeds) or len(set(seeds)) != len(seeds):
+        raise SweepError(f"seeds {seeds}: each must be a distinct integer >= 0")
+    if not presets:
+        raise SweepError("no presets: pass --presets NAME [NAME ...] (files in configs/comm/)")
     group = sweep_dir.name
     runs = []
     resolved = [resolve_preset(p) for p in presets]
@@ -166,12 +173,17 @@ def resolve_configs(runs: list[dict], world: int | None) -> None:
 
 
 def _differences(old: dict, new: dict) -> list[str]:
-    """``section.key: old -> new`` for every key whose resolved value differs."""
+    """``section.key: old -> new`` for every key whose resolved value differs (paths that name the same folder,
+    e.g. a relative and an absolute ``train.run_dir``, are equal)."""
     out = []
     for sec in sorted(set(old) | set(new)):
         a, b = old.get(sec) or {}, new.get(sec) or {}
         for k in sorted(set(a) | set(b)):
-            if a.get(k) != b.get(k):
+            va, vb = a.get(k), b.get(k)
+            if (sec, k) in (("train", "run_dir"), ("checkpoint", "dir")) and va and vb and \
+                    Path(va).resolve() == Path(vb).resolve():
+                continue
+            if va != vb:
                 out.append(f"{sec}.{k}: {a.get(k)!r} -> {b.get(k)!r}")
     return out
 
@@ -267,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
         if dup:
             raise SweepError(f"--presets names {dup[0].rsplit('-seed', 1)[0]} twice; pass each preset once")
         resolve_configs(runs, None if a.slurm else a.nproc)
+        same = {}
+        for r in runs:  # two presets that end as the same settings would be one mode twice in compare_runs
+            other = same.setdefault((r["config"]["comm"]["label"], r["seed"]), r)
+            if other is not r:
+                raise SweepError(f"presets {other['preset']} and {r['preset']} resolve to the same comm settings "
+                                 f"(label {r['config']['comm']['label']}) with these overrides; drop one")
         existing = check_existing(runs, a.resume or a.skip_finished, a.force)
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -286,7 +304,14 @@ def main(argv: list[str] | None = None) -> int:
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(str(d), str(dest))
             print(f"{d.name}: the old run folder was moved to {dest}", flush=True)
-    manifest = {"sweep": sweep_dir.name, "presets": list(dict.fromkeys(r["preset"] for r in runs)), "seeds": seeds,
+    try:  # a re-run with fewer presets or seeds keeps the earlier ones in the record (and compare_runs' order)
+        before = json.loads((sweep_dir / "sweep.json").read_text())
+        prev_presets, prev_seeds = list(before.get("presets") or []), list(before.get("seeds") or [])
+    except (OSError, ValueError, AttributeError):
+        prev_presets, prev_seeds = [], []
+    manifest = {"sweep": sweep_dir.name,
+                "presets": list(dict.fromkeys(prev_presets + [r["preset"] for r in runs])),
+                "seeds": sorted(set(prev_seeds) | set(seeds)),
                 "launcher": "slurm" if a.slurm else f"torchrun x{a.nproc}", "argv": sys.argv,
                 "runs": [{**{k: v for k, v in r.items() if k != "config"}, "command": shlex.join(c)}
                          for r, c in zip(runs, cmds)]}

@@ -186,8 +186,10 @@ def _build(files, overrides):
             raise ConfigError(f"config file '{f}' is not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file '{f}': top level must be a mapping of sections, got {type(data).__name__}")
-        if preset is not None and name is None and ({"comm", "geo"} & set(data)):
-            raise ConfigError(f"config file '{f}' sets {'/'.join(sorted({'comm', 'geo'} & set(data)))} keys after the "
+        # a model config after a preset would silently replace part of it (an overlay of comm/geo keys alone is
+        # a deliberate change and allowed)
+        if preset is not None and name is None and "model" in data and ({"comm", "geo"} & set(data)):
+            raise ConfigError(f"model config '{f}' sets {'/'.join(sorted({'comm', 'geo'} & set(data)))} keys after the "
                               f"comm preset '{preset[1]}', which would silently replace part of it; pass the preset "
                               f"last (--config MODEL.yaml --config {preset[1]}) or change keys with overrides")
         for section, body in data.items():
