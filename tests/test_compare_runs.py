@@ -227,3 +227,12 @@ def test_replaced_runs_are_ignored_and_unequal_lengths_are_flagged(sweep, tmp_pa
     res = subprocess.run([sys.executable, str(REPO / "tools" / "compare_runs.py"), str(sweep), "--out",
                           str(sweep / "bf16-seed1" / "config.yaml")], capture_output=True, text=True)
     assert res.returncode == 2 and "is a file" in res.stderr
+
+
+def test_a_one_mode_sweep_has_no_verdict_table(tmp_path):
+    root = tmp_path / "sw"
+    for seed in (1, 2):
+        _write_run(root / f"bf16-seed{seed}", "bf16", seed)
+    res = subprocess.run([sys.executable, str(REPO / "tools" / "compare_runs.py"), str(root), "--no-plots"],
+                         capture_output=True, text=True)
+    assert res.returncode == 0 and "Verdicts" not in (root / "results.md").read_text()

@@ -142,3 +142,22 @@ def test_bad_arguments(tmp_path):
     assert res.returncode == 2 and "'nope.yaml' not found" in res.stderr
     res = subprocess.run(TOOL + ["--dry-run", "train.seed=3"], capture_output=True, text=True, cwd=REPO)
     assert res.returncode == 2 and "train.seed is set per run" in res.stderr
+
+
+def test_ctrl_c_during_a_sweep_is_one_line_and_exit_130(tmp_path):
+    import signal
+    import time
+
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nsleep 30\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    p = subprocess.Popen(TOOL + ["--slurm", "--presets", "fp8", "--seeds", "1", "--sweep-dir", str(tmp_path / "sw")],
+                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "sw" / "fp8-seed1" / "sweep_args.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and "interrupted; run the same command again" in err and "Traceback" not in err

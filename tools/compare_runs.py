@@ -587,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
             f"(mean - {a.baseline} mean) / {a.baseline} std; paired gap = mean over seeds of (run - {a.baseline} "
             f"run of the same seed); bytes/step = bytes one rank sent for DP gradient reduction per step; "
             f"tokens/s = global, mean over steps after the first.")
-    verdicts = verdict_table(rows, a.baseline) if a.baseline in modes else ""
+    verdicts = verdict_table(rows, a.baseline) if a.baseline in modes and len(modes) > 1 else ""
     vnote = (f"Verdicts: paired (same-seed) difference of the final validation loss to {a.baseline}, 95% "
              f"confidence interval of its mean over seeds (Student t below 5 seeds, BCa bootstrap from 5); better / "
              f"worse only when the interval excludes 0; seeds to resolve = paired seeds whose t interval would be "

@@ -355,4 +355,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the run in progress got the Ctrl-C too; its checkpoint (if any) is kept
+        print("\ninterrupted; run the same command again to continue the sweep (finished runs are not repeated, "
+              "unfinished ones resume from their last checkpoint)", file=sys.stderr)
+        sys.exit(130)
