@@ -296,6 +296,18 @@ def _e2m1_values(c: Tensor) -> Tensor:
     return torch.where((c & 8) != 0, -mag, mag)
 
 
+def e2m1_unpack(packed: Tensor) -> Tensor:
+    """float32 ``[..., 2n]``: the E2M1 values of uint8 ``packed`` ``[..., n]`` (element ``2i`` in the low nibble, ``2i+1``
+    in the high one, as :func:`nvfp4_encode` packs them). Eager: a 256-entry byte table; inside a compiled graph
+    the same values computed arithmetically (:func:`_e2m1_values`, which vectorises)."""
+    if torch.compiler.is_compiling():
+        p = packed.to(torch.int32)
+        vals = torch.stack((_e2m1_values(p & 15), _e2m1_values(p >> 4)), dim=-1)
+    else:
+        vals = _e2m1_byte_table(packed.device)[packed.long()]
+    return vals.view(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
 def nvfp4_decode(packed: Tensor, block_scale_codes: Tensor, global_scale: Tensor) -> Tensor:
     """float32 ``[nblk, 16]``: ``e2m1 * e4m3_block_scale * global_scale``.
 
@@ -316,11 +328,7 @@ def nvfp4_decode(packed: Tensor, block_scale_codes: Tensor, global_scale: Tensor
                          f"{tuple(packed.shape)} and {tuple(block_scale_codes.shape)}")
     nblk = packed.shape[0]
     g = _global_rows(global_scale, nblk)
-    if torch.compiler.is_compiling():  # arithmetic (vectorises in a compiled graph); the same values as the table
-        p = packed.to(torch.int32)
-        vals = torch.stack((_e2m1_values(p & 15), _e2m1_values(p >> 4)), dim=-1).view(nblk, NVFP4_BLOCK)
-    else:
-        vals = _e2m1_byte_table(packed.device)[packed.long()].view(nblk, NVFP4_BLOCK)
+    vals = e2m1_unpack(packed)
     s = block_scale_codes.view(torch.float8_e4m3fn).float().view(nblk, 1)
     return (vals * s) * g  # e2m1 * e4m3 is exact in FP32; one rounding for the global scale
 

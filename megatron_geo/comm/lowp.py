@@ -10,7 +10,8 @@ uneven whole-parameter ranges, see :mod:`megatron_geo.distributed.shard_plan`):
    ``comm.scale_sync=max``, the MAX over the DP group (NaN mapped to +inf so it survives the MAX);
 4. encode the buffer; a uint8 all-to-all with split sizes moves range r's codes to rank r, and a small
    FP32 all-to-all its scales (FP8: one per segment; NVFP4: the E4M3 block scales travel with the codes,
-   the FP32 per-parameter scales here, one per run of blocks);
+   the FP32 per-parameter global scales here, one per segment; every segment is a whole number of 16- or
+   128-element blocks, so scales reach the elements one per block, see :mod:`.scale_layout`);
 5. decode each source's copy of this rank's range with that source's scales, sum in FP32 in rank order, divide by
    ``dp_size`` once; undo the rotation. ``e <- r - decode(encode(r))`` (what this rank's quantiser lost).
 
@@ -217,12 +218,12 @@ class LowPrecisionReducer(Reducer):
         bucket, and for each selected GeoFP8 layer also through the plain Euclidean codec. Tensors only (no host
         sync here); the trainer reduces them over DP once per telemetry step."""
         layout, out = self.layouts[key], self.telemetry
+        # while GeoFP8 profiles bound hits the active codec is the Euclidean one (and _to_wire would count hits)
         profiling = self.geo is not None and self.geo.profiling
-        x = buf.clone()
-        if not profiling:
-            x = self._to_wire(x, key)
-        y = self._from_wire(self.wire.roundtrip(x, layout), key, 0) if not profiling else self.wire.roundtrip(x, layout)
-        err = y.sub_(buf)
+        if profiling:
+            err = self.wire.roundtrip(buf.clone(), layout).sub_(buf)
+        else:
+            err = self._from_wire(self.wire.roundtrip(self._to_wire(buf.clone(), key), layout), key, 0).sub_(buf)
         out.append((f"bucket{key}", err.square().sum(), buf.square().sum()))
         slots = [s for s in self.geo_slots.get(key, []) if not profiling and s[0] in self.geo.selected]
         if slots:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .codecs import NVFP4_BLOCK, _e2m1_byte_table, _e2m1_values, nvfp4_decode, nvfp4_encode, nvfp4_global_scale
+from .codecs import NVFP4_BLOCK, e2m1_unpack, nvfp4_decode, nvfp4_encode, nvfp4_global_scale
 from .compiled import maybe_compile
 from .scale_layout import ScaleLayout
 from .wire_fp8 import block_amax
@@ -39,11 +39,7 @@ def _decode_sum(packed: Tensor, bscale: Tensor, g: Tensor) -> Tensor:
     ``[dp, nb]`` and global scales ``[dp, nb]`` (each value ``(e2m1 * block scale) * global`` as
     :func:`.codecs.nvfp4_decode`, FP32 sum over dim 0, then one division by dp)."""
     dp = packed.shape[0]
-    if torch.compiler.is_compiling():  # arithmetic E2M1 values (vectorises); the same values as the table
-        p = packed.to(torch.int32)
-        vals = torch.stack((_e2m1_values(p & 15), _e2m1_values(p >> 4)), dim=-1).view(dp, -1, NVFP4_BLOCK)
-    else:
-        vals = _e2m1_byte_table(packed.device)[packed.long()].view(dp, -1, NVFP4_BLOCK)
+    vals = e2m1_unpack(packed)                                                   # [dp, nb, 16]
     s = bscale.view(torch.float8_e4m3fn).float().unsqueeze(-1)
     return ((vals * s) * g.unsqueeze(-1)).sum(dim=0).div_(dp).view(-1)
 
