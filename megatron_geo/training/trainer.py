@@ -349,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except ConfigError as e:
         if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")).strip() in ("0", ""):  # say it once
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        else:  # the launcher stops every process when the first one exits: leave rank 0 the time to say it
+            time.sleep(5.0)
         return 2
     if env.world_size > 1 and env.rank == 0:
         print(f"waiting for {env.world_size} processes ({env.launcher} launch) at {env.master_addr}:{env.master_port}",
