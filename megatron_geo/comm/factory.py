@@ -31,6 +31,7 @@ def build_reducer(comm, dp_group, dp_size: int, dp_rank: int, seed: int = 0, dev
         kw = {} if isinstance(comm, str) else dict(
             scaling=comm.scaling, block_size=comm.block_size, rounding=comm.rounding,
             error_feedback=comm.error_feedback, transform=comm.transform, hadamard_block=comm.hadamard_block,
-            scale_sync=comm.scale_sync, compile=comm.compile)
+            scale_sync=comm.scale_sync, compile=comm.compile, reduce_op=comm.reduce_op,
+            wire_sum_prediv=comm.wire_sum_prediv)
         return LowPrecisionReducer(dp_group, dp_size, dp_rank, dtype, seed=seed, device=device, **kw)
     raise ValueError(f"comm.dtype={dtype!r} is not supported; choose fp32, bf16, fp8_e4m3, fp8_e5m2 or nvfp4")

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .codecs import FP8_FORMATS, NVFP4_BLOCK
+from .codecs import FP8_FORMATS, NVFP4_BLOCK, fp8_max
 from .compiled import resolve_compile
 from .hadamard import hadamard_matrix, hadamard_signs
 from .reducer import PendingReduction, Reducer
@@ -40,6 +40,7 @@ from .scale_layout import ScaleLayout, build_scale_layout
 from .wire_cast import CAST_DTYPES, CastWire
 from .wire_fp8 import FP8Wire
 from .wire_nvfp4 import NVFP4Wire
+from .wire_sum import REDUCE_OPS, ring_sum
 from ..parallel import collectives as C
 
 # tensor-scaled FP8 keeps parameters 16-aligned so that its scales reach the elements one per 16-element block
@@ -58,8 +59,11 @@ class LowPrecisionReducer(Reducer):
     def __init__(self, dp_group, dp_size: int, dp_rank: int, fmt: str, scaling: str = "tensor",
                  block_size: int = 128, rounding: str = "nearest", error_feedback: bool = False,
                  transform: str = "none", hadamard_block: int = 128, scale_sync: str = "none", seed: int = 0,
-                 device=None, compile: str | bool = "auto"):
+                 device=None, compile: str | bool = "auto", reduce_op: str = "fp32_sum", wire_sum_prediv: bool = True):
         super().__init__(dp_group, dp_size, dp_rank)
+        if reduce_op not in REDUCE_OPS or (reduce_op == "wire_sum" and fmt not in FP8_FORMATS):
+            raise ValueError(f"comm.reduce_op={reduce_op!r} with comm.dtype={fmt!r}: wire_sum needs fp8_e4m3 or "
+                             f"fp8_e5m2; otherwise use fp32_sum")
         if fmt not in FP8_FORMATS and fmt not in CAST_DTYPES and fmt != "nvfp4":
             raise ValueError(f"comm.dtype={fmt!r} is not supported here (fp32, bf16, fp8_e4m3, fp8_e5m2, nvfp4)")
         if fmt == "nvfp4" and scale_sync != "none":
@@ -67,6 +71,9 @@ class LowPrecisionReducer(Reducer):
         self.name, self.fmt, self.scaling, self.block_size = fmt, fmt, scaling, block_size
         self.rounding, self.error_feedback, self.transform = rounding, error_feedback, transform
         self.hadamard_block, self.scale_sync = hadamard_block, scale_sync
+        self.reduce_op, self.wire_sum_prediv = reduce_op, wire_sum_prediv
+        # comm.reduce_op=wire_sum on an NCCL with FP8 reductions: its own reduce-scatter; else the exact emulation
+        self.native_wire_sum = reduce_op == "wire_sum" and C.supports_fp8_sum(dp_group)
         self.layouts: dict[int, ScaleLayout] = {}
         self._shard_in_wire_coords: dict[int, torch.Tensor] = {}
         self.geo = None
@@ -224,15 +231,15 @@ class LowPrecisionReducer(Reducer):
             err = self.wire.roundtrip(buf.clone(), layout).sub_(buf)
         else:
             err = self._from_wire(self.wire.roundtrip(self._to_wire(buf.clone(), key), layout), key, 0).sub_(buf)
-        out.append((f"bucket{key}", err.square().sum(), buf.square().sum()))
+        out.append((f"rel_err/bucket{key}", err.square().sum(), buf.square().sum()))
         slots = [s for s in self.geo_slots.get(key, []) if not profiling and s[0] in self.geo.selected]
         if slots:
             e_euclid = self.wire.roundtrip(buf.clone(), layout).sub_(buf)
             for name, off, rows, cols in slots:
                 sl = slice(off, off + rows * cols)
                 g2 = buf[sl].square().sum()
-                out.append((f"geo/{name}", err[sl].square().sum(), g2))
-                out.append((f"euclid/{name}", e_euclid[sl].square().sum(), g2))
+                out.append((f"rel_err/geo/{name}", err[sl].square().sum(), g2))
+                out.append((f"rel_err/euclid/{name}", e_euclid[sl].square().sum(), g2))
 
     def _reduce_scatter(self, buf: torch.Tensor, key=None, keep_wire: bool = False) -> PendingReduction:
         if self.telemetry is not None:
@@ -245,6 +252,8 @@ class LowPrecisionReducer(Reducer):
         residual = self.residuals.get(key)
         if residual is not None:  # in place: x is the consumed bucket buffer (or the rotated copy of it)
             x = x.add_(residual)
+        if self.reduce_op == "wire_sum":
+            return self._wire_sum(buf, x, key, residual, keep_wire)
         sync = self._sync_amax if self.scale_sync == "max" else None
         # the wire format also sets the residual to what this rank's quantiser lost, in place
         codes, scales, shared = self.wire.encode_ranges(x, layout, sync, residual)
@@ -274,6 +283,60 @@ class LowPrecisionReducer(Reducer):
 
         return PendingReduction(None, epilogue)
 
+    def _wire_sum(self, buf: torch.Tensor, x: torch.Tensor, key, residual, keep_wire: bool) -> PendingReduction:
+        """``comm.reduce_op=wire_sum`` (:mod:`.wire_sum`): codes with one DP-shared scale per scale group (times N
+        with ``comm.wire_sum_prediv``), summed in FP8 in ring order: NCCL's FP8 reduce-scatter (or one reduce
+        per owner range) where it has one, else an all-to-all of the codes and :func:`.wire_sum.ring_sum`."""
+        layout, bounds = self.layouts[key], self.bounds[key]
+        dp, r = self.dp_size, self.dp_rank
+        lo, own = bounds[r], layout.sizes[r]
+        prediv = self.wire_sum_prediv
+
+        def sync(amax):
+            amax = self._sync_amax(amax)
+            return amax * dp if prediv else amax
+
+        codes, _, shared = self.wire.encode_ranges(x, layout, sync, residual)
+        send, splits = codes[0]
+        f8 = FP8_FORMATS[self.fmt]
+        if self.native_wire_sum:
+            if self._even(buf, key):
+                out = torch.empty(own, dtype=torch.uint8, device=buf.device)
+                work = C.reduce_scatter_into(out.view(f8), send.view(f8), self.group, async_op=True)
+            else:  # whole-parameter owners: one reduce per range, in place
+                out = send[lo:lo + own]
+                work = C.reduce_ranges(send.view(f8), bounds, self.group, async_op=True)
+            self._count_sent(buf, key, torch.uint8)
+        else:
+            out = torch.empty(dp * own, dtype=torch.uint8, device=buf.device)
+            work = C.all_to_all_single(out, send, self.group, [own] * dp, splits, async_op=True)
+            self.bytes_sent += send.numel() - own
+        if self.telemetry is not None:  # bound hits: this rank's non-zero inputs that its codes flush to zero
+            self.telemetry.append((f"bound_hits/flushed/bucket{key}",
+                                   ((send.view(f8).float() == 0) & (x != 0)).sum().float(),
+                                   (x != 0).sum().float()))
+
+        def epilogue():
+            work.wait()
+            if self.native_wire_sum:
+                total = out
+                saturated = total.view(f8).float().abs() >= fp8_max(self.fmt)  # final codes at the max
+            else:
+                total, saturated = ring_sum(out.view(dp, own), r, self.fmt)
+            if self.telemetry is not None:
+                self.telemetry.append((f"bound_hits/saturated/bucket{key}", saturated.sum().float(),
+                                       torch.full((), float(max(own, 1)), device=buf.device)))
+            scale = shared[r]                                                                   # [K]
+            if keep_wire:  # all-reduce: gather the summed codes as they are, with the scale that includes 1/N
+                self._shard_in_wire_coords[key] = torch.cat(
+                    [total.view(1, -1), (scale / dp).view(1, -1).view(torch.uint8)], dim=1)
+                return
+            g = layout.granule
+            avg = self.wire.decode(total.view(-1, g), layout.row_block_values(scale, r)).div_(dp)
+            buf[lo:lo + own] = self._from_wire(avg, key, lo)
+
+        return PendingReduction(None, epilogue)
+
     def all_reduce(self, buf: torch.Tensor, key=None, async_op: bool = True) -> PendingReduction:
         self._check(buf, key)
         if self.dp_size == 1:
@@ -287,7 +350,8 @@ class LowPrecisionReducer(Reducer):
         def gather():
             rs.wait()
             shard = self._shard_in_wire_coords.pop(key)
-            payload = self.wire.encode_chunk(shard, layout, r)
+            # wire_sum leaves the summed codes and their scale ready to send; otherwise encode the averaged shard
+            payload = shard if shard.dtype == torch.uint8 else self.wire.encode_chunk(shard, layout, r)
             out = torch.empty((dp, payload.shape[1]), dtype=torch.uint8, device=buf.device)
             C.all_gather_into(out.view(-1), payload.reshape(-1), self.group)
             self.bytes_sent += (dp - 1) * payload.shape[1]

@@ -42,6 +42,8 @@ def preset_name(path: str | Path) -> str | None:
 def wire_settings(cfg: Config) -> dict:
     """The counted settings: comm keys but :data:`NOT_LABELLED`, and the geo section only with ``transform=geo``."""
     comm = {k: v for k, v in asdict(cfg.comm).items() if k not in NOT_LABELLED}
+    if cfg.comm.reduce_op != "wire_sum":  # pre-division only matters to the FP8 sum in the collective
+        comm.pop("wire_sum_prediv")
     return {"comm": comm, "geo": asdict(cfg.geo) if cfg.comm.transform == "geo" else {}}
 
 
@@ -49,7 +51,7 @@ def derive_label(cfg: Config) -> str:
     """A compact label of the counted comm and geo keys that differ from the defaults.
 
     ``dtype`` first, then ``block<N>`` (block scaling), ``sr`` (stochastic rounding), ``ef`` (error feedback),
-    ``shared`` (MAX-shared scales), ``had<N>`` (Hadamard rotation), ``geo(r<rank>,p=<power>|auto,...)`` (GeoFP8;
+    ``shared`` (MAX-shared scales), ``wiresum`` / ``wiresum-noprediv`` (FP8 sum in the collective), ``had<N>`` (Hadamard rotation), ``geo(r<rank>,p=<power>|auto,...)`` (GeoFP8;
     ``auto`` with ``geo.power_search``; ``sel=auto`` with profiled layer selection; any other geo key that
     differs from its default as ``short=value``), joined by ``+``.
     """
@@ -63,6 +65,8 @@ def derive_label(cfg: Config) -> str:
         parts.append("ef")
     if c.scale_sync == "max":
         parts.append("shared")
+    if c.reduce_op == "wire_sum":
+        parts.append("wiresum" if c.wire_sum_prediv else "wiresum-noprediv")
     if c.transform == "hadamard":
         parts.append(f"had{c.hadamard_block}")
     elif c.transform == "geo":

@@ -108,6 +108,10 @@ class CommConfig:
     transform: str = "none"        # none | hadamard (fixed block-Hadamard rotation) | geo (GeoFP8, see geo.*)
     hadamard_block: int = 128      # rotation block (power of two)
     scale_sync: str = "none"       # none (per-rank scales, sent with the payload) | max (shared MAX scales)
+    # fp32_sum: every rank's codes decoded and summed in FP32 (default) | wire_sum: the paper's Euclidean
+    # collective, codes with one DP-shared scale summed in FP8 inside the reduce-scatter (fp8 only)
+    reduce_op: str = "fp32_sum"
+    wire_sum_prediv: bool = True   # wire_sum: divide by the DP size before the sum (in the scale), not after
     # torch.compile(fullgraph=True) each codec's encode and decode (codes bitwise equal to eager);
     # auto = on with CUDA, off on CPU (where a C++ compiler and a first-call compile are needed)
     compile: str = "auto"

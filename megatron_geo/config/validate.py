@@ -28,6 +28,7 @@ _CHOICES = {
     ("geo", "select"): ("layers", "auto"),
     ("geo", "statistics"): ("auto", "full", "sketch"),
     ("comm", "scale_sync"): ("none", "max"),
+    ("comm", "reduce_op"): ("fp32_sum", "wire_sum"),
     ("train", "nonfinite"): ("skip", "stop"),
     ("logging", "wandb"): ("offline", "online", "disabled"),
     ("model", "transformer_impl"): ("local", "transformer_engine"),
@@ -94,6 +95,9 @@ def validate_config(cfg: Config, world_size: int) -> None:
             raise ConfigError(f"geo.power={g.power} must be in (0, 1] (0.5 whitens the top-r directions, 0.25 goes "
                               f"halfway)")
         parse_power_search(g.power_search)
+    if c.reduce_op == "wire_sum" and c.dtype not in ("fp8_e4m3", "fp8_e5m2"):
+        raise ConfigError(f"comm.reduce_op=wire_sum sums FP8 codes in the collective; it needs comm.dtype=fp8_e4m3 "
+                          f"or fp8_e5m2, got comm.dtype={c.dtype} (or use comm.reduce_op=fp32_sum)")
     if c.dtype == "nvfp4" and c.scale_sync != "none":
         raise ConfigError("comm.scale_sync=max is supported for fp8 formats only; use comm.scale_sync=none with nvfp4")
     if t.warmup_steps < 0 or t.eval_batches < 0:

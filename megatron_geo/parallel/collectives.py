@@ -55,6 +55,17 @@ def required_device_type(group) -> str | None:
     return _BACKEND_DEVICE.get(backend)
 
 
+def supports_fp8_sum(group) -> bool:
+    """Whether ``group`` sums ``float8_e4m3fn`` / ``float8_e5m2`` tensors natively: NCCL >= 2.24 (torch maps
+    the FP8 dtypes to ``ncclFloat8e4m3`` / ``ncclFloat8e5m2`` there); gloo and the fake backend do not."""
+    if required_device_type(group) != "cuda" or not torch.cuda.is_available():
+        return False
+    try:
+        return tuple(torch.cuda.nccl.version()) >= (2, 24, 0)
+    except (RuntimeError, AttributeError):
+        return False
+
+
 def check_devices(op: str, group, *tensors: torch.Tensor) -> None:
     """Raise :class:`CollectiveDeviceError` when a tensor is not on the device type ``group`` needs.
 

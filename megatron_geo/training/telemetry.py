@@ -11,6 +11,14 @@ errors are averaged over the DP group with one all-reduce of a few floats and lo
 
 Round to nearest with this rank's own scales, no error feedback: the error one encode adds, not the error of
 the reduced average.
+
+With ``comm.reduce_op=wire_sum`` (codes summed in FP8 inside the collective, :mod:`megatron_geo.comm.wire_sum`)
+the same steps also log the bound hits, DP-averaged fractions:
+
+- ``comm/bound_hits/flushed/bucket<i>``: non-zero gradient elements whose FP8 code is zero (pre-division by N
+  makes these grow);
+- ``comm/bound_hits/saturated/bucket<i>``: elements of the owned range whose partial sum reached the format's
+  max at some hop of the ring (exact emulation) or, with NCCL's native FP8 sum, whose final code is at the max.
 """
 
 from __future__ import annotations
@@ -30,14 +38,17 @@ def arm(reducer, step: int, interval: int) -> bool:
 
 
 def collect(reducer, dp_group, dp_size: int) -> dict[str, float]:
-    """Disarm and return ``{"comm/rel_err/<name>": DP-mean relative error}`` (one all-reduce; collective over
-    the DP group: every DP rank must call it after the same armed step)."""
+    """Disarm and return ``{"comm/<name>": DP mean}`` (one all-reduce; collective over the DP group: every DP
+    rank must call it after the same armed step). ``rel_err/...`` entries carry squared norms (the value is
+    ``sqrt(num / den)``), ``bound_hits/...`` entries counts (the value is ``num / den``)."""
     items, reducer.telemetry = reducer.telemetry or [], None
     if not items:
         return {}
     num = torch.stack([n for _, n, _ in items]).double()
     den = torch.stack([d for _, _, d in items]).double()
-    rel = torch.where(den > 0, (num / den.clamp(min=1e-300)).sqrt(), torch.zeros_like(num))
+    ratio = torch.where(den > 0, num / den.clamp(min=1e-300), torch.zeros_like(num))
+    squared = torch.tensor([name.startswith("rel_err/") for name, _, _ in items], device=ratio.device)
+    rel = torch.where(squared, ratio.sqrt(), ratio)
     C.all_reduce(rel, dp_group)
     rel = rel / dp_size
-    return {f"comm/rel_err/{name}": v for (name, _, _), v in zip(items, rel.tolist())}
+    return {f"comm/{name}": v for (name, _, _), v in zip(items, rel.tolist())}
