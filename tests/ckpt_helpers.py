@@ -35,6 +35,21 @@ def tiny_train_overrides(run_dir: Path, data: list[str], *extra: str) -> list[st
             "logging.wandb=disabled", f"train.run_dir={run_dir}", *data, *extra]
 
 
+def train_jobs(rank, world, jobs):
+    """``run_distributed`` worker: train each override list of ``jobs`` in turn; returns the train results."""
+    from megatron_geo.config import load_config, validate_config
+    from megatron_geo.training.trainer import train
+
+    from helpers import pctx_for
+
+    out = []
+    for overrides in jobs:
+        cfg = load_config([], overrides)
+        validate_config(cfg, world)
+        out.append(train(cfg, pctx_for(cfg.parallel.tensor)))
+    return out
+
+
 def local_state(optimizer) -> list[dict]:
     """Every main param piece of this rank with its optimizer state (for reassembly in the parent)."""
     out = []

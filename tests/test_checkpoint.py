@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ckpt_helpers import assemble, local_state, make_corpus, tiny_train_overrides
+from ckpt_helpers import train_jobs as _train_jobs
 from dist_harness import free_port, run_distributed
 from helpers import global_batch, pctx_for, rank_micro_batches, tiny_cfg
 
@@ -64,18 +65,6 @@ MODES.update({f"preset_{p.stem}": _preset_overrides(p.stem) for p in sorted((ROO
 # geo.power_search resumed at a refresh (3) and before one (5)
 MODES["preset_geofp8_search_at_refresh"] = _preset_overrides("geofp8_search") + ["train.exit_interval=3"]
 MODES["preset_geofp8_search_before_refresh"] = _preset_overrides("geofp8_search") + ["train.exit_interval=5"]
-
-
-def _train_jobs(rank, world, jobs):
-    from megatron_geo.config import load_config, validate_config
-    from megatron_geo.training.trainer import train
-
-    out = []
-    for overrides in jobs:
-        cfg = load_config([], overrides)
-        validate_config(cfg, world)
-        out.append(train(cfg, pctx_for(cfg.parallel.tensor)))
-    return out
 
 
 def _records(run_dir: Path) -> list[dict]:

@@ -1,12 +1,18 @@
-"""Export a sharded training checkpoint to one consolidated FP32 file (TP = 1) for evaluation.
+"""Export a sharded training checkpoint to one consolidated FP32 file (TP = 1) for evaluation, or to and
+from a Hugging Face Llama folder.
 
     python tools/convert_checkpoint.py runs/demo out/demo.pt            # a run dir: its latest checkpoint
     python tools/convert_checkpoint.py runs/demo/checkpoints/step_00000600 out/demo.pt
+    python tools/convert_checkpoint.py runs/demo out/demo-hf --to hf [--dtype fp32] [--max-shard-size 2GB]
+    python tools/convert_checkpoint.py out/demo-hf runs/ft-init --from hf --config configs/tiny.yaml
 
 Runs in one process, whatever DP x TP the checkpoint was saved at: torch.distributed.checkpoint
 reads every shard of each ``model/<name>`` entry (the FP32 main params, in the global layout) into one
 full tensor. The output format is :mod:`megatron_geo.checkpoint.consolidated` (read it back with
-``load_consolidated``; ``tools/eval_downstream.py`` takes it directly). Exit code 2 on bad input.
+``load_consolidated``; ``tools/eval_downstream.py`` takes it directly). ``--to hf`` writes a folder that
+``transformers.AutoModelForCausalLM`` and ``AutoTokenizer.from_pretrained`` load (:mod:`megatron_geo.checkpoint.hf_io`);
+``--from hf`` turns such a folder (a plain Llama) into a step folder that ``checkpoint.load=PATH`` resumes, with the
+rest of the training config from ``--config`` files. Both need ``pip install -e .[hf]``. Exit code 2 on bad input.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from megatron_geo.checkpoint.consolidated import CheckpointError, config_from_dict, save_consolidated  # noqa: E402
+from megatron_geo.checkpoint.hf import HFConversionError  # noqa: E402
 from megatron_geo.checkpoint.manager import is_complete, latest_checkpoint, read_meta  # noqa: E402
 from megatron_geo.config import ConfigError  # noqa: E402
 
@@ -81,14 +88,84 @@ def tokenizer_for(cfg, explicit: str | None) -> str | None:
     return prepare_default_corpus(os.path.expanduser(cfg.data.cache_dir), cfg.model.vocab_size).tokenizer_model
 
 
+def _hf_modules():
+    """The Hugging Face converter modules; ConfigError naming the install command without transformers."""
+    try:
+        import safetensors  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"the Hugging Face conversion needs the optional packages ({e.name} is missing): "
+                          f"pip install -e '.[hf]'") from None
+    from megatron_geo.checkpoint import hf_io
+
+    return hf_io
+
+
+def to_hf(a) -> int:
+    """``--to hf``: a training checkpoint -> a Hugging Face Llama folder."""
+    hf_io = _hf_modules()
+    ckpt = find_checkpoint(a.checkpoint)
+    meta = read_meta(ckpt)
+    cfg = config_from_dict(meta["config"], str(ckpt))
+    tok = None if a.no_tokenizer else tokenizer_for(cfg, a.tokenizer)
+    if tok and not Path(tok).expanduser().is_file():
+        raise ConfigError(f"tokenizer {tok} not found; pass --tokenizer PATH or --no-tokenizer")
+    hf_io.check_output(a.output, a.force)  # before reading the weights
+    state = read_model_state(ckpt)
+    names = hf_io.export_hf(state, cfg, a.output, a.dtype, a.max_shard_size, tok and str(Path(tok).expanduser()),
+                            a.force)
+    print(f"{ckpt} (step {meta['step']}, saved at DP={meta['dp_size']} TP={meta['tp_size']}) -> {a.output}: "
+          f"Hugging Face Llama, {a.dtype}, {', '.join(names)}")
+    return 0
+
+
+def from_hf(a) -> int:
+    """``--from hf``: a Hugging Face Llama folder -> a checkpoint folder that ``checkpoint.load`` resumes."""
+    from megatron_geo.config import load_config
+
+    hf_io = _hf_modules()
+    hf_io.check_output(a.output, a.force)
+    model, state = hf_io.read_hf(a.checkpoint)
+    overrides = [f"model.{k}={v}" for k, v in model.items()]
+    cfg = load_config(a.config or [], overrides)
+    model_yaml = ("# the model section of the imported Hugging Face Llama (pass it after the base config, before a "
+                  "comm preset)\nmodel:\n" + "".join(f"  {k}: {v}\n" for k, v in model.items()))
+    hf_io.write_checkpoint(state, cfg, a.output, a.force, source=f"hf:{a.checkpoint.name}",
+                           extra_files={"model.yaml": model_yaml})
+    configs = "".join(f"--config {c} " for c in a.config or [])
+    print(f"{a.checkpoint} -> {a.output}: {len(state)} tensors, step 0, no optimizer state. Continue training with:\n"
+          f"  python pretrain_llama.py {configs}--config {a.output / 'model.yaml'} checkpoint.load={a.output}")
+    if (a.checkpoint / "tokenizer.model").is_file():
+        print(f"on data tokenized with {a.checkpoint / 'tokenizer.model'} (data.tokenizer_model; see "
+              f"tools/preprocess_data.py)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", type=Path, help="step_* folder, checkpoints folder, or run folder")
-    p.add_argument("output", type=Path, help="consolidated .pt file to write")
+    p.add_argument("checkpoint", type=Path, help="step_* folder, checkpoints folder, or run folder (with --from hf: "
+                                                 "a Hugging Face model folder)")
+    p.add_argument("output", type=Path, help="consolidated .pt file to write (--to hf: a folder; --from hf: the "
+                                             "checkpoint folder)")
+    p.add_argument("--to", choices=("pt", "hf"), default="pt", help="pt: one consolidated file (default); hf: a "
+                                                                     "Hugging Face Llama folder")
+    p.add_argument("--from", dest="source", choices=("ours", "hf"), default="ours",
+                   help="hf: import a Hugging Face Llama folder as a checkpoint to resume from")
     p.add_argument("--tokenizer", help="SentencePiece .model to embed (default: the one the run trained with)")
     p.add_argument("--no-tokenizer", action="store_true", help="embed no tokenizer")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="--to hf: weight dtype (default bf16)")
+    p.add_argument("--max-shard-size", default="5GB", help="--to hf: largest safetensors file (default 5GB)")
+    p.add_argument("--config", action="append", help="--from hf: training config file(s) for everything but the "
+                                                     "model section (repeatable; default: the defaults)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty output folder (--to hf, --from hf)")
     a = p.parse_args(argv)
     try:
+        if a.source == "hf" and a.to == "hf":
+            raise ConfigError("--from hf and --to hf together convert nothing; use one of them")
+        if a.source == "hf":
+            return from_hf(a)
+        if a.to == "hf":
+            return to_hf(a)
         if a.output.is_dir():
             raise ConfigError(f"output {a.output} is a folder; give a file name, e.g. {a.output / 'model.pt'}")
         ckpt = find_checkpoint(a.checkpoint)
@@ -99,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         if tok and not Path(tok).expanduser().is_file():
             raise ConfigError(f"tokenizer {tok} not found; pass --tokenizer PATH")
         out = save_consolidated(a.output, cfg, state, tok)
-    except (ConfigError, CheckpointError, FileNotFoundError) as e:
+    except (ConfigError, CheckpointError, HFConversionError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     n = sum(t.numel() for t in state.values())

@@ -1,0 +1,214 @@
+"""Hugging Face interop (tools/convert_checkpoint.py --to hf / --from hf), checked against independent references:
+transformers' own LlamaForCausalLM forward and tokenizer vs our model and SentencePiece tokenizer; the original
+TP=2 x DP=2 checkpoint's tensors vs the round trip; a run resumed from the original checkpoint vs one resumed from
+the imported checkpoint; and the tool's error paths (exit code 2, one line naming the value and the fix)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from ckpt_helpers import make_corpus, tiny_train_overrides, train_jobs  # noqa: E402
+from dist_harness import run_distributed  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+EXTRA = ("model.make_vocab_size_divisible_by=64",)  # vocab 96 is padded to 128 at TP=2: the export must drop it
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("convert_checkpoint_tool", ROOT / "tools" / "convert_checkpoint.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+TOOL = _tool()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A checkpoint saved at TP=2 x DP=2 after 2 steps (the run goes on to step 3) and its FP32 HF export."""
+    d = tmp_path_factory.mktemp("hf")
+    corpus = make_corpus(d / "corpus")
+    run = d / "orig"
+    run_distributed(train_jobs, 4, [tiny_train_overrides(run, corpus, "train.steps=3", "checkpoint.interval=2",
+                                                         "parallel.tensor=2", *EXTRA)])
+    step2 = run / "checkpoints" / "step_00000002"
+    assert json.loads((step2 / "meta.json").read_text())["tp_size"] == 2
+    hf = d / "hf"
+    assert TOOL.main([str(step2), str(hf), "--to", "hf", "--dtype", "fp32"]) == 0
+    return {"dir": d, "corpus": corpus, "run": run, "step2": step2, "hf": hf, "state": TOOL.read_model_state(step2)}
+
+
+def _ours(ckpt, tmp_path):
+    """Our TP=1 model with the checkpoint's weights, through the consolidated file (the eval path)."""
+    from megatron_geo.checkpoint import load_consolidated, save_consolidated
+    from megatron_geo.checkpoint.consolidated import config_from_dict
+    from megatron_geo.checkpoint.manager import read_meta
+
+    cfg = config_from_dict(read_meta(ckpt["step2"])["config"])
+    save_consolidated(tmp_path / "c.pt", cfg, ckpt["state"])
+    return load_consolidated(tmp_path / "c.pt")
+
+
+def _per_token(ours, hf, seqs: torch.Tensor) -> float:
+    """Max |our per-token loss - transformers' per-token loss| over ``seqs`` ``[b, s + 1]``."""
+    with torch.no_grad():
+        a = ours(seqs[:, :-1], seqs[:, 1:])
+        logits = hf(input_ids=seqs[:, :-1]).logits.float()
+        b = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seqs[:, 1:].reshape(-1), reduction="none")
+    assert a.shape == seqs[:, 1:].shape and torch.isfinite(a).all()
+    return float((a - b.view_as(a)).abs().max())
+
+
+def test_export_loads_in_transformers_with_our_losses_and_token_ids(ckpt, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_geo.data import Tokenizer
+
+    cfg, ours = _ours(ckpt, tmp_path)
+    hc = AutoConfig.from_pretrained(ckpt["hf"])
+    assert (hc.vocab_size, hc.num_key_value_heads, hc.tie_word_embeddings) == (96, 2, False)
+    assert ours.padded_vocab == 128 and hc.rms_norm_eps == cfg.model.norm_eps
+    hf = AutoModelForCausalLM.from_pretrained(ckpt["hf"], dtype=torch.float32).eval()
+    assert hf.lm_head.weight.dtype == torch.float32
+    g = torch.Generator().manual_seed(3)
+    rand = _per_token(ours, hf, torch.randint(0, 96, (4, cfg.model.seq_length + 1), generator=g))
+
+    ours_tok = Tokenizer(cfg.data.tokenizer_model)
+    hf_tok = AutoTokenizer.from_pretrained(ckpt["hf"])
+    assert (hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.unk_token_id) == (1, 2, 0)
+    lines = (Path(cfg.data.tokenizer_model).parent / "text.txt").read_text().splitlines()[500:540]
+    odd = [" leading space", "two  spaces\n\nand lines", "unseen chars: üñ ☃", "", "x\n", "alpha12345"]
+    for text in lines + odd:
+        assert hf_tok(text)["input_ids"] == ours_tok.encode(text), text
+    stream = [t for line in lines for t in [ours_tok.eod_id] + ours_tok.encode(line)]
+    n = cfg.model.seq_length + 1
+    corpus = torch.tensor(stream[: len(stream) // n * n]).view(-1, n)
+    text = _per_token(ours, hf, corpus)
+    print(f"\nmax |per-token loss difference| vs transformers: random tokens {rand:.2e}, corpus text {text:.2e} "
+          f"({corpus.shape[0]} x {n - 1} tokens)")
+    assert rand <= 1e-5 and text <= 1e-5
+
+
+def test_round_trip_is_bitwise_and_bf16_shards(ckpt, tmp_path):
+    from safetensors.torch import load_file
+
+    imported = tmp_path / "imported"
+    assert TOOL.main([str(ckpt["hf"]), str(imported), "--from", "hf"]) == 0
+    back = TOOL.read_model_state(imported)
+    assert back.keys() == ckpt["state"].keys()
+    for name, t in ckpt["state"].items():
+        assert torch.equal(back[name], t), name
+    # BF16, sharded above a small limit: the shards hold exactly the FP32 export rounded to BF16
+    out = tmp_path / "bf16"
+    assert TOOL.main([str(ckpt["step2"]), str(out), "--to", "hf", "--max-shard-size", "40KB", "--no-tokenizer"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = sorted(set(index.values()))
+    assert len(shards) > 1 and not (out / "tokenizer.json").exists()
+    fp32 = load_file(str(ckpt["hf"] / "model.safetensors"))
+    bf16 = {k: v for s in shards for k, v in load_file(str(out / s)).items()}
+    assert bf16.keys() == fp32.keys() == index.keys()
+    for k, v in fp32.items():
+        assert bf16[k].dtype == torch.bfloat16 and torch.equal(bf16[k], v.to(torch.bfloat16)), k
+    assert json.loads((out / "config.json").read_text()).get("dtype", "bfloat16") == "bfloat16"
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_run_resumed_from_the_imported_checkpoint_continues_with_the_same_loss(ckpt, tmp_path):
+    imported = tmp_path / "imported"
+    assert TOOL.main([str(ckpt["hf"]), str(imported), "--from", "hf", "--force"]) == 0
+    meta = json.loads((imported / "meta.json").read_text())
+    assert (meta["step"], meta["consumed_samples"], meta["tp_size"]) == (0, 0, 1)
+    assert "model:\n  hidden_size: 32\n" in (imported / "model.yaml").read_text()
+    # position the imported checkpoint at the original's step so that both runs read the same next batch
+    orig = json.loads((ckpt["step2"] / "meta.json").read_text())
+    meta.update(step=orig["step"], consumed_samples=orig["consumed_samples"])
+    (imported / "meta.json").write_text(json.dumps(meta))
+    common = ("train.steps=3", "checkpoint.save_at_end=false", *EXTRA)
+    run_distributed(train_jobs, 1, [
+        tiny_train_overrides(tmp_path / "from_hf", ckpt["corpus"], f"checkpoint.load={imported}", *common),
+        tiny_train_overrides(tmp_path / "from_orig", ckpt["corpus"], f"checkpoint.load={ckpt['step2']}", *common)])
+    from_hf, from_orig, straight = (_losses(tmp_path / "from_hf"), _losses(tmp_path / "from_orig"),
+                                    _losses(ckpt["run"]))
+    print(f"\nstep 3 loss: resumed from the HF import {from_hf[3]!r}, from the original checkpoint {from_orig[3]!r}, "
+          f"the original TP=2 x DP=2 run {straight[3]!r}")
+    assert list(from_hf) == [3] and from_hf[3] == from_orig[3]  # same layout (DP=1): bitwise
+    assert from_hf[3] == pytest.approx(straight[3], rel=1e-6)  # the TP=2 x DP=2 run: fp32 reduction order aside
+
+
+def _hf_folder(tmp_path: Path, ckpt, name: str, config_edit=None, drop=(), add=None) -> Path:
+    """A copy of the exported folder with ``config.json`` edited and tensors dropped or added."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / name
+    shutil.copytree(ckpt["hf"], d)
+    if config_edit:
+        c = json.loads((d / "config.json").read_text())
+        config_edit(c)
+        (d / "config.json").write_text(json.dumps(c))
+    if drop or add:
+        t = {k: v for k, v in load_file(str(d / "model.safetensors")).items() if k not in drop}
+        save_file({**t, **(add or {})}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+def test_error_paths_name_the_value_and_the_fix(ckpt, tmp_path, capsys):
+    def err(*argv) -> str:
+        capsys.readouterr()
+        assert TOOL.main([str(a) for a in argv]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), lines
+        return lines[0]
+
+    out = tmp_path / "out"
+    assert "is not a folder" in err(tmp_path / "nope", out, "--from", "hf")
+    (tmp_path / "empty").mkdir()
+    assert "has no config.json" in err(tmp_path / "empty", out, "--from", "hf")
+    cases = [
+        ("bias", lambda c: c.update(attention_bias=True), "attention_bias=True is not supported"),
+        ("tied", lambda c: c.update(tie_word_embeddings=True), "tie_word_embeddings=True is not supported"),
+        ("scaled", lambda c: c.update(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling="),
+        ("yarn", lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "rope_parameters="),
+        ("mistral", lambda c: c.update(model_type="mistral"), "model_type='mistral' is not supported"),
+        ("act", lambda c: c.update(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
+        ("gqa", lambda c: c.update(num_key_value_heads=3), "num_key_value_heads=3 is not supported"),
+    ]
+    for name, edit, want in cases:
+        msg = err(_hf_folder(tmp_path, ckpt, name, edit), out, "--from", "hf")
+        assert want in msg and "megatron_geo's Llama needs" in msg, msg
+    assert "'lm_head.weight' is missing" in err(_hf_folder(tmp_path, ckpt, "nohead", drop=("lm_head.weight",)), out,
+                                                "--from", "hf")
+    biased = _hf_folder(tmp_path, ckpt, "bias_t", add={"model.layers.0.self_attn.q_proj.bias": torch.zeros(32)})
+    assert "biases (model.layers.0.self_attn.q_proj.bias" in err(biased, out, "--from", "hf")
+    noweights = _hf_folder(tmp_path, ckpt, "noweights")
+    (noweights / "model.safetensors").rename(noweights / "pytorch_model.bin")
+    msg = err(noweights, out, "--from", "hf")
+    assert "has no model.safetensors" in msg and "pytorch_model.bin" in msg and "safe_serialization" in msg
+    truncated = _hf_folder(tmp_path, ckpt, "truncated")
+    (truncated / "model.safetensors").write_bytes((truncated / "model.safetensors").read_bytes()[:5000])
+    assert "could not be read" in err(truncated, out, "--from", "hf")
+    assert not out.exists()  # nothing was written by the failures
+    # a non-empty output is kept unless --force
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert "is not empty; choose a new folder or pass --force" in err(ckpt["step2"], out, "--to", "hf")
+    assert "is not empty" in err(ckpt["hf"], out, "--from", "hf")
+    assert (out / "keep.txt").read_text() == "mine"
+    assert "--from hf and --to hf" in err(ckpt["hf"], out, "--from", "hf", "--to", "hf")
+    assert "holds no complete checkpoint" in err(tmp_path / "empty", tmp_path / "o2", "--to", "hf")
+    with pytest.raises(SystemExit) as e:
+        TOOL.main([str(ckpt["step2"]), str(out), "--to", "hf", "--dtype", "fp8"])
+    assert e.value.code == 2
