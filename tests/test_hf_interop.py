@@ -212,3 +212,48 @@ def test_error_paths_name_the_value_and_the_fix(ckpt, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         TOOL.main([str(ckpt["step2"]), str(out), "--to", "hf", "--dtype", "fp8"])
     assert e.value.code == 2
+
+
+MC_ITEMS = [  # the corpus' words; the right choice is the more frequent continuation pattern or arbitrary
+    {"question": "alpha12 beta3", "choices": [" gamma4", " zeta19", " omega"], "label": 0},
+    {"question": "kappa26 alpha16 lambda31", "choices": [" kappa19", " theta", " delta7 sigma2"], "label": 1},
+    {"question": "sigma8 beta39 ", "choices": ["sigma34", "zeta9", "lambda"], "label": 2},
+    {"question": "omega", "choices": ["1", "22", "3 beta"], "label": 0},
+]
+
+
+def test_eval_downstream_scores_the_hf_folder_like_the_consolidated_checkpoint(ckpt, tmp_path):
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from megatron_geo.checkpoint import save_consolidated
+    from megatron_geo.checkpoint.consolidated import config_from_dict
+    from megatron_geo.checkpoint.manager import read_meta
+    from megatron_geo.eval.downstream import _our_lm, evaluate_checkpoint
+    from megatron_geo.eval.hf_lm import load_hf_lm
+
+    cfg = config_from_dict(read_meta(ckpt["step2"])["config"])
+    pt = save_consolidated(tmp_path / "m.pt", cfg, ckpt["state"], cfg.data.tokenizer_model)
+    ours, hf = _our_lm(str(pt), None, 4, "cpu")[2], load_hf_lm(ckpt["hf"], 4)
+    pairs = [(it["question"], c) for it in MC_ITEMS for c in it["choices"]] + [("", "alpha1 beta2")]
+    reqs = [Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)]
+    a, b = ours.loglikelihood(reqs), hf.loglikelihood(reqs)
+    diff = max(abs(x[0] - y[0]) for x, y in zip(a, b))
+    print(f"\nlm-eval loglikelihoods, our wrapper vs lm-eval's hf model: max difference {diff:.2e}")
+    assert diff <= 1e-4 and [x[1] for x in a] == [y[1] for y in b]
+    assert len({round(x[0], 3) for x in a}) > len(pairs) // 2  # distinct scores: the comparison can fail
+    # the tool's evaluation function on a local task: the same accuracy from both paths
+    data = tmp_path / "items.json"
+    data.write_text("\n".join(json.dumps(i) for i in MC_ITEMS) + "\n")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "corpus_mc.yaml").write_text(
+        f"task: corpus_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+        "output_type: multiple_choice\ndoc_to_text: \"{{question}}\"\ndoc_to_choice: \"{{choices}}\"\n"
+        "target_delimiter: \"\"\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n")
+    kw = dict(tasks=["corpus_mc"], include_path=str(tasks), include_defaults=False, batch_size=4)
+    e_pt, e_hf = evaluate_checkpoint(str(pt), **kw), evaluate_checkpoint(str(ckpt["hf"]), **kw)
+    assert e_hf["metrics"]["corpus_mc"]["acc"] == e_pt["metrics"]["corpus_mc"]["acc"]
+    assert e_hf["label"] == "hf" and e_hf["seed"] is None and e_hf["n_samples"]["corpus_mc"] == len(MC_ITEMS)
+    with pytest.raises(ValueError, match="--tokenizer applies to consolidated checkpoints"):
+        evaluate_checkpoint(str(ckpt["hf"]), tokenizer=cfg.data.tokenizer_model, **kw)

@@ -6,6 +6,9 @@
 
 CHECKPOINT: a file written by ``megatron_geo.checkpoint.save_consolidated`` (``tools/convert_checkpoint.py``
 exports one from a training checkpoint). The tokenizer stored in it is used unless ``--tokenizer`` is given.
+Or a Hugging Face folder (``tools/convert_checkpoint.py --to hf``), scored by lm-eval's own ``hf`` model with
+the folder's tokenizer, the same requests EOS-prefixed as our wrapper does: both paths give the same
+loglikelihood scores (``megatron_geo.eval.hf_lm``).
 Default tasks: the paper's 14 (boolq, cb, copa, multirc, record, rte, wic, wsc, lambada_openai,
 lambada_standard, race, mathqa, piqa, winogrande), zero-shot; lm-eval downloads their data from the
 Hugging Face Hub on first use (or reads its cache, ``HF_DATASETS_OFFLINE=1``). ``--include-path DIR`` adds
@@ -67,7 +70,7 @@ def go_offline_if_unreachable() -> str | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("checkpoints", nargs="+", help="consolidated checkpoint files")
+    ap.add_argument("checkpoints", nargs="+", help="consolidated checkpoint files or Hugging Face folders")
     ap.add_argument("--tasks", default=",".join(PAPER_TASKS), help="comma-separated lm-eval task names")
     ap.add_argument("--tokenizer", default=None, help="SentencePiece .model (default: the one in the checkpoint)")
     ap.add_argument("--include-path", default=None, help="folder of extra task YAMLs")
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in a.checkpoints:  # fail before spending time on the first one
             if not Path(c).exists():
                 raise CheckpointError(f"checkpoint '{c}' not found; pass a file written by save_consolidated "
-                                      f"(tools/convert_checkpoint.py)")
+                                      f"(tools/convert_checkpoint.py) or a Hugging Face folder (--to hf)")
         if a.tokenizer and not Path(a.tokenizer).is_file():
             raise ValueError(f"--tokenizer '{a.tokenizer}' not found; pass the SentencePiece .model file")
         note = go_offline_if_unreachable()

@@ -131,7 +131,7 @@ def read_consolidated(path: str | os.PathLike) -> dict:
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(f"'{path}' is a folder (a sharded torch.distributed.checkpoint?); export one file "
-                              f"with tools/convert_checkpoint.py and pass that")
+                              f"with tools/convert_checkpoint.py and pass that (or a Hugging Face folder: --to hf)")
     if not path.is_file():
         raise CheckpointError(f"checkpoint '{path}' not found; pass a file written by save_consolidated "
                               f"(tools/convert_checkpoint.py)")

@@ -22,11 +22,14 @@ PRIMARY_METRICS = ("acc", "f1", "em", "exact_match", "mcc")
 
 def checkpoint_label(path: str | Path, cfg) -> str:
     """Group label of a checkpoint: the ``<label>`` of a ``<label>-seed<k>`` path component (sweep run
-    folders), else the comm mode of its config (``dtype[_transform][_ef]``)."""
+    folders), else the comm mode of its config (``dtype[_transform][_ef]``), or the folder's name when there
+    is no training config (``cfg`` None: a Hugging Face folder)."""
     for part in reversed(Path(path).resolve().parts):
         m = re.fullmatch(r"(.+)-seed\d+", part)
         if m:
             return m.group(1)
+    if cfg is None:
+        return Path(path).resolve().name
     c = cfg.comm
     return c.dtype + (f"_{c.transform}" if c.transform != "none" else "") + ("_ef" if c.error_feedback else "")
 
@@ -57,24 +60,27 @@ def primary_metric(metrics: dict[str, float]) -> str | None:
 def evaluate_checkpoint(path: str, tasks: list[str], tokenizer: str | None = None, include_path: str | None = None,
                         include_defaults: bool = True, num_fewshot: int | None = None, limit: float | None = None,
                         batch_size: int = 8, device: str = "cpu", seed: int = 1234) -> dict:
-    """Evaluate one consolidated checkpoint on ``tasks``.
+    """Evaluate one consolidated checkpoint, or a Hugging Face folder (``tools/convert_checkpoint.py --to hf``,
+    scored by lm-eval's own ``hf`` model, :mod:`.hf_lm`), on ``tasks``.
 
     Returns ``{"checkpoint", "label", "seed", "tokenizer", "metrics": {task: {metric: value}},
-    "n_samples": {task: n}}``. ``tokenizer`` overrides the SentencePiece model stored in the checkpoint.
-    Raises CheckpointError (bad checkpoint), ValueError (no tokenizer, unknown task).
+    "n_samples": {task: n}}`` (``seed`` None for a Hugging Face folder). ``tokenizer`` overrides the
+    SentencePiece model stored in a consolidated checkpoint (a Hugging Face folder uses its own).
+    Raises CheckpointError (bad checkpoint), ValueError (no tokenizer, --tokenizer with a Hugging Face folder,
+    unknown task).
     """
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from ..checkpoint.consolidated import load_consolidated, tokenizer_path
-    from ..data.tokenizer import Tokenizer
-    from .lm_wrapper import MegatronGeoLM
+    from .hf_lm import is_hf_folder, load_hf_lm
 
-    cfg, model = load_consolidated(path, device=device)
-    tok_path = tokenizer or tokenizer_path(path)
-    if not tok_path:
-        raise ValueError(f"checkpoint '{path}' stores no tokenizer; pass --tokenizer PATH.model")
-    lm = MegatronGeoLM(model, Tokenizer(tok_path), batch_size=batch_size)
+    if is_hf_folder(path):
+        if tokenizer:
+            raise ValueError(f"--tokenizer applies to consolidated checkpoints; the Hugging Face folder '{path}' is "
+                             f"evaluated with its own tokenizer")
+        cfg, tok_path, lm = None, str(path), load_hf_lm(path, batch_size, device)
+    else:
+        cfg, tok_path, lm = _our_lm(path, tokenizer, batch_size, device)
     tm = TaskManager(include_path=include_path, include_defaults=include_defaults)
     known = set(tm.all_tasks)
     unknown = [t for t in tasks if t not in known]
@@ -86,8 +92,21 @@ def evaluate_checkpoint(path: str, tasks: list[str], tokenizer: str | None = Non
                           torch_random_seed=seed, fewshot_random_seed=seed)
     n = {t: int(v.get("effective", v.get("original", 0))) if isinstance(v, dict) else int(v)
          for t, v in (res.get("n-samples") or {}).items()}
-    return {"checkpoint": str(path), "label": checkpoint_label(path, cfg), "seed": cfg.train.seed,
+    return {"checkpoint": str(path), "label": checkpoint_label(path, cfg), "seed": cfg.train.seed if cfg else None,
             "tokenizer": tok_path, "metrics": parse_results(res), "n_samples": n}
+
+
+def _our_lm(path: str, tokenizer: str | None, batch_size: int, device: str):
+    """``(config, tokenizer path, MegatronGeoLM)`` of a consolidated checkpoint."""
+    from ..checkpoint.consolidated import load_consolidated, tokenizer_path
+    from ..data.tokenizer import Tokenizer
+    from .lm_wrapper import MegatronGeoLM
+
+    cfg, model = load_consolidated(path, device=device)
+    tok_path = tokenizer or tokenizer_path(path)
+    if not tok_path:
+        raise ValueError(f"checkpoint '{path}' stores no tokenizer; pass --tokenizer PATH.model")
+    return cfg, tok_path, MegatronGeoLM(model, Tokenizer(tok_path), batch_size=batch_size)
 
 
 def _mean(xs):
