@@ -207,6 +207,9 @@ def test_error_paths_name_the_value_and_the_fix(ckpt, tmp_path, capsys):
     assert "is not empty; choose a new folder or pass --force" in err(ckpt["step2"], out, "--to", "hf")
     assert "is not empty" in err(ckpt["hf"], out, "--from", "hf")
     assert (out / "keep.txt").read_text() == "mine"
+    assert "is or contains the input" in err(ckpt["hf"], ckpt["hf"], "--from", "hf", "--force")
+    assert "is or contains the input" in err(ckpt["step2"], ckpt["run"], "--to", "hf", "--force")
+    assert (ckpt["hf"] / "model.safetensors").is_file() and ckpt["step2"].is_dir()
     assert "--from hf and --to hf" in err(ckpt["hf"], out, "--from", "hf", "--to", "hf")
     assert "holds no complete checkpoint" in err(tmp_path / "empty", tmp_path / "o2", "--to", "hf")
     with pytest.raises(SystemExit) as e:

@@ -110,7 +110,7 @@ def to_hf(a) -> int:
     tok = None if a.no_tokenizer else tokenizer_for(cfg, a.tokenizer)
     if tok and not Path(tok).expanduser().is_file():
         raise ConfigError(f"tokenizer {tok} not found; pass --tokenizer PATH or --no-tokenizer")
-    hf_io.check_output(a.output, a.force)  # before reading the weights
+    hf_io.check_output(a.output, a.force, ckpt)  # before reading the weights
     state = read_model_state(ckpt)
     names = hf_io.export_hf(state, cfg, a.output, a.dtype, a.max_shard_size, tok and str(Path(tok).expanduser()),
                             a.force)
@@ -124,7 +124,7 @@ def from_hf(a) -> int:
     from megatron_geo.config import load_config
 
     hf_io = _hf_modules()
-    hf_io.check_output(a.output, a.force)
+    hf_io.check_output(a.output, a.force, a.checkpoint)
     model, state = hf_io.read_hf(a.checkpoint)
     overrides = [f"model.{k}={v}" for k, v in model.items()]
     cfg = load_config(a.config or [], overrides)

@@ -28,12 +28,17 @@ from .hf import HFConversionError, from_hf_state, hf_config_kwargs, model_overri
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def check_output(out: Path, force: bool) -> None:
-    """Refuse a non-empty existing ``out`` without ``force`` and a file in its place.
+def check_output(out: Path, force: bool, source: Path | None = None) -> None:
+    """Refuse a non-empty existing ``out`` without ``force``, a file in its place, and an ``out`` that is the
+    ``source`` being converted or holds it (replacing it would delete the input).
 
     Raises:
         HFConversionError: naming the path and the fix.
     """
+    if source is not None:
+        src, dst = Path(source).resolve(), Path(out).resolve()
+        if src == dst or dst in src.parents:
+            raise HFConversionError(f"output {out} is or contains the input {source}; choose another output folder")
     if out.exists() and not out.is_dir():
         raise HFConversionError(f"output {out} is a file; give a folder name")
     if out.is_dir() and any(out.iterdir()) and not force:
