@@ -44,7 +44,7 @@ P = lambda name: str(ROOT / "configs/comm" / f"{name}.yaml")  # noqa: E731
     ([TINY, P("geofp8_search")], ["comm.telemetry_interval=20", "logging.wandb=disabled"], "geofp8_search"),
     ([TINY, P("geofp8")], ["geo.rank=16"], "fp8_e4m3+ef+geo(r16,p=0.5)"),
     ([TINY], ["comm.dtype=fp8_e4m3", "comm.transform=geo", "comm.error_feedback=true", "geo.power_search=0.5,0.25"],
-     "fp8_e4m3+ef+geo(r32,p=auto)"),
+     "fp8_e4m3+ef+geo(r32,p=search)"),
     ([TINY], ["comm.dtype=fp8_e4m3", "comm.scaling=block", "comm.block_size=64", "comm.rounding=stochastic",
               "comm.scale_sync=max"], "fp8_e4m3+block64+sr+shared"),
     ([TINY, P("fp8")], ["comm.label=my-run"], "my-run"),

@@ -14,7 +14,7 @@ In order:
 3. The name of a ``configs/comm/<name>.yaml`` preset whose settings equal the run's: the preset the run was
    given first, then every preset next to it (so ``fp8`` + ``comm.error_feedback=true`` is ``fp8_ef``).
 4. Else a compact label of the counted keys that differ from the defaults (:func:`derive_label`), e.g.
-   ``fp8_e4m3+ef+geo(r32,p=auto)`` or ``fp8_e4m3+ef+geo(r32,p=0.5,refresh=10)``.
+   ``fp8_e4m3+ef+geo(r32,p=search)`` or ``fp8_e4m3+ef+geo(r32,p=0.5,refresh=10)``.
 """
 
 from __future__ import annotations
@@ -44,7 +44,18 @@ def wire_settings(cfg: Config) -> dict:
     comm = {k: v for k, v in asdict(cfg.comm).items() if k not in NOT_LABELLED}
     if cfg.comm.reduce_op != "wire_sum":  # pre-division only matters to the FP8 sum in the collective
         comm.pop("wire_sum_prediv")
-    return {"comm": comm, "geo": asdict(cfg.geo) if cfg.comm.transform == "geo" else {}}
+    geo = asdict(cfg.geo) if cfg.comm.transform == "geo" else {}
+    if geo:
+        geo["power"] = _power_text(cfg.geo.power)
+    return {"comm": comm, "geo": geo}
+
+
+def _power_text(power: str) -> str:
+    """``geo.power`` in one spelling (``0.50`` and ``5e-1`` are ``0.5``; ``auto`` stays)."""
+    try:
+        return format(float(power), "g")
+    except ValueError:
+        return str(power).strip().lower()
 
 
 def derive_label(cfg: Config) -> str:
@@ -52,7 +63,8 @@ def derive_label(cfg: Config) -> str:
 
     ``dtype`` first, then ``block<N>`` (block scaling), ``sr`` (stochastic rounding), ``ef`` (error feedback),
     ``shared`` (MAX-shared scales), ``wiresum`` / ``wiresum-noprediv`` (FP8 sum in the collective), ``had<N>`` (Hadamard rotation), ``geo(r<rank>,p=<power>|auto,...)`` (GeoFP8;
-    ``auto`` with ``geo.power_search``; ``sel=auto`` with profiled layer selection; any other geo key that
+    ``search`` with ``geo.power_search``, ``auto`` with ``geo.power=auto``; ``sel=auto`` / ``sel=gain`` with
+    profiled / predicted-gain layer selection; any other geo key that
     differs from its default as ``short=value``), joined by ``+``.
     """
     c, g = cfg.comm, cfg.geo
@@ -71,9 +83,9 @@ def derive_label(cfg: Config) -> str:
         parts.append(f"had{c.hadamard_block}")
     elif c.transform == "geo":
         d = GeoConfig()
-        inner = [f"r{g.rank}", f"p={'auto' if g.power_search else format(g.power, 'g')}"]
-        if g.select == "auto":
-            inner.append("sel=auto")
+        inner = [f"r{g.rank}", f"p={'search' if g.power_search else _power_text(g.power)}"]
+        if g.select != "layers":
+            inner.append(f"sel={g.select}")
         for f in fields(GeoConfig):
             if f.name in _GEO_SHORT and getattr(g, f.name) != getattr(d, f.name):
                 v = getattr(g, f.name)

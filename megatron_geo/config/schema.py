@@ -135,12 +135,17 @@ class GeoConfig:
     """
 
     layers: str = "layers.*.mlp.down_proj.weight"
-    select: str = "layers"         # layers: use geo.layers | auto: profile bound hits, then pick the top
-    num_layers: int = 13           # auto: how many layers get the transform (paper: 13)
+    select: str = "layers"         # layers: use geo.layers | auto: profile bound hits, then pick the top |
+                                   # gain: at every refresh, the num_layers candidates with the largest
+                                   # positive predicted gain (geometry/refresh_stats.py; others stay Euclidean)
+    num_layers: int = 13           # auto / gain: how many layers get the transform (paper: 13)
     profile_steps: int = 100       # auto: Euclidean steps profiled before choosing (paper: 100)
     rank: int = 32
     damping: float = 1e-3
-    power: float = 0.5             # D = ((lambda_ref + damping) / (lambda_i + damping)) ** power; 0.5 whitens
+    # D = ((lambda_ref + damping) / (lambda_i + damping)) ** power: a number in (0, 1] (0.5 whitens, the paper's
+    # form) or auto: p = clip(s / 4, 0, 1/2) per layer at each refresh from the slope s of the gradient energy
+    # against A's eigenvalues (no trial quantisation; p = 0 keeps the layer Euclidean)
+    power: str = "0.5"
     power_search: str = ""         # e.g. "0.5,0.25,0": at each refresh every layer takes the power (0 = Euclidean)
                                    # with the smallest DP-summed round-trip error of its gradient; overrides power
     refresh_interval: int = 50

@@ -25,7 +25,7 @@ _CHOICES = {
     ("comm", "rounding"): ("nearest", "stochastic"),
     ("comm", "transform"): ("none", "hadamard", "geo"),
     ("geo", "ef_on_refresh"): ("rebase", "reset"),
-    ("geo", "select"): ("layers", "auto"),
+    ("geo", "select"): ("layers", "auto", "gain"),
     ("geo", "statistics"): ("auto", "full", "sketch"),
     ("comm", "scale_sync"): ("none", "max"),
     ("comm", "reduce_op"): ("fp32_sum", "wire_sum"),
@@ -84,6 +84,9 @@ def validate_config(cfg: Config, world_size: int) -> None:
         if g.select == "auto" and (g.num_layers < 1 or g.profile_steps < 1):
             raise ConfigError(f"geo.select=auto needs geo.num_layers={g.num_layers} >= 1 and "
                               f"geo.profile_steps={g.profile_steps} >= 1")
+        if g.select == "gain" and g.num_layers < 1:
+            raise ConfigError(f"geo.select=gain needs geo.num_layers={g.num_layers} >= 1 (how many layers keep the "
+                              f"transform)")
         if c.dtype not in ("fp8_e4m3", "fp8_e5m2") and g.select == "auto":
             raise ConfigError("geo.select=auto profiles FP8 bound hits; use comm.dtype=fp8_e4m3 or fp8_e5m2")
         if g.sketch_size < g.rank:
@@ -91,9 +94,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
         if g.rank < 1 or g.refresh_interval < 1 or not g.damping > 0:
             raise ConfigError(f"geo.rank={g.rank} and geo.refresh_interval={g.refresh_interval} must be >= 1 and "
                               f"geo.damping={g.damping} > 0")
-        if not (math.isfinite(g.power) and 0 < g.power <= 1):
-            raise ConfigError(f"geo.power={g.power} must be in (0, 1] (0.5 whitens the top-r directions, 0.25 goes "
-                              f"halfway)")
+        parse_power(g.power)
         parse_power_search(g.power_search)
     if c.reduce_op == "wire_sum" and c.dtype not in ("fp8_e4m3", "fp8_e5m2"):
         raise ConfigError(f"comm.reduce_op=wire_sum sums FP8 codes in the collective; it needs comm.dtype=fp8_e4m3 "
@@ -203,6 +204,25 @@ def check_inputs(cfg: Config, devices: bool = True) -> None:
             key = "train.device=cuda" if cfg.train.device == "cuda" else "parallel.backend=nccl"
             raise ConfigError(f"{key} but CUDA is not available on this machine; use train.device=auto (or cpu) and "
                               f"parallel.backend=auto (or gloo), or run on a GPU node")
+
+
+def parse_power(spec, key: str = "geo.power") -> float | str:
+    """``geo.power`` ("0.5", "0.25", "auto") -> 0.5, 0.25 or ``"auto"`` (``key`` names it in errors).
+
+    Raises:
+        ConfigError: anything but ``auto`` or a number in (0, 1].
+    """
+    text = str(spec).strip().lower()
+    if text == "auto":
+        return "auto"
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not (math.isfinite(v) and 0 < v <= 1):
+        raise ConfigError(f"{key}={spec!r} must be a number in (0, 1] (0.5 whitens the top-r directions, 0.25 "
+                          f"goes halfway) or auto (p = clip(s / 4, 0, 1/2) per layer from the refresh's statistics)")
+    return v
 
 
 def parse_power_search(spec, key: str = "geo.power_search") -> tuple[float, ...]:

@@ -4,9 +4,14 @@ Lifecycle per refresh step (``step % geo.refresh_interval == 0``):
 ``arm()`` before the first micro-batch's forward -> ``disarm()`` after it -> after backward,
 ``refresh(step)``: sum each layer's input statistics over DP onto the layer's owner (round robin over
 the DP group), which eigendecomposes them, builds T and broadcasts it; with ``geo.power_search``, pick
-each layer's exponent from the DP-summed round-trip errors (:mod:`.power_search`); compare a checksum of
-every T across the DP group (a mismatch is a hard error naming the layer); re-base the reducer's error
-feedback (R <- R T_old^-1 T_new, or zero it with ``geo.ef_on_refresh=reset``).
+each layer's exponent from the DP-summed round-trip errors (:mod:`.power_search`), or with ``geo.power=auto``
+from the slope of the DP-summed gradient energy against A's eigenvalues (:mod:`.refresh_stats`, no trial
+quantisation); with ``geo.select=gain`` keep only the ``num_layers`` candidates with the largest positive
+predicted gain (the others stay Euclidean); compare a checksum of every T across the DP group (a mismatch is
+a hard error naming the layer); re-base the reducer's error feedback (R <- R T_old^-1 T_new, or zero it with
+``geo.ef_on_refresh=reset``). Every refresh also records per-layer diagnostics (:attr:`GeoState.diagnostics`:
+slope, power, IPR of A's outlier eigenvectors, cancellation across ranks, predicted gain, bound hits of the
+wire), read from the device once per refresh.
 The reducer then communicates G T and maps the reduced shard back with T^-1.
 """
 
@@ -19,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import refresh_stats as RS
 from .power_search import pick_powers, roundtrip_errors, with_power
 from .stats import InputStats
 from ..parallel import collectives as C
@@ -55,7 +61,7 @@ class GeoState:
     def __init__(self, model: nn.Module, patterns: str, rank: int, damping: float, refresh_interval: int,
                  ef_on_refresh: str, dp_group, auto_layers: int = 0, profile_steps: int = 0, fp8_max: float = 448.0,
                  underflow_below: float = 2.0 ** -10, log=print, statistics: str = "full", sketch_size: int = 64,
-                 power: float = 0.5, power_search: tuple[float, ...] = ()):
+                 power: float | str = 0.5, power_search: tuple[float, ...] = (), select_gain: bool = False):
         self.candidates = select_parameters(model, patterns)
         params = dict(model.named_parameters())
         self.params = {n: params[n] for n in self.candidates}   # rows of every candidate stay whole on their owner
@@ -64,12 +70,16 @@ class GeoState:
         self.hits = {n: 0.0 for n in self.candidates}            # summed bound-hit fractions while profiling
         self._hits_dev: dict[str, list[torch.Tensor]] = {}       # ... per step, not yet folded in (device)
         self.profiled = 0
-        self.selected = dict(self.candidates) if not auto_layers else {}
+        # geo.select=gain: statistics of every candidate at each refresh, the transform for the best auto_layers
+        self.select_gain = select_gain
+        self.selected = dict(self.candidates) if not auto_layers or select_gain else {}
         self.rank, self.damping, self.interval, self.ef_on_refresh = rank, damping, refresh_interval, ef_on_refresh
         self.dp_group = dp_group
         self.statistics, self.sketch_size, self.power = statistics, sketch_size, power
         self.power_search = tuple(power_search)   # non-empty: p chosen per layer at each refresh
-        self.powers: dict[str, float] = {}         # power_search: the p chosen per layer at the last refresh
+        self.powers: dict[str, float] = {}         # power_search / auto: the p chosen per layer at the last refresh
+        self.diagnostics: dict[str, dict[str, float]] = {}  # per layer, from the last refresh (host floats)
+        self.active: set[str] = set(self.selected)  # layers whose transform is not the identity (select=gain)
         self.roundtrip = None  # set by the reducer: the codec's quantize-dequantize (power_search)
         self.grad_of = lambda name: self.params[name].main_grad  # the local gradient at a refresh
         self.stats = self._make_stats()
@@ -95,7 +105,7 @@ class GeoState:
 
     @property
     def profiling(self) -> bool:
-        return bool(self.auto_layers) and not self.selected
+        return bool(self.auto_layers) and not self.selected and not self.select_gain
 
     def is_refresh_step(self, step: int) -> bool:
         """Refresh every ``refresh_interval`` steps (counted from the end of profiling with select=auto)."""
@@ -103,7 +113,7 @@ class GeoState:
             if step < self.profile_steps:
                 return False
             self._choose()
-        start = self.profile_steps if self.auto_layers else 0
+        start = self.profile_steps if self.auto_layers and not self.select_gain else 0
         return step >= start and (step - start) % self.interval == 0
 
     def record_bound_hits(self, name: str, grad: torch.Tensor) -> None:
@@ -167,7 +177,8 @@ class GeoState:
         owners = self.owners()
         factors = self.stats.reduce(self.dp_group, owners)
         new = dict(self.transforms)
-        power = 1.0 if self.power_search else self.power  # searched: D ** p derived from D at power 1
+        # searched or auto: D ** p derived from D at power 1
+        power = 1.0 if self.power_search or self.power == "auto" else self.power
         built = {}
         for pname in sorted(self.selected):   # every owner decomposes its layers (in parallel across ranks) ...
             A = factors[pname]
@@ -181,8 +192,13 @@ class GeoState:
                 built[pname] = build_transform(A, self.rank, damping, power)
         for pname in sorted(self.selected):   # ... then the results are broadcast
             new[pname] = self._broadcast_transform(pname, built.get(pname), owners[pname])
+        moments = self._summed_moments(new)
+        d1 = {n: new[n].d if power == 1.0 else new[n].d.double() ** (1.0 / power) for n in moments}
+        if self.power == "auto" and not self.power_search:
+            self._auto_powers(new, moments, d1, step)
         if self.power_search:
             self._search_powers(new, step)
+        self._record_diagnostics(new, moments, d1, step)
         self.check_consistent(new)
         old, self.transforms = self.transforms, new
         if self.rebase_hook is not None:
@@ -206,6 +222,70 @@ class GeoState:
         if t is not None:
             return t
         return LowRankTransform(buf[: d_in * r].view(d_in, r).clone(), buf[d_in * r:].clone())
+
+    def _summed_moments(self, transforms: dict[str, LowRankTransform]) -> dict[str, tuple]:
+        """Per layer ``(e [r], E, sum_r G_r U [d_out, r], ranks)`` summed over DP (:mod:`.refresh_stats`), from
+        the local gradients and the refresh's U: one all-reduce on the group's device, host copies of the
+        small parts (once per refresh)."""
+        names = sorted(self.selected)
+        if not names:
+            return {}
+        parts = [RS.layer_moments(self.grad_of(n), transforms[n].U) for n in names]
+        dev = transforms[names[0]].U.device
+        buf = torch.cat(parts).to(dev)
+        C.all_reduce(buf, self.dp_group)
+        world = dist.get_world_size(self.dp_group)
+        out, off = {}, 0
+        for n, p in zip(names, parts):
+            r = transforms[n].U.shape[1]
+            seg = buf[off:off + p.numel()]
+            off += p.numel()
+            out[n] = (seg[:r].cpu(), seg[r].cpu(), seg[r + 1:].view(-1, r), world)
+        return out
+
+    def _auto_powers(self, transforms: dict, moments: dict, d1: dict, step: int) -> None:
+        """``geo.power=auto``: p = clip(s / 4, 0, 1/2) per layer from the DP-summed energies (p = 0: identity)."""
+        for n, (e, total, _, _) in moments.items():
+            s = RS.energy_slope(e, total, d1[n].cpu(), self.params[n].shape[1])
+            p = float(RS.auto_power(s))
+            transforms[n] = with_power(transforms[n], p) if p > 0 else identity_transform(
+                self.params[n].shape[1], transforms[n].U.device)
+            self.powers[n] = p
+        self.log(f"step {step + 1}: geo.power=auto " + ", ".join(
+            f"{n.removesuffix('.weight')}={p:.3g}" for n, p in sorted(self.powers.items()) if n in moments))
+
+    def _record_diagnostics(self, transforms: dict, moments: dict, d1: dict, step: int) -> None:
+        """:attr:`diagnostics` of every layer (module docstring); with ``geo.select=gain`` the layers outside the
+        ``auto_layers`` best positive predicted gains get the identity (they stay Euclidean)."""
+        diag = {}
+        for n, (e, total, gu, world) in moments.items():
+            p = self.powers[n] if self.power_search or self.power == "auto" else self.power
+            d1n, d_in = d1[n].cpu(), self.params[n].shape[1]
+            gain = 1.0 - float(RS.predicted_ratio(e, total, d1n.double() ** p, d_in)) if p > 0 else 0.0
+            diag[n] = {"slope": float(RS.energy_slope(e, total, d1n, d_in)), "power": float(p),
+                       "ipr": float(RS.eigvec_ipr(transforms[n].U, d1[n])),
+                       "cancel": float(RS.cancellation(e.to(gu.device), gu, world)), "pred_gain": gain}
+        if self.select_gain and self.auto_layers:
+            ranked = sorted(diag, key=lambda n: (-diag[n]["pred_gain"], n))
+            keep = {n for n in ranked[: self.auto_layers] if diag[n]["pred_gain"] > 0}
+            for n in diag:
+                if n not in keep:
+                    transforms[n] = identity_transform(self.params[n].shape[1], transforms[n].U.device)
+                diag[n]["active"] = float(n in keep)
+            self.active = keep
+            self.log(f"step {step + 1}: geo.select=gain keeps " + (", ".join(
+                f"{n.removesuffix('.weight')} ({diag[n]['pred_gain']:+.2f})" for n in ranked if n in keep) or "none"))
+        names = sorted(diag)
+        if names:
+            hits = torch.cat([torch.cat([RS.wire_bound_hits(transforms[n].apply(self.grad_of(n).float()), self.fp8_max,
+                                                            self.underflow_below),
+                                         RS.wire_bound_hits(self.grad_of(n), self.fp8_max, self.underflow_below)])
+                              for n in names]).to(transforms[names[0]].U.device)
+            C.all_reduce(hits, self.dp_group)
+            for n, h in zip(names, hits.view(len(names), 8).tolist()):
+                diag[n].update(sat=h[0] / max(h[3], 1), flush=h[1] / max(h[2], 1),
+                               sat_euclid=h[4] / max(h[7], 1), flush_euclid=h[5] / max(h[6], 1))
+        self.diagnostics = diag
 
     def _search_powers(self, transforms: dict[str, LowRankTransform], step: int) -> None:
         """Replace each selected layer's power-1 transform by the candidate power with the smallest

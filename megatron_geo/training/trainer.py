@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ..checkpoint.manager import CheckpointSaveError
 from ..comm import build_reducer
 from ..config import Config, ConfigError, config_to_dict, dump_config, load_config, validate_config
-from ..config.validate import check_inputs, parse_power_search
+from ..config.validate import check_inputs, parse_power, parse_power_search
 from ..distributed import DistributedOptimizer, GradSync, build_buckets
 from ..distributed.shard_plan import ADAMW_FLOPS_PER_ELEMENT, newton_schulz_flops
 from ..geometry import GeoState
@@ -75,11 +75,11 @@ def _log0(pctx: ParallelContext, msg: str) -> None:
 
 def build_geo(cfg: Config, model: torch.nn.Module, pctx: ParallelContext) -> GeoState:
     """GeoFP8 state for ``comm.transform=geo`` (a bad ``geo.layers`` pattern is a ConfigError)."""
-    g, auto = cfg.geo, cfg.geo.select == "auto"
+    g, auto = cfg.geo, cfg.geo.select in ("auto", "gain")
     e5m2 = cfg.comm.dtype == "fp8_e5m2"
-    search = parse_power_search(g.power_search)
-    if search and g.power != 0.5:
-        _log0(pctx, f"note: geo.power={g.power:g} is not used: geo.power_search={g.power_search} chooses the power "
+    search, power = parse_power_search(g.power_search), parse_power(g.power)
+    if search and power != 0.5:
+        _log0(pctx, f"note: geo.power={g.power} is not used: geo.power_search={g.power_search} chooses the power "
                     f"per layer at every refresh")
     try:
         return GeoState(model, g.layers, g.rank, g.damping, g.refresh_interval, g.ef_on_refresh, pctx.dp_group,
@@ -87,7 +87,7 @@ def build_geo(cfg: Config, model: torch.nn.Module, pctx: ParallelContext) -> Geo
                         fp8_max=57344.0 if e5m2 else 448.0,
                         underflow_below=2.0 ** -17 if e5m2 else 2.0 ** -10,  # half the smallest subnormal
                         log=lambda m: _log0(pctx, m), statistics=g.statistics, sketch_size=g.sketch_size,
-                        power=g.power, power_search=search)
+                        power=power, power_search=search, select_gain=g.select == "gain")
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -217,7 +217,10 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
                       "consumed_samples": consumed, "skipped": res.skipped}
             record.update(rel_err)
             if geo is not None:
-                record["geo_refresh"] = geo.last_refresh == step
+                record["geo_refresh"] = refreshed
+                if refreshed:  # per-layer refresh diagnostics (host floats, read once at the refresh)
+                    record.update({f"geo/{n.removesuffix('.weight')}/{k}": v
+                                   for n, d in geo.diagnostics.items() for k, v in d.items()})
             if gpu_name is not None:  # MFU and memory (DESIGN.md section 5 metrics)
                 fl = gpu_flops_metrics(record["tokens_per_sec"], pctx.world_size, flops_tok, gpu_name)
                 record.update(tflops_per_gpu=fl["tflops_per_gpu"], mfu=fl["mfu"],
@@ -234,7 +237,7 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
                 optimizer.wait_param_gather()
                 val_loss = evaluate(model, valid_batches, pctx, t.autocast_dtype)
                 record["val_loss"] = val_loss
-            if res.skipped or rel_err or ((step + 1) % t.log_interval == 0 or "val_loss" in record
+            if res.skipped or rel_err or refreshed or ((step + 1) % t.log_interval == 0 or "val_loss" in record
                                           or step + 1 == t.steps):
                 logger.log(record)
             first_loss = res.loss if first_loss is None else first_loss
