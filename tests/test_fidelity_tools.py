@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from megatron_geo.comm.fidelity import (bound_hits, codec_label, direction_errors, fidelity_metrics, parse_codec,
-                                        simulate_reduce)
+from megatron_geo.analysis.fidelity import bound_hits, direction_errors, fidelity_metrics, simulate_reduce
+from megatron_geo.comm.roundtrip import codec_label, parse_codec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -201,10 +201,10 @@ def test_profile_fp8_vulnerability_cli(tmp_path):
 
 
 # -- GeoFP8 coordinate systems (simulate_geo_reduce and the --geo ablation) ------------------------------
-from megatron_geo.comm.fidelity import (BlockDiagonalTransform, DiagonalTransform,  # noqa: E402
-                                        build_coordinate_transform, geo_fidelity_metrics, input_gram_from_grads,
-                                        output_factor_from_grads, relative_damping, simulate_geo_reduce,
-                                        to_transformed)
+from megatron_geo.analysis.coordinates import (BlockDiagonalTransform, DiagonalTransform,  # noqa: E402
+                                               build_coordinate_transform, relative_damping)
+from megatron_geo.analysis.fidelity import (geo_fidelity_metrics, input_gram_from_grads,  # noqa: E402
+                                            output_factor_from_grads, simulate_geo_reduce, to_transformed)
 from megatron_geo.geometry.transform import build_transform  # noqa: E402
 
 

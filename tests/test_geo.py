@@ -279,7 +279,7 @@ def test_with_power_matches_the_formula_and_zero_is_identity():
 
 
 def test_roundtrip_errors_match_an_fp64_reference_with_torch_casts():
-    from megatron_geo.comm.fidelity import quantize_roundtrip
+    from megatron_geo.comm.roundtrip import quantize_roundtrip
     from megatron_geo.geometry.power_search import roundtrip_errors
 
     A = _factors()["full"]

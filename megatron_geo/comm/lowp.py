@@ -148,7 +148,7 @@ class LowPrecisionReducer(Reducer):
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """One tensor through this reducer's codec and back (round to nearest, its own scale or block
         scales, no reduce): what ``geo.power_search`` scores candidate transforms with."""
-        from .fidelity import quantize_roundtrip  # lazy: fidelity imports the geometry package
+        from .roundtrip import quantize_roundtrip
 
         return quantize_roundtrip(x, {"dtype": self.fmt, "scaling": self.scaling, "block_size": self.block_size})
 
