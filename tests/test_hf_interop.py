@@ -79,7 +79,7 @@ def test_export_loads_in_transformers_with_our_losses_and_token_ids(ckpt, tmp_pa
     hc = AutoConfig.from_pretrained(ckpt["hf"])
     assert (hc.vocab_size, hc.num_key_value_heads, hc.tie_word_embeddings) == (96, 2, False)
     assert ours.padded_vocab == 128 and hc.rms_norm_eps == cfg.model.norm_eps
-    hf = AutoModelForCausalLM.from_pretrained(ckpt["hf"], dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(ckpt["hf"]).eval()  # FP32: the folder's dtype
     assert hf.lm_head.weight.dtype == torch.float32
     g = torch.Generator().manual_seed(3)
     rand = _per_token(ours, hf, torch.randint(0, 96, (4, cfg.model.seq_length + 1), generator=g))
@@ -260,3 +260,28 @@ def test_eval_downstream_scores_the_hf_folder_like_the_consolidated_checkpoint(c
     assert e_hf["label"] == "hf" and e_hf["seed"] is None and e_hf["n_samples"]["corpus_mc"] == len(MC_ITEMS)
     with pytest.raises(ValueError, match="--tokenizer applies to consolidated checkpoints"):
         evaluate_checkpoint(str(ckpt["hf"]), tokenizer=cfg.data.tokenizer_model, **kw)
+
+
+def test_import_of_a_model_written_by_transformers_gives_its_losses(tmp_path):
+    """The import direction on its own: a Llama that transformers built and saved (its own init, GQA, another
+    rope_theta and eps) has, after --from hf, our per-token losses equal to transformers' forward."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megatron_geo.checkpoint import load_consolidated, save_consolidated
+    from megatron_geo.checkpoint.consolidated import config_from_dict
+
+    torch.manual_seed(0)
+    hc = LlamaConfig(vocab_size=77, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
+                     num_key_value_heads=2, max_position_embeddings=24, rms_norm_eps=1e-6, rope_theta=500000.0,
+                     tie_word_embeddings=False)
+    hf = LlamaForCausalLM(hc).eval()
+    hf.save_pretrained(tmp_path / "theirs")
+    assert TOOL.main([str(tmp_path / "theirs"), str(tmp_path / "ck"), "--from", "hf"]) == 0
+    cfg = config_from_dict(json.loads((tmp_path / "ck" / "meta.json").read_text())["config"])
+    m = cfg.model
+    assert (m.vocab_size, m.num_kv_heads, m.seq_length, m.norm_eps, m.rope_theta) == (77, 2, 24, 1e-6, 500000.0)
+    save_consolidated(tmp_path / "c.pt", cfg, TOOL.read_model_state(tmp_path / "ck"))
+    _, ours = load_consolidated(tmp_path / "c.pt")
+    diff = _per_token(ours, hf, torch.randint(0, 77, (3, 25), generator=torch.Generator().manual_seed(1)))
+    print(f"\nimported transformers model: max |per-token loss difference| {diff:.2e}")
+    assert diff <= 1e-5

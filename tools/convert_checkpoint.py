@@ -101,8 +101,26 @@ def _hf_modules():
     return hf_io
 
 
+def shard_size(text: str) -> int | str:
+    """``--max-shard-size``: a number of bytes, or a number with KB/MB/GB/TB (as huggingface_hub reads it).
+
+    Raises:
+        ConfigError: anything else, or not above zero.
+    """
+    import re
+
+    t = text.strip()
+    if t.isdigit() and int(t) > 0:
+        return int(t)
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]B)", t, re.IGNORECASE)
+    if m and float(m.group(1)) > 0:
+        return f"{m.group(1)}{m.group(2).upper()}"
+    raise ConfigError(f"--max-shard-size {text!r} is not a size above zero; use e.g. 5GB, 500MB or a number of bytes")
+
+
 def to_hf(a) -> int:
     """``--to hf``: a training checkpoint -> a Hugging Face Llama folder."""
+    max_shard = shard_size(a.max_shard_size)
     hf_io = _hf_modules()
     ckpt = find_checkpoint(a.checkpoint)
     meta = read_meta(ckpt)
@@ -112,7 +130,7 @@ def to_hf(a) -> int:
         raise ConfigError(f"tokenizer {tok} not found; pass --tokenizer PATH or --no-tokenizer")
     hf_io.check_output(a.output, a.force, ckpt)  # before reading the weights
     state = read_model_state(ckpt)
-    names = hf_io.export_hf(state, cfg, a.output, a.dtype, a.max_shard_size, tok and str(Path(tok).expanduser()),
+    names = hf_io.export_hf(state, cfg, a.output, a.dtype, max_shard, tok and str(Path(tok).expanduser()),
                             a.force)
     print(f"{ckpt} (step {meta['step']}, saved at DP={meta['dp_size']} TP={meta['tp_size']}) -> {a.output}: "
           f"Hugging Face Llama, {a.dtype}, {', '.join(names)}")
@@ -128,8 +146,8 @@ def from_hf(a) -> int:
     model, state = hf_io.read_hf(a.checkpoint)
     overrides = [f"model.{k}={v}" for k, v in model.items()]
     cfg = load_config(a.config or [], overrides)
-    model_yaml = ("# the model section of the imported Hugging Face Llama (pass it after the base config, before a "
-                  "comm preset)\nmodel:\n" + "".join(f"  {k}: {v}\n" for k, v in model.items()))
+    model_yaml = ("# the model section of the imported Hugging Face Llama (pass it after the base config)\n"
+                  "model:\n" + "".join(f"  {k}: {v}\n" for k, v in model.items()))
     hf_io.write_checkpoint(state, cfg, a.output, a.force, source=f"hf:{a.checkpoint.name}",
                            extra_files={"model.yaml": model_yaml})
     configs = "".join(f"--config {c} " for c in a.config or [])

@@ -152,7 +152,8 @@ def markdown(summary: dict, evals: list[dict]) -> str:
              "|" + "---|" * (3 + len(tasks))]
     for e in evals:
         cells = [_f(e["metrics"].get(t, {}).get(metric[t], math.nan), ".4f") for t in tasks]
-        lines.append(f"| {e['checkpoint']} | {e['label']} | {e['seed']} | " + " | ".join(cells) + " |")
+        seed = "n/a" if e["seed"] is None else e["seed"]
+        lines.append(f"| {e['checkpoint']} | {e['label']} | {seed} | " + " | ".join(cells) + " |")
     b = summary["baseline"]
     lines += ["", f"| task (metric) | " + " | ".join(f"{lab} (n={max(v['n'] for v in table[lab].values())})"
                                                      for lab in summary["labels"]) + " |",
