@@ -285,3 +285,30 @@ def test_import_of_a_model_written_by_transformers_gives_its_losses(tmp_path):
     diff = _per_token(ours, hf, torch.randint(0, 77, (3, 25), generator=torch.Generator().manual_seed(1)))
     print(f"\nimported transformers model: max |per-token loss difference| {diff:.2e}")
     assert diff <= 1e-5
+
+
+def test_tokenizer_with_byte_fallback_and_an_unsupported_one(tmp_path):
+    """A byte-fallback model (our default from 1,024 pieces): the same ids as SentencePiece, unseen characters as
+    byte pieces; a unigram model is one clear error."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from megatron_geo.checkpoint.hf import HFConversionError
+    from megatron_geo.checkpoint.hf_tokenizer import save_hf_tokenizer
+    from megatron_geo.data import Tokenizer, train_tokenizer
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randrange(1, 8))) for _ in range(2000)]
+    lines = [" ".join(rng.choice(words) + rng.choice(["", ",", ".", " 42"]) for _ in range(12)) for _ in range(2000)]
+    (tmp_path / "t.txt").write_text("\n".join(lines))
+    model = train_tokenizer([str(tmp_path / "t.txt")], str(tmp_path / "bf"), vocab_size=1100)
+    save_hf_tokenizer(model, tmp_path / "hf")
+    ours, hf = Tokenizer(model), AutoTokenizer.from_pretrained(tmp_path / "hf")
+    texts = lines[:50] + ["  café ☃ naïve\n\tend ", "ÿ€𝄞", " x"]
+    for text in texts:
+        assert hf(text)["input_ids"] == ours.encode(text), text
+    assert hf.decode(ours.encode("café ☃")) == ours.decode(ours.encode("café ☃")) == "café ☃"
+    uni = train_tokenizer([str(tmp_path / "t.txt")], str(tmp_path / "uni"), vocab_size=300, model_type="unigram")
+    with pytest.raises(HFConversionError, match=r"trainer_spec.model_type=1 is not supported .* --no-tokenizer"):
+        save_hf_tokenizer(uni, tmp_path / "hf2")

@@ -88,7 +88,7 @@ def build_fast_tokenizer(model_path: str, model_max_length: int | None = None):
         HFConversionError: not a SentencePiece model, or one the export cannot reproduce (not BPE, a
             normalization other than identity, extra-whitespace removal, ...), naming the field.
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers  # noqa: F401
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
 
