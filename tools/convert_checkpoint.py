@@ -180,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.source == "hf" and a.to == "hf":
             raise ConfigError("--from hf and --to hf together convert nothing; use one of them")
+        if a.config and a.source != "hf":
+            raise ConfigError("--config applies to --from hf (the training config of the imported checkpoint); an "
+                              "export uses the config stored in the checkpoint")
         if a.source == "hf":
             return from_hf(a)
         if a.to == "hf":
