@@ -1,5 +1,7 @@
 """GeoFP8: exact invertibility, rank consistency, transform-only exactness, error-feedback re-basing."""
 
+import math
+
 import pytest
 import torch
 
@@ -397,3 +399,58 @@ def test_owner_decomposes_and_broadcasts_the_transform_of_the_dp_summed_factor()
     for _, dense, ref, _ in out:
         for n in ref:
             torch.testing.assert_close(dense[n].double(), ref[n].double(), rtol=0, atol=1e-5)
+
+
+def _power_auto_gain(rank, world):
+    import torch.distributed as dist
+
+    cfg, pctx, model, reducer, sync, opt, train_step = _build_geo(
+        rank, world, ["comm.dtype=fp8_e4m3", "geo.power=auto", "geo.select=gain", "geo.num_layers=1",
+                      "geo.layers=layers.*.mlp.down_proj.weight,layers.*.mlp.up_proj.weight"])
+    geo = reducer.geo
+    seen, orig = {}, geo._auto_powers
+
+    def spy(transforms, moments, d1, step):
+        seen[step] = ({n: (t.U.clone(), t.d.clone()) for n, t in transforms.items()},
+                      {n: geo.grad_of(n).clone() for n in geo.selected})
+        orig(transforms, moments, d1, step)
+
+    geo._auto_powers = spy
+    for step in range(3):   # refreshes at steps 0 and 2
+        mb = rank_micro_batches(global_batch(cfg, step), 2, rank, world)   # different data on each rank
+        train_step(model, mb, sync, opt, pctx, 1.0, 1.0, geo=geo, step=step)
+    bases, grads = seen[2]
+    gathered = {}
+    for n, G in grads.items():
+        parts = [torch.empty_like(G) for _ in range(world)]
+        dist.all_gather(parts, G.contiguous())
+        gathered[n] = parts
+    return (bases, gathered, dict(geo.powers), dict(geo.diagnostics), sorted(geo.active),
+            {n: (t.U.shape[1], t.checksum()) for n, t in geo.transforms.items()})
+
+
+def test_power_auto_and_select_gain_follow_the_slope_rule_on_every_rank():
+    import numpy as np
+
+    (b0, g0, p0, diag0, act0, tr0), (_, _, p1, diag1, act1, tr1) = run_distributed(_power_auto_gain, 2)
+    assert p0 == p1 and diag0 == diag1 and act0 == act1 and tr0 == tr1 and len(p0) == 4
+    gains = {}
+    for n, (U, d) in b0.items():
+        U, d = U.double(), d.double()
+        e = sum((G.double() @ U).pow(2).sum(0) for G in g0[n])          # DP-summed energy along u_i
+        E = sum(G.double().pow(2).sum() for G in g0[n])
+        d_in, r = U.shape
+        x = np.concatenate([-np.log(d.numpy()), [0.0]])                   # log((lambda + damping) / (ref + damping))
+        y = np.concatenate([np.log(e.numpy()), [np.log(float(E - e.sum()) / (d_in - r))]])
+        s = np.polyfit(x, y, 1)[0]                                        # independent least-squares slope
+        assert diag0[n]["slope"] == pytest.approx(s, abs=1e-6)
+        assert p0[n] == pytest.approx(min(max(s / 4, 0.0), 0.5), abs=1e-6)
+        dp = d ** p0[n]
+        ratio = math.sqrt(float(((e * dp * dp).sum() + E - e.sum()) * ((1 / dp ** 2).sum() + d_in - r) / (d_in * E)))
+        gains[n] = 1 - ratio if p0[n] > 0 else 0.0
+        assert diag0[n]["pred_gain"] == pytest.approx(gains[n], abs=1e-6)
+        assert {"ipr", "cancel", "sat", "flush", "sat_euclid", "flush_euclid", "power", "active"} <= set(diag0[n])
+    best = max(gains, key=gains.get)
+    want = [best] if gains[best] > 0 else []
+    assert act0 == want                                                   # select=gain keeps the best positive one
+    assert all((tr0[n][0] > 0) == (n in want) for n in tr0)               # the others stay Euclidean (identity)

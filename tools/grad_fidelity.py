@@ -105,9 +105,10 @@ def parse_args(argv):
     g.add_argument("--geo-staleness", default="10,25,50",
                    help="steps after t at which the transform built at t is applied to new gradients (model); '' "
                         "skips (default %(default)s)")
-    g.add_argument("--output-factor", choices=("grads", "hooks"), default="grads",
+    g.add_argument("--output-factor", choices=("grads", "hooks"), default=None,
                    help="output-side factor: sum_r G_r G_r^T / (R d_in) from the weight gradients, or E[g g^T] of "
-                        "the output gradients from backward hooks (model; default %(default)s)")
+                        "the output gradients (the K-FAC output factor; backward hooks on the model) (default: grads "
+                        "for the model, hooks for a scenario)")
     g.add_argument("--geo-transform-precision", choices=("fp64", "fp32"), default="fp64",
                    help="apply the transforms in FP64 (only the codec loses) or in the trainer's FP32")
     g.add_argument("--no-investigate", action="store_true",
@@ -149,6 +150,8 @@ def parse_args(argv):
         p.error("--codecs needs at least one codec spec")
     if args.ranks is None:
         args.ranks = 4 if args.scenario == "model" else d.ranks
+    if args.output_factor is None:
+        args.output_factor = "grads" if args.scenario == "model" else "hooks"
     if (args.scenario != "model" or args.paper or args.window > 1) and not args.geo:
         p.error("--scenario (other than model), --paper and --window need --geo")
     return args

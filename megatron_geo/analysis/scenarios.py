@@ -6,6 +6,7 @@ what the trainer sees:
 
     G_r = dY_r^T X_r / T                       (float32 [d_out, d_in], rank r's weight gradient)
     A   = sum_r X_r^T X_r / (R T)              (float32 [d_in, d_in], the DP-averaged K-FAC input factor)
+    S   = sum_r dY_r^T dY_r / (R T)            (float32 [d_out, d_out], the K-FAC output factor E[g g^T])
 
 Notation: ``Z`` i.i.d. N(0, 1) entries; ``t3`` i.i.d. Student-t with 3 degrees of freedom divided by
 sqrt(3) (unit variance, heavy tails); ``C`` = k distinct input channels drawn at random; ``V`` = k dense
@@ -134,7 +135,8 @@ def rank_tensors(p: ScenarioParams, rank: int, st: dict | None = None) -> tuple[
 
 
 def generate(p: ScenarioParams) -> Capture:
-    """One capture of scenario ``p``: ``grads[LAYER]`` = the R gradients ``G_r``, ``A[LAYER]`` = the input factor.
+    """One capture of scenario ``p``: ``grads[LAYER]`` = the R gradients ``G_r``, ``A[LAYER]`` = the input factor,
+    ``S_hooks[LAYER]`` = the output factor (the tool's ``--output-factor hooks``, its default for scenarios).
 
     Raises:
         ValueError: a bad parameter (:meth:`ScenarioParams.check`).
@@ -143,10 +145,13 @@ def generate(p: ScenarioParams) -> Capture:
     t0 = time.perf_counter()
     st = structure(p)
     grads, A = [], torch.zeros(p.d_in, p.d_in, dtype=torch.float64)
+    S = torch.zeros(p.d_out, p.d_out, dtype=torch.float64)
     for r in range(p.ranks):
         X, dY = rank_tensors(p, r, st)
         grads.append((dY.T @ X / p.tokens).float())
         A += X.T @ X
+        S += dY.T @ dY
     A /= p.ranks * p.tokens
-    return Capture(0, [LAYER], {LAYER: grads}, None, {LAYER: A.float()}, None, time.perf_counter() - t0,
-                   params=asdict(p))
+    S /= p.ranks * p.tokens
+    return Capture(0, [LAYER], {LAYER: grads}, None, {LAYER: A.float()}, {LAYER: S.float()},
+                   time.perf_counter() - t0, params=asdict(p))
