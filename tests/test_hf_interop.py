@@ -211,6 +211,10 @@ def test_error_paths_name_the_value_and_the_fix(ckpt, tmp_path, capsys):
     assert "is or contains the input" in err(ckpt["step2"], ckpt["run"], "--to", "hf", "--force")
     assert (ckpt["hf"] / "model.safetensors").is_file() and ckpt["step2"].is_dir()
     assert "--from hf and --to hf" in err(ckpt["hf"], out, "--from", "hf", "--to", "hf")
+    other = tmp_path / "other_tok"
+    msg = err(ckpt["step2"], tmp_path / "o4", "--to", "hf", "--tokenizer",
+              make_corpus(other, vocab_size=100)[3].split("=", 1)[1])
+    assert "has 100 pieces but the model has model.vocab_size=96" in msg and not (tmp_path / "o4").exists()
     assert "--config applies to --from hf" in err(ckpt["step2"], tmp_path / "o3", "--to", "hf", "--config", "x.yaml")
     assert "holds no complete checkpoint" in err(tmp_path / "empty", tmp_path / "o2", "--to", "hf")
     with pytest.raises(SystemExit) as e:

@@ -100,7 +100,7 @@ def export_hf(state: dict[str, torch.Tensor], cfg: Config, out: Path, dtype: str
         if tokenizer_model:
             from .hf_tokenizer import save_hf_tokenizer
 
-            save_hf_tokenizer(tokenizer_model, tmp, cfg.model.seq_length)
+            save_hf_tokenizer(tokenizer_model, tmp, cfg.model.seq_length, cfg.model.vocab_size)
         umask = os.umask(0)
         os.umask(umask)
         for f in tmp.iterdir():  # safetensors files come out 0600; give them the usual permissions

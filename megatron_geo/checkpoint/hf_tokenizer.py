@@ -118,14 +118,20 @@ def build_fast_tokenizer(model_path: str, model_max_length: int | None = None):
                                    eos_token=piece(ts.eos_id), clean_up_tokenization_spaces=False, **kwargs)
 
 
-def save_hf_tokenizer(model_path: str, out_dir: Path, model_max_length: int | None = None) -> list[str]:
+def save_hf_tokenizer(model_path: str, out_dir: Path, model_max_length: int | None = None,
+                      vocab_size: int | None = None) -> list[str]:
     """Write ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json`` (as the installed
     transformers writes them) and a copy of the SentencePiece model as ``tokenizer.model`` into ``out_dir``.
-    Returns the file names written. Raises HFConversionError as :func:`build_fast_tokenizer`."""
+    Returns the file names written. Raises HFConversionError as :func:`build_fast_tokenizer`, and when the
+    model has other than ``vocab_size`` pieces (the model's vocabulary; None: not checked)."""
     import json
     import shutil
 
     tok = build_fast_tokenizer(model_path, model_max_length)
+    if vocab_size is not None and len(tok) != vocab_size:
+        raise HFConversionError(f"tokenizer '{model_path}' has {len(tok)} pieces but the model has model.vocab_size="
+                                f"{vocab_size}; pass the tokenizer the run trained with (--tokenizer PATH) or "
+                                f"--no-tokenizer")
     files = [Path(f).name for f in tok.save_pretrained(str(out_dir))]
     cfg_file = Path(out_dir) / "tokenizer_config.json"
     tok_cfg = json.loads(cfg_file.read_text())
