@@ -6,7 +6,8 @@ prefix, and without byte pieces unknown characters vanish instead of becoming ``
 ``tokenizers`` pipeline is built from the model proto the way SentencePiece encodes: the BPE vocabulary
 and merges in piece-score order, ``<unk>`` fused, byte fallback as trained, ``▁`` prepended once and
 spaces replaced by ``▁`` (normalizer), the one-character user-defined pieces (``"\\n"``) left as plain
-vocabulary pieces (no merge contains them, so BPE keeps them whole as SentencePiece does), and saved as a ``PreTrainedTokenizerFast`` (like Meta's Llama 3 exports).
+vocabulary pieces (no merge contains them, so BPE keeps them whole as SentencePiece does), and saved
+as a ``PreTrainedTokenizerFast`` (like Meta's Llama 3 exports).
 
 No special token is added on encode (training documents are ``encode(text) + [eos]``, without BOS):
 ``AutoTokenizer.from_pretrained(folder)(text).input_ids == Tokenizer(model).encode(text)``. Text that
