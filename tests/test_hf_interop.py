@@ -317,3 +317,14 @@ def test_tokenizer_with_byte_fallback_and_an_unsupported_one(tmp_path):
     uni = train_tokenizer([str(tmp_path / "t.txt")], str(tmp_path / "uni"), vocab_size=300, model_type="unigram")
     with pytest.raises(HFConversionError, match=r"trainer_spec.model_type=1 is not supported .* --no-tokenizer"):
         save_hf_tokenizer(uni, tmp_path / "hf2")
+
+
+def test_training_and_eval_paths_never_import_transformers():
+    import subprocess
+    import sys
+
+    code = ("import sys, megatron_geo.training.trainer, megatron_geo.checkpoint, megatron_geo.checkpoint.hf, "
+            "megatron_geo.eval.downstream, megatron_geo.eval.hf_lm; "
+            "print(sorted({'transformers', 'safetensors', 'tokenizers'} & set(sys.modules)))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr[-2000:]
