@@ -446,7 +446,10 @@ def test_power_auto_and_select_gain_follow_the_slope_rule_on_every_rank():
         assert diag0[n]["slope"] == pytest.approx(s, abs=1e-6)
         assert p0[n] == pytest.approx(min(max(s / 4, 0.0), 0.5), abs=1e-6)
         dp = d ** p0[n]
-        ratio = math.sqrt(float(((e * dp * dp).sum() + E - e.sum()) * ((1 / dp ** 2).sum() + d_in - r) / (d_in * E)))
+        T = torch.eye(d_in, dtype=torch.float64) + U @ torch.diag(dp - 1) @ U.T
+        Tinv = torch.linalg.inv(T)
+        col = sum((G.double() @ T).pow(2).sum(0) for G in g0[n])       # wire column energies
+        ratio = math.sqrt(float((col * Tinv.pow(2).sum(1)).sum() / E))  # relative-precision model
         gains[n] = 1 - ratio if p0[n] > 0 else 0.0
         assert diag0[n]["pred_gain"] == pytest.approx(gains[n], abs=1e-6)
         assert {"ipr", "cancel", "sat", "flush", "sat_euclid", "flush_euclid", "power", "active"} <= set(diag0[n])

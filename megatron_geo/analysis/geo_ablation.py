@@ -241,7 +241,8 @@ def _energy_fraction(g: torch.Tensor, U: torch.Tensor) -> float:
 def refresh_diagnostics(A: torch.Tensor, grads: list, rank: int, damping: float, fp8: str = GEO_FP8) -> dict:
     """The trainer's refresh diagnostics (:mod:`megatron_geo.geometry.refresh_stats`, as ``GeoState`` logs
     them) of one layer from its factor ``A`` and R rank gradients: ``slope``, ``auto_power``, ``ipr``,
-    ``cancel`` (top-r subspace), ``pred_gain`` (white-noise model at the auto power), and the bound hits
+    ``cancel`` (top-r subspace), ``pred_gain`` / ``pred_gain_white`` (relative-precision / white-noise model at the
+    auto power), and the bound hits
     ``sat`` / ``flush`` of the Euclidean wire (summed over ranks) under ``fp8``'s format."""
     from ..comm.codecs import fp8_max
 
@@ -255,9 +256,12 @@ def refresh_diagnostics(A: torch.Tensor, grads: list, rank: int, damping: float,
     fmax = fp8_max(dtype)
     under = 2.0 ** -10 if dtype == "fp8_e4m3" else 2.0 ** -17
     hits = sum(RS.wire_bound_hits(g, fmax, under) for g in grads)
+    t = with_power(base, p)
+    col = sum(t.apply(g.float()).double().pow(2).sum(0) for g in grads)
     return {"slope": float(s), "auto_power": p, "ipr": float(RS.eigvec_ipr(base.U, base.d)),
             "cancel": float(RS.cancellation(e, gu, len(grads))),
-            "pred_gain": 1.0 - float(RS.predicted_ratio(e, total, base.d.double() ** p, d_in)),
+            "pred_gain": 1.0 - float(RS.relative_ratio(col, t.U, t.d, total)) if p > 0 else 0.0,
+            "pred_gain_white": 1.0 - float(RS.predicted_ratio(e, total, base.d.double() ** p, d_in)),
             "sat": float(hits[0] / hits[3]), "flush": float(hits[1] / hits[2].clamp(min=1))}
 
 

@@ -103,6 +103,7 @@ def run_scenario(opts) -> dict:
     if opts.window > 1:
         summary["window"] = {m: sum(r["summary"]["window"][m] for r in runs) / len(runs)
                              for m in runs[0]["summary"]["window"]}
+        summary["window"]["K"] = opts.window
     return {"mode": "geo", "scenario": opts.scenario, "summary": summary, "runs": runs,
             "wall_s": time.perf_counter() - t0}
 

@@ -43,7 +43,7 @@ _DIAG_COLS = [("d_in", "d_in", "d"), ("A top8", "a_top8_trace_frac", ".3f"), ("A
               ("1-rank E", "roundtrip_rel_l2_euclid", ".3e"),
               ("1-rank geo", "roundtrip_rel_l2_geo", ".3e"), ("slope s", "slope", ".2f"),
               ("p auto", "auto_power", ".3f"), ("IPR", "ipr", ".3f"), ("cancel r", "cancel", ".2f"),
-              ("pred. gain", "pred_gain", "+.3f"), ("sat", "sat", ".1e"), ("flush", "flush", ".1e")]
+              ("pred. gain", "pred_gain", "+.3f"), ("white gain", "pred_gain_white", "+.3f"), ("sat", "sat", ".1e"), ("flush", "flush", ".1e")]
 
 
 def format_diag_table(diag: list[dict], markdown: bool = False) -> str:

@@ -194,11 +194,12 @@ class GeoState:
             new[pname] = self._broadcast_transform(pname, built.get(pname), owners[pname])
         moments = self._summed_moments(new)
         d1 = {n: new[n].d if power == 1.0 else new[n].d.double() ** (1.0 / power) for n in moments}
+        ipr = {n: float(RS.eigvec_ipr(new[n].U, d1[n])) for n in moments}
         if self.power == "auto" and not self.power_search:
             self._auto_powers(new, moments, d1, step)
         if self.power_search:
             self._search_powers(new, step)
-        self._record_diagnostics(new, moments, d1, step)
+        self._record_diagnostics(new, moments, d1, ipr, step)
         self.check_consistent(new)
         old, self.transforms = self.transforms, new
         if self.rebase_hook is not None:
@@ -254,17 +255,38 @@ class GeoState:
         self.log(f"step {step + 1}: geo.power=auto " + ", ".join(
             f"{n.removesuffix('.weight')}={p:.3g}" for n, p in sorted(self.powers.items()) if n in moments))
 
-    def _record_diagnostics(self, transforms: dict, moments: dict, d1: dict, step: int) -> None:
-        """:attr:`diagnostics` of every layer (module docstring); with ``geo.select=gain`` the layers outside the
-        ``auto_layers`` best positive predicted gains get the identity (they stay Euclidean)."""
-        diag = {}
-        for n, (e, total, gu, world) in moments.items():
+    def _record_diagnostics(self, transforms: dict, moments: dict, d1: dict, ipr: dict, step: int) -> None:
+        """:attr:`diagnostics` of every layer (module docstring) from a second small all-reduce (bound hits and
+        column energies of the wire under the chosen transform, and of the Euclidean gradient); with
+        ``geo.select=gain`` the layers outside the ``auto_layers`` best positive predicted gains get the
+        identity (they stay Euclidean)."""
+        names = sorted(moments)
+        if not names:
+            self.diagnostics = {}
+            return
+        parts = []
+        for n in names:
+            g = self.grad_of(n).float()
+            wire = transforms[n].apply(g)
+            parts.append(torch.cat([RS.wire_bound_hits(wire, self.fp8_max, self.underflow_below),
+                                    RS.wire_bound_hits(g, self.fp8_max, self.underflow_below),
+                                    wire.double().pow(2).sum(0)]))
+        buf = torch.cat(parts).to(transforms[names[0]].U.device)
+        C.all_reduce(buf, self.dp_group)
+        diag, off = {}, 0
+        for n, part in zip(names, parts):
+            h = buf[off:off + part.numel()]
+            off += part.numel()
+            e, total, gu, world = moments[n]
+            t, d_in = transforms[n], self.params[n].shape[1]
             p = self.powers[n] if self.power_search or self.power == "auto" else self.power
-            d1n, d_in = d1[n].cpu(), self.params[n].shape[1]
-            gain = 1.0 - float(RS.predicted_ratio(e, total, d1n.double() ** p, d_in)) if p > 0 else 0.0
-            diag[n] = {"slope": float(RS.energy_slope(e, total, d1n, d_in)), "power": float(p),
-                       "ipr": float(RS.eigvec_ipr(transforms[n].U, d1[n])),
-                       "cancel": float(RS.cancellation(e.to(gu.device), gu, world)), "pred_gain": gain}
+            gain = 1.0 - float(RS.relative_ratio(h[8:], t.U, t.d, total.to(h.device))) if t.U.shape[1] else 0.0
+            c = h[:8].tolist()
+            diag[n] = {"slope": float(RS.energy_slope(e, total, d1[n].cpu(), d_in)), "power": float(p),
+                       "ipr": ipr[n],
+                       "cancel": float(RS.cancellation(e.to(gu.device), gu, world)), "pred_gain": gain,
+                       "sat": c[0] / max(c[3], 1), "flush": c[1] / max(c[2], 1),
+                       "sat_euclid": c[4] / max(c[7], 1), "flush_euclid": c[5] / max(c[6], 1)}
         if self.select_gain and self.auto_layers:
             ranked = sorted(diag, key=lambda n: (-diag[n]["pred_gain"], n))
             keep = {n for n in ranked[: self.auto_layers] if diag[n]["pred_gain"] > 0}
@@ -275,16 +297,6 @@ class GeoState:
             self.active = keep
             self.log(f"step {step + 1}: geo.select=gain keeps " + (", ".join(
                 f"{n.removesuffix('.weight')} ({diag[n]['pred_gain']:+.2f})" for n in ranked if n in keep) or "none"))
-        names = sorted(diag)
-        if names:
-            hits = torch.cat([torch.cat([RS.wire_bound_hits(transforms[n].apply(self.grad_of(n).float()), self.fp8_max,
-                                                            self.underflow_below),
-                                         RS.wire_bound_hits(self.grad_of(n), self.fp8_max, self.underflow_below)])
-                              for n in names]).to(transforms[names[0]].U.device)
-            C.all_reduce(hits, self.dp_group)
-            for n, h in zip(names, hits.view(len(names), 8).tolist()):
-                diag[n].update(sat=h[0] / max(h[3], 1), flush=h[1] / max(h[2], 1),
-                               sat_euclid=h[4] / max(h[7], 1), flush_euclid=h[5] / max(h[6], 1))
         self.diagnostics = diag
 
     def _search_powers(self, transforms: dict[str, LowRankTransform], step: int) -> None:

@@ -14,10 +14,14 @@ For one layer with the refresh's transform at power 1, ``U`` (``[d_in, r]``, A's
 - ``auto_power(s) = clip(s / 4, 0, 1/2)`` (``geo.power=auto``). Source: the white-noise model below is
   minimised over any diagonal scaling in A's eigenbasis by ``d_i ~ e_i^(-1/4)`` (Cauchy-Schwarz); with
   ``e_i ~ lambda_i^s`` that is ``D = d1^(s/4)``. Capped at the paper's whitening 1/2; 0 is Euclidean.
-- predicted RelL2 ratio (geo / Euclidean) of the white-noise model (quantisation error white in wire
-  coordinates with energy proportional to the wire's, mapped back by ``T^-1``), for ``d = d1^p``:
-  ``ratio^2 = (sum_i e_i d_i^2 + e_rest) (sum_i d_i^-2 + d_in - r) / (d_in E)``; ``gain = 1 - ratio``
-  (``geo.select=gain`` ranks layers by it).
+- predicted RelL2 ratio (geo / Euclidean), two models for ``d = d1^p``:
+  white noise (the quantisation error white in wire coordinates with energy proportional to the wire's):
+  ``ratio^2 = (sum_i e_i d_i^2 + e_rest) (sum_i d_i^-2 + d_in - r) / (d_in E)``; relative precision (each
+  wire element rounded with the same relative error, independently, as FP8 with a fresh scale does):
+  ``ratio^2 = sum_k c_k q_k / E`` with ``c_k = sum_r ||G_r T e_k||^2`` the wire's column energies and
+  ``q_k = ||e_k^T T^-1||^2 = 1 + sum_i U_ki^2 (d_i^-2 - 1)``. The white-noise model cannot see that a
+  transform along one input channel gains nothing in a relative-precision format (DESIGN.md section 4b);
+  the relative-precision one can, and is the ``pred_gain = 1 - ratio`` that ``geo.select=gain`` ranks by.
 - spread of A's outlier eigenvectors: inverse participation ratio ``IPR(u) = sum_j u_j^4`` (1: one input
   channel; 1/k: k channels equally; ~3 / d_in: a dense Gaussian direction), averaged over the eigenvectors
   whose eigenvalue is at least twice the rest's (``d1 <= 1/2``; the top one if none is).
@@ -87,6 +91,16 @@ def predicted_ratio(e: torch.Tensor, total: torch.Tensor, d: torch.Tensor, d_in:
     wire = (e * d * d).sum() + rest
     back = (1.0 / (d * d)).sum() + (d_in - r)
     ratio2 = wire * back / (d_in * total.clamp(min=1e-300))
+    return torch.where(total > 0, ratio2.sqrt(), torch.ones_like(ratio2))
+
+
+def relative_ratio(col_energy: torch.Tensor, U: torch.Tensor, d: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """The relative-precision model's RelL2 ratio (module docstring) from the DP-summed column energies of
+    the wire ``c`` (``[d_in]``), the transform's ``U`` (``[d_in, r]``) and ``d`` (``[r]``) and ``E``; 1 for
+    ``E = 0``. FP64 scalar tensor."""
+    q = 1.0 + (U.double().pow(2) * (d.double().pow(-2) - 1.0)).sum(1)
+    total = total.double()
+    ratio2 = (col_energy.double() * q).sum() / total.clamp(min=1e-300)
     return torch.where(total > 0, ratio2.sqrt(), torch.ones_like(ratio2))
 
 
