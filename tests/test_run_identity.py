@@ -37,12 +37,12 @@ P = lambda name: str(ROOT / "configs/comm" / f"{name}.yaml")  # noqa: E731
     ([TINY, P("fp8")], ["geo.rank=16"], "fp8"),                                 # geo keys count only with geo
     ([TINY], ["comm.dtype=fp8_e4m3"], "fp8"),
     ([TINY, P("fp8")], ["comm.rounding=stochastic"], "fp8_e4m3+sr"),
-    ([TINY, P("geofp8")], ["geo.refresh_interval=10"], "fp8_e4m3+ef+geo(r32,p=0.5,refresh=10)"),
+    ([TINY, P("geofp8")], ["geo.refresh_interval=10"], "fp8_e4m3+ef+geo(r32,p=auto,refresh=10)"),
     ([TINY, P("geofp8")], ["geo.damping=0.1", "geo.statistics=sketch"],
-     "fp8_e4m3+ef+geo(r32,p=0.5,damp=0.1,stats=sketch)"),
+     "fp8_e4m3+ef+geo(r32,p=auto,damp=0.1,stats=sketch)"),
     ([TINY, P("fp8")], ["comm.compile=true", "train.steps=3"], "fp8"),         # how it runs, not what it sends
     ([TINY, P("geofp8_search")], ["comm.telemetry_interval=20", "logging.wandb=disabled"], "geofp8_search"),
-    ([TINY, P("geofp8")], ["geo.rank=16"], "fp8_e4m3+ef+geo(r16,p=0.5)"),
+    ([TINY, P("geofp8")], ["geo.rank=16"], "fp8_e4m3+ef+geo(r16,p=auto)"),
     ([TINY], ["comm.dtype=fp8_e4m3", "comm.transform=geo", "comm.error_feedback=true", "geo.power_search=0.5,0.25"],
      "fp8_e4m3+ef+geo(r32,p=search)"),
     ([TINY], ["comm.dtype=fp8_e4m3", "comm.scaling=block", "comm.block_size=64", "comm.rounding=stochastic",
@@ -108,6 +108,7 @@ def test_log_line_fields():
 def test_non_terminal_run_prints_one_line_per_log_interval_with_the_label(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "pretrain_llama.py"), "--config", TINY, "--config", P("fp8_ef"),
                         "train.steps=6", "train.log_interval=2", f"train.run_dir={tmp_path / 'run'}",
+                        "train.global_batch_size=4", "train.eval_batches=1", "model.seq_length=32",
                         "logging.wandb=disabled", "checkpoint.save_at_end=false"],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr
