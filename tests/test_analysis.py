@@ -175,3 +175,19 @@ def test_grad_fidelity_scenario_cli_writes_the_summary(tmp_path):
     assert len(s["paper_rows"]) == len(PAPER_ROWS) and set(s["window"]) == {"K", "euclidean", "euclidean_ef", "geo",
                                                                              "geo_ef"}
     assert set(s["spread"]["euclidean_rel_l2"]) == {"mean", "min", "max", "sd", "n"}
+
+
+def test_wire_sum_collective_is_the_ring_simulation_in_euclidean_coordinates():
+    from megatron_geo.analysis.fidelity import geo_reduce_and_metrics
+    from megatron_geo.comm.wire_sum import simulate_wire_sum
+
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(8, 16, generator=gen) * (1 + r) for r in range(3)]
+    for prediv in (True, False):
+        hat, m = geo_reduce_and_metrics(grads, "fp8_e4m3:tensor", collective="wire_sum", prediv=prediv)
+        ref, hits = simulate_wire_sum(grads, "fp8_e4m3", prediv)
+        assert torch.equal(hat, ref) and m["wire_sum_saturated"] == hits["saturated"]
+    fp32 = geo_reduce_and_metrics(grads, "fp8_e4m3:tensor")[1]
+    assert "wire_sum_saturated" not in fp32 and fp32["rel_l2"] < m["rel_l2"]   # per-rank scales + FP32 sum win
+    with pytest.raises(ValueError, match="tensor scaling"):
+        geo_reduce_and_metrics(grads, "fp8_e4m3:block8", collective="wire_sum")
