@@ -192,9 +192,7 @@ class GeoState:
                 built[pname] = build_transform(A, self.rank, damping, power)
         for pname in sorted(self.selected):   # ... then the results are broadcast
             new[pname] = self._broadcast_transform(pname, built.get(pname), owners[pname])
-        moments = self._summed_moments(new)
-        d1 = {n: new[n].d if power == 1.0 else new[n].d.double() ** (1.0 / power) for n in moments}
-        ipr = {n: float(RS.eigvec_ipr(new[n].U, d1[n])) for n in moments}
+        moments, d1, ipr = self._summed_moments(new, power)
         if self.power == "auto" and not self.power_search:
             self._auto_powers(new, moments, d1, step)
         if self.power_search:
@@ -224,30 +222,38 @@ class GeoState:
             return t
         return LowRankTransform(buf[: d_in * r].view(d_in, r).clone(), buf[d_in * r:].clone())
 
-    def _summed_moments(self, transforms: dict[str, LowRankTransform]) -> dict[str, tuple]:
-        """Per layer ``(e [r], E, sum_r G_r U [d_out, r], ranks)`` summed over DP (:mod:`.refresh_stats`), from
-        the local gradients and the refresh's U: one all-reduce on the group's device, host copies of the
-        small parts (once per refresh)."""
+    def _summed_moments(self, transforms: dict[str, LowRankTransform], power: float) -> tuple[dict, dict, dict]:
+        """Per layer, on the host: ``(e [r], E, sum_r G_r U [d_out, r], ranks)`` summed over DP
+        (:mod:`.refresh_stats`) from the local gradients and the refresh's U (one all-reduce on the group's
+        device), ``d1`` (D at power 1, from the built D at ``power``) and the IPR of A's outlier eigenvectors;
+        two device-to-host copies in all (once per refresh)."""
         names = sorted(self.selected)
         if not names:
-            return {}
+            return {}, {}, {}
         parts = [RS.layer_moments(self.grad_of(n), transforms[n].U) for n in names]
         dev = transforms[names[0]].U.device
         buf = torch.cat(parts).to(dev)
         C.all_reduce(buf, self.dp_group)
+        d1_dev = [transforms[n].d.double() if power == 1.0 else transforms[n].d.double() ** (1.0 / power)
+                  for n in names]
+        local = torch.cat(d1_dev + [RS.eigvec_ipr(transforms[n].U, d).view(1) for n, d in zip(names, d1_dev)])
+        host, local = buf.cpu(), local.cpu()
         world = dist.get_world_size(self.dp_group)
-        out, off = {}, 0
+        moments, d1, off, off_d = {}, {}, 0, 0
         for n, p in zip(names, parts):
             r = transforms[n].U.shape[1]
-            seg = buf[off:off + p.numel()]
+            seg = host[off:off + p.numel()]
             off += p.numel()
-            out[n] = (seg[:r].cpu(), seg[r].cpu(), seg[r + 1:].view(-1, r), world)
-        return out
+            moments[n] = (seg[:r], seg[r], seg[r + 1:].view(-1, r), world)
+            d1[n] = local[off_d:off_d + r]
+            off_d += r
+        ipr = dict(zip(names, local[off_d:].tolist()))
+        return moments, d1, ipr
 
     def _auto_powers(self, transforms: dict, moments: dict, d1: dict, step: int) -> None:
         """``geo.power=auto``: p = clip(s / 4, 0, 1/2) per layer from the DP-summed energies (p = 0: identity)."""
         for n, (e, total, _, _) in moments.items():
-            s = RS.energy_slope(e, total, d1[n].cpu(), self.params[n].shape[1])
+            s = RS.energy_slope(e, total, d1[n], self.params[n].shape[1])
             p = float(RS.auto_power(s))
             transforms[n] = with_power(transforms[n], p) if p > 0 else identity_transform(
                 self.params[n].shape[1], transforms[n].U.device)
@@ -257,9 +263,9 @@ class GeoState:
 
     def _record_diagnostics(self, transforms: dict, moments: dict, d1: dict, ipr: dict, step: int) -> None:
         """:attr:`diagnostics` of every layer (module docstring) from a second small all-reduce (bound hits and
-        column energies of the wire under the chosen transform, and of the Euclidean gradient); with
-        ``geo.select=gain`` the layers outside the ``auto_layers`` best positive predicted gains get the
-        identity (they stay Euclidean)."""
+        column energies of the wire under the chosen transform, and bound hits of the Euclidean gradient) and one
+        device-to-host copy; with ``geo.select=gain`` the layers outside the ``auto_layers`` best positive
+        predicted gains get the identity (they stay Euclidean)."""
         names = sorted(moments)
         if not names:
             self.diagnostics = {}
@@ -273,18 +279,21 @@ class GeoState:
                                     wire.double().pow(2).sum(0)]))
         buf = torch.cat(parts).to(transforms[names[0]].U.device)
         C.all_reduce(buf, self.dp_group)
-        diag, off = {}, 0
-        for n, part in zip(names, parts):
+        rows, off = [], 0
+        for n, part in zip(names, parts):   # per layer: 8 bound-hit counts and sum_k c_k q_k (relative model)
             h = buf[off:off + part.numel()]
             off += part.numel()
+            t = transforms[n]   # sum_k c_k q_k: the relative-precision model's error energy
+            rows.append(torch.cat([h[:8], (h[8:] * RS.inverse_row_norms2(t.U, t.d)).sum().view(1)]))
+        host = torch.stack(rows).cpu().tolist()
+        diag = {}
+        for n, c in zip(names, host):
             e, total, gu, world = moments[n]
-            t, d_in = transforms[n], self.params[n].shape[1]
             p = self.powers[n] if self.power_search or self.power == "auto" else self.power
-            gain = 1.0 - float(RS.relative_ratio(h[8:], t.U, t.d, total.to(h.device))) if t.U.shape[1] else 0.0
-            c = h[:8].tolist()
-            diag[n] = {"slope": float(RS.energy_slope(e, total, d1[n].cpu(), d_in)), "power": float(p),
-                       "ipr": ipr[n],
-                       "cancel": float(RS.cancellation(e.to(gu.device), gu, world)), "pred_gain": gain,
+            tot = float(total)
+            gain = 1.0 - (c[8] / tot) ** 0.5 if tot > 0 and transforms[n].U.shape[1] else 0.0
+            diag[n] = {"slope": float(RS.energy_slope(e, total, d1[n], self.params[n].shape[1])), "power": float(p),
+                       "ipr": ipr[n], "cancel": float(RS.cancellation(e, gu, world)), "pred_gain": gain,
                        "sat": c[0] / max(c[3], 1), "flush": c[1] / max(c[2], 1),
                        "sat_euclid": c[4] / max(c[7], 1), "flush_euclid": c[5] / max(c[6], 1)}
         if self.select_gain and self.auto_layers:

@@ -94,11 +94,16 @@ def predicted_ratio(e: torch.Tensor, total: torch.Tensor, d: torch.Tensor, d_in:
     return torch.where(total > 0, ratio2.sqrt(), torch.ones_like(ratio2))
 
 
+def inverse_row_norms2(U: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``q_k = ||e_k^T T^-1||^2 = 1 + sum_i U_ki^2 (d_i^-2 - 1)`` (FP64 ``[d_in]``) of ``T = I + U (D - I) U^T``."""
+    return 1.0 + (U.double().pow(2) * (d.double().pow(-2) - 1.0)).sum(1)
+
+
 def relative_ratio(col_energy: torch.Tensor, U: torch.Tensor, d: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     """The relative-precision model's RelL2 ratio (module docstring) from the DP-summed column energies of
     the wire ``c`` (``[d_in]``), the transform's ``U`` (``[d_in, r]``) and ``d`` (``[r]``) and ``E``; 1 for
     ``E = 0``. FP64 scalar tensor."""
-    q = 1.0 + (U.double().pow(2) * (d.double().pow(-2) - 1.0)).sum(1)
+    q = inverse_row_norms2(U, d)
     total = total.double()
     ratio2 = (col_energy.double() * q).sum() / total.clamp(min=1e-300)
     return torch.where(total > 0, ratio2.sqrt(), torch.ones_like(ratio2))
