@@ -475,6 +475,13 @@ def test_truncated_data_file_and_damaged_meta_and_latest_are_clear_errors(tmp_pa
     data.write_bytes(data.read_bytes()[:-100])
     with pytest.raises(UnsafeCheckpointError, match="has .* bytes but its entries end at byte .* truncated"):
         SafeFileSystemReader(str(ck)).read_metadata()
+    good = (ck / ".metadata").read_bytes()
+    for garbage in (b"garbage\n", b"\x80\x04K\x07.", b"(lp0\nI1\naI2\na."):  # text, an int pickle, protocol 0
+        (ck / ".metadata").write_bytes(garbage)
+        with pytest.raises(UnsafeCheckpointError, match=r"(unreadable checkpoint metadata .*damaged.*checkpoint\.load"
+                                                        r"|does not hold DCP metadata)"):
+            SafeFileSystemReader(str(ck)).read_metadata()
+    (ck / ".metadata").write_bytes(good)
 
     meta = {"format": "megatron-geo-dcp-v1", "step": 4, "consumed_samples": 32, "dp_size": "two", "tp_size": 1,
             "config": config_to_dict(load_config())}

@@ -80,6 +80,8 @@ def test_export_loads_in_transformers_with_our_losses_and_token_ids(ckpt, tmp_pa
     hc = AutoConfig.from_pretrained(ckpt["hf"])
     assert (hc.vocab_size, hc.num_key_value_heads, hc.tie_word_embeddings) == (96, 2, False)
     assert ours.padded_vocab == 128 and hc.rms_norm_eps == cfg.model.norm_eps
+    # transformers 4.x reads rope_theta from the top level only (5.x also from rope_parameters)
+    assert json.loads((ckpt["hf"] / "config.json").read_text())["rope_theta"] == cfg.model.rope_theta
     hf = AutoModelForCausalLM.from_pretrained(ckpt["hf"]).eval()  # FP32: the folder's dtype
     assert hf.lm_head.weight.dtype == torch.float32
     g = torch.Generator().manual_seed(3)
@@ -89,7 +91,8 @@ def test_export_loads_in_transformers_with_our_losses_and_token_ids(ckpt, tmp_pa
     hf_tok = AutoTokenizer.from_pretrained(ckpt["hf"])
     assert (hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.unk_token_id) == (1, 2, 0)
     lines = (Path(cfg.data.tokenizer_model).parent / "text.txt").read_text().splitlines()[500:540]
-    odd = [" leading space", "two  spaces\n\nand lines", "unseen chars: üñ ☃", "", "x\n", "alpha12345"]
+    odd = [" leading space", "two  spaces\n\nand lines", "unseen chars: üñ ☃", "", "x\n", "alpha12345",
+           "<s> </s> <unk> as text"]  # ordinary pieces to SentencePiece, so not the special tokens here either
     for text in lines + odd:
         assert hf_tok(text)["input_ids"] == ours_tok.encode(text), text
     stream = [t for line in lines for t in [ours_tok.eod_id] + ours_tok.encode(line)]
@@ -201,6 +204,13 @@ def test_error_paths_name_the_value_and_the_fix(ckpt, tmp_path, capsys):
     truncated = _hf_folder(tmp_path, ckpt, "truncated")
     (truncated / "model.safetensors").write_bytes((truncated / "model.safetensors").read_bytes()[:5000])
     assert "could not be read" in err(truncated, out, "--from", "hf")
+    nan = _hf_folder(tmp_path, ckpt, "nan", add={"model.norm.weight": torch.full((32,), float("nan"))})
+    assert "'model.norm.weight' holds NaN or inf" in err(nan, out, "--from", "hf")
+    assert "--dtype apply to an export" in err(ckpt["hf"], out, "--from", "hf", "--dtype", "fp32")
+    assert "--tokenizer and --no-tokenizer" in err(ckpt["step2"], out, "--to", "hf", "--tokenizer", "t.model",
+                                                   "--no-tokenizer")
+    assert "the current folder or above it" in err(ckpt["step2"], ".", "--to", "hf")
+    assert "where checkpoint pruning would delete it" in err(ckpt["step2"], ckpt["step2"].parent / "x", "--to", "hf")
     assert not out.exists()  # nothing was written by the failures
     # a non-empty output is kept unless --force
     out.mkdir()

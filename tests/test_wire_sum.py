@@ -196,6 +196,9 @@ def test_wire_sum_config_errors_and_label():
     assert derive_label(cfg) == "fp8_e4m3+wiresum"
     cfg.comm.wire_sum_prediv = False
     assert derive_label(cfg) == "fp8_e4m3+wiresum-noprediv"
+    cfg.comm.reduce_op = "fp32_sum"  # pre-division without the wire sum means nothing: one error, not silence
+    with pytest.raises(ConfigError, match="comm.wire_sum_prediv=false only changes comm.reduce_op=wire_sum"):
+        validate_config(cfg, 1)
     cfg.comm.reduce_op = "ring"
     with pytest.raises(ConfigError, match="comm.reduce_op='ring'"):
         validate_config(cfg, 1)

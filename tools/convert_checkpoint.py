@@ -152,7 +152,8 @@ def from_hf(a) -> int:
                            extra_files={"model.yaml": model_yaml})
     configs = "".join(f"--config {c} " for c in a.config or [])
     print(f"{a.checkpoint} -> {a.output}: {len(state)} tensors, step 0, no optimizer state. Continue training with:\n"
-          f"  python pretrain_llama.py {configs}--config {a.output / 'model.yaml'} checkpoint.load={a.output}")
+          f"  python pretrain_llama.py {configs}--config {a.output / 'model.yaml'} checkpoint.load={a.output} "
+          f"train.run_dir=runs/{a.output.name}-run")
     if (a.checkpoint / "tokenizer.model").is_file():
         print(f"on data tokenized with {a.checkpoint / 'tokenizer.model'} (data.tokenizer_model; see "
               f"tools/preprocess_data.py)")
@@ -171,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="hf: import a Hugging Face Llama folder as a checkpoint to resume from")
     p.add_argument("--tokenizer", help="SentencePiece .model to embed (default: the one the run trained with)")
     p.add_argument("--no-tokenizer", action="store_true", help="embed no tokenizer")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="--to hf: weight dtype (default bf16)")
-    p.add_argument("--max-shard-size", default="5GB", help="--to hf: largest safetensors file (default 5GB)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), help="--to hf: weight dtype (default bf16)")
+    p.add_argument("--max-shard-size", help="--to hf: largest safetensors file (default 5GB)")
     p.add_argument("--config", action="append", help="--from hf: training config file(s) for everything but the "
                                                      "model section (repeatable; default: the defaults)")
     p.add_argument("--force", action="store_true", help="replace a non-empty output folder (--to hf, --from hf)")
@@ -180,6 +181,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.source == "hf" and a.to == "hf":
             raise ConfigError("--from hf and --to hf together convert nothing; use one of them")
+        export_only = [f for f, v in (("--dtype", a.dtype), ("--max-shard-size", a.max_shard_size),
+                                      ("--tokenizer", a.tokenizer), ("--no-tokenizer", a.no_tokenizer)) if v]
+        if a.source == "hf" and export_only:
+            raise ConfigError(f"{', '.join(export_only)} apply to an export (--to hf or .pt); an import (--from hf) "
+                              f"takes the weights as they are")
+        if a.to != "hf" and (a.dtype or a.max_shard_size):
+            raise ConfigError("--dtype and --max-shard-size apply to --to hf; a .pt export is FP32 in one file")
+        if a.tokenizer and a.no_tokenizer:
+            raise ConfigError("--tokenizer and --no-tokenizer contradict each other; pass one of them")
+        a.dtype, a.max_shard_size = a.dtype or "bf16", a.max_shard_size or "5GB"
         if a.config and a.source != "hf":
             raise ConfigError("--config applies to --from hf (the training config of the imported checkpoint); an "
                               "export uses the config stored in the checkpoint")

@@ -102,7 +102,8 @@ def from_hf_state(hf_state: dict[str, torch.Tensor], cfg: ModelConfig, where: st
     ``model.rotary_emb.inv_freq`` (a buffer some exports carry) is ignored.
 
     Raises:
-        HFConversionError: a tensor missing, left over (e.g. a bias) or of the wrong shape, naming it.
+        HFConversionError: a tensor missing, left over (e.g. a bias), of the wrong shape or with non-finite
+            values, naming it.
     """
     from .consolidated import expected_shapes
 
@@ -131,6 +132,9 @@ def from_hf_state(hf_state: dict[str, torch.Tensor], cfg: ModelConfig, where: st
             raise HFConversionError(f"{where}: tensor '{hname}' has dtype {t.dtype}; quantized weights are not "
                                     f"supported, export an unquantized (FP32/BF16/FP16) model")
         t = t.to(torch.float32)
+        if not torch.isfinite(t).all():
+            raise HFConversionError(f"{where}: tensor '{hname}' holds NaN or inf values; the weights are damaged "
+                                    f"(export them again from a healthy model)")
         if name.endswith("attn.q_proj.weight"):
             t = rope_rows_from_hf(t, cfg.num_attention_heads)
         elif name.endswith("attn.k_proj.weight"):

@@ -35,14 +35,32 @@ def check_output(out: Path, force: bool, source: Path | None = None) -> None:
     Raises:
         HFConversionError: naming the path and the fix.
     """
+    dst = Path(out).resolve()
+    if dst == Path.cwd().resolve() or dst in Path.cwd().resolve().parents or not Path(out).name \
+            or Path(out).name in (".", ".."):
+        raise HFConversionError(f"output {out} is the current folder or above it; give a new folder name, e.g. "
+                                f"out/model-hf")
     if source is not None:
-        src, dst = Path(source).resolve(), Path(out).resolve()
+        src = Path(source).resolve()
         if src == dst or dst in src.parents:
             raise HFConversionError(f"output {out} is or contains the input {source}; choose another output folder")
+        # inside a run's checkpoints folder, checkpoint.keep_latest would delete it with the step it sits in
+        guarded = src.parent if src.parent.name == "checkpoints" else src
+        if guarded in dst.parents:
+            raise HFConversionError(f"output {out} is inside {guarded}, where checkpoint pruning would delete it; "
+                                    f"choose a folder outside the run's checkpoints")
     if out.exists() and not out.is_dir():
         raise HFConversionError(f"output {out} is a file; give a folder name")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise HFConversionError(f"output folder {out} is not empty; choose a new folder or pass --force to replace it")
+
+
+def _keep_top_level_rope_theta(path: Path, theta: float) -> None:
+    """transformers 5 writes ``rope_theta`` only inside ``rope_parameters``; 4.x reads the top-level key and
+    silently falls back to 10000 without it. Write both so every version sees the run's theta."""
+    d = json.loads(path.read_text())
+    d["rope_theta"] = float(theta)
+    path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 
 def _publish(tmp: Path, out: Path) -> None:
@@ -95,6 +113,7 @@ def export_hf(state: dict[str, torch.Tensor], cfg: Config, out: Path, dtype: str
         config = LlamaConfig(**hf_config_kwargs(cfg.model), architectures=["LlamaForCausalLM"],
                              **{dtype_key: {"fp32": "float32", "bf16": "bfloat16"}[dtype]})
         config.save_pretrained(str(tmp))
+        _keep_top_level_rope_theta(tmp / "config.json", cfg.model.rope_theta)
         GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(str(tmp))
         save_torch_state_dict(hf_state, str(tmp), max_shard_size=max_shard_size, metadata={"format": "pt"})
         if tokenizer_model:

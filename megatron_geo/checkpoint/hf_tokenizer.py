@@ -137,6 +137,9 @@ def save_hf_tokenizer(model_path: str, out_dir: Path, model_max_length: int | No
     cfg_file = Path(out_dir) / "tokenizer_config.json"
     tok_cfg = json.loads(cfg_file.read_text())
     tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"  # the name every transformers version resolves
+    # the text "<s>" is three ordinary pieces to SentencePiece (training); without this transformers would
+    # match it as the special token
+    tok_cfg["split_special_tokens"] = True
     cfg_file.write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
     shutil.copyfile(model_path, Path(out_dir) / "tokenizer.model")
     return sorted(set(files) | {"tokenizer.model"})

@@ -66,9 +66,11 @@ class SafeFileSystemReader(FileSystemReader):
         with self.fs.create_stream(path, "rb") as f:
             try:
                 metadata = _RestrictedUnpickler(f).load()
-            except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
-                raise UnsafeCheckpointError(f"{path}: unreadable checkpoint metadata ({type(e).__name__}: {e})") \
-                    from None
+            except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError, KeyError,
+                    IndexError, UnicodeDecodeError) as e:  # garbage bytes fail in any of these ways
+                raise UnsafeCheckpointError(f"{path}: unreadable checkpoint metadata ({type(e).__name__}: {e}); the "
+                                            f"checkpoint is damaged: use an older one (checkpoint.load=PATH of another "
+                                            f"step_* folder) or start fresh (checkpoint.load=none)") from None
         if not isinstance(metadata, Metadata):
             raise UnsafeCheckpointError(f"{path} does not hold DCP metadata (got {type(metadata).__name__})")
         _check_file_sizes(metadata, path)

@@ -96,6 +96,9 @@ def validate_config(cfg: Config, world_size: int) -> None:
                               f"geo.damping={g.damping} > 0")
         parse_power(g.power)
         parse_power_search(g.power_search)
+    if c.reduce_op != "wire_sum" and not c.wire_sum_prediv:
+        raise ConfigError("comm.wire_sum_prediv=false only changes comm.reduce_op=wire_sum; set comm.reduce_op="
+                          "wire_sum as well, or drop comm.wire_sum_prediv")
     if c.reduce_op == "wire_sum" and c.dtype not in ("fp8_e4m3", "fp8_e5m2"):
         raise ConfigError(f"comm.reduce_op=wire_sum sums FP8 codes in the collective; it needs comm.dtype=fp8_e4m3 "
                           f"or fp8_e5m2, got comm.dtype={c.dtype} (or use comm.reduce_op=fp32_sum)")

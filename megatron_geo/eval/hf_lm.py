@@ -19,6 +19,23 @@ def is_hf_folder(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / "config.json").is_file()
 
 
+def _check_weight_files(path: Path) -> None:
+    """Open every safetensors file's header (cheap: no weights are read), so that a missing or truncated file is
+    one clear error instead of a loader traceback. Raises ValueError naming the file."""
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"'{path}' has no *.safetensors weights; export it with tools/convert_checkpoint.py --to hf")
+    for f in files:
+        try:
+            with safe_open(str(f), "pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"'{f}' could not be read ({e}); the file is damaged or incomplete: export the folder "
+                             f"again") from None
+
+
 def load_hf_lm(path: str | Path, batch_size: int = 8, device: str = "cpu"):
     """``lm_eval.models.huggingface.HFLM`` on the folder, FP32, EOS-prefixed as described above.
 
@@ -36,6 +53,7 @@ def load_hf_lm(path: str | Path, batch_size: int = 8, device: str = "cpu"):
     path = Path(path)
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer.model").is_file():
         raise ValueError(f"'{path}' has no tokenizer (tokenizer.json); export it again without --no-tokenizer")
+    _check_weight_files(path)
     tok = AutoTokenizer.from_pretrained(str(path))
     if tok.eos_token_id is None:
         raise ValueError(f"the tokenizer of '{path}' has no EOS token; export it with tools/convert_checkpoint.py --to hf")
