@@ -191,3 +191,31 @@ def test_wire_sum_collective_is_the_ring_simulation_in_euclidean_coordinates():
     assert "wire_sum_saturated" not in fp32 and fp32["rel_l2"] < m["rel_l2"]   # per-rank scales + FP32 sum win
     with pytest.raises(ValueError, match="tensor scaling"):
         geo_reduce_and_metrics(grads, "fp8_e4m3:block8", collective="wire_sum")
+
+
+def test_grad_fidelity_bad_options_are_one_error_line_before_any_work(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("grad_fidelity_cli", os.path.join(REPO, "tools/grad_fidelity.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    base = ["--geo", "--scenario", "iid", "--d-in", "16", "--d-out", "8", "--tokens", "32", "--ranks", "2", "--geo-rank", "4",
+            "--out", str(tmp_path / "s.json")]
+    cases = [
+        (["--geo-rank", "0"], "--geo-rank=0 must be >= 1"),
+        (["--geo-rank", "64"], "--geo-rank=64 is above --d-in=16"),
+        (["--seeds", "0,0"], "a value is repeated"),
+        (["--seeds", "a,b"], "--seeds='a,b': give comma-separated integers"),
+        (["--geo-blocks", "0"], "--geo-blocks='0': 0 is below 1"),
+        (["--geo-damping", "-1"], "--geo-damping=-1 must be > 0"),
+        (["--wire-sum-prediv", "false"], "--wire-sum-prediv false only changes --collective wire_sum"),
+        (["--preset", "geonvfp4"], "preset 'geonvfp4' sends nvfp4; --preset takes an FP8 GeoFP8 preset"),
+        (["--out", str(tmp_path)], "is a folder; give a file name"),
+        (["--ranks", "1"], "--ranks=1 must be >= 2"),
+    ]
+    for extra, want in cases:
+        capsys.readouterr()
+        assert tool.main(base + extra) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and want in err[0], (extra, err)
+    assert not (tmp_path / "s.json").exists()   # nothing was computed or written

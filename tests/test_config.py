@@ -221,3 +221,14 @@ def test_missing_files_and_devices_are_one_error_line_before_any_process_group(t
     if "cuda" not in expect:  # the Slurm wrappers' pre-flight check (--print-config) catches the files too
         r = _pretrain(*args, "--print-config")
         assert r.returncode == 2 and re.search(expect, r.stderr), r.stderr
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["comm.dtype=fp8_e4m3", "geo.power=abc"], r"geo.power='abc' must be a number in \(0, 1\]"),  # without geo too
+    (["comm.dtype=fp8_e4m3", "comm.transform=geo", "geo.rank=0"], r"^geo.rank=0 must be >= 1$"),
+    (["comm.dtype=fp8_e4m3", "comm.transform=geo", "geo.damping=-1"], r"^geo.damping=-1.0 must be > 0"),
+])
+def test_geo_values_name_the_one_bad_key(overrides, message):
+    cfg = load_config([], overrides)
+    with pytest.raises(ConfigError, match=message):
+        validate_config(cfg, 1)

@@ -157,6 +157,32 @@ def parse_args(argv):
     return args
 
 
+def _int_list_option(text: str, name: str, minimum: int) -> list[int]:
+    """A comma-separated list of distinct integers >= ``minimum`` (raises ValueError naming ``name``)."""
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: give comma-separated integers, e.g. {name} 0,1,2") from None
+    bad = [v for v in vals if v < minimum]
+    if bad or len(set(vals)) != len(vals):
+        why = f"{bad[0]} is below {minimum}" if bad else "a value is repeated"
+        raise ValueError(f"{name}={text!r}: {why}; list each value once, each >= {minimum}")
+    return vals
+
+
+def _check_writable(path: str, name: str) -> None:
+    """Fail before minutes of computation when ``path`` cannot be written (a folder, an unwritable parent)."""
+    if os.path.isdir(path):
+        raise ValueError(f"{name} {path} is a folder; give a file name, e.g. {os.path.join(path, 'out.json')}")
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{name} {path}: cannot create its folder ({e.strerror}); choose another path") from None
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"{name} {path}: its folder {parent} is not writable; choose another path")
+
+
 def _check_geo_options(args) -> None:
     """Every --geo option, before any training (raises ValueError / ConfigError)."""
     parse_power_search(args.geo_power_search, "--geo-power-search")
@@ -164,15 +190,26 @@ def _check_geo_options(args) -> None:
     preset_side(args.preset, REPO_ROOT)
     if args.window < 1:
         raise ValueError(f"--window={args.window} must be >= 1")
+    if args.geo_rank < 1:
+        raise ValueError(f"--geo-rank={args.geo_rank} must be >= 1 (the rank of the K-FAC factor's approximation)")
+    if not args.geo_damping > 0:
+        raise ValueError(f"--geo-damping={args.geo_damping:g} must be > 0 (relative to the mean eigenvalue, e.g. 1e-3)")
+    _int_list_option(args.geo_lowranks, "--geo-lowranks", 1)
+    _int_list_option(args.geo_blocks, "--geo-blocks", 1)
     if args.scenario != "model":
-        from megatron_geo.analysis.geo_command import int_list, scenario_params
+        from megatron_geo.analysis.geo_command import scenario_params
 
-        for seed in int_list(args.seeds) or [None]:
-            if seed is None:
-                raise ValueError("--seeds needs at least one seed, e.g. --seeds 0,1,2")
+        seeds = _int_list_option(args.seeds, "--seeds", 0)
+        if not seeds:
+            raise ValueError("--seeds needs at least one seed, e.g. --seeds 0,1,2")
+        for seed in seeds:
             scenario_params(args, seed).check()
+        if args.geo_rank > args.d_in:
+            raise ValueError(f"--geo-rank={args.geo_rank} is above --d-in={args.d_in}; use a rank <= d_in")
     if args.collective == "wire_sum" and not args.geo_fp8_codec.endswith(":tensor"):
         raise ValueError("--collective wire_sum needs tensor scaling, e.g. --geo-fp8-codec fp8_e4m3:tensor")
+    if args.collective != "wire_sum" and args.wire_sum_prediv != "true":
+        raise ValueError("--wire-sum-prediv false only changes --collective wire_sum; add --collective wire_sum")
 
 
 def _write(args, out: dict, report: str, markdown: str | None) -> None:
@@ -189,10 +226,14 @@ def _write(args, out: dict, report: str, markdown: str | None) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    if args.ranks < 1 or args.warmup_steps < 0:
-        print("error: --ranks must be >= 1 and --warmup-steps >= 0", file=sys.stderr)
+    if args.ranks < 2 or args.warmup_steps < 0:
+        print(f"error: --ranks={args.ranks} must be >= 2 (a reduction over DP ranks) and --warmup-steps="
+              f"{args.warmup_steps} >= 0", file=sys.stderr)
         return 2
     try:
+        _check_writable(args.out, "--out")
+        if args.markdown:
+            _check_writable(args.markdown, "--markdown")
         specs = [(s, parse_codec(s)) for s in args.codecs]
         if args.geo:   # every --geo option is checked before the warm-up training
             _check_geo_options(args)

@@ -25,9 +25,8 @@ from .report_io import finite_mean
 
 GEO_FP8 = "fp8_e4m3:tensor"
 GEO_FP4 = "nvfp4"
-TARGET_REDUCTION_PCT = 60.0   # issue target: RelL2 at r = 32 at least 60% below Euclidean FP8 (paper: 67.4%)
-TARGET_TAIL_RATIO = 5.0       # issue target: tail per-direction error at least 5x lower
-PAPER_REDUCTION_PCT = 67.4
+TARGET_REDUCTION_PCT = 15.0   # issue 16: the geofp8 default at least 15% below Euclidean FP8 on the tiny model
+PAPER_REDUCTION_PCT = 67.4    # the paper's one-step figure at r = 32 (its own regime: dense spikes, E5M2)
 
 
 def _side(kind: str, rank: int | None = None, block: int | None = None, damping: float = 1e-3,
@@ -320,15 +319,19 @@ def geo_diagnostics(cap: Capture, names: list[str], rank: int, damping: float,
     return out
 
 
-def _targets(rows: list[dict], key: str) -> dict:
-    r = next(x for x in rows if x["key"] == key)
-    s = r["selected"]
-    red, tail = s.get("rel_l2_reduction_pct"), s.get("tail_ratio")
-    return {"row": r["label"], "rel_l2_reduction_pct": red, "target_reduction_pct": TARGET_REDUCTION_PCT,
+def _targets(rows: list[dict]) -> dict:
+    """Issue 16's targets on the selected layers: the preset default's RelL2 reduction vs Euclidean at t (>=
+    :data:`TARGET_REDUCTION_PCT`) and at each staleness capture (never below 0: never worse than Euclidean).
+    Without a default row, the input-side r row (rows[1])."""
+    default = [x for x in rows if x["group"] == "default"] or [rows[1]]
+    now = next(x for x in default if x["capture"] == 0)
+    red = now["selected"].get("rel_l2_reduction_pct")
+    stale = {str(x["capture"]): x["selected"].get("rel_l2_reduction_pct") for x in default if x["capture"]}
+    return {"row": now["label"], "rel_l2_reduction_pct": red, "target_reduction_pct": TARGET_REDUCTION_PCT,
             "paper_reduction_pct": PAPER_REDUCTION_PCT,
             "reduction_met": red is not None and red >= TARGET_REDUCTION_PCT,
-            "tail_ratio": tail, "target_tail_ratio": TARGET_TAIL_RATIO,
-            "tail_met": tail is not None and tail >= TARGET_TAIL_RATIO}
+            "staleness_reduction_pct": stale,
+            "staleness_never_worse": all(v is not None and v >= 0 for v in stale.values()) if stale else None}
 
 
 def _add_relative(rows: list[dict]) -> None:
@@ -391,6 +394,10 @@ def preset_side(name: str, root: str) -> tuple[str, dict, tuple]:
     cfg = load_config([path], [])
     if cfg.comm.transform != "geo":
         raise ValueError(f"preset {name!r} is not a GeoFP8 preset (comm.transform={cfg.comm.transform})")
+    if cfg.comm.dtype not in ("fp8_e4m3", "fp8_e5m2"):
+        raise ValueError(f"preset {name!r} sends {cfg.comm.dtype}; --preset takes an FP8 GeoFP8 preset (geofp8, "
+                         f"geofp8_search, geofp8_paper): its rows use --geo-fp8-codec (the model mode's NVFP4 rows "
+                         f"cover GeoNVFP4)")
     g = cfg.geo
     search = parse_power_search(g.power_search)
     power = "search" if search else parse_power(g.power)
@@ -419,7 +426,6 @@ def run_geo(caps: dict, scopes: dict, rows: list[dict], search: tuple, output_fa
     timings["evaluate_s"] = time.perf_counter() - t_eval
     timings["build_transforms_s"] = tf.seconds
     _add_relative(rows)
-    geo_key = rows[1]["key"]
     ts = time.perf_counter()
     diag = geo_diagnostics(caps[0], scopes["selected"], rank, damping, fp8)
     timings["diagnostics_s"] = time.perf_counter() - ts
@@ -431,5 +437,5 @@ def run_geo(caps: dict, scopes: dict, rows: list[dict], search: tuple, output_fa
             "capture_losses": {str(k): c.loss for k, c in caps.items()},
             "power_search_choices": {f"A@t+{k[0]} {k[1]}": v for k, v in tf.chosen.items()},
             "power_auto_choices": {f"A@t+{k}": v for k, v in tf.auto_chosen.items()},
-            "selected_layers": scopes["selected"], "rows": rows, "targets": _targets(rows, geo_key),
+            "selected_layers": scopes["selected"], "rows": rows, "targets": _targets(rows),
             "diagnostics": diag, "timings": timings}

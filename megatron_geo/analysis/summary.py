@@ -36,7 +36,7 @@ def summarize(geo: dict, scope: str, params: dict, paper: bool = False, rank: in
     by_label = {r["label"]: r for r in rows}
     eu = by_label["Euclidean (baseline)"]
     default = next((r for r in rows if r["group"] == "default" and r["capture"] == 0), None)
-    out = {"scope": scope, "euclidean_rel_l2": eu[scope]["rel_l2"]}
+    out = {"scope": scope, "euclidean_rel_l2": eu[scope]["rel_l2"], "geo_rank": rank}
     if default is not None:
         out.update(geo_default=default["label"], geo_default_rel_l2=default[scope]["rel_l2"],
                    geo_default_change_pct=_change(default, scope))

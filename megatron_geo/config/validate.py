@@ -91,11 +91,14 @@ def validate_config(cfg: Config, world_size: int) -> None:
             raise ConfigError("geo.select=auto profiles FP8 bound hits; use comm.dtype=fp8_e4m3 or fp8_e5m2")
         if g.sketch_size < g.rank:
             raise ConfigError(f"geo.sketch_size={g.sketch_size} must be >= geo.rank={g.rank}")
-        if g.rank < 1 or g.refresh_interval < 1 or not g.damping > 0:
-            raise ConfigError(f"geo.rank={g.rank} and geo.refresh_interval={g.refresh_interval} must be >= 1 and "
-                              f"geo.damping={g.damping} > 0")
-        parse_power(g.power)
-        parse_power_search(g.power_search)
+        for key, v in (("rank", g.rank), ("refresh_interval", g.refresh_interval)):
+            if v < 1:
+                raise ConfigError(f"geo.{key}={v} must be >= 1")
+        if not g.damping > 0:
+            raise ConfigError(f"geo.damping={g.damping} must be > 0 (relative to the mean eigenvalue of A, e.g. 1e-3)")
+    # checked with any transform, so that a typo is not silently carried in config.yaml
+    parse_power(g.power)
+    parse_power_search(g.power_search)
     if c.reduce_op != "wire_sum" and not c.wire_sum_prediv:
         raise ConfigError("comm.wire_sum_prediv=false only changes comm.reduce_op=wire_sum; set comm.reduce_op="
                           "wire_sum as well, or drop comm.wire_sum_prediv")
