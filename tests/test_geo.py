@@ -432,6 +432,8 @@ def _power_auto_gain(rank, world):
 def test_power_auto_and_select_gain_follow_the_slope_rule_on_every_rank():
     import numpy as np
 
+    from megatron_geo.geometry.refresh_stats import MIN_AUTO_GAIN
+
     (b0, g0, p0, diag0, act0, tr0), (_, _, p1, diag1, act1, tr1) = run_distributed(_power_auto_gain, 2)
     assert p0 == p1 and diag0 == diag1 and act0 == act1 and tr0 == tr1 and len(p0) == 4
     gains = {}
@@ -444,14 +446,18 @@ def test_power_auto_and_select_gain_follow_the_slope_rule_on_every_rank():
         y = np.concatenate([np.log(e.numpy()), [np.log(float(E - e.sum()) / (d_in - r))]])
         s = np.polyfit(x, y, 1)[0]                                        # independent least-squares slope
         assert diag0[n]["slope"] == pytest.approx(s, abs=1e-6)
-        assert p0[n] == pytest.approx(min(max(s / 4, 0.0), 0.5), abs=1e-6)
-        dp = d ** p0[n]
+        p_rule = min(max(s / 4, 0.0), 0.5)
+        dp = d ** p_rule
         T = torch.eye(d_in, dtype=torch.float64) + U @ torch.diag(dp - 1) @ U.T
         Tinv = torch.linalg.inv(T)
         col = sum((G.double() @ T).pow(2).sum(0) for G in g0[n])       # wire column energies
         ratio = math.sqrt(float((col * Tinv.pow(2).sum(1)).sum() / E))  # relative-precision model
-        gains[n] = 1 - ratio if p0[n] > 0 else 0.0
-        assert diag0[n]["pred_gain"] == pytest.approx(gains[n], abs=1e-6)
+        gain = 1 - ratio if p_rule > 0 else 0.0
+        assert diag0[n]["pred_gain"] == pytest.approx(gain, abs=1e-6)     # of the slope rule's transform
+        # kept Euclidean (p = 0) when the predicted gain is below the floor
+        want_p = p_rule if gain >= MIN_AUTO_GAIN else 0.0
+        assert p0[n] == pytest.approx(want_p, abs=1e-6) and diag0[n]["power"] == pytest.approx(want_p, abs=1e-6)
+        gains[n] = gain if want_p > 0 else 0.0
         assert {"ipr", "cancel", "sat", "flush", "sat_euclid", "flush_euclid", "power", "active"} <= set(diag0[n])
     best = max(gains, key=gains.get)
     want = [best] if gains[best] > 0 else []

@@ -185,14 +185,18 @@ class _Transforms:
 
     def _auto(self, offset: int, name: str, sd: dict):
         """The trainer's ``geo.power=auto`` choice for one layer (:mod:`megatron_geo.geometry.refresh_stats`):
-        p = clip(s / 4, 0, 1/2) from the energies of the capture's rank gradients along A's top eigenvectors."""
+        p = clip(s / 4, 0, 1/2) from the energies of the capture's rank gradients along A's top eigenvectors,
+        and p = 0 when the relative-precision model predicts a gain below ``MIN_AUTO_GAIN`` for it."""
         base = build_coordinate_transform(self.factor(offset, "input", name), "lowrank", sd["rank"] or 0,
                                           sd["damping"], power=1.0)
         r = base.U.shape[1]
         mom = sum(RS.layer_moments(g, base.U) for g in self.caps[offset].grads[name])
         p = float(RS.auto_power(RS.energy_slope(mom[:r], mom[r], base.d, base.d_in)))
+        t = with_power(base, p)
+        if p > 0 and float(RS.relative_gain(self.caps[offset].grads[name], t)) < RS.MIN_AUTO_GAIN:
+            p, t = 0.0, with_power(base, 0.0)   # as the trainer: predicted to gain nothing, stays Euclidean
         self.auto_chosen.setdefault(offset, {})[name] = p
-        return with_power(base, p)
+        return t
 
 
 def _aggregate(names: list[str], per_layer: dict, hats: dict, grads: dict) -> dict:

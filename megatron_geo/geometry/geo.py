@@ -286,18 +286,27 @@ class GeoState:
             t = transforms[n]   # sum_k c_k q_k: the relative-precision model's error energy
             rows.append(torch.cat([h[:8], (h[8:] * RS.inverse_row_norms2(t.U, t.d)).sum().view(1)]))
         host = torch.stack(rows).cpu().tolist()
-        diag = {}
+        diag, kept_euclidean = {}, []
+        auto = self.power == "auto" and not self.power_search
         for n, c in zip(names, host):
             e, total, gu, world = moments[n]
             p = self.powers[n] if self.power_search or self.power == "auto" else self.power
             tot = float(total)
             gain = 1.0 - (c[8] / tot) ** 0.5 if tot > 0 and transforms[n].U.shape[1] else 0.0
+            if auto and p > 0 and gain < RS.MIN_AUTO_GAIN:   # predicted to gain nothing: stay Euclidean
+                transforms[n] = identity_transform(self.params[n].shape[1], transforms[n].U.device)
+                self.powers[n] = p = 0.0
+                kept_euclidean.append(n)
             diag[n] = {"slope": float(RS.energy_slope(e, total, d1[n], self.params[n].shape[1])), "power": float(p),
                        "ipr": ipr[n], "cancel": float(RS.cancellation(e, gu, world)), "pred_gain": gain,
                        "sat": c[0] / max(c[3], 1), "flush": c[1] / max(c[2], 1),
                        "sat_euclid": c[4] / max(c[7], 1), "flush_euclid": c[5] / max(c[6], 1)}
+        if kept_euclidean:
+            self.log(f"step {step + 1}: geo.power=auto keeps Euclidean (predicted gain < {RS.MIN_AUTO_GAIN:g}): "
+                     + ", ".join(n.removesuffix(".weight") for n in kept_euclidean))
         if self.select_gain and self.auto_layers:
-            ranked = sorted(diag, key=lambda n: (-diag[n]["pred_gain"], n))
+            # among the layers geo.power=auto did not already keep Euclidean
+            ranked = sorted((n for n in diag if n not in kept_euclidean), key=lambda n: (-diag[n]["pred_gain"], n))
             keep = {n for n in ranked[: self.auto_layers] if diag[n]["pred_gain"] > 0}
             for n in diag:
                 if n not in keep:

@@ -11,7 +11,8 @@ For one layer with the refresh's transform at power 1, ``U`` (``[d_in, r]``, A's
   ``log((lambda + damping) / (lambda_ref + damping)) = -log d1`` over the r top points and the rest point
   ``(0, log(e_rest / (d_in - r)))`` (each point weight 1). ``s ~ 1``: noise-dominated gradients
   (``E||G u||^2`` grows like ``lambda``); ``s ~ 2``: gradients coherent across ranks (``G ~ B A``).
-- ``auto_power(s) = clip(s / 4, 0, 1/2)`` (``geo.power=auto``). Source: the white-noise model below is
+- ``auto_power(s) = clip(s / 4, 0, 1/2)`` (``geo.power=auto``; the layer stays Euclidean when the relative-precision
+  model below predicts a gain under :data:`MIN_AUTO_GAIN` for that power). Source: the white-noise model below is
   minimised over any diagonal scaling in A's eigenbasis by ``d_i ~ e_i^(-1/4)`` (Cauchy-Schwarz); with
   ``e_i ~ lambda_i^s`` that is ``D = d1^(s/4)``. Capped at the paper's whitening 1/2; 0 is Euclidean.
 - predicted RelL2 ratio (geo / Euclidean), two models for ``d = d1^p``:
@@ -38,6 +39,11 @@ import torch
 
 OUTLIER_D1 = 0.5     # an outlier eigen-direction: (lambda + damping) >= 2 (lambda_ref + damping)
 MAX_AUTO_POWER = 0.5  # the paper's whitening
+# geo.power=auto keeps a layer Euclidean (p = 0) unless the relative-precision model predicts a RelL2 at least
+# this much lower: a transform predicted to gain nothing (outliers confined to single input channels, i.i.d.
+# gradients) only adds rounding noise and work. Measured predictions: 0.00 where the measured change is within
+# noise of 0 (iid, channel-spikes), 0.12-0.85 where the transform helps (docs/geofp8_fidelity.md).
+MIN_AUTO_GAIN = 0.05
 
 
 def layer_moments(grad: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
@@ -107,6 +113,16 @@ def relative_ratio(col_energy: torch.Tensor, U: torch.Tensor, d: torch.Tensor, t
     total = total.double()
     ratio2 = (col_energy.double() * q).sum() / total.clamp(min=1e-300)
     return torch.where(total > 0, ratio2.sqrt(), torch.ones_like(ratio2))
+
+
+def relative_gain(grads, T) -> torch.Tensor:
+    """``1 - ratio`` of the relative-precision model (:func:`relative_ratio`) for transform ``T`` (a
+    ``LowRankTransform``: ``apply``, ``U``, ``d``) and the ranks' gradients ``grads`` (``[d_out, d_in]`` each),
+    summed over the list (one process holding every rank's gradient, as the fidelity tools do; the trainer
+    sums the same column energies with an all-reduce). FP64 scalar tensor."""
+    col = sum(T.apply(g.to(T.U.dtype)).double().pow(2).sum(0) for g in grads)
+    total = sum(g.double().pow(2).sum() for g in grads)
+    return 1.0 - relative_ratio(col, T.U, T.d, total)
 
 
 def eigvec_ipr(U: torch.Tensor, d1: torch.Tensor) -> torch.Tensor:
