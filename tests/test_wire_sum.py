@@ -202,3 +202,70 @@ def test_wire_sum_config_errors_and_label():
     cfg.comm.reduce_op = "ring"
     with pytest.raises(ConfigError, match="comm.reduce_op='ring'"):
         validate_config(cfg, 1)
+
+
+# -- the NCCL-native branch (NCCL >= 2.24 sums FP8 itself), with the collective faked on gloo --------------------
+class _Done:
+    def wait(self):
+        return True
+
+
+def _fake_fp8_collectives(fmt):
+    """Stand-ins for NCCL's FP8 reduce-scatter / reduce: gather every rank's codes, sum them in the ring order
+    of :func:`ring_sum` (NCCL's own order may differ; the test checks the branch's wiring, not NCCL)."""
+    import torch.distributed as dist
+
+    from megatron_geo.comm.wire_sum import ring_sum
+
+    def gather(t, group):
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.stack(parts)
+
+    def reduce_scatter_into(out, inp, group, async_op=False):
+        assert out.dtype == inp.dtype and inp.dtype.itemsize == 1 and inp.dtype != torch.uint8  # an FP8 dtype
+        r, n = dist.get_rank(group), out.numel()
+        total, _ = ring_sum(gather(inp.view(torch.uint8), group)[:, r * n:(r + 1) * n], r, fmt)
+        out.view(torch.uint8).copy_(total)
+        return _Done()
+
+    def reduce_ranges(buf, bounds, group, async_op=True):
+        assert buf.dtype.itemsize == 1 and buf.dtype != torch.uint8
+        r = dist.get_rank(group)
+        allc = gather(buf.view(torch.uint8), group)
+        lo, hi = bounds[r], bounds[r + 1]
+        total, _ = ring_sum(allc[:, lo:hi], r, fmt)
+        buf.view(torch.uint8)[lo:hi].copy_(total)
+        return _Done()
+
+    return reduce_scatter_into, reduce_ranges
+
+
+def _run_native_vs_emulated(rank, world, fmt, uneven):
+    from megatron_geo.parallel import collectives as C
+
+    pctx = pctx_for(1)
+    outs = []
+    for native in (False, True):
+        red = build_reducer(CommConfig(dtype=fmt, reduce_op="wire_sum"), pctx.dp_group, world, rank)
+        plan = plan_shards(NUMELS, [False] * len(NUMELS), world, red.alignment())
+        bounds = [0, 48, plan.buffer_numel] if uneven else plan.chunk
+        red.register_bucket(0, plan.offsets, NUMELS, bounds, "cpu")
+        red.native_wire_sum = native
+        buf = _bucket(coherent_grads(world, sum(NUMELS), seed=11)[rank], plan)
+        saved = C.reduce_scatter_into, C.reduce_ranges
+        if native:
+            C.reduce_scatter_into, C.reduce_ranges = _fake_fp8_collectives(fmt)
+        try:
+            red.reduce_scatter(buf, key=0).wait()
+        finally:
+            C.reduce_scatter_into, C.reduce_ranges = saved
+        b = red.bounds[0]
+        outs.append((buf[b[rank]:b[rank + 1]].clone(), red.bytes_sent))
+    return outs
+
+
+@pytest.mark.parametrize("uneven", [False, True], ids=["even", "uneven-owner-ranges"])
+def test_native_fp8_branch_decodes_like_the_emulation(uneven):
+    for (emulated, sent_e), (native, sent_n) in run_distributed(_run_native_vs_emulated, 2, "fp8_e4m3", uneven):
+        assert torch.equal(native, emulated) and sent_n == sent_e

@@ -299,6 +299,12 @@ class LowPrecisionReducer(Reducer):
         codes, _, shared = self.wire.encode_ranges(x, layout, sync, residual)
         send, splits = codes[0]
         f8 = FP8_FORMATS[self.fmt]
+        # bound hits: this rank's non-zero inputs that its codes flush to zero (counted before the collective,
+        # which may reduce into ``send`` in place)
+        if self.telemetry is not None:
+            self.telemetry.append((f"bound_hits/flushed/bucket{key}",
+                                   ((send.view(f8).float() == 0) & (x != 0)).sum().float(),
+                                   (x != 0).sum().float()))
         if self.native_wire_sum:
             if self._even(buf, key):
                 out = torch.empty(own, dtype=torch.uint8, device=buf.device)
@@ -311,10 +317,6 @@ class LowPrecisionReducer(Reducer):
             out = torch.empty(dp * own, dtype=torch.uint8, device=buf.device)
             work = C.all_to_all_single(out, send, self.group, [own] * dp, splits, async_op=True)
             self.bytes_sent += send.numel() - own
-        if self.telemetry is not None:  # bound hits: this rank's non-zero inputs that its codes flush to zero
-            self.telemetry.append((f"bound_hits/flushed/bucket{key}",
-                                   ((send.view(f8).float() == 0) & (x != 0)).sum().float(),
-                                   (x != 0).sum().float()))
 
         def epilogue():
             work.wait()
