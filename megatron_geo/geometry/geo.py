@@ -79,7 +79,6 @@ class GeoState:
         self.power_search = tuple(power_search)   # non-empty: p chosen per layer at each refresh
         self.powers: dict[str, float] = {}         # power_search / auto: the p chosen per layer at the last refresh
         self.diagnostics: dict[str, dict[str, float]] = {}  # per layer, from the last refresh (host floats)
-        self.active: set[str] = set(self.selected)  # layers whose transform is not the identity (select=gain)
         self.roundtrip = None  # set by the reducer: the codec's quantize-dequantize (power_search)
         self.grad_of = lambda name: self.params[name].main_grad  # the local gradient at a refresh
         self.stats = self._make_stats()
@@ -102,6 +101,12 @@ class GeoState:
                 seed = zlib.crc32(n.encode())
                 sketches[n] = sketch_matrix(d_in, min(self.sketch_size, d_in), seed, self.params[n].device)
         return InputStats(dict(self.selected), sketches)
+
+    @property
+    def active(self) -> set[str]:
+        """The selected layers whose current transform is not the identity (none before the first refresh; the
+        layers ``geo.power=auto``'s gain floor or ``geo.select=gain`` keep Euclidean are not active)."""
+        return {n for n in self.selected if self.transforms[n].U.shape[1] > 0}
 
     @property
     def profiling(self) -> bool:
@@ -312,7 +317,6 @@ class GeoState:
                 if n not in keep:
                     transforms[n] = identity_transform(self.params[n].shape[1], transforms[n].U.device)
                 diag[n]["active"] = float(n in keep)
-            self.active = keep
             self.log(f"step {step + 1}: geo.select=gain keeps " + (", ".join(
                 f"{n.removesuffix('.weight')} ({diag[n]['pred_gain']:+.2f})" for n in ranked if n in keep) or "none"))
         self.diagnostics = diag
