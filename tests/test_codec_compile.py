@@ -84,24 +84,49 @@ def test_fp8_wire_functions_compile_to_one_graph_each_and_match_eager_bitwise(fm
 
 def test_nvfp4_wire_functions_compile_to_one_graph_each_and_match_eager_bitwise():
     from megatron_geo.comm import wire_nvfp4 as W
-    from megatron_geo.comm.codecs import nvfp4_global_scale
+    from megatron_geo.comm.codecs import nvfp4_decode, nvfp4_encode, nvfp4_global_scale
 
     counters = _fresh()
     eager, comp = W.NVFP4Wire("nearest", None, False), W.NVFP4Wire("nearest", None, True)
-    for nb in (96, 50):
+    for nb in (96, 48):
         x = _inputs(nb, 16, 1)
         g = nvfp4_global_scale(x.abs().amax(1)) * torch.linspace(0.5, 1, nb)  # per-block global scales
-        p_e, b_e = eager.encode(x, g)
-        p_c, b_c = comp.encode(x, g)
+        bamax = eager.amax(x)
+        assert torch.equal(comp.amax(x).nan_to_num(), bamax.nan_to_num())
+        p_e, b_e = eager._encode(x, bamax, g, None)
+        p_c, b_c = comp._encode(x, bamax, g, None)
+        p_ref, b_ref = nvfp4_encode(x, g.unsqueeze(1))          # the reference codec, one call
         assert torch.equal(p_c, p_e) and torch.equal(b_c, b_e)
+        assert torch.equal(p_e, p_ref) and torch.equal(b_e, b_ref)
         r_e, r_c = torch.empty_like(x), torch.empty_like(x)
-        comp.encode_ef(x, g, r_c)
-        eager.encode_ef(x, g, r_e)
-        assert torch.equal(r_c.nan_to_num(), r_e.nan_to_num())
-        d_e = eager.decode_sum(torch.stack([p_e, p_e]), torch.stack([b_e, b_e]), torch.stack([g, g]))
-        d_c = comp.decode_sum(torch.stack([p_e, p_e]), torch.stack([b_e, b_e]), torch.stack([g, g]))
+        comp._encode(x, bamax, g, r_c)
+        eager._encode(x, bamax, g, r_e)
+        want = x - nvfp4_decode(p_ref, b_ref, g.unsqueeze(1))
+        assert torch.equal(r_c.nan_to_num(), r_e.nan_to_num()) and torch.equal(r_e.nan_to_num(), want.nan_to_num())
+        pk, bk, gk = torch.stack([p_e, p_e.flip(0)]), torch.stack([b_e, b_e.flip(0)]), torch.stack([g, g.flip(0)])
+        d_e = eager.sum_sources(eager.unpack(pk).view(2, nb, 16), bk, gk)
+        d_c = comp.sum_sources(comp.unpack(pk).view(2, nb, 16), bk, gk)
+        ref = (nvfp4_decode(pk[0], bk[0], gk[0].unsqueeze(1)) + nvfp4_decode(pk[1], bk[1], gk[1].unsqueeze(1))) / 2
         assert torch.equal(d_c.nan_to_num(), d_e.nan_to_num()) and torch.equal(d_c.isnan(), d_e.isnan())
-    assert _compiled_graphs(counters) >= 3 and not counters["graph_break"]
+        assert torch.equal(d_e.nan_to_num(), ref.view(-1).nan_to_num()) and torch.equal(d_e.isnan(), ref.view(-1).isnan())
+    assert _compiled_graphs(counters) >= 5 and not counters["graph_break"]
+
+
+def test_nibble_packing_matches_the_pair_layout_for_every_code_pair():
+    """``pack_nibbles`` (an int64 view, little-endian) puts element 2i in the low nibble and 2i+1 in the high one,
+    like the plain pair formula, eagerly and compiled; ``unpack_nibbles`` inverts it for all 256 bytes."""
+    from megatron_geo.comm.codecs import pack_nibbles, unpack_nibbles
+    from megatron_geo.comm.compiled import maybe_compile
+
+    _fresh()
+    lo, hi = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
+    codes = torch.stack((lo.reshape(-1), hi.reshape(-1)), dim=1).reshape(-1, 16).to(torch.uint8)   # [32, 16]
+    want = (codes[:, 0::2].int() | (codes[:, 1::2].int() << 4)).to(torch.uint8)                     # [32, 8]
+    assert torch.equal(pack_nibbles(codes), want)
+    assert torch.equal(maybe_compile(pack_nibbles, True)(codes), want)
+    assert torch.equal(want.view(-1).sort().values, torch.arange(256, dtype=torch.uint8))           # every byte
+    assert torch.equal(unpack_nibbles(want), codes)
+    assert torch.equal(maybe_compile(unpack_nibbles, True)(want), codes)
 
 
 def test_comm_compile_setting():

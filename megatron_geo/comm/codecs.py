@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 
 import torch
 from torch import Tensor
@@ -37,6 +38,8 @@ _E2M1_MAX = 6.0
 _E4M3_MAX = 448.0
 # E2M1 magnitudes indexed by their 3-bit code (exponent bits 2-1, mantissa bit 0).
 _E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# the value of each 4-bit code (sign bit 3): the grid, then its negation (code 8 is -0.0)
+_E2M1_SIGNED = _E2M1_GRID + tuple(-v for v in _E2M1_GRID)
 # Round-to-nearest boundaries: the midpoints between consecutive grid values, except that the
 # midpoints whose tie goes up to the even code (0.75, 1.75, 3.5) are replaced by the FP32 value just
 # below them (one FP32 ulp less: 2**-24, 2**-23, 2**-22).
@@ -54,25 +57,6 @@ def _const(values: tuple[float, ...], device: torch.device) -> Tensor:
     if torch.compiler.is_compiling():
         return torch.tensor(values, dtype=torch.float32, device=device)
     return _cached_const(values, device)
-
-
-@functools.lru_cache(maxsize=16)
-def _cached_e2m1_byte_table(device: torch.device) -> Tensor:
-    return _build_e2m1_byte_table(device)
-
-
-def _e2m1_byte_table(device: torch.device) -> Tensor:
-    """``[256, 2]`` float32: the (low, high) E2M1 values of every packed byte (cached in eager mode)."""
-    if torch.compiler.is_compiling():
-        return _build_e2m1_byte_table(device)
-    return _cached_e2m1_byte_table(device)
-
-
-def _build_e2m1_byte_table(device: torch.device) -> Tensor:
-    grid = _const(_E2M1_GRID, device)
-    signed = torch.cat((grid, -grid))  # value of each 4-bit code
-    nib = torch.arange(256, device=device)
-    return torch.stack((signed[nib & 15], signed[nib >> 4]), dim=1)
 
 
 def _check_fmt(fmt: str) -> None:
@@ -222,29 +206,102 @@ def _global_rows(global_scale: Tensor, nblk: int) -> Tensor:
 def _e2m1_index(a: Tensor, rounding: str, generator: torch.Generator | None) -> Tensor:
     """Magnitude code (0-7, int32) on the E2M1 grid of ``a`` in ``[0, 6]`` (NaN gives 7).
 
-    Nearest: the number of rounding boundaries strictly below ``a`` (``torch.bucketize`` in eager mode; seven
-    int32 comparisons in a compiled graph, which vectorise; the same codes, NaN included). At the midpoints whose tie goes up
-    to the even code (0.75 -> 1.0, 1.75 -> 2.0, 3.5 -> 4.0) the boundary is the FP32 value just below the
-    midpoint, so "a > boundary" means "a >= midpoint"; the other ties stay down (even code).
+    Nearest: the number of rounding boundaries strictly below ``a``: ``torch.bucketize`` in eager mode, and in a
+    compiled graph ``7 - #(a <= boundary)`` (seven comparisons that vectorise; a NaN compares false with every
+    boundary, so it gets 7 without an ``isnan`` pass). At the midpoints whose tie goes up to the even code (0.75 -> 1.0, 1.75 -> 2.0,
+    3.5 -> 4.0) the boundary is the FP32 value just below the midpoint, so "a > boundary" means
+    "a >= midpoint"; the other ties stay down (even code).
     """
     if rounding == "nearest":
-        if not torch.compiler.is_compiling():  # eager: one bucketize (NaN counts as above every boundary: 7)
+        if not torch.compiler.is_compiling():  # eager: one bucketize, the same codes (NaN above every boundary)
             return torch.bucketize(a, _const(_E2M1_BOUNDS, a.device), out_int32=True)
-        idx = (a > _E2M1_BOUNDS[0]).to(torch.int32)
+        below = (a <= _E2M1_BOUNDS[0]).to(torch.int32)
         for b in _E2M1_BOUNDS[1:]:
-            idx = idx + (a > b).to(torch.int32)
-        return torch.where(torch.isnan(a), 7, idx)
+            below = below + (a <= b).to(torch.int32)
+        return 7 - below
     q = _stochastic_round(a, 1, 0, generator)  # E2M1: 1 mantissa bit, min normal 1, subnormal 0.5
     return torch.bucketize(q, _const(_E2M1_GRID, a.device), out_int32=True).clamp_(max=7)  # q's grid index
+
+
+# Nibble (un)packing through a wider integer view (8 codes per int64 word) runs as plain vectorised integer
+# arithmetic; it relies on the byte order of the view, so big-endian hosts take the per-pair form instead.
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def pack_nibbles(codes: Tensor) -> Tensor:
+    """uint8 ``[..., n / 2]``: 4-bit ``codes`` (uint8 ``[..., n]``, values 0-15, ``n`` a multiple of 16, contiguous)
+    packed two per byte, element ``2i`` in the low nibble and ``2i + 1`` in the high one.
+
+    In a compiled graph eight codes are read as one int64 word (little-endian: code ``j`` in byte ``j``) and
+    folded into four bytes with shifts and masks, one vectorised pass instead of a strided pair loop; eagerly
+    (fewer, larger ops) the even and odd codes are combined directly.
+    """
+    if not _LITTLE_ENDIAN or not torch.compiler.is_compiling():  # eager: three ops on the pairs
+        pairs = codes.view(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+        return pairs[..., 0] | (pairs[..., 1] << 4)
+    v = codes.view(torch.int64)                                   # [..., n / 8], byte j = code j (< 16)
+    p = v & 0x0F
+    for j in range(1, 8):  # code j (bits 8j..8j+3) -> bits 4j..4j+3
+        p = p | ((v >> (4 * j)) & (0x0F << (4 * j)))
+    return p.to(torch.int32).view(torch.uint8)                     # the low 32 bits hold the 4 packed bytes
+
+
+def unpack_nibbles(packed: Tensor) -> Tensor:
+    """uint8 ``[..., 2m]``: the 4-bit codes of uint8 ``packed`` ``[..., m]`` (``m`` a multiple of 4, contiguous),
+    low nibble first: the inverse of :func:`pack_nibbles`."""
+    if not _LITTLE_ENDIAN or not torch.compiler.is_compiling():  # eager: the two nibbles stacked
+        return torch.stack((packed & 15, packed >> 4), dim=-1).view(*packed.shape[:-1], 2 * packed.shape[-1])
+    v = packed.view(torch.int32).to(torch.int64)                  # 4 packed bytes per word
+    o = v & 0x0F
+    for j in range(1, 8):  # nibble j (bits 4j..4j+3) -> byte j (bits 8j..8j+3)
+        o = o | (((v >> (4 * j)) & 0x0F) << (8 * j))
+    return o.view(torch.uint8)
+
+
+def nvfp4_block_scales(block_amax: Tensor, global_scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The E4M3 block scales of NVFP4 from each block's amax.
+
+    ``s = block_amax / (6 * global)`` rounded to E4M3 (nearest-even, saturating at 448; the smallest positive
+    E4M3, 2**-9, if that rounds to 0 for a non-zero block; NaN, code 0x7F, if the amax is not finite or ``s``
+    is NaN).
+
+    Args:
+        block_amax: float32 ``[nblk]``, max ``|x|`` of each 16-element block.
+        global_scale: float32 ``[nblk]`` (or broadcastable), the per-tensor scale of each block's tensor.
+
+    Returns:
+        ``(codes, scale, divisor)``: uint8 ``[nblk]`` E4M3 bit patterns, their float32 values ``s``, and the
+        float32 element divisor ``s * global`` (1.0 where that is 0: all-zero blocks).
+    """
+    s_units = block_amax / (_E2M1_MAX * global_scale)
+    bad = ((block_amax - block_amax) != 0) | (s_units != s_units)  # amax inf or NaN, or NaN units
+    s = torch.clamp(s_units, max=_E4M3_MAX).to(torch.float8_e4m3fn).float()
+    s = torch.where((s == 0) & (block_amax > 0), 2.0 ** -9, s)
+    s = torch.where(bad, math.nan, s)  # +NaN: the one NaN pattern 0x7F on every backend
+    divisor = s * global_scale
+    return s.to(torch.float8_e4m3fn).view(torch.uint8), s, torch.where(divisor == 0, 1.0, divisor)
+
+
+def nvfp4_element_codes(x: Tensor, divisor: Tensor, rounding: str = "nearest",
+                        generator: torch.Generator | None = None) -> Tensor:
+    """uint8 ``[nblk, 16]`` 4-bit E2M1 codes (sign bit 3 | magnitude index bits 0-2) of float32 ``x``
+    ``[nblk, 16]`` divided by its block's ``divisor`` ``[nblk]`` (:func:`nvfp4_block_scales`), clamped to +-6.
+
+    The sign is the FP32 sign bit of the quotient (-0.0 included); a NaN element gets magnitude code 7.
+    """
+    y = x / divisor.unsqueeze(1)
+    a = y.abs().clamp(max=_E2M1_MAX)
+    codes = _e2m1_index(a, rounding, generator) | ((y.view(torch.int32) < 0).to(torch.int32) << 3)
+    return codes.to(torch.uint8)
 
 
 def nvfp4_encode(x: Tensor, global_scale: Tensor, rounding: str = "nearest",
                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
     """Encode blocks of 16 FP32 values as NVFP4.
 
-    Per block: ``s = block_amax / (6 * global)`` rounded to E4M3 (nearest-even, saturating at 448;
-    the smallest positive E4M3, 2**-9, if that rounds to 0 for a non-zero block), then elements
-    ``x / (s * global)`` clamped to +-6 and rounded to the E2M1 grid (nearest-even or stochastic).
+    Per block: ``s = block_amax / (6 * global)`` rounded to E4M3 (:func:`nvfp4_block_scales`), then elements
+    ``x / (s * global)`` clamped to +-6 and rounded to the E2M1 grid (nearest-even or stochastic;
+    :func:`nvfp4_element_codes`), packed two per byte (:func:`pack_nibbles`).
 
     Args:
         x: float32 ``[nblk, 16]``.
@@ -267,45 +324,27 @@ def nvfp4_encode(x: Tensor, global_scale: Tensor, rounding: str = "nearest",
     _check_f32(x, "x")
     if x.dim() != 2 or x.shape[1] != NVFP4_BLOCK:
         raise ValueError(f"x must be [nblk, {NVFP4_BLOCK}], got {tuple(x.shape)}")
-    nblk = x.shape[0]
-    g = _global_rows(global_scale, nblk)
-    bamax = x.abs().amax(dim=1, keepdim=True)
-    s_units = bamax / (_E2M1_MAX * g)
-    s_units = torch.where(torch.isfinite(bamax), s_units, math.nan)
-    s_code = torch.clamp(s_units, max=_E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-    s_code = torch.where((s_code == 0) & (bamax > 0), torch.ones_like(s_code), s_code)
-    s_code = torch.where(torch.isnan(s_units), 0x7F, s_code)  # one NaN pattern (+NaN) on every backend
-    denom = s_code.view(torch.float8_e4m3fn).float() * g
-    y = x / torch.where(denom == 0, 1.0, denom)  # denom == 0 only for all-zero blocks (or g == 0)
-    a = y.abs().clamp_(max=_E2M1_MAX)  # NaN elements get an arbitrary code; the block scale is NaN
-    # the sign bit read from the FP32 bits (like signbit, -0.0 included): int32 throughout, so that a compiled
-    # graph vectorises it
-    codes = _e2m1_index(a, rounding, generator) | ((y.view(torch.int32) < 0).to(torch.int32) << 3)
-    pairs = codes.view(nblk, NVFP4_BLOCK // 2, 2)
-    packed = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
-    return packed, s_code.view(nblk)
+    g = _global_rows(global_scale, x.shape[0]).reshape(-1)
+    s_code, _, divisor = nvfp4_block_scales(x.abs().amax(dim=1), g)
+    return pack_nibbles(nvfp4_element_codes(x.contiguous(), divisor, rounding, generator)), s_code
 
 
 def _e2m1_values(c: Tensor) -> Tensor:
-    """float32 E2M1 value of int32 4-bit codes ``c`` (bit 3 sign, bits 2-1 exponent, bit 0 mantissa):
-    ``m * 0.5`` for exponent 0 (0, 0.5), else ``(2 + m) * 2**(e - 2)``; code 8 is -0.0. Exact."""
-    mag_code = c & 7
-    e = mag_code >> 1
-    f = (mag_code & 1).float()
-    mag = torch.where(e == 0, f * 0.5, (f + 2.0) * torch.exp2((e - 2).float()))
+    """float32 E2M1 value of integer 4-bit codes ``c`` (bit 3 sign, bits 0-2 the magnitude index ``k`` into
+    0, 0.5, 1, 1.5, 2, 3, 4, 6): ``k / 2`` for ``k < 4``, ``k - 2`` for ``k < 6``, else ``2k - 8``; code 8 is
+    -0.0. Exact. Eagerly a table lookup; in a compiled graph float arithmetic and selects (they vectorise)."""
+    if not torch.compiler.is_compiling():  # eager: one lookup in the 16-entry table
+        return _const(_E2M1_SIGNED, c.device)[c.long()]
+    k = c & 7
+    kf = k.float()
+    mag = torch.where(k < 4, kf * 0.5, torch.where(k < 6, kf - 2.0, kf * 2.0 - 8.0))
     return torch.where((c & 8) != 0, -mag, mag)
 
 
 def e2m1_unpack(packed: Tensor) -> Tensor:
-    """float32 ``[..., 2n]``: the E2M1 values of uint8 ``packed`` ``[..., n]`` (element ``2i`` in the low nibble, ``2i+1``
-    in the high one, as :func:`nvfp4_encode` packs them). Eager: a 256-entry byte table; inside a compiled graph
-    the same values computed arithmetically (:func:`_e2m1_values`, which vectorises)."""
-    if torch.compiler.is_compiling():
-        p = packed.to(torch.int32)
-        vals = torch.stack((_e2m1_values(p & 15), _e2m1_values(p >> 4)), dim=-1)
-    else:
-        vals = _e2m1_byte_table(packed.device)[packed.long()]
-    return vals.view(*packed.shape[:-1], 2 * packed.shape[-1])
+    """float32 ``[..., 2n]``: the E2M1 values of uint8 ``packed`` ``[..., n]`` (element ``2i`` in the low nibble,
+    ``2i+1`` in the high one, as :func:`nvfp4_encode` packs them; ``n`` a multiple of 4)."""
+    return _e2m1_values(unpack_nibbles(packed.contiguous()).to(torch.int32))
 
 
 def nvfp4_decode(packed: Tensor, block_scale_codes: Tensor, global_scale: Tensor) -> Tensor:

@@ -7,8 +7,10 @@ Parameters start 16-aligned and their segment covers the padding after them (:mo
 granule 16), so no block holds two parameters and a TP-replicated norm weight is encoded the same on every
 TP rank.
 
-The global scale reaches each 16-element block through the constant block-to-segment table; with
-``comm.compile`` encode and decode (with the sum over DP) are one ``torch.compile`` graph each.
+The global scale reaches each 16-element block through the constant block-to-segment table. With
+``comm.compile`` each step is one ``torch.compile`` graph: the block amax (shared with the global scale's
+amax), the block scales (vectorised over blocks), the element codes with their packing, and on the receive
+side the unpacking and the sum over DP.
 """
 
 from __future__ import annotations
@@ -16,32 +18,33 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .codecs import NVFP4_BLOCK, e2m1_unpack, nvfp4_decode, nvfp4_encode, nvfp4_global_scale
+from .codecs import (NVFP4_BLOCK, _e2m1_values, nvfp4_block_scales, nvfp4_decode, nvfp4_element_codes,
+                     nvfp4_encode, nvfp4_global_scale, pack_nibbles, unpack_nibbles)
 from .compiled import maybe_compile
 from .scale_layout import ScaleLayout
 from .wire_fp8 import block_amax
 
 
-def _encode(x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
-    """``(packed [nb, 8], block scale codes [nb])`` of float32 ``x`` ``[nb, 16]``, global scale per block ``[nb]``."""
-    return nvfp4_encode(x, g.unsqueeze(1))
+def _encode(x: Tensor, divisor: Tensor) -> Tensor:
+    """uint8 ``[nb, 8]`` packed E2M1 codes of float32 ``x`` ``[nb, 16]`` with the block divisors ``[nb]``."""
+    return pack_nibbles(nvfp4_element_codes(x, divisor))
 
 
-def _encode_ef(x: Tensor, g: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
-    """As :func:`_encode`; also writes ``residual`` ``[nb, 16]`` = ``x - decode`` in place."""
-    packed, bscale = nvfp4_encode(x, g.unsqueeze(1))
-    residual.copy_(x - nvfp4_decode(packed, bscale, g.unsqueeze(1)))
-    return packed, bscale
+def _encode_ef(x: Tensor, divisor: Tensor, scale: Tensor, g: Tensor, residual: Tensor) -> Tensor:
+    """As :func:`_encode`; also writes ``residual`` ``[nb, 16]`` = ``x - decode`` in place (the decoded value
+    ``(e2m1 * block scale) * global`` as :func:`.codecs.nvfp4_decode`, from the codes before packing)."""
+    codes = nvfp4_element_codes(x, divisor)
+    residual.copy_(x - (_e2m1_values(codes.to(torch.int32)) * scale.unsqueeze(1)) * g.unsqueeze(1))
+    return pack_nibbles(codes)
 
 
-def _decode_sum(packed: Tensor, bscale: Tensor, g: Tensor) -> Tensor:
-    """float32 ``[nb * 16]``: the mean over sources of ``packed`` ``[dp, nb, 8]`` with block scale codes
-    ``[dp, nb]`` and global scales ``[dp, nb]`` (each value ``(e2m1 * block scale) * global`` as
-    :func:`.codecs.nvfp4_decode`, FP32 sum over dim 0, then one division by dp)."""
-    dp = packed.shape[0]
-    vals = e2m1_unpack(packed)                                                   # [dp, nb, 16]
+def _sum_sources(codes: Tensor, bscale: Tensor, g: Tensor) -> Tensor:
+    """float32 ``[nb * 16]``: the mean over sources of the E2M1 ``codes`` ``[dp, nb, 16]`` (uint8, one per element)
+    with block scale codes ``[dp, nb]`` and global scales ``[dp, nb]`` (each value ``(e2m1 * block scale) *
+    global`` as :func:`.codecs.nvfp4_decode`, FP32 sum over dim 0, then one division by dp)."""
+    dp = codes.shape[0]
     s = bscale.view(torch.float8_e4m3fn).float().unsqueeze(-1)
-    return ((vals * s) * g.unsqueeze(-1)).sum(dim=0).div_(dp).view(-1)
+    return ((_e2m1_values(codes.to(torch.int32)) * s) * g.unsqueeze(-1)).sum(dim=0).div_(dp).view(-1)
 
 
 def _decode(packed: Tensor, bscale: Tensor, g: Tensor) -> Tensor:
@@ -54,29 +57,38 @@ class NVFP4Wire:
 
     def __init__(self, rounding: str, generator: torch.Generator, compile: bool):
         self.rounding, self.generator = rounding, generator
+        # separate graphs: the per-block scale arithmetic vectorises over blocks only on its own (fused into the
+        # element loop it runs once per 16 elements, scalar), and the nibble (un)packing goes through an integer
+        # view of another width, which a graph materialises anyway
         self.amax = maybe_compile(block_amax, compile)
+        self.block_scales = maybe_compile(nvfp4_block_scales, compile)
         self.encode = maybe_compile(_encode, compile)
         self.encode_ef = maybe_compile(_encode_ef, compile)
+        self.unpack = maybe_compile(unpack_nibbles, compile)
+        self.sum_sources = maybe_compile(_sum_sources, compile)
         self.decode = maybe_compile(_decode, compile)
-        self.decode_sum = maybe_compile(_decode_sum, compile)
 
-    def _encode(self, x2: Tensor, g: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _encode(self, x2: Tensor, bamax: Tensor, g: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``(packed [nb, 8], block scale codes [nb])`` of ``x2`` ``[nb, 16]`` with its block amax ``[nb]`` and the
+        global scale of each block ``[nb]``; sets ``residual`` ``[nb, 16]`` to ``x2 - decode`` when given."""
         if self.rounding == "stochastic":
             packed, bscale = nvfp4_encode(x2, g.unsqueeze(1), "stochastic", self.generator)
             if residual is not None:
                 residual.copy_(x2 - nvfp4_decode(packed, bscale, g.unsqueeze(1)))
             return packed, bscale
+        bscale, scale, divisor = self.block_scales(bamax, g)
         if residual is not None:
-            return self.encode_ef(x2, g, residual)
-        return self.encode(x2, g)
+            return self.encode_ef(x2, divisor, scale, g, residual), bscale
+        return self.encode(x2, divisor), bscale
 
     def encode_ranges(self, x: Tensor, layout: ScaleLayout, sync_amax=None, residual: Tensor | None = None):
         """Encode the whole buffer ``x`` ``[numel]``; see :meth:`.wire_fp8.FP8Wire.encode_ranges` (NVFP4 has no
         shared scales: ``sync_amax`` must be None). Two payloads travel: packed codes and block scale codes."""
         assert sync_amax is None, "comm.scale_sync=max is fp8 only"
         x2 = x.view(-1, NVFP4_BLOCK)
-        seg = layout.segment_values(nvfp4_global_scale(layout.group_amax(self.amax(x2))))  # [dp, K]
-        packed, bscale = self._encode(x2, layout.block_values(seg),
+        bamax = self.amax(x2)                                                               # [nb]
+        seg = layout.segment_values(nvfp4_global_scale(layout.group_amax(bamax)))           # [dp, K]
+        packed, bscale = self._encode(x2, bamax, layout.block_values(seg),
                                       None if residual is None else residual.view(-1, NVFP4_BLOCK))
         sizes = layout.sizes
         codes = [(packed.view(-1), [n // 2 for n in sizes]), (bscale.view(-1), [n // NVFP4_BLOCK for n in sizes])]
@@ -85,8 +97,9 @@ class NVFP4Wire:
     def roundtrip(self, x: Tensor, layout: ScaleLayout) -> Tensor:
         """FP32 ``decode(encode(x))`` of the whole buffer ``x`` ``[numel]`` (round to nearest, this rank's scales)."""
         x2 = x.view(-1, NVFP4_BLOCK)
-        g = layout.block_values(layout.segment_values(nvfp4_global_scale(layout.group_amax(self.amax(x2)))))
-        packed, bscale = self.encode(x2, g)
+        bamax = self.amax(x2)
+        g = layout.block_values(layout.segment_values(nvfp4_global_scale(layout.group_amax(bamax))))
+        packed, bscale = self._encode(x2, bamax, g, None)
         return self.decode(packed, bscale, g)
 
     def decode_own(self, recv: list[Tensor], scales: Tensor, layout: ScaleLayout, r: int) -> Tensor:
@@ -94,14 +107,16 @@ class NVFP4Wire:
         every source's global scales ``scales`` ``[dp, K]``)."""
         dp = scales.shape[0]
         g = layout.row_block_values(scales, r)                                            # [dp, nb]
-        return self.decode_sum(recv[0].view(dp, -1, NVFP4_BLOCK // 2), recv[1].view(dp, -1), g)
+        codes = self.unpack(recv[0]).view(dp, -1, NVFP4_BLOCK)
+        return self.sum_sources(codes, recv[1].view(dp, -1), g)
 
     def encode_chunk(self, x: Tensor, layout: ScaleLayout, r: int) -> Tensor:
         """Payload uint8 ``[1, bytes]`` of range ``r``: packed codes, block scale codes, then its own
         per-segment global scales ``[K]`` (amax of this range alone)."""
         x2 = x.view(-1, NVFP4_BLOCK)
-        seg = nvfp4_global_scale(layout.row_segment_amax(self.amax(x2), r))               # [K]
-        packed, bscale = self._encode(x2, layout.row_block_values(seg, r), None)
+        bamax = self.amax(x2)
+        seg = nvfp4_global_scale(layout.row_segment_amax(bamax, r))                       # [K]
+        packed, bscale = self._encode(x2, bamax, layout.row_block_values(seg, r), None)
         return torch.cat([packed.view(1, -1), bscale.view(1, -1), seg.view(1, -1).view(torch.uint8)], dim=1)
 
     def decode_all(self, out: Tensor, layout: ScaleLayout) -> Tensor:
