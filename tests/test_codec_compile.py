@@ -74,8 +74,16 @@ def test_fp8_wire_functions_compile_to_one_graph_each_and_match_eager_bitwise(fm
         assert torch.equal(r_c.nan_to_num(), r_e.nan_to_num()) and torch.equal(r_c.isnan(), r_e.isnan())
         recv = torch.stack([codes, eager.encode(x * 0.5, s)])
         s2 = torch.stack([s, s])
-        d_e, d_c = eager.decode_sum(recv, s2), comp.decode_sum(recv, s2)
+        # the compiled decode writes into a range of a larger buffer (the bucket), as the reducer calls it
+        big = torch.full((3 * nb * granule,), 7.0)
+        d_e = eager.decode_sum(recv, s2, torch.empty(nb * granule))
+        d_c = comp.decode_sum(recv, s2, big[nb * granule:2 * nb * granule])
+        assert d_c.data_ptr() == big[nb * granule:].data_ptr()
+        assert (big[:nb * granule] == 7).all() and (big[2 * nb * granule:] == 7).all()
         assert torch.equal(d_c.nan_to_num(), d_e.nan_to_num()) and torch.equal(d_c.isnan(), d_e.isnan())
+        # reference: torch's FP8 upcast times the scale per source, added in FP32 in source order, halved
+        ref = ((recv[0].view(dt).float() * s.unsqueeze(1)) + (recv[1].view(dt).float() * s.unsqueeze(1))).div(2).view(-1)
+        assert torch.equal(d_e.nan_to_num(), ref.nan_to_num())
         # the codes are torch's own casts of x / scale (independent reference)
         want = (x / s.unsqueeze(1)).clamp(-fmax, fmax).to(dt).view(torch.uint8)
         assert _same_fp8_codes(codes, want, dt)
@@ -104,8 +112,8 @@ def test_nvfp4_wire_functions_compile_to_one_graph_each_and_match_eager_bitwise(
         want = x - nvfp4_decode(p_ref, b_ref, g.unsqueeze(1))
         assert torch.equal(r_c.nan_to_num(), r_e.nan_to_num()) and torch.equal(r_e.nan_to_num(), want.nan_to_num())
         pk, bk, gk = torch.stack([p_e, p_e.flip(0)]), torch.stack([b_e, b_e.flip(0)]), torch.stack([g, g.flip(0)])
-        d_e = eager.sum_sources(eager.unpack(pk).view(2, nb, 16), bk, gk)
-        d_c = comp.sum_sources(comp.unpack(pk).view(2, nb, 16), bk, gk)
+        d_e = eager.sum_sources(eager.unpack(pk).view(2, nb, 16), bk, gk, torch.empty(nb * 16))
+        d_c = comp.sum_sources(comp.unpack(pk).view(2, nb, 16), bk, gk, torch.empty(nb * 16))
         ref = (nvfp4_decode(pk[0], bk[0], gk[0].unsqueeze(1)) + nvfp4_decode(pk[1], bk[1], gk[1].unsqueeze(1))) / 2
         assert torch.equal(d_c.nan_to_num(), d_e.nan_to_num()) and torch.equal(d_c.isnan(), d_e.isnan())
         assert torch.equal(d_e.nan_to_num(), ref.view(-1).nan_to_num()) and torch.equal(d_e.isnan(), ref.view(-1).isnan())
@@ -198,3 +206,19 @@ def test_compiled_nvfp4_decode_equals_the_table_for_every_byte():
     g = torch.full((32, 1), 0.37)
     e, c = nvfp4_decode(packed, bscale, g), maybe_compile(nvfp4_decode, True)(packed, bscale, g)
     assert torch.equal(c, e) and torch.equal(c.signbit(), e.signbit())
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_values_from_integer_arithmetic_equal_torchs_casts_for_every_code(fmt):
+    """What compiled graphs decode with (``fp8_values``) against torch's own FP8 upcast, all 256 codes, eagerly
+    and compiled: equal values, the same NaNs and infinities, the sign of zero kept."""
+    from megatron_geo.comm.codecs import FP8_FORMATS, fp8_values
+    from megatron_geo.comm.compiled import maybe_compile
+
+    _fresh()
+    codes = torch.arange(256, dtype=torch.uint8)
+    want = codes.view(FP8_FORMATS[fmt]).float()
+    for got in (fp8_values(codes, fmt), maybe_compile(fp8_values, True)(codes, fmt)):
+        assert torch.equal(got.isnan(), want.isnan())
+        ok = ~want.isnan()
+        assert torch.equal(got[ok], want[ok]) and torch.equal(got[ok].signbit(), want[ok].signbit())

@@ -184,7 +184,42 @@ def fp8_decode(codes: Tensor, scale: Tensor, fmt: str) -> Tensor:
     """
     _check_fmt(fmt)
     _check_u8(codes, "codes")
+    if torch.compiler.is_compiling():  # the same values from integer arithmetic, which vectorises
+        return fp8_values(codes, fmt) * scale.float()
     return codes.view(FP8_FORMATS[fmt]).float() * scale.float()
+
+
+# (exponent bias difference to FP32 << 23, mantissa shift into FP32's field, largest subnormal code,
+#  subnormal step, first non-finite magnitude code, whether that code is inf)
+_FP8_BITS = {"fp8_e4m3": ((127 - 7) << 23, 20, 0x07, 2.0 ** -9, 0x7F, False),
+             "fp8_e5m2": ((127 - 15) << 23, 21, 0x03, 2.0 ** -16, 0x7C, True)}
+
+
+def fp8_values(codes: Tensor, fmt: str) -> Tensor:
+    """float32 values of the uint8 FP8 bit patterns ``codes`` (any shape), built from integer arithmetic: the same
+    values as torch's ``codes.view(float8).float()`` (OFP8 rev. 1.0) for all 256 codes of both formats
+    (``tests/test_codec_compile.py``), but without the element-wise FP8 conversion, which compiled CPU code
+    runs lane by lane.
+
+    Normal codes: the magnitude bits shifted into FP32's exponent and mantissa fields plus the bias difference
+    (E4M3: ``(m << 20) + (120 << 23)``; E5M2: ``(m << 21) + (112 << 23)``); subnormals: mantissa times the
+    smallest subnormal (2**-9, 2**-16); E4M3's 0x7F and E5M2's 0x7D-0x7F are NaN and E5M2's 0x7C is inf; bit 7
+    is the sign (-0.0 included).
+
+    Raises:
+        ValueError: unknown ``fmt``.
+    """
+    _check_fmt(fmt)
+    bias, shift, sub_max, sub_step, special, special_inf = _FP8_BITS[fmt]
+    c = codes.to(torch.int32)
+    mag = c & 0x7F
+    normal = ((mag << shift) + bias).view(torch.float32)
+    v = torch.where(mag <= sub_max, mag.float() * sub_step, normal)
+    if special_inf:
+        v = torch.where(mag == special, math.inf, torch.where(mag > special, math.nan, v))
+    else:
+        v = torch.where(mag == special, math.nan, v)
+    return torch.where((c & 0x80) != 0, -v, v)  # an int32 mask: a uint8 one converts lane by lane
 
 
 def nvfp4_global_scale(amax: Tensor) -> Tensor:

@@ -75,6 +75,7 @@ class LowPrecisionReducer(Reducer):
         # comm.reduce_op=wire_sum on an NCCL with FP8 reductions: its own reduce-scatter; else the exact emulation
         self.native_wire_sum = reduce_op == "wire_sum" and C.supports_fp8_sum(dp_group)
         self.layouts: dict[int, ScaleLayout] = {}
+        self._ws: torch.Tensor | None = None  # see _workspace
         self._shard_in_wire_coords: dict[int, torch.Tensor] = {}
         self.geo = None
         self.geo_slots: dict[int, list[tuple[str, int, int, int]]] = {}
@@ -168,11 +169,24 @@ class LowPrecisionReducer(Reducer):
                     view.copy_(new[name].apply(old[name].apply_inverse(view)))
 
     # -- coordinates --------------------------------------------------------------------------------
+    def _workspace(self, n: int, device) -> torch.Tensor:
+        """FP32 ``[n]`` scratch shared by all buckets (the Hadamard rotation's output, and the decoded mean before
+        the inverse rotation), allocated once at the largest size asked for. Each use lies inside one call (rotate
+        then encode in :meth:`_reduce_scatter`; decode then rotate back in its epilogue), and calls run one after
+        another on the host and in order on the device's stream, so no two buckets hold it live."""
+        ws = self._ws
+        if ws is None or ws.numel() < n or ws.device != torch.device(device):
+            ws = self._ws = torch.empty(n, dtype=torch.float32, device=device)
+        return ws[:n]
+
     def _to_wire(self, x: torch.Tensor, key) -> torch.Tensor:
-        """The buffer in the coordinates that are quantised: a new tensor for the Hadamard rotation, ``x``
-        itself transformed in place for GeoFP8 (``x`` is the bucket's gradient buffer, consumed by the reduction)."""
-        if self.signs is not None:
-            return torch.mm(x.view(-1, self.hadamard_block), self.rotation).view(-1)
+        """The buffer in the coordinates that are quantised: the Hadamard rotation in the reducer's workspace
+        (:meth:`_workspace`, valid until the next call), ``x`` itself transformed in place for GeoFP8 (``x`` is the
+        bucket's gradient buffer, consumed by the reduction)."""
+        if self.signs is not None:  # into the reducer's workspace: no new bucket-sized buffer per reduction
+            ws = self._workspace(x.numel(), x.device)
+            torch.mm(x.view(-1, self.hadamard_block), self.rotation, out=ws.view(-1, self.hadamard_block))
+            return ws
         slots = self.geo_slots.get(key)
         if not slots:
             return x
@@ -187,6 +201,15 @@ class LowPrecisionReducer(Reducer):
                 continue
             self.geo.transforms[name].apply_(x[off:off + rows * cols].view(rows, cols))
         return x
+
+    def _write_back(self, buf: torch.Tensor, start: int, y: torch.Tensor, key) -> None:
+        """``buf[start:start + len(y)] = _from_wire(y)``; the inverse Hadamard rotation writes there directly."""
+        dest = buf[start:start + y.numel()]
+        if self.signs is not None:
+            b = self.hadamard_block
+            torch.mm(y.view(-1, b), self.rotation_t, out=dest.view(-1, b))
+        else:
+            dest.copy_(self._from_wire(y, key, start))
 
     def _from_wire(self, y: torch.Tensor, key, start: int) -> torch.Tensor:
         """Undo :meth:`_to_wire` on ``y``, the buffer range ``[start, start + len(y))`` (whole parameters)."""
@@ -275,11 +298,16 @@ class LowPrecisionReducer(Reducer):
         def epilogue():
             for w in works:
                 w.wait()
-            avg = self.wire.decode_own(recvs, recv_scales, layout, r)                   # FP32 [own], / dp
             if keep_wire:  # all-reduce: the gather stage re-encodes the shard in wire coordinates and then
-                self._shard_in_wire_coords[key] = avg  # overwrites all of buf (even chunks may cut GeoFP8 rows)
+                # overwrites all of buf (even chunks may cut GeoFP8 rows)
+                self._shard_in_wire_coords[key] = self.wire.decode_own(
+                    recvs, recv_scales, layout, r, torch.empty(own, dtype=torch.float32, device=buf.device))
                 return
-            buf[lo:lo + own] = self._from_wire(avg, key, lo)
+            if self.signs is not None:  # the mean lands in the workspace and rotates back into the bucket
+                avg = self.wire.decode_own(recvs, recv_scales, layout, r, self._workspace(own, buf.device))
+                self._write_back(buf, lo, avg, key)
+            else:  # straight into the bucket's own range (GeoFP8 then maps it back in place)
+                self._from_wire(self.wire.decode_own(recvs, recv_scales, layout, r, buf[lo:lo + own]), key, lo)
 
         return PendingReduction(None, epilogue)
 
@@ -335,7 +363,7 @@ class LowPrecisionReducer(Reducer):
                 return
             g = layout.granule
             avg = self.wire.decode(total.view(-1, g), layout.row_block_values(scale, r)).div_(dp)
-            buf[lo:lo + own] = self._from_wire(avg, key, lo)
+            self._write_back(buf, lo, avg, key)
 
         return PendingReduction(None, epilogue)
 
@@ -357,7 +385,7 @@ class LowPrecisionReducer(Reducer):
             out = torch.empty((dp, payload.shape[1]), dtype=torch.uint8, device=buf.device)
             C.all_gather_into(out.view(-1), payload.reshape(-1), self.group)
             self.bytes_sent += (dp - 1) * payload.shape[1]
-            buf.copy_(self._from_wire(self.wire.decode_all(out, layout), key, 0))
+            self._write_back(buf, 0, self.wire.decode_all(out, layout), key)
 
         pending = PendingReduction(None, gather)
         if not async_op:

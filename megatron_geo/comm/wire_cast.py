@@ -31,11 +31,12 @@ class CastWire:
         """FP32 ``x.to(dtype).float()`` of the whole buffer."""
         return x.to(self.dtype).float()
 
-    def decode_own(self, recv: list[Tensor], scales, layout: ScaleLayout, r: int) -> Tensor:
-        """FP32 ``[own]``: the received ``[dp, own]`` values summed in FP32 straight from the wire dtype, / dp."""
+    def decode_own(self, recv: list[Tensor], scales, layout: ScaleLayout, r: int, out: Tensor) -> Tensor:
+        """``out`` (FP32 ``[own]``, returned) <- the received ``[dp, own]`` values summed in FP32 straight from the
+        wire dtype, / dp."""
         dp = layout.dp_size
         vals = recv[0].view(self.dtype).view(dp, -1)
-        return torch.sum(vals, dim=0, dtype=torch.float32).div_(dp)
+        return torch.sum(vals, dim=0, dtype=torch.float32, out=out).div_(dp)
 
     def encode_chunk(self, x: Tensor, layout: ScaleLayout, r: int) -> Tensor:
         """Payload uint8 ``[1, bytes]``: range ``r`` (``x``) cast to the wire dtype."""

@@ -44,11 +44,12 @@ def _encoder_ef(fmt: str):
 
 
 def _decoder_sum(fmt: str):
-    def decode_sum(codes: Tensor, scale: Tensor) -> Tensor:
-        """float32 ``[nb * granule]``: the mean over sources of ``codes`` ``[dp, nb, granule]`` decoded with
-        ``scale`` ``[dp, nb]`` (summed in FP32 over dim 0, then divided by dp once)."""
+    def decode_sum(codes: Tensor, scale: Tensor, out: Tensor) -> Tensor:
+        """Writes into float32 ``out`` ``[nb * granule]`` (and returns it) the mean over sources of ``codes``
+        ``[dp, nb, granule]`` decoded with ``scale`` ``[dp, nb]`` (summed in FP32 over dim 0, then divided by dp
+        once). ``out`` may be the bucket's own range: a compiled graph writes there directly."""
         dp = codes.shape[0]
-        return fp8_decode(codes, scale.unsqueeze(2), fmt).sum(dim=0).div_(dp).view(-1)
+        return out.copy_(fp8_decode(codes, scale.unsqueeze(2), fmt).sum(dim=0).div_(dp).view(-1))
     return decode_sum
 
 
@@ -121,11 +122,11 @@ class FP8Wire:
         bscale = layout.block_values(seg)
         return self.decode(self.encode(x2, bscale), bscale)
 
-    def decode_own(self, recv: list[Tensor], scales: Tensor, layout: ScaleLayout, r: int) -> Tensor:
-        """FP32 ``[own]``: the mean over sources of this rank's range ``r`` from the received codes ``recv[0]``
-        ``[dp * own]`` and every source's scales ``[dp, K]``."""
+    def decode_own(self, recv: list[Tensor], scales: Tensor, layout: ScaleLayout, r: int, out: Tensor) -> Tensor:
+        """``out`` (FP32 ``[own]``, returned) <- the mean over sources of this rank's range ``r`` from the received
+        codes ``recv[0]`` ``[dp * own]`` and every source's scales ``[dp, K]``."""
         dp, g = scales.shape[0], layout.granule
-        return self.decode_sum(recv[0].view(dp, -1, g), layout.row_block_values(scales, r))
+        return self.decode_sum(recv[0].view(dp, -1, g), layout.row_block_values(scales, r), out)
 
     def encode_chunk(self, x: Tensor, layout: ScaleLayout, r: int) -> Tensor:
         """Payload uint8 ``[1, bytes]`` of range ``r`` (``x``) for the all-gather stage of an all-reduce: its codes

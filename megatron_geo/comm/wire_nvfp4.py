@@ -38,13 +38,14 @@ def _encode_ef(x: Tensor, divisor: Tensor, scale: Tensor, g: Tensor, residual: T
     return pack_nibbles(codes)
 
 
-def _sum_sources(codes: Tensor, bscale: Tensor, g: Tensor) -> Tensor:
-    """float32 ``[nb * 16]``: the mean over sources of the E2M1 ``codes`` ``[dp, nb, 16]`` (uint8, one per element)
-    with block scale codes ``[dp, nb]`` and global scales ``[dp, nb]`` (each value ``(e2m1 * block scale) *
-    global`` as :func:`.codecs.nvfp4_decode`, FP32 sum over dim 0, then one division by dp)."""
+def _sum_sources(codes: Tensor, bscale: Tensor, g: Tensor, out: Tensor) -> Tensor:
+    """Writes into float32 ``out`` ``[nb * 16]`` (and returns it) the mean over sources of the E2M1 ``codes``
+    ``[dp, nb, 16]`` (uint8, one per element) with block scale codes ``[dp, nb]`` and global scales ``[dp, nb]``
+    (each value ``(e2m1 * block scale) * global`` as :func:`.codecs.nvfp4_decode`, FP32 sum over dim 0, then one
+    division by dp)."""
     dp = codes.shape[0]
     s = bscale.view(torch.float8_e4m3fn).float().unsqueeze(-1)
-    return ((_e2m1_values(codes.to(torch.int32)) * s) * g.unsqueeze(-1)).sum(dim=0).div_(dp).view(-1)
+    return out.copy_(((_e2m1_values(codes.to(torch.int32)) * s) * g.unsqueeze(-1)).sum(dim=0).div_(dp).view(-1))
 
 
 def _decode(packed: Tensor, bscale: Tensor, g: Tensor) -> Tensor:
@@ -102,13 +103,13 @@ class NVFP4Wire:
         packed, bscale = self._encode(x2, bamax, g, None)
         return self.decode(packed, bscale, g)
 
-    def decode_own(self, recv: list[Tensor], scales: Tensor, layout: ScaleLayout, r: int) -> Tensor:
-        """FP32 ``[own]``: the mean over sources of range ``r`` (packed codes ``recv[0]``, block scales ``recv[1]``,
-        every source's global scales ``scales`` ``[dp, K]``)."""
+    def decode_own(self, recv: list[Tensor], scales: Tensor, layout: ScaleLayout, r: int, out: Tensor) -> Tensor:
+        """``out`` (FP32 ``[own]``, returned) <- the mean over sources of range ``r`` (packed codes ``recv[0]``, block
+        scales ``recv[1]``, every source's global scales ``scales`` ``[dp, K]``)."""
         dp = scales.shape[0]
         g = layout.row_block_values(scales, r)                                            # [dp, nb]
         codes = self.unpack(recv[0]).view(dp, -1, NVFP4_BLOCK)
-        return self.sum_sources(codes, recv[1].view(dp, -1), g)
+        return self.sum_sources(codes, recv[1].view(dp, -1), g, out)
 
     def encode_chunk(self, x: Tensor, layout: ScaleLayout, r: int) -> Tensor:
         """Payload uint8 ``[1, bytes]`` of range ``r``: packed codes, block scale codes, then its own
