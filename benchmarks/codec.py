@@ -18,9 +18,12 @@ presets in the same run (median of ``--repeats``).
 Per preset and mode: ``ms``, ``memcpy_ms``, ``ratio_to_memcpy`` (= ms / memcpy_ms), and from one run under
 :class:`megatron_geo.comm.op_trace.OpRecorder`: ``ops_per_bucket`` (kernel-launching aten ops the dispatcher
 sees; a compiled graph's fused kernels are not aten ops, so compiled counts are the ops left outside the
-graphs), ``syncs_per_bucket`` (ops that force a host sync or a data-dependent shape) and
+graphs), ``syncs_per_bucket`` (ops that force a host sync or a data-dependent shape),
 ``traffic_bytes_per_element`` (bytes of the inputs and outputs of those ops per bucket element: what an
-unfused eager execution moves). Compiled rows also say whether the reduced shard is bitwise equal to eager
+unfused eager execution moves), ``fused_traffic_bytes_per_element`` (the same with each codec step that
+``comm.compile`` compiles counted as one pass over its arguments and results) and
+``traffic_bound_ratio_to_memcpy`` (that over the 8 bytes per element of a copy: the best ratio a device whose
+codec kernels run at copy bandwidth reaches; a projection, not a GPU measurement). Compiled rows also say whether the reduced shard is bitwise equal to eager
 (``bitwise_equal_eager``). GeoFP8 presets are left out (their transform cost is
 ``benchmarks/geo_overhead.py``'s). ``tools/project_scaling.py --codec-output OUT.json`` reads the JSON.
 """
@@ -28,6 +31,7 @@ unfused eager execution moves). Compiled rows also say whether the reduced shard
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -158,10 +162,22 @@ def main(argv: list[str] | None = None) -> int:
         if mode == "eager":  # torch.compile refuses to run under a dispatch mode: compiled rows are not traced
             buf[: a.numel].copy_(src)
             rec = OpRecorder()
-            with rec:
-                red.reduce_scatter(buf, key=0).wait()
+            wire = getattr(red, "wire", None)
+            # the codec steps that comm.compile turns into graphs are the wire's plain-function attributes
+            steps = {k: v for k, v in vars(wire).items() if inspect.isfunction(v)} if wire is not None else {}
+            for k, fn in steps.items():
+                setattr(wire, k, rec.fused(fn))
+            try:
+                with rec:
+                    red.reduce_scatter(buf, key=0).wait()
+            finally:
+                for k, fn in steps.items():
+                    setattr(wire, k, fn)
+            fused = rec.fused_traffic_bytes / a.numel
             row.update({"ops_per_bucket": rec.work, "syncs_per_bucket": len(rec.bad),
-                        "traffic_bytes_per_element": rec.traffic_bytes / a.numel})
+                        "traffic_bytes_per_element": rec.traffic_bytes / a.numel,
+                        "fused_traffic_bytes_per_element": fused,
+                        "traffic_bound_ratio_to_memcpy": fused / 8.0})
         if mode == "compiled" and (p, "eager") in shards:
             row["bitwise_equal_eager"] = bool(torch.equal(shards[(p, mode)], shards[(p, "eager")]))
         out[mode][p] = row
@@ -170,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     head = f"{'preset':<18}"
     for mode in modes:
         head += f" {mode + ' ms':>12} {'x memcpy':>9}"
-    print(head + f" {'ops':>5} {'syncs':>6} {'bytes/el':>9}" + ("  compiled == eager" if len(modes) == 2 else ""))
+    print(head + f" {'ops':>5} {'syncs':>6} {'bytes/el':>9} {'fused':>6}" +
+          ("  compiled == eager" if len(modes) == 2 else ""))
     for p in out[modes[0]]:
         line = f"{p:<18}"
         for mode in modes:
@@ -178,14 +195,18 @@ def main(argv: list[str] | None = None) -> int:
             line += f" {r['ms']:12.2f} {r['ratio_to_memcpy']:9.1f}"
         r = out[modes[0]][p]
         if "ops_per_bucket" in r:
-            line += f" {r['ops_per_bucket']:5d} {r['syncs_per_bucket']:6d} {r['traffic_bytes_per_element']:9.1f}"
+            line += (f" {r['ops_per_bucket']:5d} {r['syncs_per_bucket']:6d} {r['traffic_bytes_per_element']:9.1f}"
+                     f" {r['fused_traffic_bytes_per_element']:6.1f}")
         else:
-            line += f" {'-':>5} {'-':>6} {'-':>9}"
+            line += f" {'-':>5} {'-':>6} {'-':>9} {'-':>6}"
         if len(modes) == 2:
             line += f"  {'bitwise' if out['compiled'][p]['bitwise_equal_eager'] else 'DIFFERS'}"
         print(line)
     print("ops, syncs, bytes/el: op trace of the eager path (torch.compile cannot run under the trace; the "
           "compiled path runs the same Python code with each codec step fused into one fullgraph graph)")
+    print("fused: bytes read + written per bucket element when each codec step is one pass (its tensor "
+          "arguments and results once) and the ops between steps run as they are; / 8 (a copy's bytes) it is "
+          "the ratio to memcpy a bandwidth-bound device reaches at best")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"numel": a.numel, "dp": a.dp, "device": str(dev), "threads": a.threads,

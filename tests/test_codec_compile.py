@@ -222,3 +222,25 @@ def test_fp8_values_from_integer_arithmetic_equal_torchs_casts_for_every_code(fm
         assert torch.equal(got.isnan(), want.isnan())
         ok = ~want.isnan()
         assert torch.equal(got[ok], want[ok]) and torch.equal(got[ok].signbit(), want[ok].signbit())
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_codes_from_integer_arithmetic_equal_torchs_casts_on_every_rounding_boundary(fmt):
+    """What compiled graphs encode with (``fp8_codes``) against torch's own FP8 cast: every grid point, every
+    midpoint between neighbours (the ties) and the FP32 values just either side of both, random values in the
+    normal and subnormal range, zeros, NaNs and the range ends, eagerly and compiled."""
+    from megatron_geo.comm.codecs import FP8_FORMATS, fp8_codes, fp8_max
+    from megatron_geo.comm.compiled import maybe_compile
+
+    _fresh()
+    dt, m = FP8_FORMATS[fmt], fp8_max(fmt)
+    grid = torch.arange(256, dtype=torch.uint8).view(dt).float()
+    grid = grid[grid.isfinite()].unique()
+    pts = torch.cat([grid, (grid[1:] + grid[:-1]) / 2])
+    g = torch.Generator().manual_seed(0)
+    y = torch.cat([pts, torch.nextafter(pts, torch.tensor(float("inf"))), torch.nextafter(pts, torch.tensor(-float("inf"))),
+                   torch.randn(20000, generator=g) * m / 4, torch.rand(20000, generator=g) * 2.0 ** -5,
+                   torch.tensor([0.0, -0.0, float("nan"), -float("nan"), m, -m, 1e-45, -1e-45])]).clamp(-m, m)
+    want = y.to(dt).view(torch.uint8)
+    assert torch.equal(fp8_codes(y, fmt), want)
+    assert torch.equal(maybe_compile(fp8_codes, True)(y, fmt), want)

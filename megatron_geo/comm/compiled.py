@@ -33,8 +33,28 @@ def resolve_compile(setting: str | bool, device) -> bool:
     raise ValueError(f"comm.compile={setting!r} is not valid; choose auto, true or false")
 
 
-def maybe_compile(fn: Callable, enabled: bool) -> Callable:
-    """``torch.compile(fn, fullgraph=True, dynamic=True)`` when ``enabled``, else ``fn`` itself."""
+def maybe_compile(fn: Callable, enabled: bool, static: dict[int, tuple[int, ...]] | None = None) -> Callable:
+    """``torch.compile(fn, fullgraph=True, dynamic=True)`` when ``enabled``, else ``fn`` itself.
+
+    Args:
+        static: ``{argument index: dims}`` of sizes that are constant for a run (the DP size, the 16- or
+            128-element block): marked static (``torch._dynamo.mark_static``) on every call, so the graph is
+            specialised to them while the bucket length stays symbolic. With the block size known, inductor's
+            CPU code runs whole vectors per block instead of a loop with a symbolic tail (measured: a compiled
+            FP8 decode of 16M codes 34 -> 5.5 ms, the encode 27 -> 16 ms, one core).
+    """
     if not enabled:
         return fn
-    return torch.compile(fn, fullgraph=True, dynamic=True)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    if not static:
+        return compiled
+    mark = torch._dynamo.mark_static
+
+    def call(*args):
+        for i, dims in static.items():
+            for d in dims:
+                mark(args[i], d)
+        return compiled(*args)
+
+    call.__wrapped__ = fn
+    return call

@@ -35,6 +35,8 @@ class OpRecorder(TorchDispatchMode):
         bad: names of the sync-forcing / data-dependent-shape ops seen, in order.
         traffic_bytes: bytes of the tensor inputs and outputs of every kernel-launching op (views and
             collectives excluded): the memory traffic of unfused eager execution.
+        fused_traffic_bytes: the same, except that each call of a function wrapped with :meth:`fused` counts
+            only its arguments and results: the traffic when each such function runs as one fused kernel.
     """
 
     def __init__(self):
@@ -42,6 +44,24 @@ class OpRecorder(TorchDispatchMode):
         self.ops: Counter = Counter()
         self.bad: list[str] = []
         self.traffic_bytes = 0
+        self.fused_traffic_bytes = 0
+        self._fused_depth = 0
+
+    def fused(self, fn):
+        """``fn`` wrapped so that its ops count, in ``fused_traffic_bytes``, as one fused kernel: the bytes of its
+        distinct tensor arguments and results, each once (what a one-pass compiled graph of ``fn`` reads and
+        writes). Ops outside such regions count there as they do in ``traffic_bytes``; ``ops``, ``bad`` and
+        ``traffic_bytes`` still see every op inside."""
+        def wrapper(*args, **kwargs):
+            self._fused_depth += 1
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                self._fused_depth -= 1
+            if self._fused_depth == 0:
+                self.fused_traffic_bytes += _distinct_bytes(tree_flatten((args, kwargs, out))[0])
+            return out
+        return wrapper
 
     @property
     def work(self) -> int:
@@ -67,5 +87,20 @@ class OpRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if name not in _VIEWS and not name.startswith("c10d::"):
             leaves = tree_flatten((args, kwargs, out))[0]
-            self.traffic_bytes += sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+            nbytes = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+            self.traffic_bytes += nbytes
+            if self._fused_depth == 0:
+                self.fused_traffic_bytes += nbytes
         return out
+
+
+def _distinct_bytes(leaves) -> int:
+    """Bytes of the tensors among ``leaves``, a tensor seen twice (an output that is a mutated argument) once."""
+    seen, total = set(), 0
+    for t in leaves:
+        if isinstance(t, torch.Tensor):
+            key = (t.data_ptr(), t.numel(), t.dtype)
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+    return total

@@ -69,11 +69,12 @@ class FP8Wire:
 
     def __init__(self, fmt: str, rounding: str, generator: torch.Generator, compile: bool):
         self.fmt, self.rounding, self.generator = fmt, rounding, generator
-        self.amax = maybe_compile(block_amax, compile)
-        self.encode = maybe_compile(_encoder(fmt), compile)
-        self.encode_ef = maybe_compile(_encoder_ef(fmt), compile)
-        self.decode = maybe_compile(_decoder(fmt), compile)
-        self.decode_sum = maybe_compile(_decoder_sum(fmt), compile)
+        # static: the granule (last dim of [nb, granule] views) and the DP size; the number of blocks varies
+        self.amax = maybe_compile(block_amax, compile, {0: (1,)})
+        self.encode = maybe_compile(_encoder(fmt), compile, {0: (1,)})
+        self.encode_ef = maybe_compile(_encoder_ef(fmt), compile, {0: (1,), 2: (1,)})
+        self.decode = maybe_compile(_decoder(fmt), compile, {0: (1,)})
+        self.decode_sum = maybe_compile(_decoder_sum(fmt), compile, {0: (0, 2), 1: (0,)})
 
     def scales(self, amax: Tensor) -> Tensor:
         """FP32 scales ``amax / fp8_max`` (:func:`.codecs.fp8_scale_from_amax`)."""

@@ -61,13 +61,14 @@ class NVFP4Wire:
         # separate graphs: the per-block scale arithmetic vectorises over blocks only on its own (fused into the
         # element loop it runs once per 16 elements, scalar), and the nibble (un)packing goes through an integer
         # view of another width, which a graph materialises anyway
-        self.amax = maybe_compile(block_amax, compile)
+        # static: the 16-element block (8 packed bytes) and the DP size; the number of blocks varies
+        self.amax = maybe_compile(block_amax, compile, {0: (1,)})
         self.block_scales = maybe_compile(nvfp4_block_scales, compile)
-        self.encode = maybe_compile(_encode, compile)
-        self.encode_ef = maybe_compile(_encode_ef, compile)
+        self.encode = maybe_compile(_encode, compile, {0: (1,)})
+        self.encode_ef = maybe_compile(_encode_ef, compile, {0: (1,), 4: (1,)})
         self.unpack = maybe_compile(unpack_nibbles, compile)
-        self.sum_sources = maybe_compile(_sum_sources, compile)
-        self.decode = maybe_compile(_decode, compile)
+        self.sum_sources = maybe_compile(_sum_sources, compile, {0: (0, 2), 1: (0,), 2: (0,)})
+        self.decode = maybe_compile(_decode, compile, {0: (1,)})
 
     def _encode(self, x2: Tensor, bamax: Tensor, g: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
         """``(packed [nb, 8], block scale codes [nb])`` of ``x2`` ``[nb, 16]`` with its block amax ``[nb]`` and the
