@@ -59,6 +59,13 @@ def _const(values: tuple[float, ...], device: torch.device) -> Tensor:
     return _cached_const(values, device)
 
 
+def _compiling_on_cpu(t: Tensor) -> bool:
+    """Inside a ``torch.compile`` trace for a CPU tensor: where inductor's C++ code runs FP8 conversions and
+    narrow integer views lane by lane, so the codecs use integer arithmetic that vectorises instead (the same
+    values, tested). Triton on a GPU has native conversions and takes the plain forms."""
+    return torch.compiler.is_compiling() and t.device.type == "cpu"
+
+
 def _check_fmt(fmt: str) -> None:
     if fmt not in FP8_FORMATS:
         raise ValueError(f"unknown fp8 format {fmt!r}; choose one of {sorted(FP8_FORMATS)}")
@@ -172,7 +179,7 @@ def fp8_encode(x: Tensor, scale: Tensor, fmt: str, rounding: str = "nearest",
     if rounding == "stochastic":
         emin, mbits = _FP8_EMIN_MBITS[fmt]
         y = _stochastic_round(y, mbits, emin, generator)  # now exactly representable: the cast is exact
-    if torch.compiler.is_compiling():  # the same codes from integer arithmetic, which vectorises
+    if _compiling_on_cpu(y):  # the same codes from integer arithmetic, which vectorises
         return fp8_codes(y, fmt)
     return y.to(FP8_FORMATS[fmt]).view(torch.uint8)
 
@@ -214,7 +221,7 @@ def fp8_decode(codes: Tensor, scale: Tensor, fmt: str) -> Tensor:
     """
     _check_fmt(fmt)
     _check_u8(codes, "codes")
-    if torch.compiler.is_compiling():  # the same values from integer arithmetic, which vectorises
+    if _compiling_on_cpu(codes):  # the same values from integer arithmetic, which vectorises
         return fp8_values(codes, fmt) * scale.float()
     return codes.view(FP8_FORMATS[fmt]).float() * scale.float()
 
@@ -296,11 +303,11 @@ def pack_nibbles(codes: Tensor) -> Tensor:
     """uint8 ``[..., n / 2]``: 4-bit ``codes`` (uint8 ``[..., n]``, values 0-15, ``n`` a multiple of 16, contiguous)
     packed two per byte, element ``2i`` in the low nibble and ``2i + 1`` in the high one.
 
-    In a compiled graph eight codes are read as one int64 word (little-endian: code ``j`` in byte ``j``) and
+    In a compiled CPU graph eight codes are read as one int64 word (little-endian: code ``j`` in byte ``j``) and
     folded into four bytes with shifts and masks, one vectorised pass instead of a strided pair loop; eagerly
-    (fewer, larger ops) the even and odd codes are combined directly.
+    (fewer, larger ops) and on a GPU the even and odd codes are combined directly.
     """
-    if not _LITTLE_ENDIAN or not torch.compiler.is_compiling():  # eager: three ops on the pairs
+    if not _LITTLE_ENDIAN or not _compiling_on_cpu(codes):  # eager or GPU: the pairs directly
         pairs = codes.view(*codes.shape[:-1], codes.shape[-1] // 2, 2)
         return pairs[..., 0] | (pairs[..., 1] << 4)
     v = codes.view(torch.int64)                                   # [..., n / 8], byte j = code j (< 16)
@@ -313,7 +320,7 @@ def pack_nibbles(codes: Tensor) -> Tensor:
 def unpack_nibbles(packed: Tensor) -> Tensor:
     """uint8 ``[..., 2m]``: the 4-bit codes of uint8 ``packed`` ``[..., m]`` (``m`` a multiple of 4, contiguous),
     low nibble first: the inverse of :func:`pack_nibbles`."""
-    if not _LITTLE_ENDIAN or not torch.compiler.is_compiling():  # eager: the two nibbles stacked
+    if not _LITTLE_ENDIAN or not _compiling_on_cpu(packed):  # eager or GPU: the two nibbles stacked
         return torch.stack((packed & 15, packed >> 4), dim=-1).view(*packed.shape[:-1], 2 * packed.shape[-1])
     v = packed.view(torch.int32).to(torch.int64)                  # 4 packed bytes per word
     o = v & 0x0F
