@@ -22,6 +22,8 @@ _VIEWS = {"aten::view", "aten::slice", "aten::select", "aten::alias", "aten::as_
           "aten::expand", "aten::t", "aten::transpose", "aten::unsqueeze", "aten::squeeze", "aten::detach",
           "aten::reshape", "aten::permute", "aten::_unsafe_view", "aten::unbind", "aten::split", "aten::chunk",
           "aten::narrow", "aten::view_as", "aten::numpy_T", "aten::expand_as", "aten::unflatten", "aten::flatten"}
+# allocations touch no memory: no traffic
+_ALLOC = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided"}
 _SYNC = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique_dim",
          "aten::_unique2", "aten::unique_consecutive", "aten::equal", "aten::is_nonzero", "aten::item",
          "aten::lift_fresh", "aten::masked_scatter"}
@@ -33,8 +35,8 @@ class OpRecorder(TorchDispatchMode):
     Attributes:
         ops: ``Counter`` of op names (``aten::...``, ``c10d::...``).
         bad: names of the sync-forcing / data-dependent-shape ops seen, in order.
-        traffic_bytes: bytes of the tensor inputs and outputs of every kernel-launching op (views and
-            collectives excluded): the memory traffic of unfused eager execution.
+        traffic_bytes: bytes of the tensor inputs and outputs of every kernel-launching op (views, allocations
+            and collectives excluded): the memory traffic of unfused eager execution.
         fused_traffic_bytes: the same, except that each call of a function wrapped with :meth:`fused` counts
             only its arguments and results: the traffic when each such function runs as one fused kernel.
     """
@@ -63,6 +65,17 @@ class OpRecorder(TorchDispatchMode):
             return out
         return wrapper
 
+    def collective(self, fn):
+        """``fn`` wrapped so that its ops are left out of ``fused_traffic_bytes``: the data movement of a collective
+        emulated with aten ops (the fake backend's loopback), not codec work."""
+        def wrapper(*args, **kwargs):
+            before = self.fused_traffic_bytes
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.fused_traffic_bytes = before
+        return wrapper
+
     @property
     def work(self) -> int:
         """Kernel-launching ops: all but views and collectives."""
@@ -85,7 +98,7 @@ class OpRecorder(TorchDispatchMode):
                 isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or [])):
             self.bad.append(f"{name} with a boolean mask")
         out = func(*args, **kwargs)
-        if name not in _VIEWS and not name.startswith("c10d::"):
+        if name not in _VIEWS and name not in _ALLOC and not name.startswith("c10d::"):
             leaves = tree_flatten((args, kwargs, out))[0]
             nbytes = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
             self.traffic_bytes += nbytes
