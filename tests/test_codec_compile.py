@@ -115,6 +115,10 @@ def test_nvfp4_wire_functions_compile_to_one_graph_each_and_match_eager_bitwise(
         d_e = eager.sum_sources(eager.unpack(pk).view(2, nb, 16), bk, gk, torch.empty(nb * 16))
         d_c = comp.sum_sources(comp.unpack(pk).view(2, nb, 16), bk, gk, torch.empty(nb * 16))
         ref = (nvfp4_decode(pk[0], bk[0], gk[0].unsqueeze(1)) + nvfp4_decode(pk[1], bk[1], gk[1].unsqueeze(1))) / 2
+        # the one-graph form GPUs use (unpacking inside the sum), the same values
+        for w in (eager, comp):
+            d_p = w.sum_packed(pk, bk, gk, torch.empty(nb * 16))
+            assert torch.equal(d_p.nan_to_num(), ref.view(-1).nan_to_num()) and torch.equal(d_p.isnan(), ref.view(-1).isnan())
         assert torch.equal(d_c.nan_to_num(), d_e.nan_to_num()) and torch.equal(d_c.isnan(), d_e.isnan())
         assert torch.equal(d_e.nan_to_num(), ref.view(-1).nan_to_num()) and torch.equal(d_e.isnan(), ref.view(-1).isnan())
     assert _compiled_graphs(counters) >= 5 and not counters["graph_break"]

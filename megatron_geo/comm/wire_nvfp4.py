@@ -48,6 +48,13 @@ def _sum_sources(codes: Tensor, bscale: Tensor, g: Tensor, out: Tensor) -> Tenso
     return out.copy_(((_e2m1_values(codes.to(torch.int32)) * s) * g.unsqueeze(-1)).sum(dim=0).div_(dp).view(-1))
 
 
+def _sum_packed(packed: Tensor, bscale: Tensor, g: Tensor, out: Tensor) -> Tensor:
+    """As :func:`_sum_sources` from the packed codes ``[dp, nb, 8]``: the unpacking inside the same graph (GPUs,
+    where Triton extracts the nibbles in registers; on CPU the unpacking is its own graph)."""
+    dp, nb = packed.shape[0], packed.shape[1]
+    return _sum_sources(unpack_nibbles(packed).view(dp, nb, NVFP4_BLOCK), bscale, g, out)
+
+
 def _decode(packed: Tensor, bscale: Tensor, g: Tensor) -> Tensor:
     """float32 ``[nb * 16]`` of ``packed`` ``[nb, 8]``, block scale codes ``[nb]``, global scales ``[nb]``."""
     return nvfp4_decode(packed, bscale, g.unsqueeze(1)).view(-1)
@@ -68,6 +75,7 @@ class NVFP4Wire:
         self.encode_ef = maybe_compile(_encode_ef, compile, {0: (1,), 4: (1,)})
         self.unpack = maybe_compile(unpack_nibbles, compile)
         self.sum_sources = maybe_compile(_sum_sources, compile, {0: (0, 2), 1: (0,), 2: (0,)})
+        self.sum_packed = maybe_compile(_sum_packed, compile, {0: (0, 2), 1: (0,), 2: (0,)})
         self.decode = maybe_compile(_decode, compile, {0: (1,)})
 
     def _encode(self, x2: Tensor, bamax: Tensor, g: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -109,6 +117,8 @@ class NVFP4Wire:
         scales ``recv[1]``, every source's global scales ``scales`` ``[dp, K]``)."""
         dp = scales.shape[0]
         g = layout.row_block_values(scales, r)                                            # [dp, nb]
+        if recv[0].device.type != "cpu":
+            return self.sum_packed(recv[0].view(dp, -1, NVFP4_BLOCK // 2), recv[1].view(dp, -1), g, out)
         codes = self.unpack(recv[0]).view(dp, -1, NVFP4_BLOCK)
         return self.sum_sources(codes, recv[1].view(dp, -1), g, out)
 
