@@ -117,7 +117,9 @@ def test_fp8_reduce_scatter_matches_independent_reference(world, fmt, scaling, s
         assert torch.equal(outs[0], ar[0][0][0])
 
 
-EXTRAS = [{}, {"transform": "hadamard", "hadamard_block": 16}, {"rounding": "stochastic"}, {"error_feedback": True}]
+EXTRAS = [{}, {"transform": "hadamard", "hadamard_block": 16}, {"rounding": "stochastic"}, {"error_feedback": True},
+          # a rotation block larger than the codec's own block (NVFP4: 16 elements; a session-5 regression)
+          {"transform": "hadamard", "hadamard_block": 128, "error_feedback": True}]
 
 
 def _run_many(rank, world, fmt):
@@ -237,7 +239,8 @@ def _train_identical(rank, world, overrides):
     ["comm.dtype=fp8_e4m3", "comm.scaling=block", "comm.block_size=32", "comm.transform=hadamard",
      "comm.hadamard_block=64", "comm.rounding=stochastic"],
     ["comm.dtype=fp8_e5m2", "comm.scale_sync=max", "optimizer.name=muon"],
-], ids=["fp8-ef", "nvfp4-allreduce", "fp8-block-hadamard-sr", "e5m2-shared-muon"])
+    ["comm.dtype=nvfp4", "comm.transform=hadamard"],
+], ids=["fp8-ef", "nvfp4-allreduce", "fp8-block-hadamard-sr", "e5m2-shared-muon", "nvfp4-hadamard128"])
 def test_dp2_training_keeps_replicas_identical(overrides):
     out = run_distributed(_train_identical, 2, overrides)
     (l0, p0, s0), (l1, p1, s1) = out

@@ -119,8 +119,11 @@ class LowPrecisionReducer(Reducer):
         # last (rotation or scale) block ends there, and that block's rotated values belong to it alone
         a = self.alignment()
         extents = [n if a == 1 or n == 0 else -(-n // a) * a for n in numels]
+        # the block tables' granule: NVFP4 reads its buffer as 16-element blocks whatever the alignment (a
+        # Hadamard rotation aligns parameters to 128, and the 128-multiples are whole 16-element blocks)
+        granule = NVFP4_BLOCK if self.fmt == "nvfp4" else a
         self.layouts[key] = build_scale_layout(offsets, extents, bounds, self.dp_size, scaling, self.block_size,
-                                               device, granule=a)
+                                               device, granule=granule)
         if self.error_feedback:
             self.residuals[key] = torch.zeros(bounds[-1], dtype=torch.float32, device=device)
 
