@@ -17,8 +17,8 @@ presets in the same run (median of ``--repeats``).
 
 Per preset and mode: ``ms``, ``memcpy_ms``, ``ratio_to_memcpy`` (= ms / memcpy_ms), and from one run under
 :class:`megatron_geo.comm.op_trace.OpRecorder`: ``ops_per_bucket`` (kernel-launching aten ops the dispatcher
-sees; a compiled graph's fused kernels are not aten ops, so compiled counts are the ops left outside the
-graphs), ``syncs_per_bucket`` (ops that force a host sync or a data-dependent shape),
+sees; traced on the eager path only, because ``torch.compile`` cannot run under a dispatch mode: compiled
+rows have timings and ``bitwise_equal_eager`` only), ``syncs_per_bucket`` (ops that force a host sync or a data-dependent shape),
 ``traffic_bytes_per_element`` (bytes of the inputs and outputs of those ops per bucket element: what an
 unfused eager execution moves), ``fused_traffic_bytes_per_element`` (the same with each codec step that
 ``comm.compile`` compiles counted as one pass over its arguments and results) and
@@ -60,12 +60,20 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+MIN_NUMEL = 3073  # two matrices of numel // 4, the 1536-element norm weight and at least one element left
+
+
 def bucket_numels(numel: int) -> list[int]:
-    big = min(6291456, max(numel // 4, 1))
-    rest = numel - 2 * big - 1536
-    if rest < 1:
-        raise ValueError(f"--numel {numel} is too small; use at least {2 * big + 1537}")
-    return [big, big, 1536, rest]
+    """Element counts of the four parameters of the timed bucket (two matrices of at most 6.29M elements, a
+    1536-element norm weight, the rest one matrix).
+
+    Raises:
+        ValueError: ``numel < MIN_NUMEL``.
+    """
+    if numel < MIN_NUMEL:
+        raise ValueError(f"--numel {numel} is too small; use at least {MIN_NUMEL}")
+    big = min(6291456, numel // 4)
+    return [big, big, 1536, numel - 2 * big - 1536]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +95,20 @@ def main(argv: list[str] | None = None) -> int:
         bad.append(f"--device {a.device}: no CUDA device is visible; use --device cpu")
     if a.json and not os.path.isdir(os.path.dirname(os.path.abspath(a.json))):
         bad.append(f"--json {a.json}: folder {os.path.dirname(a.json)} does not exist")
+    elif a.json and os.path.isdir(a.json):
+        bad.append(f"--json {a.json} is a folder; give a file name, e.g. {os.path.join(a.json, 'codec.json')}")
+    try:
+        dev_type = torch.device(a.device).type
+    except RuntimeError:
+        dev_type = None
+    if dev_type not in ("cpu", "cuda"):
+        bad.append(f"--device {a.device}: use cpu or cuda (cuda:N)")
+    elif a.compile != "eager":
+        from megatron_geo.comm.compiled import compiler_problem
+
+        problem = compiler_problem(a.device)
+        if problem:
+            bad.append(f"--compile {a.compile}: {problem}; install g++ (or set CXX) or use --compile eager")
     geo = [p for p in a.presets if p.startswith("geo")]
     if geo:
         bad.append(f"--presets {geo[0]}: the geometry-aware presets are not timed here (their transform cost is "

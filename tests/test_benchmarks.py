@@ -46,8 +46,19 @@ def test_geo_overhead_rejects_bad_input_before_starting_workers(argv, message):
     (["--dp", "1"], "--dp 1 must be >= 2"),
     (["--presets", "geofp8"], "the geometry-aware presets are not timed here"),
     (["--json", "/nonexistent_dir_x/c.json"], "does not exist"),
+    (["--json", "."], "is a folder; give a file name"),
+    (["--numel", "3072"], "use at least 3073"),
+    (["--device", "meta"], "--device meta: use cpu or cuda"),
 ])
 def test_codec_benchmark_rejects_bad_input_before_running(argv, message):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks/codec.py"), *argv], capture_output=True, text=True,
                        timeout=120, cwd=ROOT)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_codec_benchmark_smallest_bucket_runs():
+    """The size the --numel error suggests is accepted (its suggestion used to fail in turn)."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/codec.py"), "--numel", "3073", "--presets", "fp8",
+                        "--repeats", "1", "--compile", "eager"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "fp8" in r.stdout and "Traceback" not in r.stderr

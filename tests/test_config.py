@@ -232,3 +232,21 @@ def test_geo_values_name_the_one_bad_key(overrides, message):
     cfg = load_config([], overrides)
     with pytest.raises(ConfigError, match=message):
         validate_config(cfg, 1)
+
+
+def test_comm_compile_on_cpu_without_a_cxx_compiler_is_one_error_line(tmp_path):
+    """comm.compile=true on CPU needs inductor's C++ compiler: without one, the launch stops before training with
+    one ``error:`` line naming the key and the fix (exit 2), and nothing is written."""
+    import os
+
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-g++"), "WANDB_MODE": "disabled"}
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    out = subprocess.run([sys.executable, str(ROOT / "pretrain_llama.py"), "--config", str(ROOT / "configs/tiny.yaml"),
+                          "--config", str(ROOT / "configs/comm/fp8.yaml"), "comm.compile=true", "train.device=cpu",
+                          f"train.run_dir={tmp_path / 'run'}"], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: comm.compile=true") and "comm.compile=false" in lines[0]
+    assert "C++ compiler" in lines[0] and "Traceback" not in out.stderr
+    assert not (tmp_path / "run").exists()

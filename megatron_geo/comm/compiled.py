@@ -1,7 +1,8 @@
 """``comm.compile``: the codecs' encode and decode as ``torch.compile(fullgraph=True)`` graphs.
 
-Each wire format (:mod:`.wire_fp8`, :mod:`.wire_nvfp4`, :mod:`.wire_cast`) writes its hot path as pure tensor
-functions with no data-dependent shapes and no host syncs; :func:`maybe_compile` turns each into one graph
+The scaled wire formats (:mod:`.wire_fp8`, :mod:`.wire_nvfp4`; the plain casts of :mod:`.wire_cast` are single
+eager ops and are not compiled) write their hot path as pure tensor functions with no data-dependent shapes and
+no host syncs; :func:`maybe_compile` turns each into one graph
 (``fullgraph=True``: a graph break is an error, not a silent fallback) with dynamic sizes, so buckets of
 different lengths share the graph. Inductor fuses the scale broadcast, the division, the clamp and the cast
 into one pass over the bucket (encode) and the FP8 upcast, the scale and the sum over DP into one pass
@@ -31,6 +32,21 @@ def resolve_compile(setting: str | bool, device) -> bool:
     if s in ("true", "false"):
         return s == "true"
     raise ValueError(f"comm.compile={setting!r} is not valid; choose auto, true or false")
+
+
+def compiler_problem(device) -> str | None:
+    """Why ``comm.compile`` cannot work on ``device``, or None: on CPU inductor builds C++ code, so it needs a working
+    C++ compiler (``torch._inductor.cpp_builder.get_cpp_compiler``: ``$CXX``, else g++/clang++). GPUs compile with
+    Triton, which ships with torch."""
+    if torch.device(device if device is not None else "cpu").type != "cpu":
+        return None
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception as e:  # noqa: BLE001 -- InvalidCxxCompiler, or an import problem: both mean "cannot compile"
+        return f"comm.compile on CPU builds C++ code and no working C++ compiler was found ({e})"
+    return None
 
 
 def maybe_compile(fn: Callable, enabled: bool, static: dict[int, tuple[int, ...]] | None = None) -> Callable:

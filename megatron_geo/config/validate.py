@@ -210,6 +210,15 @@ def check_inputs(cfg: Config, devices: bool = True) -> None:
             key = "train.device=cuda" if cfg.train.device == "cuda" else "parallel.backend=nccl"
             raise ConfigError(f"{key} but CUDA is not available on this machine; use train.device=auto (or cpu) and "
                               f"parallel.backend=auto (or gloo), or run on a GPU node")
+        if cfg.comm.dtype not in ("fp32", "bf16"):  # the scaled codecs are what comm.compile compiles
+            from ..comm.compiled import compiler_problem, resolve_compile
+
+            dev = "cuda" if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()) \
+                else "cpu"
+            problem = compiler_problem(dev) if resolve_compile(cfg.comm.compile, dev) else None
+            if problem:
+                raise ConfigError(f"comm.compile={cfg.comm.compile}: {problem}; install g++ (or point CXX at a C++ "
+                                  f"compiler) or use comm.compile=false")
 
 
 def parse_power(spec, key: str = "geo.power") -> float | str:
