@@ -85,6 +85,10 @@ def test_print_config_roundtrip(tmp_path):
     (["optimizer.beta1=1.5"], r"optimizer.beta1=1.5 must be in \[0, 1\)"),
     (["optimizer.clip_grad=-1"], "optimizer.clip_grad=-1.0 must be >= 0"),
     (["parallel.backend=nccl", "train.device=cpu"], "parallel.backend=nccl needs CUDA"),
+    (["comm.dtype=bf16", "comm.scale_sync=max"], "comm.scale_sync=max needs a low-precision comm.dtype .* drop "
+                                                 "comm.scale_sync"),
+    (["comm.dtype=fp32", "comm.rounding=stochastic"], "comm.rounding=stochastic needs a low-precision"),
+    (["comm.dtype=nvfp4", "comm.scaling=block"], "comm.scaling=block does not apply to comm.dtype=nvfp4"),
 ])
 def test_optimizer_and_backend_validation(overrides, message):
     cfg = load_config([str(ROOT / "configs/tiny.yaml")], overrides)

@@ -76,9 +76,15 @@ def validate_config(cfg: Config, world_size: int) -> None:
         if v <= 0 or v & (v - 1):
             raise ConfigError(f"{name}={v} must be a positive power of two (e.g. 128)")
     low = c.dtype in ("fp8_e4m3", "fp8_e5m2", "nvfp4")
-    if not low and (c.error_feedback or c.scale_sync != "none" or c.rounding != "nearest"):
-        raise ConfigError(f"comm.error_feedback/scale_sync/rounding need a low-precision comm.dtype "
-                          f"(fp8_e4m3, fp8_e5m2, nvfp4), got comm.dtype={c.dtype}")
+    if not low:
+        for key, v, default in (("error_feedback", c.error_feedback, False), ("scale_sync", c.scale_sync, "none"),
+                                ("rounding", c.rounding, "nearest")):
+            if v != default:
+                raise ConfigError(f"comm.{key}={str(v).lower()} needs a low-precision comm.dtype (fp8_e4m3, fp8_e5m2, "
+                                  f"nvfp4), got comm.dtype={c.dtype}; drop comm.{key} or change comm.dtype")
+    if c.dtype == "nvfp4" and c.scaling != "tensor":
+        raise ConfigError(f"comm.scaling={c.scaling} does not apply to comm.dtype=nvfp4 (its scales are fixed: one E4M3 "
+                          f"per 16 elements and one FP32 per parameter); drop comm.scaling or use an fp8 comm.dtype")
     g = cfg.geo
     if c.transform == "geo":
         if g.select == "auto" and (g.num_layers < 1 or g.profile_steps < 1):
