@@ -23,8 +23,9 @@ rows have timings and ``bitwise_equal_eager`` only), ``syncs_per_bucket`` (ops t
 unfused eager execution moves), ``fused_traffic_bytes_per_element`` (the same with each codec step that
 ``comm.compile`` compiles counted as one pass over its arguments and results) and
 ``traffic_bound_ratio_to_memcpy`` (that over the 8 bytes per element of a copy: the best ratio a device whose
-codec kernels run at copy bandwidth reaches; a projection, not a GPU measurement). Compiled rows also say whether the reduced shard is bitwise equal to eager
-(``bitwise_equal_eager``). GeoFP8 presets are left out (their transform cost is
+codec kernels run at copy bandwidth reaches; a projection, not a GPU measurement). Compiled rows also say
+whether the reduced shard is bitwise equal to eager (``bitwise_equal_eager``: the shards of two consecutive
+reductions, so that error feedback's residual is part of the comparison). GeoFP8 presets are left out (their transform cost is
 ``benchmarks/geo_overhead.py``'s). ``tools/project_scaling.py --codec-output OUT.json`` reads the JSON.
 """
 
@@ -168,8 +169,12 @@ def main(argv: list[str] | None = None) -> int:
 
     shards = {}
     for k, (red, buf, plan) in runs.items():  # warm-up (constant tables, allocator, compilation)
+        own = plan.bounds[1] if getattr(plan, "bounds", None) else plan.chunk
+        # two reductions, both kept: the second starts from the first one's error-feedback residual
         reduce_once(red, buf)
-        shards[k] = buf[: plan.bounds[1] if getattr(plan, "bounds", None) else plan.chunk].clone()
+        first = buf[:own].clone()
+        reduce_once(red, buf)
+        shards[k] = torch.cat([first, buf[:own]])
     copy_once()
     times = {k: [] for k in runs}
     copies = []
