@@ -26,7 +26,9 @@ unfused eager execution moves), ``fused_traffic_bytes_per_element`` (the same wi
 codec kernels run at copy bandwidth reaches; a projection, not a GPU measurement). Compiled rows also say
 whether the reduced shard is bitwise equal to eager (``bitwise_equal_eager``: the shards of two consecutive
 reductions, so that error feedback's residual is part of the comparison). GeoFP8 presets are left out (their transform cost is
-``benchmarks/geo_overhead.py``'s). ``tools/project_scaling.py --codec-output OUT.json`` reads the JSON.
+``benchmarks/geo_overhead.py``'s). The JSON holds ``presets_eager`` and/or ``presets_compiled`` and, as
+``presets``, the first mode run (eager unless ``--compile compiled``). ``tools/project_scaling.py --codec-output
+OUT.json`` reads the JSON.
 """
 
 from __future__ import annotations
@@ -233,11 +235,15 @@ def main(argv: list[str] | None = None) -> int:
         if len(modes) == 2:
             line += f"  {'bitwise' if out['compiled'][p]['bitwise_equal_eager'] else 'DIFFERS'}"
         print(line)
-    print("ops, syncs, bytes/el: op trace of the eager path (torch.compile cannot run under the trace; the "
-          "compiled path runs the same Python code with each codec step fused into one fullgraph graph)")
-    print("fused: bytes read + written per bucket element when each codec step is one pass (its tensor "
-          "arguments and results once) and the ops between steps run as they are, the collective left out; "
-          "/ 8 (a copy's bytes) it is the ratio to memcpy a bandwidth-bound device reaches at best")
+    if "eager" not in modes:
+        print("ops, syncs, bytes/el, fused: traced on the eager path only; run with --compile both or eager")
+    else:
+        print("ops, syncs, bytes/el: op trace of the eager path (torch.compile cannot run under the trace; the "
+              "compiled path runs the same Python code with each codec step fused into one fullgraph graph)")
+    if "eager" in modes:
+        print("fused: bytes read + written per bucket element when each codec step is one pass (its tensor "
+              "arguments and results once) and the ops between steps run as they are, the collective left out; "
+              "/ 8 (a copy's bytes) it is the ratio to memcpy a bandwidth-bound device reaches at best")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"numel": a.numel, "dp": a.dp, "device": str(dev), "threads": a.threads,
