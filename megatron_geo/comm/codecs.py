@@ -146,6 +146,16 @@ def _stochastic_round(y: Tensor, mbits: int, emin: int, generator: torch.Generat
 
 
 _FP8_EMIN_MBITS = {"fp8_e4m3": (-6, 3), "fp8_e5m2": (-14, 2)}
+# first non-finite magnitude code: E4M3fn has only NaN (0x7F), E5M2 is IEEE-like (0x7C inf, above NaN)
+_FP8_SPECIAL = {"fp8_e4m3": 0x7F, "fp8_e5m2": 0x7C}
+
+
+def _fp8_bits(fmt: str) -> tuple[int, int, int, float, int]:
+    """The bit-level constants of ``fmt`` for :func:`fp8_codes` / :func:`fp8_values`, from its smallest normal
+    exponent and mantissa width: (exponent bias difference to FP32 << 23, mantissa shift into FP32's field,
+    largest subnormal code, subnormal step, first non-finite magnitude code)."""
+    emin, mbits = _FP8_EMIN_MBITS[fmt]
+    return (126 + emin) << 23, 23 - mbits, (1 << mbits) - 1, 2.0 ** (emin - mbits), _FP8_SPECIAL[fmt]
 
 
 def fp8_encode(x: Tensor, scale: Tensor, fmt: str, rounding: str = "nearest",
@@ -200,7 +210,7 @@ def fp8_codes(y: Tensor, fmt: str) -> Tensor:
         ValueError: unknown ``fmt``.
     """
     _check_fmt(fmt)
-    bias, shift, _, sub_step, _ = _FP8_BITS[fmt]
+    bias, shift, _, sub_step, _ = _fp8_bits(fmt)
     b = y.view(torch.int32)
     sign = (b >> 24) & 0x80
     a = b & 0x7FFFFFFF
@@ -226,12 +236,6 @@ def fp8_decode(codes: Tensor, scale: Tensor, fmt: str) -> Tensor:
     return codes.view(FP8_FORMATS[fmt]).float() * scale.float()
 
 
-# (exponent bias difference to FP32 << 23, mantissa shift into FP32's field, largest subnormal code,
-#  subnormal step, first non-finite magnitude code)
-_FP8_BITS = {"fp8_e4m3": ((127 - 7) << 23, 20, 0x07, 2.0 ** -9, 0x7F),
-             "fp8_e5m2": ((127 - 15) << 23, 21, 0x03, 2.0 ** -16, 0x7C)}
-
-
 def fp8_values(codes: Tensor, fmt: str) -> Tensor:
     """float32 values of the uint8 FP8 bit patterns ``codes`` (any shape), built from integer arithmetic: the same
     values as torch's ``codes.view(float8).float()`` (OFP8 rev. 1.0) for all 256 codes of both formats
@@ -249,7 +253,7 @@ def fp8_values(codes: Tensor, fmt: str) -> Tensor:
         ValueError: unknown ``fmt``.
     """
     _check_fmt(fmt)
-    bias, shift, sub_max, sub_step, special = _FP8_BITS[fmt]
+    bias, shift, sub_max, sub_step, special = _fp8_bits(fmt)
     c = codes.to(torch.int32)
     mag = c & 0x7F
     bits = (mag << shift) + bias
