@@ -41,8 +41,10 @@ class OpRecorder(TorchDispatchMode):
             only its arguments and results: the traffic when each such function runs as one fused kernel.
     """
 
-    def __init__(self):
+    def __init__(self, keep_events: bool = False):
         super().__init__()
+        self.keep_events = keep_events
+        self.events: list[tuple[str, str, bool]] = []  # (kind, name, in_backward), with keep_events
         self.ops: Counter = Counter()
         self.bad: list[str] = []
         self.traffic_bytes = 0
@@ -76,6 +78,12 @@ class OpRecorder(TorchDispatchMode):
                 self.fused_traffic_bytes = before
         return wrapper
 
+    def mark(self, label: str) -> None:
+        """Append a marker ``("mark", label, in_backward)`` to :attr:`events` (with ``keep_events``), so a test
+        can tell which ops ran between two points of the code (e.g. a publish and the first forward wait)."""
+        if self.keep_events:
+            self.events.append(("mark", label, _in_backward()))
+
     @property
     def work(self) -> int:
         """Kernel-launching ops: all but views and collectives."""
@@ -89,6 +97,9 @@ class OpRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func._schema.name
         self.ops[name] += 1
+        if self.keep_events:
+            kind = "sync" if name in _SYNC else "c10d" if name.startswith("c10d::") else "op"
+            self.events.append((kind, name if kind != "sync" else f"{name} at {_call_site()}", _in_backward()))
         if name in _SYNC:
             self.bad.append(name)
         elif name == "aten::repeat_interleave" and isinstance(args[1] if len(args) > 1 else None, torch.Tensor) \
@@ -105,6 +116,29 @@ class OpRecorder(TorchDispatchMode):
             if self._fused_depth == 0:
                 self.fused_traffic_bytes += nbytes
         return out
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward pass (its hooks included)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _call_site() -> str:
+    """Where a recorded op was called from: ``module:function`` of the innermost frame outside torch and this
+    module, prefixed by the innermost ``torch.optim`` frame when the op ran inside a torch optimizer
+    (``torch.optim.adamw:_single_tensor_adamw < megatron_geo.distributed.optimizer:step``)."""
+    import sys
+
+    f, optim = sys._getframe(2), None
+    while f is not None:
+        mod = f.f_globals.get("__name__", "")
+        if mod.startswith("torch.optim") and optim is None:
+            optim = f"{mod}:{f.f_code.co_name}"
+        if mod != __name__ and mod.split(".")[0] != "torch":
+            site = f"{mod}:{f.f_code.co_name}"
+            return site if optim is None else f"{optim} < {site}"
+        f = f.f_back
+    return "?"
 
 
 def _distinct_bytes(leaves) -> int:

@@ -85,6 +85,12 @@ class GPTDataset(torch.utils.data.Dataset):
             "loss_mask": torch.ones(self.seq_length, dtype=torch.float32),
         }
 
+    def valid_tokens(self, global_samples) -> int:
+        """Loss-bearing tokens of the samples at these global consumed-sample counters, on the host without
+        reading them: every sample's ``loss_mask`` is all ones, so ``seq_length`` each. Equals the sum of the
+        ``loss_mask`` of :meth:`micro_batch` over the same counters."""
+        return len(global_samples) * self.seq_length
+
     def _permutation(self, epoch: int) -> np.ndarray:
         perm = self._perms.get(epoch)
         if perm is None:

@@ -100,17 +100,38 @@ class DistributedOptimizer:
         return opts
 
     # ---------------------------------------------------------------------------------------------
-    def grad_norm(self) -> float:
-        """Global L2 norm of the averaged gradient over TP x DP, each element counted once."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.pctx.device)
+    def grad_norm(self, extra: list[float] | None = None):
+        """Global L2 norm of the averaged gradient over TP x DP, each element counted once (FP64 sum of
+        squares; NaN when non-finite). One collective and one host read.
+
+        ``extra``: host numbers (e.g. per-rank stop-request counts) summed over all ranks of the world group in
+        the same collective; then ``(norm, summed extra)`` is returned. Without the distributed optimizer
+        every DP rank holds the whole gradient, so only DP rank 0 contributes its sum of squares there.
+        """
+        pctx = self.pctx
+        n_extra = len(extra or [])
+        buf = torch.zeros(1 + n_extra, dtype=torch.float64, device=pctx.device)
+        sq = buf[0]
         for m in self.mains:
             if m.count_in_norm:
                 sq += m.main.grad.double().pow(2).sum()
-        if self.sharded:
-            C.all_reduce(sq, self.pctx.world_group)
-        elif self.pctx.tp_size > 1:
-            C.all_reduce(sq, self.pctx.tp_group)
-        return math.sqrt(sq.item()) if math.isfinite(sq.item()) else float("nan")
+        for i, v in enumerate(extra or []):
+            if v:
+                buf[1 + i].fill_(float(v))  # a scalar kernel argument, no host-to-device copy
+        if extra is not None and (self.sharded or pctx.world_size > 1):
+            if not self.sharded and pctx.dp_rank != 0:
+                sq.zero_()  # the world sum counts the (replicated) gradient of one DP rank only
+            if self.sharded or pctx.dp_size > 1:
+                C.all_reduce(buf, pctx.world_group)
+            else:
+                C.all_reduce(buf, pctx.tp_group)
+        elif self.sharded:
+            C.all_reduce(buf, pctx.world_group)
+        elif pctx.tp_size > 1:
+            C.all_reduce(buf, pctx.tp_group)
+        host = buf.tolist()  # the one host read of the step
+        norm = math.sqrt(host[0]) if math.isfinite(host[0]) else float("nan")
+        return norm if extra is None else (norm, host[1:])
 
     def clip(self, norm: float, max_norm: float) -> None:
         """Scale gradients by ``max_norm / norm`` when the norm exceeds ``max_norm`` (> 0)."""

@@ -19,10 +19,9 @@ class _VocabParallelCE(torch.autograd.Function):
     def forward(ctx, logits, target, vocab_start, vocab_size, group):
         logits = logits.float()
         n_local = logits.shape[-1]
-        cols = torch.arange(vocab_start, vocab_start + n_local, device=logits.device)
-        pad = cols >= vocab_size
-        if pad.any():
-            logits = logits.masked_fill(pad, torch.finfo(logits.dtype).min)
+        if vocab_start + n_local > vocab_size:  # this shard holds padded columns (decided on the host)
+            cols = torch.arange(vocab_start, vocab_start + n_local, device=logits.device)
+            logits = logits.masked_fill(cols >= vocab_size, torch.finfo(logits.dtype).min)
         m = logits.max(dim=-1).values
         if dist.get_world_size(group) > 1:
             C.all_reduce(m, group, op=dist.ReduceOp.MAX)

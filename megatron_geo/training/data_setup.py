@@ -63,6 +63,15 @@ def train_micro_batches(ds: GPTDataset, consumed: int, cfg: Config, pctx: Parall
     return [collate([ds[ds.sample_index(i)] for i in mb]) for mb in ids]
 
 
+def train_global_tokens(ds: GPTDataset, consumed: int, cfg: Config) -> int:
+    """Valid (loss-bearing) tokens of the whole global batch that starts at global sample ``consumed``, from
+    the sampler on the host: the same number on every rank, with no collective (the train step's loss
+    normalisation needs it before the forward, when a DP all-reduce would queue behind the parameter
+    all-gathers still in flight)."""
+    t = cfg.train
+    return ds.valid_tokens(range(consumed, consumed + t.global_batch_size))
+
+
 def valid_micro_batches(ds: GPTDataset, cfg: Config, pctx: ParallelContext) -> list[dict]:
     """``train.eval_batches`` micro-batches per DP rank: the same fixed validation samples at every eval."""
     t = cfg.train

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -22,10 +22,21 @@ from ..parallel import collectives as C
 
 @dataclass
 class StepResult:
-    loss: float          # global mean per-token loss (nats)
-    grad_norm: float     # global L2 norm before clipping
-    tokens: int          # valid tokens in the global batch
-    skipped: bool        # True when the gradient was not finite and no update was made
+    """What one step returns. ``loss`` is read from the device only when first asked for (one host sync, on
+    log steps); ``grad_norm`` is the step's single host read (the skip / clip decision)."""
+
+    loss_sum: torch.Tensor  # float64 [] on the device: sum of per-token losses over the global batch (nats)
+    grad_norm: float        # global L2 norm before clipping
+    tokens: int             # valid tokens in the global batch
+    skipped: bool           # True when the gradient was not finite and no update was made
+    stop_flags: list[float] = field(default_factory=list)  # ``stop_flags`` summed over all ranks (see train_step)
+
+    @property
+    def loss(self) -> float:
+        """Global mean per-token loss (nats); the first access waits for the device."""
+        if not hasattr(self, "_loss"):
+            self._loss = float(self.loss_sum.item()) / max(self.tokens, 1)
+        return self._loss
 
 
 def autocast_context(pctx: ParallelContext, autocast_dtype: str):
@@ -37,20 +48,30 @@ def autocast_context(pctx: ParallelContext, autocast_dtype: str):
 
 def train_step(model: torch.nn.Module, micro_batches: list[dict], grad_sync: GradSync,
                optimizer: DistributedOptimizer, pctx: ParallelContext, lr_scale: float, clip_grad: float,
-               autocast_dtype: str = "auto", geo=None, step: int = 0) -> StepResult:
+               autocast_dtype: str = "auto", geo=None, step: int = 0, global_tokens: int | None = None,
+               stop_flags: list[float] | None = None) -> StepResult:
     """Run one step over this rank's ``micro_batches`` (dicts of ``tokens``, ``labels`` int64 ``[m, s]``
     and ``loss_mask`` float ``[m, s]``) and update the parameters unless the gradient is non-finite.
+
+    ``global_tokens``: the valid-token count of the whole global batch (all DP ranks), known on the host from
+    the sampler. Pass it in training: otherwise it is all-reduced over the DP group here, a collective plus a
+    host read that queue behind the previous step's asynchronous parameter all-gathers and so undo their
+    overlap with this forward.
+
+    ``stop_flags``: host numbers summed over all ranks in the same collective as the gradient norm (the stop
+    request's per-signal counts), returned as ``StepResult.stop_flags``; the step makes one host read either way.
 
     With ``geo`` (a :class:`~megatron_geo.geometry.GeoState`) on a refresh step, the input statistics
     are collected in the first micro-batch's forward and the transforms rebuilt after backward, before
     any bucket is reduced (those reductions are deferred to the end of backward on that step only).
     """
     dev = pctx.device
-    local_tokens = sum(mb["loss_mask"].sum() for mb in micro_batches)
-    count = torch.tensor([float(local_tokens)], dtype=torch.float64, device=dev)
-    C.all_reduce(count, pctx.dp_group)
-    global_tokens = count.item()
-    scale = pctx.dp_size / max(global_tokens, 1.0)
+    if global_tokens is None:
+        local_tokens = sum(float(mb["loss_mask"].sum()) for mb in micro_batches)  # host tensors: no device sync
+        count = torch.tensor([local_tokens], dtype=torch.float64, device=dev)
+        C.all_reduce(count, pctx.dp_group)
+        global_tokens = int(count.item())
+    scale = pctx.dp_size / max(float(global_tokens), 1.0)
 
     refresh = geo is not None and geo.is_refresh_step(step)
     grad_sync.start_step(defer=refresh)
@@ -73,13 +94,16 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict], grad_sync: Gra
     if geo is not None:
         geo.end_profiled_step()
 
-    C.all_reduce(loss_sum, pctx.dp_group)
-    norm = optimizer.grad_norm()
+    C.all_reduce(loss_sum, pctx.dp_group)  # NCCL: the stream waits, not the host; read on log steps only
+    if stop_flags is None:
+        norm, flags = optimizer.grad_norm(), []
+    else:
+        norm, flags = optimizer.grad_norm(extra=stop_flags)
     skipped = not math.isfinite(norm)
     if not skipped:
         optimizer.clip(norm, clip_grad)
         optimizer.step(lr_scale)
-    return StepResult(loss_sum.item() / max(global_tokens, 1.0), norm, int(global_tokens), skipped)
+    return StepResult(loss_sum, norm, int(global_tokens), skipped, flags)
 
 
 @torch.no_grad()

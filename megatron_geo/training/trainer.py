@@ -21,7 +21,7 @@ from ..distributed.shard_plan import ADAMW_FLOPS_PER_ELEMENT, newton_schulz_flop
 from ..geometry import GeoState
 from ..model import Llama, count_parameters, flops_per_token
 from ..parallel import LaunchError, ParallelContext, destroy_parallel, detect_launch_env, init_parallel
-from .data_setup import build_data, train_micro_batches, valid_micro_batches
+from .data_setup import build_data, train_global_tokens, train_micro_batches, valid_micro_batches
 from .checkpointing import Checkpointer
 from . import telemetry
 from .log_line import log_line, use_progress_bar
@@ -192,7 +192,7 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
     stop = StopRequest()
     every = cfg.checkpoint.interval
 
-    first_loss, last, val_loss, logged_refresh, skipped_total = None, None, None, False, 0
+    first_loss, last, last_res, val_loss, logged_refresh, skipped_total = None, None, None, None, False, 0
     tok_per_s_hist, bytes_hist, step_times = [], [], []
     try:
         for step in range(start_step, t.steps):
@@ -201,8 +201,13 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
             scale = lr_at(step, max_lr=1.0, min_lr=cfg.optimizer.min_lr / cfg.optimizer.lr,
                           warmup_steps=t.warmup_steps, total_steps=t.steps, style=t.lr_decay_style)
             measuring = telemetry.arm(reducer, step, cfg.comm.telemetry_interval)
+            # the global token count comes from the sampler and the stop flags ride on the gradient-norm
+            # all-reduce: nothing on the DP group runs between the previous step's parameter all-gathers and
+            # this forward, and the step reads the device once (the norm), outside log steps
             res = train_step(model, batches, grad_sync, optimizer, pctx, scale, cfg.optimizer.clip_grad,
-                             t.autocast_dtype, geo=geo, step=step)
+                             t.autocast_dtype, geo=geo, step=step,
+                             global_tokens=train_global_tokens(data.train, consumed, cfg), stop_flags=stop.flags())
+            stopping = stop.agree(res.stop_flags)
             rel_err = telemetry.collect(reducer, pctx.dp_group, pctx.dp_size) if measuring else {}
             consumed += t.global_batch_size
             dt = time.perf_counter() - t0
@@ -212,7 +217,7 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
                 _log0(pctx, f"step {step + 1}: GeoFP8 refresh of {len(geo.selected)} layer(s) (rank {cfg.geo.rank}); "
                             f"transform checksums equal on all {pctx.dp_size} DP ranks")
             comm_bytes = reducer.reset_bytes()
-            record = {"step": step + 1, "loss": res.loss, "lr": cfg.optimizer.lr * scale, "grad_norm": res.grad_norm,
+            record = {"step": step + 1, "lr": cfg.optimizer.lr * scale, "grad_norm": res.grad_norm,
                       "tokens_per_sec": res.tokens / dt, "comm_bytes": comm_bytes, "step_time_s": dt,
                       "consumed_samples": consumed, "skipped": res.skipped}
             record.update(rel_err)
@@ -227,6 +232,7 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
                               max_memory_gib=torch.cuda.max_memory_allocated(pctx.device) / 2**30)
             skipped_in_a_row = skipped_in_a_row + 1 if res.skipped else 0
             if res.skipped:
+                record["loss"] = res.loss
                 _log0(pctx, f"step {step + 1}: non-finite gradient norm ({res.grad_norm}); update skipped on all "
                             f"ranks ({skipped_in_a_row} in a row)")
                 if t.nonfinite == "stop" or skipped_in_a_row >= t.max_skipped_steps:
@@ -237,11 +243,15 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
                 optimizer.wait_param_gather()
                 val_loss = evaluate(model, valid_batches, pctx, t.autocast_dtype)
                 record["val_loss"] = val_loss
+            log_now = bool(res.skipped or rel_err or refreshed or (step + 1) % t.log_interval == 0
+                           or "val_loss" in record or step + 1 == t.steps or first_loss is None)
+            if log_now:  # the loss is read from the device on log steps only
+                record["loss"] = res.loss
             if res.skipped or rel_err or refreshed or ((step + 1) % t.log_interval == 0 or "val_loss" in record
                                           or step + 1 == t.steps):
                 logger.log(record)
             first_loss = res.loss if first_loss is None else first_loss
-            last = record
+            last, last_res = record, res
             if step > start_step:
                 tok_per_s_hist.append(record["tokens_per_sec"])
                 step_times.append(dt)
@@ -252,14 +262,15 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
             bytes_hist.append(comm_bytes)
             if progress is not None:
                 progress.update(1)
-                progress.set_postfix(loss=f"{res.loss:.3f}", **({"val": f"{val_loss:.3f}"} if val_loss else {}))
+                if log_now:
+                    progress.set_postfix(loss=f"{res.loss:.3f}", **({"val": f"{val_loss:.3f}"} if val_loss else {}))
             if every and (step + 1) % every == 0:
                 ckpt.save(step + 1, consumed, skipped_in_a_row)
             if t.exit_interval and (step + 1) % t.exit_interval == 0 and step + 1 < t.steps:
                 ckpt.save(step + 1, consumed, skipped_in_a_row)
                 _log0(pctx, f"step {step + 1}: exiting (train.exit_interval={t.exit_interval}); relaunch to resume")
                 break
-            if stop.requested(pctx.world_group, pctx.device):
+            if stopping:
                 ckpt.save(step + 1, consumed, skipped_in_a_row)
                 raise StopRequested(f"stopped by signal {stop.signal} after step {step + 1}; checkpoint saved to "
                                     f"{ckpt.root}; relaunch with the same train.run_dir to resume")
@@ -273,7 +284,7 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
             progress.close()
         logger.close()
     summary = {
-        "parameters": n_params, "steps": last["step"], "start_loss": first_loss, "final_loss": last["loss"],
+        "parameters": n_params, "steps": last["step"], "start_loss": first_loss, "final_loss": last_res.loss,
         "val_loss": val_loss,
         "tokens_per_sec": sum(tok_per_s_hist) / len(tok_per_s_hist) if tok_per_s_hist else last["tokens_per_sec"],
         "comm_bytes_per_step": sum(bytes_hist) / len(bytes_hist), "run_dir": str(run_dir.resolve()),
