@@ -162,10 +162,11 @@ def build_scale_layout(offsets: list[int], numels: list[int], bounds, dp_size: i
         if row:
             lengths[r, :len(row)] = torch.tensor([n for n, _ in row], device="cpu")
             groups[r, :len(row)] = torch.tensor([g for _, g in row], device="cpu")
-    nblk = lengths // granule                                            # blocks per segment
-    block_group = groups.reshape(-1).repeat_interleave(nblk.reshape(-1))
-    block_seg = torch.arange(k, device="cpu").expand(dp_size, k).reshape(-1).repeat_interleave(nblk.reshape(-1))
-    block_flat = torch.arange(dp_size * k, device="cpu").repeat_interleave(nblk.reshape(-1))
+    nblk = (lengths // granule).reshape(-1)                              # blocks per segment
+    total = sum(n // granule for row in rows for n, _ in row)            # known on the host: no data-dependent shape
+    block_group = groups.reshape(-1).repeat_interleave(nblk, output_size=total)
+    block_seg = torch.arange(k, device="cpu").expand(dp_size, k).reshape(-1).repeat_interleave(nblk, output_size=total)
+    block_flat = torch.arange(dp_size * k, device="cpu").repeat_interleave(nblk, output_size=total)
     block_bounds = [b // granule for b in bounds]
     return ScaleLayout(lengths.to(device), groups.to(device), pad_group + 1, chunk,
                        block_size if scaling == "block" else None, sizes, granule, block_group.to(device),
