@@ -49,7 +49,7 @@ def autocast_context(pctx: ParallelContext, autocast_dtype: str):
 def train_step(model: torch.nn.Module, micro_batches: list[dict], grad_sync: GradSync,
                optimizer: DistributedOptimizer, pctx: ParallelContext, lr_scale: float, clip_grad: float,
                autocast_dtype: str = "auto", geo=None, step: int = 0, global_tokens: int | None = None,
-               stop_flags: list[float] | None = None) -> StepResult:
+               stop_flags=None) -> StepResult:
     """Run one step over this rank's ``micro_batches`` (dicts of ``tokens``, ``labels`` int64 ``[m, s]``
     and ``loss_mask`` float ``[m, s]``) and update the parameters unless the gradient is non-finite.
 
@@ -58,8 +58,9 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict], grad_sync: Gra
     host read that queue behind the previous step's asynchronous parameter all-gathers and so undo their
     overlap with this forward.
 
-    ``stop_flags``: host numbers summed over all ranks in the same collective as the gradient norm (the stop
-    request's per-signal counts), returned as ``StepResult.stop_flags``; the step makes one host read either way.
+    ``stop_flags``: host numbers (a list, or a function returning one, called just before the gradient norm)
+    summed over all ranks in the same collective as the gradient norm (the stop request's per-signal counts),
+    returned as ``StepResult.stop_flags``; the step makes one host read either way.
 
     With ``geo`` (a :class:`~megatron_geo.geometry.GeoState`) on a refresh step, the input statistics
     are collected in the first micro-batch's forward and the transforms rebuilt after backward, before
@@ -98,7 +99,7 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict], grad_sync: Gra
     if stop_flags is None:
         norm, flags = optimizer.grad_norm(), []
     else:
-        norm, flags = optimizer.grad_norm(extra=stop_flags)
+        norm, flags = optimizer.grad_norm(extra=stop_flags() if callable(stop_flags) else list(stop_flags))
     skipped = not math.isfinite(norm)
     if not skipped:
         optimizer.clip(norm, clip_grad)

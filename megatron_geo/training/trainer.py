@@ -206,7 +206,7 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
             # this forward, and the step reads the device once (the norm), outside log steps
             res = train_step(model, batches, grad_sync, optimizer, pctx, scale, cfg.optimizer.clip_grad,
                              t.autocast_dtype, geo=geo, step=step,
-                             global_tokens=train_global_tokens(data.train, consumed, cfg), stop_flags=stop.flags())
+                             global_tokens=train_global_tokens(data.train, consumed, cfg), stop_flags=stop.flags)
             stopping = stop.agree(res.stop_flags)
             rel_err = telemetry.collect(reducer, pctx.dp_group, pctx.dp_size) if measuring else {}
             consumed += t.global_batch_size
