@@ -248,3 +248,57 @@ def test_fp8_codes_from_integer_arithmetic_equal_torchs_casts_on_every_rounding_
     want = y.to(dt).view(torch.uint8)
     assert torch.equal(fp8_codes(y, fmt), want)
     assert torch.equal(maybe_compile(fp8_codes, True)(y, fmt), want)
+
+
+# -- eager numerics on every backend -------------------------------------------------------------------------------
+
+def test_every_codec_graph_is_compiled_with_the_eager_numerics_options(monkeypatch):
+    """Each codec graph reaches ``torch.compile`` with ``fullgraph=True`` and Inductor's eager-numerics options
+    (IEEE FP32 division, no FMA contraction): what keeps CUDA codes equal to eager at rounding boundaries."""
+    from megatron_geo.comm import compiled, wire_fp8, wire_nvfp4
+
+    calls = []
+
+    def recording_compile(fn, **kw):
+        calls.append((fn.__name__, kw))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    wire_fp8.FP8Wire("fp8_e4m3", "nearest", None, True)
+    wire_nvfp4.NVFP4Wire("nearest", None, True)
+    names = {n for n, _ in calls}
+    assert {"block_amax", "encode", "encode_ef", "decode", "decode_sum"} <= names
+    assert {"nvfp4_block_scales", "unpack_nibbles", "_sum_sources", "_sum_packed", "_decode"} <= names
+    known = torch._inductor.config.get_config_copy()
+    for name, kw in calls:
+        opts = kw.get("options") or {}
+        assert kw.get("fullgraph") is True and opts.get("emulate_precision_casts") is True, (name, kw)
+        assert opts.get("eager_numerics.division_rounding", opts.get("emulate_divison_rounding")) is True, (name, kw)
+        assert all(k in known for k in opts), (name, opts)
+        assert opts == compiled.eager_numerics_options()
+    # no codec module compiles around maybe_compile
+    for path in (ROOT / "megatron_geo" / "comm").glob("*.py"):
+        if path.name != "compiled.py":
+            assert "torch.compile(" not in path.read_text(), path
+
+
+def test_eager_numerics_options_keep_only_what_the_running_torch_knows(monkeypatch):
+    """An older torch (the division switch under its old spelling, no ``eager_numerics`` section, a bool where
+    newer torch has a string): the unknown names and mismatched types are left out, so torch.compile accepts
+    the options (the compiled-equals-eager tests above compile with the running torch's own options)."""
+    import types
+
+    import torch._inductor as inductor
+
+    from megatron_geo.comm import compiled as CM
+
+    current = torch._inductor.config.get_config_copy()
+    old = {k: v for k, v in current.items() if not k.startswith("eager_numerics.")}
+    old["emulate_divison_rounding"] = False
+    old["cpp.enable_floating_point_contract_flag"] = False
+    monkeypatch.setattr(inductor, "config", types.SimpleNamespace(get_config_copy=lambda: dict(old)))
+    opts = CM.eager_numerics_options()
+    assert opts["emulate_divison_rounding"] is True and opts["emulate_precision_casts"] is True
+    assert not any(k.startswith("eager_numerics.") for k in opts)
+    assert "cpp.enable_floating_point_contract_flag" not in opts
+    assert all(k in old and type(old[k]) is type(v) for k, v in opts.items())

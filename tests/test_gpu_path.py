@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import types
@@ -161,17 +162,53 @@ def test_local_impl_never_imports_transformer_engine(tmp_path):
 
 
 # -- CUDA only ---------------------------------------------------------------------------------------------------
+#
+# The CUDA tests run their bodies in a Python process of their own: this module's ``world`` fixture leaves a
+# gloo default process group in the test process, and init_parallel refuses to build NCCL groups over it.
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run benchmarks/gpu_check.sh on a GPU machine)")
-def test_cuda_step_on_one_gpu_bf16_autocast():
-    from megatron_geo.parallel import init_parallel
+def _run_alone(body: str) -> str:
+    """Run ``body()``, a function of this module, in a fresh Python process (no process group yet); returns its
+    stdout. Fails the test with the child's output when it exits non-zero."""
+    path = os.pathsep.join(p for p in (str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    r = subprocess.run([sys.executable, "-c", f"import test_gpu_path as t; t.{body}()"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "PYTHONPATH": path, "WANDB_MODE": "disabled"})
+    assert r.returncode == 0, f"{body} failed (exit {r.returncode}):\n{r.stdout}\n{r.stderr}"
+    return r.stdout
+
+
+def _fresh_process_probe() -> None:
+    import torch.distributed as dist
+
+    from megatron_geo.parallel import destroy_parallel, init_parallel
+    from megatron_geo.parallel.launch_env import LaunchEnv
+
+    assert not dist.is_initialized()
+    pctx = init_parallel(1, "cpu", "auto", env=LaunchEnv(0, 1, 0, "127.0.0.1", 0, "single"))
+    print(f"backend={pctx.backend} group={dist.get_backend(pctx.dp_group)}")
+    destroy_parallel()
+
+
+def test_cuda_bodies_run_without_the_modules_gloo_world(world):
+    """The mechanism the CUDA tests use, checked on CPU: with this process's gloo world alive, the body still
+    starts without a process group and builds its own."""
+    import torch.distributed as dist
+
+    assert dist.is_initialized()
+    assert _run_alone("_fresh_process_probe").strip() == "backend=gloo group=gloo"
+
+
+def _cuda_step_body() -> None:
+    import torch.distributed as dist
+
+    from megatron_geo.parallel import destroy_parallel, init_parallel
     from megatron_geo.parallel.launch_env import LaunchEnv
     from megatron_geo.training.step import train_step
     from megatron_geo.training.trainer import build_model_and_optimizer
     from helpers import global_batch, rank_micro_batches
 
     pctx = init_parallel(1, "cuda", "auto", env=LaunchEnv(0, 1, 0, "127.0.0.1", 0, "single"))
-    assert pctx.device.type == "cuda" and pctx.backend == "nccl"
+    assert pctx.device.type == "cuda" and pctx.backend == "nccl" and dist.get_backend(pctx.dp_group) == "nccl"
     cfg = tiny_cfg()
     model, _, _, sync, opt = build_model_and_optimizer(cfg, pctx)
     losses = []
@@ -183,6 +220,12 @@ def test_cuda_step_on_one_gpu_bf16_autocast():
     assert all(p.dtype == torch.float32 for p in model.parameters())  # FP32 params, BF16 autocast compute
     assert losses[-1] < losses[0]
     sync.remove_hooks()
+    destroy_parallel()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run benchmarks/gpu_check.sh on a GPU machine)")
+def test_cuda_step_on_one_gpu_bf16_autocast():
+    _run_alone("_cuda_step_body")
 
 
 # -- GradSync side stream ----------------------------------------------------------------------------------------
@@ -209,12 +252,15 @@ def test_grad_sync_has_no_side_stream_on_cpu(world):
         _sync_for(world, torch.device("cpu"), True)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run benchmarks/gpu_check.sh on a GPU machine)")
-def test_grad_sync_side_stream_gives_the_same_reduction(world):
-    dev = torch.device("cuda", torch.cuda.current_device())
+def _grad_sync_side_stream_body() -> None:
+    from megatron_geo.parallel import destroy_parallel, init_parallel
+    from megatron_geo.parallel.launch_env import LaunchEnv
+
+    pctx = init_parallel(1, "cuda", "auto", env=LaunchEnv(0, 1, 0, "127.0.0.1", 0, "single"))
+    dev = pctx.device
     out = {}
     for comm_stream in (False, True):
-        cfg, model, buckets, sync = _sync_for(world, dev, comm_stream)
+        cfg, model, buckets, sync = _sync_for(pctx.dp_group, dev, comm_stream)
         assert (sync._stream is not None) == comm_stream
         g = torch.Generator().manual_seed(2)
         x, y = torch.randint(0, 131, (4, 16), generator=g).to(dev), torch.randint(0, 131, (4, 16), generator=g).to(dev)
@@ -227,3 +273,9 @@ def test_grad_sync_side_stream_gives_the_same_reduction(world):
     for a, b in zip(out[False], out[True]):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
         assert a.abs().sum() > 0
+    destroy_parallel()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run benchmarks/gpu_check.sh on a GPU machine)")
+def test_grad_sync_side_stream_gives_the_same_reduction():
+    _run_alone("_grad_sync_side_stream_body")

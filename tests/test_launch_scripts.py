@@ -87,6 +87,48 @@ def test_sbatch_script_declares_preemption_and_per_job_logs():
     assert "scontrol requeue" in text and "NCCL_IB_HCA" in text
 
 
+def _sbatch_with_fake_srun(tmp_path, extra_env):
+    """pretrain.sbatch as a job's batch shell would run it, with an ``srun`` on PATH that records its arguments
+    and the environment the tasks would get (the container mode skips the pre-flight's Python)."""
+    bin_dir, record = tmp_path / "bin", tmp_path / "srun.txt"
+    bin_dir.mkdir(exist_ok=True)
+    srun = bin_dir / "srun"
+    srun.write_text("#!/bin/bash\n{ printf 'arg %s\\n' \"$@\"; echo \"env OMP_NUM_THREADS=${OMP_NUM_THREADS:-}\"; "
+                    "echo \"env SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK:-}\"; } > " + shlex.quote(str(record)) +
+                    "\nexit 0\n")
+    srun.chmod(0o755)
+    env = {k: v for k, v in ENV.items() if k not in ("OMP_NUM_THREADS", "SRUN_CPUS_PER_TASK")}
+    env.update({"PATH": f"{bin_dir}:{env.get('PATH', '/usr/bin:/bin')}", "SLURM_JOB_ID": "77",
+                "SLURM_JOB_NODELIST": "n1", "SLURM_NTASKS": "1", "MASTER_ADDR": "127.0.0.1", "MG_ETA_INTERVAL": "0",
+                "MG_CONTAINER_IMAGE": "image.sqsh", **extra_env})
+    r = subprocess.run(["bash", "scripts/slurm/pretrain.sbatch", "--config", "configs/tiny.yaml"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    lines = record.read_text().splitlines() if record.exists() else []
+    args = [ln[4:] for ln in lines if ln.startswith("arg ")]
+    task_env = dict(ln[4:].split("=", 1) for ln in lines if ln.startswith("env "))
+    return r, args, task_env
+
+
+@pytest.mark.parametrize("cpus,omp,want_omp", [("72", None, "72"), ("16", "4", "4"), (None, None, "1")])
+def test_sbatch_gives_srun_tasks_the_jobs_cpus_per_task(tmp_path, cpus, omp, want_omp):
+    """srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05): the script passes it on, and each task's
+    OMP_NUM_THREADS matches it (unless set on purpose); without one, Slurm's default and one thread."""
+    extra = {**({"SLURM_CPUS_PER_TASK": cpus} if cpus else {}), **({"OMP_NUM_THREADS": omp} if omp else {})}
+    r, args, task_env = _sbatch_with_fake_srun(tmp_path, extra)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert args and "pretrain_llama.py" in args
+    cpu_flags = [a for a in args[:args.index("pretrain_llama.py")] if a.startswith("--cpus-per-task")]
+    assert cpu_flags == ([f"--cpus-per-task={cpus}"] if cpus else [])
+    assert task_env["OMP_NUM_THREADS"] == want_omp
+    assert task_env["SRUN_CPUS_PER_TASK"] == (cpus or "")
+    assert f"OMP_NUM_THREADS={want_omp}" in r.stdout
+
+
+def test_sbatch_rejects_a_bad_cpus_per_task(tmp_path):
+    r, args, _ = _sbatch_with_fake_srun(tmp_path, {"SLURM_CPUS_PER_TASK": "lots"})
+    assert r.returncode == 2 and "'lots'" in r.stderr and "--cpus-per-task" in r.stderr and not args
+
+
 def test_launch_local_trains_two_cpu_processes(tmp_path):
     r = _run(["scripts/launch_local.sh", "--config", "configs/tiny.yaml", "train.steps=2", "train.device=cpu",
               "train.eval_batches=0", "train.progress=false", "logging.wandb=disabled", f"train.run_dir={tmp_path}",

@@ -7,6 +7,12 @@ no host syncs; :func:`maybe_compile` turns each into one graph
 different lengths share the graph. Inductor fuses the scale broadcast, the division, the clamp and the cast
 into one pass over the bucket (encode) and the FP8 upcast, the scale and the sum over DP into one pass
 (decode); the codes are bitwise equal to eager (``tests/test_codec_compile.py``).
+
+Bitwise equality on GPUs needs Inductor's eager-numerics settings, which each codec graph gets through
+``torch.compile(options=...)`` (:func:`eager_numerics_options`; no global config changes): by default Triton
+lowers an FP32 ``x / y`` to an approximate division (up to 2 ulp off) and lets LLVM contract ``a * b + c`` into
+one FMA, so a quotient on an FP8 / E2M1 rounding boundary would round to the neighbouring code. The CPU
+backend divides exactly and does not contract, so CPU tests match with or without them.
 """
 
 from __future__ import annotations
@@ -49,8 +55,43 @@ def compiler_problem(device) -> str | None:
     return None
 
 
+# Inductor settings under which a compiled graph rounds like eager, by the names torch releases have used
+# (torch/_inductor/config.py); eager_numerics_options keeps those the running torch knows.
+_EAGER_NUMERICS: dict[str, object] = {
+    # keep every requested cast's rounding; on Triton also enable_fp_fusion=False: no FMA contraction
+    "emulate_precision_casts": True,
+    # FP32 x / y as IEEE division (Triton div_rn) instead of the approximate div.full
+    "eager_numerics.division_rounding": True,    # the name in newer torch
+    "emulate_divison_rounding": True,            # the same switch in older torch (spelled so there)
+    # no flush of subnormals to zero in Triton's math library calls (eager CUDA keeps them)
+    "eager_numerics.disable_ftz": True,
+    # no fast-math variants even when TORCHINDUCTOR_USE_FAST_MATH=1 is set
+    "use_fast_math": False,
+    # the CPU backend's C++ flags: no FMA contraction even when the environment asks for it
+    "cpp.enable_floating_point_contract_flag": "off",
+}
+
+
+def eager_numerics_options() -> dict[str, object]:
+    """The ``torch.compile(options=...)`` that make Inductor compute a codec graph like eager, limited to the names
+    (and value types) the running torch's ``torch._inductor.config`` knows: torch rejects unknown options, and
+    the division-rounding switch has been renamed between releases.
+
+    Returns:
+        ``{option name: value}``, e.g. ``{"emulate_precision_casts": True, "eager_numerics.division_rounding":
+        True, ...}``; empty where Inductor cannot be imported.
+    """
+    try:
+        from torch._inductor import config
+    except Exception:  # noqa: BLE001 -- no inductor: torch.compile fails on its own with its own message
+        return {}
+    known = config.get_config_copy()
+    return {k: v for k, v in _EAGER_NUMERICS.items() if k in known and type(known[k]) is type(v)}
+
+
 def maybe_compile(fn: Callable, enabled: bool, static: dict[int, tuple[int, ...]] | None = None) -> Callable:
-    """``torch.compile(fn, fullgraph=True, dynamic=True)`` when ``enabled``, else ``fn`` itself.
+    """``torch.compile(fn, fullgraph=True, dynamic=True, options=eager_numerics_options())`` when ``enabled``,
+    else ``fn`` itself (the options: see :func:`eager_numerics_options`).
 
     Args:
         static: ``{argument index: dims}`` of sizes that are constant for a run (the DP size, the 16- or
@@ -61,7 +102,7 @@ def maybe_compile(fn: Callable, enabled: bool, static: dict[int, tuple[int, ...]
     """
     if not enabled:
         return fn
-    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, options=eager_numerics_options())
     if not static:
         return compiled
     mark = torch._dynamo.mark_static

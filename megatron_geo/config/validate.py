@@ -187,10 +187,15 @@ def check_inputs(cfg: Config, devices: bool = True) -> None:
 
     Files: ``data.train_prefix`` / ``data.valid_prefix`` (``.bin`` and ``.idx``) and ``data.tokenizer_model``
     with ``data.source=indexed``, ``checkpoint.load`` (a folder). Devices (``devices=True``; the Slurm pre-flight
-    check on a login node leaves them out): ``train.device=cuda`` or ``parallel.backend=nccl`` without CUDA.
+    check on a login node leaves them out): ``train.device=cuda`` or ``parallel.backend=nccl`` without CUDA, and
+    ``train.device=auto`` on a process the launcher gave GPUs that CUDA cannot use (which would fall back to
+    the CPU).
 
     Raises:
         ConfigError: naming the key, the value and the fix.
+        LaunchError: ``train.device=auto``, GPUs allotted (``SLURM_GPUS_ON_NODE``, ``SLURM_STEP_GPUS`` /
+            ``SLURM_JOB_GPUS``, ``CUDA_VISIBLE_DEVICES``) but CUDA unusable on this node (this process's own
+            environment: every rank checks its node; the message names the variable and the fix).
     """
     d = cfg.data
     if d.source == "indexed":
@@ -211,6 +216,9 @@ def check_inputs(cfg: Config, devices: bool = True) -> None:
     if devices:
         import torch
 
+        from ..parallel.launch_env import require_cuda_if_allotted
+
+        require_cuda_if_allotted(cfg.train.device)
         wants_cuda = cfg.train.device == "cuda" or cfg.parallel.backend == "nccl"
         if wants_cuda and not torch.cuda.is_available():
             key = "train.device=cuda" if cfg.train.device == "cuda" else "parallel.backend=nccl"

@@ -13,7 +13,8 @@ while the process group wants CUDA; under the test mode it is on ``meta`` while 
 device check (or the first op mixing it with real data) fails just as NCCL would.
 
 Uneven collectives (whole-parameter ownership, see :mod:`megatron_geo.distributed.shard_plan`):
-:func:`reduce_ranges` (one reduce per owned range, onto its owner) and :func:`all_gather_ranges`
+:func:`reduce_ranges` (one reduce per owned range, onto its owner; on NCCL all of them in one coalesced group,
+so a step pays one launch and one pipeline fill instead of one per owner) and :func:`all_gather_ranges`
 (the owners' ranges to everyone: coalesced broadcasts, which is how ``torch.distributed.all_gather``
 handles uneven sizes on NCCL; gloo has no uneven all-gather, so there a broadcast per owner is issued).
 """
@@ -55,15 +56,55 @@ def required_device_type(group) -> str | None:
     return _BACKEND_DEVICE.get(backend)
 
 
-def supports_fp8_sum(group) -> bool:
-    """Whether ``group`` sums ``float8_e4m3fn`` / ``float8_e5m2`` tensors natively: NCCL >= 2.24 (torch maps
-    the FP8 dtypes to ``ncclFloat8e4m3`` / ``ncclFloat8e5m2`` there); gloo and the fake backend do not."""
+# FP8 sums on NCCL need all three: torch >= 2.8 (the release whose ProcessGroupNCCL maps float8_e4m3fn /
+# float8_e5m2 to ncclFloat8e4m3 / ncclFloat8e5m2 and accepts them in reductions; earlier ones send FP8 as
+# uint8 and refuse FP8 reductions), NCCL >= 2.24 (where those types appear; torch.cuda.nccl.version() is the
+# NCCL torch was built against, which decides whether torch's mapping is compiled in), and SM >= 90 (NCCL
+# reduces FP8 only on Hopper and newer GPUs).
+_FP8_SUM_TORCH = (2, 8)
+_FP8_SUM_NCCL = (2, 24, 0)
+_FP8_SUM_SM = 9
+
+
+def _torch_release() -> tuple[int, int]:
+    """``(major, minor)`` of the running torch (``"2.8.0+cu128"`` -> ``(2, 8)``)."""
+    parts = str(torch.__version__).split("+")[0].split(".")
+    try:
+        return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
+    except (IndexError, ValueError):
+        return 0, 0
+
+
+def _group_cuda_device(group, device=None) -> torch.device:
+    """The CUDA device ``group`` runs on: ``device`` when given, else the group's bound device, else the current
+    CUDA device (what :func:`~megatron_geo.parallel.context.init_parallel` selected)."""
+    if device is not None:
+        return torch.device(device)
+    bound = getattr(group, "bound_device_id", None)
+    if bound is not None and bound.type == "cuda":
+        return bound
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def supports_fp8_sum(group, device=None) -> bool:
+    """Whether ``group`` sums ``float8_e4m3fn`` / ``float8_e5m2`` tensors natively: an NCCL group, torch >= 2.8
+    (its NCCL backend maps the FP8 dtypes to ``ncclFloat8e4m3`` / ``ncclFloat8e5m2``), NCCL >= 2.24 and a GPU of
+    compute capability >= 9.0 (``device``, default: the group's device). gloo and the fake backend never do.
+
+    Returns:
+        bool; False (never an exception) when any of it cannot be determined.
+    """
     if required_device_type(group) != "cuda" or not torch.cuda.is_available():
         return False
-    try:
-        return tuple(torch.cuda.nccl.version()) >= (2, 24, 0)
-    except (RuntimeError, AttributeError):
+    if _torch_release() < _FP8_SUM_TORCH:
         return False
+    try:
+        if tuple(torch.cuda.nccl.version())[:3] < _FP8_SUM_NCCL:
+            return False
+        major, _ = torch.cuda.get_device_capability(_group_cuda_device(group, device))
+    except (RuntimeError, AttributeError, AssertionError, TypeError, ValueError):
+        return False
+    return major >= _FP8_SUM_SM
 
 
 def check_devices(op: str, group, *tensors: torch.Tensor) -> None:
@@ -149,17 +190,43 @@ def barrier(group) -> None:
 
 # -- uneven collectives over contiguous owner ranges --------------------------------------------------------------
 
+def coalesces(group, device: torch.device) -> bool:
+    """Whether ``group``'s backend for ``device`` groups several collectives into one launch (NCCL: one
+    ``ncclGroupStart`` / ``ncclGroupEnd``; gloo and the fake backend do not)."""
+    try:
+        return bool(group._get_backend(device).supports_coalescing)
+    except (AttributeError, RuntimeError, ValueError):  # a torch without the property: NCCL is the one that does
+        try:
+            return str(dist.get_backend(group)).lower() == "nccl"
+        except (RuntimeError, ValueError):
+            return False
+
+
 def reduce_ranges(buf: torch.Tensor, bounds: list[int], group, async_op: bool = True):
     """Sum ``buf[bounds[r]:bounds[r + 1]]`` over ``group`` onto rank r, for every r with a non-empty range.
 
-    Each reduce is one ring/tree collective of that range's size, so a rank sends about as many bytes as an
-    even reduce-scatter of ``buf`` would, without any padding. Other ranks' copies of the range are
-    undefined afterwards (the reduce's scratch).
+    Each reduce is one ring collective of that range's size, so a rank sends about as many bytes as an even
+    reduce-scatter of ``buf`` would, without any padding. Where the backend coalesces (:func:`coalesces`: NCCL)
+    all of one call's reduces are issued as one group, so they run in one launch instead of one latency-bound
+    collective per owner; each range is still reduced on its own, in the same order, so the sums are the same
+    bits. Other ranks' copies of a range are undefined afterwards (the reduce's scratch).
+
+    Args:
+        buf: 1-D tensor on the device ``group``'s backend needs.
+        bounds: ``world + 1`` non-decreasing offsets into ``buf``; rank r owns ``[bounds[r], bounds[r + 1])``.
+
+    Returns:
+        One waitable (``.wait()``) for every reduce of the call (already waited when ``async_op=False``).
     """
     check_devices("reduce", group, buf)
-    works = [reduce(buf[bounds[r]:bounds[r + 1]], group, r, async_op=True)
-             for r in range(len(bounds) - 1) if bounds[r + 1] > bounds[r]]
-    w = _Works(works)
+    owners = [r for r in range(len(bounds) - 1) if bounds[r + 1] > bounds[r]]
+    if len(owners) > 1 and coalesces(group, buf.device):
+        with dist._coalescing_manager(group, buf.device, async_ops=True) as cm:
+            for r in owners:
+                reduce(buf[bounds[r]:bounds[r + 1]], group, r, async_op=True)
+        w = _Works(cm.works)
+    else:
+        w = _Works([reduce(buf[bounds[r]:bounds[r + 1]], group, r, async_op=True) for r in owners])
     if not async_op:
         w.wait()
     return w

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .launch_env import LaunchEnv, detect_launch_env
+from .launch_env import LaunchEnv, LaunchError, detect_launch_env, require_cuda_if_allotted
 
 
 @dataclass
@@ -71,25 +71,61 @@ def build_groups(rank: int, world_size: int, tp_size: int, device: torch.device,
                            dist.group.WORLD, device, backend)
 
 
+def _backends_of(group=None) -> set[str]:
+    """The backend names of an initialised process group: ``{"gloo"}``, ``{"nccl"}``, or each of a multi-device
+    spec such as ``"cpu:gloo,cuda:nccl"``."""
+    spec = str(dist.get_backend(group)).lower()
+    return {part.split(":")[-1].strip() for part in spec.split(",") if part.strip()}
+
+
+def check_default_group(backend: str) -> None:
+    """Refuse an already initialised default process group whose backend is not ``backend``.
+
+    :func:`init_parallel` builds its TP and DP groups with ``dist.new_group``, which inherits the default group's
+    backend: over a gloo world they would be gloo groups while the context says NCCL (and the reverse), and the
+    first collective on a CUDA tensor would fail with a device error deep in the training step.
+
+    Raises:
+        LaunchError: naming both backends and the fix (destroy the existing group first, or ask for its backend).
+    """
+    if not dist.is_initialized():
+        return
+    have = _backends_of()
+    if backend.lower() not in have:
+        raise LaunchError(f"a default process group with backend {dist.get_backend()!r} is already initialised, but "
+                          f"init_parallel would use {backend!r} (its TP/DP groups would silently be "
+                          f"{dist.get_backend()!r} groups); call torch.distributed.destroy_process_group() first, or "
+                          f"ask for parallel.backend={sorted(have)[0]} with a matching train.device")
+
+
 def init_parallel(tp_size: int, device: str = "auto", backend: str = "auto", timeout_minutes: float = 30.0,
                   env: LaunchEnv | None = None) -> ParallelContext:
     """Initialise torch.distributed from the launcher environment and build the TP x DP context.
 
-    ``device=auto`` picks CUDA (``cuda:LOCAL_RANK``) when available, else CPU; ``backend=auto`` picks NCCL
-    on CUDA and gloo on CPU. A single process without a launcher gets a world of one (in-memory store).
+    ``device=auto`` picks CUDA (``cuda:LOCAL_RANK``) when available, else CPU -- but not where the launcher
+    allotted GPUs that CUDA cannot use (:func:`~.launch_env.require_cuda_if_allotted`); ``backend=auto`` picks
+    NCCL on CUDA and gloo on CPU. A single process without a launcher gets a world of one (in-memory store). An
+    already initialised default process group is used as it is, provided its backend is the one chosen here.
+
+    Raises:
+        LaunchError: GPUs allotted but CUDA unusable with ``device=auto``, or an existing default process group
+            with another backend (both before any process group is created or any collective runs).
+        RuntimeError: ``device=cuda`` without CUDA.
     """
     env = env or detect_launch_env()
     if device == "auto":
+        require_cuda_if_allotted(device)
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but CUDA is not available; use train.device=cpu")
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" else "gloo"
+    check_default_group(backend)
     if device == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("train.device=cuda but CUDA is not available; use train.device=cpu")
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
         dev = torch.device("cuda", torch.cuda.current_device())
     else:
         dev = torch.device("cpu")
-    if backend == "auto":
-        backend = "nccl" if dev.type == "cuda" else "gloo"
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if not dist.is_initialized():
         if env.launcher == "single":

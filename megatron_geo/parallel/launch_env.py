@@ -121,6 +121,69 @@ def _int_env(name: str, default: int | None = None) -> int:
                           f"that sets it") from None
 
 
+# Launcher variables that allot GPUs to a process, in the order they are reported. Slurm sets
+# SLURM_GPUS_ON_NODE (a count), SLURM_STEP_GPUS / SLURM_JOB_GPUS (GPU indices) when it gives the job GPUs,
+# and CUDA_VISIBLE_DEVICES for the task. _NO_GPU_VALUES (compared in lower case) mean no GPU: unset lists,
+# CUDA's "-1" (hide every device) and Slurm's "NoDevFiles".
+GPU_ALLOTMENT_VARIABLES = ("SLURM_GPUS_ON_NODE", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES")
+_NO_GPU_VALUES = ("", "-1", "nodevfiles")
+
+
+def allotted_gpus() -> tuple[str, str] | None:
+    """The first of :data:`GPU_ALLOTMENT_VARIABLES` that gives this process GPUs, as ``(name, value)``, or None.
+
+    ``SLURM_GPUS_ON_NODE`` counts when it is a positive integer; the others when set to anything but ``""``,
+    ``-1`` or ``NoDevFiles`` (what Slurm sets where a job has no GPUs).
+    """
+    for name in GPU_ALLOTMENT_VARIABLES:
+        raw = os.environ.get(name)
+        if raw is None:
+            continue
+        value = raw.strip()
+        if name == "SLURM_GPUS_ON_NODE":
+            if value.isdigit() and int(value) > 0:
+                return name, raw
+        elif value.lower() not in _NO_GPU_VALUES:
+            return name, raw
+    return None
+
+
+def require_cuda_if_allotted(device: str = "auto") -> None:
+    """With ``train.device=auto``, refuse to fall back to the CPU on a process the launcher gave GPUs.
+
+    A node whose CUDA is unusable (a CPU-only build of torch, a driver older than torch's CUDA) would
+    otherwise train on the CPU with gloo, orders of magnitude slower, without a word. Call it before any
+    process group exists. ``device`` other than ``auto`` (an explicit ``cpu`` or ``cuda``) is not checked here.
+
+    Raises:
+        LaunchError: GPUs are allotted (:func:`allotted_gpus` names the variable) but
+            ``torch.cuda.is_available()`` is False; the message names the variable, this node, why CUDA is
+            unusable as far as torch can tell, and the fixes.
+    """
+    if str(device).strip().lower() != "auto":
+        return
+    allotted = allotted_gpus()
+    if allotted is None:
+        return
+    import socket
+
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    name, value = allotted
+    if torch.version.cuda is None:
+        why = f"this torch ({torch.__version__}) is a CPU-only build"
+        fix = "install a CUDA build of torch"
+    else:
+        why = (f"torch {torch.__version__} (built for CUDA {torch.version.cuda}) finds no usable GPU: the NVIDIA "
+               f"driver is missing or older than CUDA {torch.version.cuda} needs, or no device is visible")
+        fix = "fix the NVIDIA driver (nvidia-smi must work) or install a torch built for the driver's CUDA"
+    raise LaunchError(f"{name}={value!r} gives this process GPUs on {socket.gethostname()}, but {why}, so "
+                      f"train.device=auto would train on the CPU with gloo (orders of magnitude slower); {fix}, or "
+                      f"set train.device=cpu to run on the CPU on purpose")
+
+
 def detect_launch_env() -> LaunchEnv:
     """Detect the launcher from the environment.
 
