@@ -129,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(a.threads)
-    dev = torch.device(a.device)
+    from megatron_geo.parallel import indexed_device
+
+    dev = indexed_device(a.device)  # cuda -> cuda:N, as the trainer's devices
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=a.dp)

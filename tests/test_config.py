@@ -254,3 +254,18 @@ def test_comm_compile_on_cpu_without_a_cxx_compiler_is_one_error_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: comm.compile=true") and "comm.compile=false" in lines[0]
     assert "C++ compiler" in lines[0] and "Traceback" not in out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_wandb_logging_without_the_wandb_package_is_a_start_up_error(monkeypatch):
+    """A machine without wandb (e.g. a GPU image) fails before any process group, naming the key and the fix."""
+    import importlib.util
+
+    from helpers import tiny_cfg
+    from megatron_geo.config import ConfigError
+    from megatron_geo.config.validate import check_inputs
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"logging.wandb=offline needs the wandb package.*logging.wandb=disabled"):
+        check_inputs(tiny_cfg("logging.wandb=offline"), devices=False)
+    check_inputs(tiny_cfg("logging.wandb=disabled"), devices=False)  # no wandb needed

@@ -83,7 +83,37 @@ def test_train_steps_keep_every_tensor_on_the_indexed_device_in_its_dtype(world)
     assert res["transforms"] >= 2  # one per selected down_proj
 
 
+def test_a_device_named_without_index_gets_the_current_one(monkeypatch):
+    """``cuda`` names no index while every CUDA tensor has one; the parallel context always holds the indexed
+    device (torch's own rule: tensors made on ``cuda`` land on the current device)."""
+    import torch
+
+    from megatron_geo.parallel import indexed_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert indexed_device("cuda") == torch.device("cuda", 3) != torch.device("cuda")
+    assert indexed_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert indexed_device("cpu") == torch.device("cpu")
+
+
+def test_build_groups_keeps_the_device_index(monkeypatch):
+    res = run_in_subprocess("test_fake_device_step", "groups")
+    assert res == {"device": "cuda:0", "index": 0}
+
+
+def _groups() -> dict:
+    import torch
+
+    import fake_device as fd
+    from megatron_geo.parallel import build_groups
+
+    torch.cuda.current_device = lambda: 0  # no CUDA here: the index torch would pick
+    with fd.fake_world(2):
+        pctx = build_groups(0, 2, 1, "cuda", "fake")
+        return {"device": str(pctx.device), "index": pctx.device.index}
+
+
 if __name__ == "__main__":
     import json
 
-    print(json.dumps(fake_run(int(sys.argv[1]))))
+    print(json.dumps(_groups() if sys.argv[1] == "groups" else fake_run(int(sys.argv[1]))))

@@ -1,49 +1,257 @@
-"""benchmarks/gpu_check.sh in its CPU dry run: every phase runs, CUDA parts are skipped with the reason
-printed, and one JSON file holds the figures."""
+"""benchmarks/gpu_check.sh: its CPU dry run (every phase, exactly two output files), its time limits (per phase, the
+overall one, a stop signal: the JSON is valid each time) and its choice of interpreter (the machine's python3 or
+MG_PYTHON, never a .venv found in the checkout)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import signal
 import subprocess
+import sys
+import tarfile
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+PHASES = ["env", "checkpoint", "geo", "overlap", "compile", "cuda_tests", "train_600m", "codec"]
+OUTPUTS = {"gpu_check.json", "gpu_check_logs.tar.gz"}
 
 
-def test_gpu_check_dry_run_writes_one_json(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(["benchmarks/gpu_check.sh", "--dry-run", str(tmp_path)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+def _python3_on_path(tmp_path: Path, name: str = "python3") -> tuple[Path, Path]:
+    """A ``python3`` (first on PATH) that logs each call and runs this interpreter; returns (its path, its log)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    log = tmp_path / f"{name}.calls"
+    exe = bin_dir / name
+    exe.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\nexec "{sys.executable}" "$@"\n')
+    exe.chmod(0o755)
+    return exe, log
+
+
+def _env(tmp_path: Path, **extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_") and k not in ("MG_PYTHON", "OUT")}
+    env["PATH"] = f"{tmp_path / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}"
+    env.update(extra)
+    return env
+
+
+def _run(args, env, timeout=300):
+    t0 = time.monotonic()
+    r = subprocess.run([str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return r, time.monotonic() - t0
+
+
+def _outputs(out: Path) -> tuple[dict, set[str]]:
+    assert {p.name for p in out.iterdir()} == OUTPUTS  # exactly the two files, nothing else
+    with tarfile.open(out / "gpu_check_logs.tar.gz") as tar:
+        members = {m.name for m in tar.getmembers()}
+    return json.loads((out / "gpu_check.json").read_text()), members
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """One full dry run with the machine's python3 (a logging stand-in first on PATH) and MG_PYTHON unset, while this
+    checkout has a .venv of its own."""
+    tmp = tmp_path_factory.mktemp("gpu_check")
+    exe, calls = _python3_on_path(tmp)
+    out = tmp / "out"
+    r, secs = _run(["--dry-run", str(out)], _env(tmp))
+    return SimpleNamespace(r=r, secs=secs, out=out, exe=exe, calls=calls)
+
+
+def test_dry_run_writes_two_files_with_every_phase(dry_run):
+    r = dry_run.r
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all phases passed" in r.stdout
-    d = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert d["dry_run"] is True and d["env"]["torch"] == torch.__version__
+    d, members = _outputs(dry_run.out)
+    assert d["dry_run"] is True and d["finished"] is True and d["failed"] == []
+    assert d["phase_order"] == PHASES
+    for name in PHASES:
+        assert d[name]["status"] == "ok", (name, d[name])
+        assert all(d[name]["checks"].values()), (name, d[name]["checks"])
+        assert f"gpu_check_logs/{name}.log" in members
+        assert d[name]["log"] == f"gpu_check_logs/{name}.log"
+    # one overall limit: the phase budgets fit in it with the time to stop, 8 minutes with the 10 s kill margin
+    assert sum(d["budgets_s"].values()) <= 450 and d["overall_limit_s"] + 10 <= 480
+    assert set(d["budgets_s"]) == set(PHASES)
     if not torch.cuda.is_available():
-        assert "tests: skipped (CUDA is not available on this machine)" in r.stdout
-        assert "codec: CUDA part skipped: CUDA is not available" in r.stdout
-        assert d["tests"] == {"skipped": "CUDA is not available on this machine"}
-    ops = d["codec"]["ops"]
-    assert set(ops) >= {"copy", "fp8_e4m3 tensor", "nvfp4", "bf16 cast"}
-    assert ops["copy"]["ratio_to_copy"] == pytest.approx(1.0) and all(v["gbps"] > 0 for v in ops.values())
-    geo = d["geo"]["layers"]["tiny.yaml"]
-    assert geo["shape"] == [128, 384] and 0 < geo["geofp8_rel_l2"] < 0.1  # E4M3 round trip: a few percent
-    t = d["train_300m"]
-    assert t["device"] == "cpu" and t["optimizer"] == "muon" and t["timed_steps"] == 2
-    assert t["tokens_per_sec"] > 0 and t["tflops_per_gpu"] > 0 and t["mfu"] is None  # no peak for a CPU
-    assert 5.0 < t["first_loss"] < 7.5  # ln(512) = 6.24 at init on the dry run's 512-token vocab
-    assert "train_600m, train_600m_geofp8: skipped in the dry run" in r.stdout
-    rc = d["reducer_codec"]["presets"]  # the reducer-path codec benchmark ran (eager in the dry run)
-    assert set(rc) == {"fp8", "nvfp4"} and all(r["syncs_per_bucket"] == 0 and r["ms"] > 0 for r in rc.values())
-    dr = d["dry_run_600m"]
-    assert dr["dp"] == 64 and dr["optimizer_steps"] == 2 and abs(dr["measured_over_plan"] - 1) <= 0.1
+        for name in ("checkpoint", "geo", "overlap", "compile", "train_600m", "codec"):
+            assert d[name]["cuda_skipped"].startswith("CUDA is not available on this machine"), name
+        assert d["cuda_tests"]["cuda_skipped"].startswith("CUDA is not available")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_gpu_check_without_cuda_needs_dry_run(tmp_path):
-    r = subprocess.run(["benchmarks/gpu_check.sh", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 2 and "no CUDA device visible" in r.stderr and "--dry-run" in r.stderr
+def test_dry_run_uses_the_machines_python3_not_the_checkouts_venv(dry_run):
+    d = json.loads((dry_run.out / "gpu_check.json").read_text())
+    assert d["python"] == str(dry_run.exe)
+    assert ".venv" not in d["python"]
+    calls = dry_run.calls.read_text().splitlines()
+    assert calls and all("benchmarks/gpu_check.py" in c for c in calls)
+    assert calls[0].split()[1:3] == ["run", "--dry-run"]
+
+
+def test_dry_run_figures(dry_run):
+    d = json.loads((dry_run.out / "gpu_check.json").read_text())
+    env = d["env"]
+    assert env["torch"] == torch.__version__ and env["cuda_available"] == torch.cuda.is_available()
+    # every module imports with wandb / datasets / lm_eval blocked, except ones that exist for such a package
+    assert env["modules_imported"] > 50
+    for mod, why in env["modules_needing_an_optional_package"].items():
+        assert why in ("needs wandb", "needs datasets", "needs lm_eval"), (mod, why)
+        assert not mod.startswith(("megatron_geo.training", "megatron_geo.model", "megatron_geo.comm")), mod
+
+    ck = d["checkpoint"]["adamw_fp32"]  # 4 steps as 2 + 2: resumed at 2, ran to 4, the same losses on the CPU
+    assert ck["resumed_start_step"] == 2 and ck["resumed_steps"] == 4 and ck["first_launch_steps"] == 2
+    assert ck["resumed_losses"] == {k: v for k, v in ck["reference_losses"].items() if int(k) > 2}
+    assert set(ck["state_devices_after_resume"]["optimizer_state"]) == {"cpu"}
+
+    geo = d["geo"]
+    assert geo["refresh_steps"] == list(range(0, geo["steps"], geo["refresh_interval"]))
+    assert geo["refreshes_in_metrics"] == len(geo["refresh_steps"]) == geo["expected_refreshes"]
+    assert geo["factor_dtypes"] == geo["transform_dtypes"] == ["torch.float32"]
+    layer = geo["layers"]["tiny.yaml"]  # the E4M3 round trip in GeoFP8 coordinates: a few percent
+    assert layer["shape"] == [128, 384] and 0 < layer["geofp8_rel_l2"] < 0.1
+
+    on, off = d["overlap"]["overlap_on"], d["overlap"]["overlap_off"]
+    assert on["overlap_param_gather"] is True and off["overlap_param_gather"] is False
+    assert on["median"]["gathers_in_flight_after_publish"] == on["buckets"]  # every bucket's gather left running
+    assert off["median"]["gathers_in_flight_after_publish"] == 0 and off["median"]["waits_in_forward"] == 0
+    assert on["median"]["publish_to_first_wait_ms"] >= 0 and on["median"]["first_wait_ms"] >= 0
+
+    c = d["compile"]
+    assert c["compiled_blocks"] == c["num_layers"] > 0 and c["unique_graphs"] >= 1
+    assert len(c["refresh_steps"]) == c["expected_refreshes"] and isinstance(c["recompiles"], int)
+
+    t = d["cuda_tests"]
+    names = {case["test"] for case in t["cases"]}
+    assert "tests.test_gpu_path::test_cuda_step_on_one_gpu_bf16_autocast" in names
+    assert "tests.test_gpu_path::test_mfu_values_for_llama_600m" not in names  # a CPU test: deselected
+    if not torch.cuda.is_available():
+        assert t["skipped"] == t["tests"] > 0 and t["failed"] == t["errors"] == 0
+
+    m = d["train_600m"]
+    assert m["config"] == "configs/llama_600m.yaml" and m["optimizer"] == "muon" and m["timed_steps"] == 2
+    assert m["tokens_per_sec"] > 0 and m["tflops_per_gpu"] > 0
+    assert m["mfu"] is None and "not in megatron_geo.training.mfu.PEAK_BF16_FLOPS" in m["peak_source"]
+    assert abs(m["first_loss"] - math.log(512)) < 1.0  # uniform over the dry run's 512-token vocab at init
+
+    k = d["codec"]
+    assert k["ops"]["copy"]["ratio_to_copy"] == pytest.approx(1.0)
+    assert {"fp8_e4m3 tensor", "nvfp4", "bf16 cast", "hadamard128 rot+inv"} <= set(k["ops"])
+    rows = k["reducer"]["presets"]
+    assert set(rows) == {"fp8", "nvfp4"} and "compiled_skipped" in k
+    assert all(r["eager"]["ms"] > 0 and r["eager"]["syncs_per_bucket"] == 0 for r in rows.values())
+
+
+def test_phase_past_its_budget_is_timed_out_and_the_json_stays_valid(tmp_path):
+    exe, calls = _python3_on_path(tmp_path, "mypython")
+    out = tmp_path / "out"
+    env = _env(tmp_path, MG_PYTHON=str(exe), GPU_CHECK_LAUNCH="exec", GPU_CHECK_ONLY="checkpoint,geo",
+               GPU_CHECK_STALL="checkpoint=120,geo=120", GPU_CHECK_LIMITS="checkpoint=2,geo=3")
+    r, secs = _run(["--dry-run", str(out)], env, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert secs < 60  # both phases cut at their limits, not after their 120 s sleeps
+    d, members = _outputs(out)
+    assert d["failed"] == ["checkpoint", "geo"] and d["finished"] is True  # it ran to its end
+    for name, limit in (("checkpoint", 2), ("geo", 3)):
+        e = d[name]
+        assert e["status"] == "timed_out" and e["limit_s"] == limit and limit <= e["seconds"] < limit + 15
+        assert f"time limit {limit} s reached" in e["error"] and f"gpu_check_logs/{name}.log" in members
+    for name in set(PHASES) - {"checkpoint", "geo"}:
+        assert d[name]["status"] == "skipped" and "GPU_CHECK_ONLY" in d[name]["reason"]
+    # MG_PYTHON ran the runner and each phase
+    assert len(calls.read_text().splitlines()) == 3 and d["python"] == str(exe)
+
+
+def test_overall_limit_cuts_the_running_phase(tmp_path):
+    out = tmp_path / "out"
+    env = _env(tmp_path, MG_PYTHON=sys.executable, GPU_CHECK_LAUNCH="exec", GPU_CHECK_TIMEOUT="12",
+               GPU_CHECK_ONLY="checkpoint,geo", GPU_CHECK_STALL="checkpoint=120")
+    r, secs = _run(["--dry-run", str(out)], env, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert secs < 12 + 10  # the overall limit and the kill margin
+    d, _ = _outputs(out)
+    assert d["overall_limit_s"] == 12
+    ck = d["checkpoint"]
+    assert ck["status"] == "timed_out" and ck["limit_s"] < ck["budget_s"] and "overall limit" in ck["error"]
+    assert d["geo"]["status"] == "skipped" and "no time left" in d["geo"]["reason"]
+    assert d["failed"] == ["checkpoint", "geo"]
+
+
+def test_a_stop_signal_records_the_running_phase(tmp_path):
+    out = tmp_path / "out"
+    env = _env(tmp_path, MG_PYTHON=sys.executable, GPU_CHECK_LAUNCH="exec", GPU_CHECK_ONLY="checkpoint,geo",
+               GPU_CHECK_STALL="checkpoint=120")
+    p = subprocess.Popen([str(SCRIPT), "--dry-run", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the JSON is there and valid while the phase runs
+            try:
+                if json.loads((out / "gpu_check.json").read_text())["checkpoint"]["status"] == "running":
+                    break
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.2)
+        else:
+            pytest.fail("the checkpoint phase never showed as running")
+        p.send_signal(signal.SIGTERM)  # what the overall timeout (or the machine's command limit) sends
+        stdout, _ = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 124, stdout
+    d, members = _outputs(out)
+    assert d["checkpoint"]["status"] == "stopped" and "SIGTERM" in d["checkpoint"]["error"]
+    assert d["geo"]["status"] == "pending" and d["failed"] == ["checkpoint"] and d["finished"] is False
+    assert "gpu_check_logs/checkpoint.log" in members
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_without_a_gpu_the_run_is_refused(tmp_path):
+    exe, calls = _python3_on_path(tmp_path)
+    out = tmp_path / "out"
+    r, _ = _run([str(out)], _env(tmp_path), timeout=180)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "no CUDA device visible to" in r.stderr and "--dry-run" in r.stderr
+    d, members = _outputs(out)
+    assert d["env"]["status"] == "ok" and d["env"]["cuda_available"] is False
+    assert all(d[n]["status"] == "skipped" for n in PHASES[1:]) and "gpu_check_logs/env.log" in members
+    assert len(calls.read_text().splitlines()) == 2  # the runner, then the env phase: each a new python3
+
+
+@pytest.mark.parametrize("var, value, message", [
+    ("GPU_CHECK_ONLY", "env,nope", "unknown phase 'nope'"),
+    ("GPU_CHECK_LIMITS", "geo=-1", "must be PHASE=SECONDS with SECONDS > 0"),
+    ("GPU_CHECK_TIMEOUT", "soon", "GPU_CHECK_TIMEOUT=soon must be a whole number"),
+    ("GPU_CHECK_LAUNCH", "spawn", "GPU_CHECK_LAUNCH='spawn'"),
+    ("MG_PYTHON", "/nonexistent/python", "interpreter '/nonexistent/python' not found"),
+])
+def test_bad_settings_are_refused(tmp_path, var, value, message):
+    env = _env(tmp_path, MG_PYTHON=sys.executable)
+    env[var] = value
+    r, _ = _run(["--dry-run", str(tmp_path / "out")], env, timeout=60)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert not (tmp_path / "out" / "gpu_check.json").exists()
+
+
+def test_pytest_plugin_keeps_the_tests_whose_skip_reason_names_cuda():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from gpu_check_pytest import needs_cuda
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def item(*marks):
+        return SimpleNamespace(iter_markers=lambda name: [m for m in marks if name == "skipif"])
+
+    cuda = SimpleNamespace(args=(True,), kwargs={"reason": "needs CUDA (run benchmarks/gpu_check.sh)"})
+    other = SimpleNamespace(args=(True,), kwargs={"reason": "needs a C++ compiler"})
+    assert needs_cuda(item(cuda)) and needs_cuda(item(other, cuda))
+    assert not needs_cuda(item(other)) and not needs_cuda(item())

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from megatron_geo.distributed.plan_report import meta_model_params, plan_figures
-    from megatron_geo.parallel import build_groups
+    from megatron_geo.parallel import build_groups, indexed_device
     from megatron_geo.training.step import train_step
     from megatron_geo.training.trainer import build_model_and_optimizer
 
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
         llama._init = fast_init
     world = args.dp * args.tp
-    dev = torch.device("cuda" if cfg.train.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+    dev = indexed_device("cuda" if cfg.train.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
     plan = plan_figures(cfg, args.dp, meta_model_params(cfg, args.tp), args.tp)  # before the job's process group
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     pctx = build_groups(0, world, args.tp, dev, "fake")

@@ -213,6 +213,13 @@ def check_inputs(cfg: Config, devices: bool = True) -> None:
     if ck not in ("auto", "latest", "none", "") and not os.path.isdir(os.path.expanduser(ck)):
         raise ConfigError(f"checkpoint.load={ck!r} is not a folder; use auto, latest, none or an existing checkpoint "
                           f"folder")
+    if cfg.logging.wandb != "disabled":
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError(f"logging.wandb={cfg.logging.wandb} needs the wandb package, which this Python does not "
+                              f"have; install it (pip install 'wandb>=0.17') or set logging.wandb=disabled "
+                              f"(metrics.jsonl is written either way)")
     if devices:
         import torch
 

@@ -51,8 +51,21 @@ class ParallelContext:
         return [d * self.tp_size + self.tp_rank for d in range(self.dp_size)]
 
 
+def indexed_device(device) -> torch.device:
+    """``device`` (a name or ``torch.device``) with its index: ``cuda`` becomes ``cuda:<current device>``.
+
+    Tensors made on ``cuda`` live on ``cuda:N``, and ``torch.device("cuda") != torch.device("cuda", 0)``: code that
+    compares devices or builds placements from them (checkpoint shards) needs the indexed form.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def build_groups(rank: int, world_size: int, tp_size: int, device: torch.device, backend: str) -> ParallelContext:
     """Create the TP and DP groups on an initialised default process group (every rank calls all new_group)."""
+    device = indexed_device(device)  # placements and device comparisons need the index
     if world_size % tp_size:
         raise ValueError(f"world size {world_size} is not divisible by tensor-parallel size {tp_size}")
     dp_size = world_size // tp_size
