@@ -230,14 +230,14 @@ def test_cuda_step_on_one_gpu_bf16_autocast():
 
 # -- GradSync side stream ----------------------------------------------------------------------------------------
 
-def _sync_for(world, device, comm_stream):
+def _sync_for(world, device, comm_stream, dp: int = 1):
     from megatron_geo.comm import build_reducer
     from megatron_geo.distributed import GradSync, build_buckets
 
     cfg = tiny_cfg("comm.dtype=fp8_e4m3")
     model = Llama(cfg.model, world, 0, device=device)
-    reducer = build_reducer(cfg.comm, world, 1, 0, seed=0, device=device)
-    buckets = build_buckets(list(model.named_parameters()), 3000, 1, atomic_fn=lambda p: False,
+    reducer = build_reducer(cfg.comm, world, dp, 0, seed=0, device=device)
+    buckets = build_buckets(list(model.named_parameters()), 3000, dp, atomic_fn=lambda p: False,
                             align=reducer.alignment())
     for b in buckets:
         reducer.register_bucket(b.index, b.plan.offsets, [p.numel() for p in b.params], b.plan.chunk, device)
@@ -253,14 +253,20 @@ def test_grad_sync_has_no_side_stream_on_cpu(world):
 
 
 def _grad_sync_side_stream_body() -> None:
-    from megatron_geo.parallel import destroy_parallel, init_parallel
-    from megatron_geo.parallel.launch_env import LaunchEnv
+    """DP = 2 on the fake process group (rank 0 of 2 on the one GPU), so the FP8 codec really encodes, exchanges
+    (the fake all-to-all's loopback) and decodes on the side stream."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    pctx = init_parallel(1, "cuda", "auto", env=LaunchEnv(0, 1, 0, "127.0.0.1", 0, "single"))
+    from megatron_geo.parallel import build_groups
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    pctx = build_groups(0, 2, 1, torch.device("cuda", 0), "fake")
     dev = pctx.device
     out = {}
     for comm_stream in (False, True):
-        cfg, model, buckets, sync = _sync_for(pctx.dp_group, dev, comm_stream)
+        cfg, model, buckets, sync = _sync_for(pctx.dp_group, dev, comm_stream, dp=2)
         assert (sync._stream is not None) == comm_stream
         g = torch.Generator().manual_seed(2)
         x, y = torch.randint(0, 131, (4, 16), generator=g).to(dev), torch.randint(0, 131, (4, 16), generator=g).to(dev)
@@ -273,7 +279,7 @@ def _grad_sync_side_stream_body() -> None:
     for a, b in zip(out[False], out[True]):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
         assert a.abs().sum() > 0
-    destroy_parallel()
+    dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run benchmarks/gpu_check.sh on a GPU machine)")
