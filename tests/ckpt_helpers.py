@@ -103,3 +103,141 @@ def assemble(per_rank: list[list[dict]], tp_size: int, vocab_rows: int | None = 
             full[key] = t
         out[name] = full
     return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# fake CUDA on a CPU-only torch: FakeTensorMode tensors on ``cuda:0`` (shapes, dtypes and devices, no data)
+
+def _names_cuda(v) -> bool:
+    return (isinstance(v, torch.device) and v.type == "cuda") or (isinstance(v, str) and v.startswith("cuda"))
+
+
+class FakeCuda(torch.overrides.TorchFunctionMode):
+    """A fake ``cuda`` device on a CPU-only torch: every tensor created on (or moved to) a CUDA device is a
+    FakeTensor of its own FakeTensorMode (shape, dtype and device ``cuda:<index>``, no data); CPU tensors stay
+    real, and ops that mix both run under the fake mode.
+
+    Also routes the Python bindings that need the CUDA runtime (``Tensor.__getitem__`` / ``__setitem__`` with
+    basic indices and ``Tensor.copy_`` take a CUDA device guard, ``torch.as_tensor`` initialises CUDA) to the
+    ATen ops FakeTensorMode implements: a CPU-only torch has neither, so they fail before dispatch.
+    """
+
+    def __init__(self):
+        super().__init__()
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+
+    @staticmethod
+    def _basic(t: torch.Tensor, idx):
+        out, dim = t, 0
+        for i in idx if isinstance(idx, tuple) else (idx,):
+            if isinstance(i, slice) and i.step in (None, 1):
+                lo, hi, _ = i.indices(out.shape[dim])
+                out = torch.ops.aten.slice.Tensor(out, dim, lo, max(lo, hi))
+                dim += 1
+            elif isinstance(i, int) and not isinstance(i, bool):
+                out = torch.ops.aten.select.int(out, dim, i)
+            elif i is Ellipsis and not isinstance(idx, tuple):
+                pass
+            else:
+                raise NotImplementedError(f"fake CUDA indexing supports slices and ints, not {i!r}")
+        return out
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        t = args[0] if args else None
+        on_cuda = isinstance(t, torch.Tensor) and t.device.type == "cuda"
+        if on_cuda and func is torch.Tensor.__getitem__:
+            return self._basic(t, args[1])
+        if on_cuda and func is torch.Tensor.__setitem__:
+            dst, v = self._basic(t, args[1]), args[2]
+            if isinstance(v, torch.Tensor):
+                torch.ops.aten.copy_.default(dst, v)
+            else:
+                torch.ops.aten.fill_.Scalar(dst, v)
+            return None
+        if on_cuda and func is torch.Tensor.copy_:
+            return torch.ops.aten.copy_.default(*args, **kwargs)
+        if on_cuda and func is torch.as_tensor and len(args) == 1 and not kwargs:
+            return t  # as_tensor of a tensor is that tensor
+        if any(_names_cuda(v) for v in (*args, *kwargs.values())):
+            with self.fake:
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+class _NoStream:
+    """``torch.cuda.Stream`` stand-in: host-side stream bookkeeping is a no-op (one stream, in order)."""
+
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def record_event(self, *a, **k):
+        return None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def install_fake_cuda_runtime() -> None:
+    """Process-wide stand-ins for the CUDA runtime calls a CPU-only torch cannot make (streams, the CUDA RNG
+    state as an opaque byte tensor, the model's data-dependent truncated-normal init replaced by a plain
+    normal draw of the same std, as tools/dry_run.py does) and for the host read of rank-agreement flags
+    (fake tensors hold no values: the flags and the error text travel in CPU tensors over the same process group).
+    For a subprocess of its own: nothing is restored."""
+    import importlib
+
+    import megatron_geo.model.llama as llama
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    torch.cuda.Stream = _NoStream
+    rng = {}
+    torch.cuda.get_rng_state = lambda device="cuda": rng.get(str(device), torch.zeros(16, dtype=torch.uint8)).clone()
+    torch.cuda.set_rng_state = lambda s, device="cuda": rng.__setitem__(str(device), s.clone())
+    llama._init = lambda seed, name, kind, std: (lambda t: t.normal_(0.0, std))
+    try:
+        agreement = importlib.import_module("megatron_geo.checkpoint.agreement")
+    except ImportError:  # a package without rank agreement: nothing to route
+        agreement = None
+    if agreement is not None:
+        real, real_text = agreement.all_gather_ints, agreement._broadcast_text
+
+        def host_gather(values, group, device):
+            with unset_fake_temporarily():
+                return real(values, group, torch.device("cpu"))
+
+        def host_text(text, group, group_src, device):
+            with unset_fake_temporarily():
+                return real_text(text, group, group_src, torch.device("cpu"))
+
+        for name in ("megatron_geo.checkpoint.agreement", "megatron_geo.checkpoint.state",
+                     "megatron_geo.training.checkpointing"):
+            mod = importlib.import_module(name)
+            if hasattr(mod, "all_gather_ints"):
+                mod.all_gather_ints = host_gather
+        agreement._broadcast_text = host_text
+
+    # DCP writes the bytes of each tensor: a fake tensor has none, it is written as zeros of its shape
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    resolve = DefaultSavePlanner.resolve_data
+
+    def resolve_data(self, write_item):
+        out = resolve(self, write_item)
+        if isinstance(out, FakeTensor):
+            with unset_fake_temporarily():
+                return torch.zeros(out.shape, dtype=out.dtype)
+        return out
+
+    DefaultSavePlanner.resolve_data = resolve_data

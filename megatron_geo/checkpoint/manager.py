@@ -9,7 +9,9 @@ On disk (``checkpoint.dir``, default ``<train.run_dir>/checkpoints``)::
 
 A save writes into ``.tmp-step_N``, rank 0 adds ``meta.json`` last, renames the folder to ``step_N``
 and then replaces ``latest``; older folders are removed only after that. A crash at any point leaves
-the previous complete checkpoint loadable and ``latest`` pointing to it.
+the previous complete checkpoint loadable and ``latest`` pointing to it. Each step that only some ranks
+run (rank 0 preparing and publishing the folder) ends in a rank agreement (:mod:`.agreement`), so a failure
+there is a :class:`CheckpointSaveError` on every rank instead of the others waiting in the next collective.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config import Config, ConfigError, config_to_dict
 from ..parallel import collectives as C
+from .agreement import CheckpointRankError, agree
 
 FORMAT = "megatron-geo-dcp-v1"
 META = "meta.json"
@@ -186,8 +189,9 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 class CheckpointSaveError(RuntimeError):
-    """A checkpoint could not be written (disk full, permission lost, a writer killed); the partial folder was
-    removed and the previous checkpoint is intact. The trainer exits with code 6."""
+    """A checkpoint could not be written (disk full, permission lost, a writer killed, or any rank failed while
+    building its part of the state); raised on every rank alike. The partial folder was removed and the
+    previous checkpoint is intact, ``latest`` still names it. The trainer exits with code 6."""
 
 
 def _save_failure(tmp: Path, err: BaseException) -> CheckpointSaveError:
@@ -203,31 +207,55 @@ def _save_failure(tmp: Path, err: BaseException) -> CheckpointSaveError:
                               (30, "read-only file system")):
         if cause is None and (words in text.lower() or f"errno {errno_name}]" in text.lower()):
             cause = words
-    first = text.strip().splitlines()[0][:200] if text.strip() else type(err).__name__
-    return CheckpointSaveError(f"could not save the checkpoint to {tmp.parent}: {cause or first}; the partial "
-                               f"folder was removed and the previous checkpoint is intact (free space or fix the "
-                               f"permissions of checkpoint.dir, then relaunch to resume)")
+    first = text.strip().splitlines()[0][:300] if text.strip() else type(err).__name__
+    where = f" (rank {err.rank})" if isinstance(err, CheckpointRankError) and cause else ""
+    advice = "free space or fix the permissions of checkpoint.dir, then relaunch to resume" if cause else \
+        "relaunch to resume from it"
+    return CheckpointSaveError(f"could not save the checkpoint to {tmp.parent}: {cause or first}{where}; the partial "
+                               f"folder was removed and the previous checkpoint is intact ({advice})")
 
 
-def save_checkpoint(root: Path, step: int, state: dict, meta: dict, keep_latest: int, group, is_main: bool) -> Path:
+def state_failure(root: Path, step: int, err: BaseException) -> CheckpointSaveError:
+    """The error of a save that failed before anything was written (building the state dict on some rank)."""
+    text = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+    return CheckpointSaveError(f"could not save the checkpoint of step {step} to {root}: {text}; nothing was "
+                               f"written, the previous checkpoint and 'latest' are unchanged (relaunch to resume "
+                               f"from it)")
+
+
+def save_checkpoint(root: Path, step: int, state: dict, meta: dict, keep_latest: int, group, is_main: bool,
+                    device: torch.device | None = None) -> Path:
     """Write ``state`` (a DCP state dict; every rank its own part) as ``root/step_N`` and publish it.
 
-    Collective over ``group`` (the world). Returns the final folder.
+    Collective over ``group`` (the world). ``device`` is ``pctx.device`` (the device of the rank-agreement
+    flags: CUDA for NCCL; None picks the current CUDA device for an NCCL group, else the CPU). Returns the
+    final folder.
 
     Raises:
-        CheckpointSaveError: on every rank when any rank failed to write (DCP gathers the failure); the
-            partial ``.tmp-step_N`` folder is removed first, the previous checkpoint and ``latest`` stay.
+        CheckpointSaveError: on every rank when any rank failed: preparing the folder (rank 0), writing its
+            files (DCP gathers the failure) or publishing them (rank 0). The partial ``.tmp-step_N`` folder
+            is removed, the previous checkpoint and ``latest`` stay.
     """
     import torch.distributed.checkpoint as dcp
 
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if C.required_device_type(group) == "cuda" \
+            else torch.device("cpu")
     name = step_dir_name(step)
     tmp, final = root / f".tmp-{name}", root / name
+    err = None
     if is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    C.barrier(group)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except Exception as e:  # noqa: BLE001 - the other ranks wait for the folder
+            err = e
+    try:
+        agree(err, group, device, "preparing the checkpoint folder")  # also the barrier: the folder exists
+    except CheckpointRankError as e:
+        raise _save_failure(tmp, e) from None
     t0 = time.perf_counter()
     try:
         with warnings.catch_warnings():
@@ -239,6 +267,7 @@ def save_checkpoint(root: Path, step: int, state: dict, meta: dict, keep_latest:
             shutil.rmtree(tmp, ignore_errors=True)
         raise _save_failure(tmp, e) from None
     C.barrier(group)  # every rank's files are written
+    err = None
     if is_main:
         try:
             meta = dict(meta, format=FORMAT, step=step, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -249,10 +278,13 @@ def save_checkpoint(root: Path, step: int, state: dict, meta: dict, keep_latest:
             os.replace(tmp, final)
             _write_atomic(root / "latest", name + "\n")
             prune(root, keep_latest)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - the other ranks wait for the publication
             shutil.rmtree(tmp, ignore_errors=True)
-            raise _save_failure(tmp, e) from None
-    C.barrier(group)
+            err = e
+    try:
+        agree(err, group, device, "publishing the checkpoint")
+    except CheckpointRankError as e:
+        raise _save_failure(tmp, e) from None
     return final
 
 

@@ -24,28 +24,59 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.distributed as dist
 
 from ..distributed.optimizer import DistributedOptimizer, MainParam
 from ..parallel import ParallelContext
-from .layout import global_shape, piece_rects
 from ..parallel import collectives as C
+from .agreement import agree, all_gather_ints
+from .layout import global_shape, piece_rects
 
 ADAMW_STATES = ("exp_avg", "exp_avg_sq")
 MUON_STATES = ("momentum_buffer",)
 
 
-def _sharded_tensor(shards: list[tuple[tuple[int, ...], torch.Tensor]], size: tuple[int, ...], rank: int, group):
-    """A ShardedTensor of global ``size`` from this rank's ``(offsets, tensor)`` shards (collective)."""
+def rank_devices(pctx: ParallelContext) -> list[torch.device]:
+    """The device of every global rank (``cuda:<index>`` or ``cpu``), in rank order, for the shard placements.
+
+    Collective over the world group: one all-gather of the device indices (on ``pctx.device``); every rank
+    computes on the same device type.
+    """
+    idx = pctx.device.index if pctx.device.index is not None else -1
+    return [torch.device(pctx.device.type, i) if i >= 0 else torch.device(pctx.device.type)
+            for (i,) in all_gather_ints([idx], pctx.world_group, pctx.device)]
+
+
+def _sharded_tensor(shards: list[tuple[tuple[int, ...], torch.Tensor]], size: tuple[int, ...],
+                    everyone: list[tuple[int, tuple[int, ...], tuple[int, ...]]], devices: list[torch.device],
+                    rank: int, group):
+    """A ShardedTensor of global ``size`` (FP32) from this rank's ``(offsets, tensor)`` shards (not collective).
+
+    ``everyone`` lists the ``(global rank, offsets, sizes)`` of every rank's shards (the global metadata,
+    computed by :meth:`StateLayout.global_rects` on each rank alike); ``devices[r]`` is rank r's device,
+    which its placement names with the index (``rank:0/cuda:0``), as torch's ``Shard`` requires.
+
+    Raises:
+        RuntimeError: this rank's shards are not its entries of ``everyone`` (the layouts of the ranks differ).
+        ValueError: torch rejects a shard (a shard tensor's device, dtype or shape differs from its metadata).
+    """
     with warnings.catch_warnings():
         # ShardedTensor carries a deprecation warning, but it is the DCP type that describes arbitrary
         # (uneven, multi-rectangle) shards, which the distributed optimizer's pieces are; DTensor cannot.
         warnings.simplefilter("ignore")
-        from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
+        from torch.distributed._shard.metadata import ShardMetadata
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+        from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-        local = [Shard(t, ShardMetadata(list(off), list(t.shape), f"rank:{rank}/{t.device.type}"))
-                 for off, t in shards]
-        return init_from_local_shards(local, *size, process_group=group)
+        metas = [ShardMetadata(list(off), list(sz), f"rank:{r}/{devices[r]}") for r, off, sz in everyone]
+        mine = [md for (r, _, _), md in zip(everyone, metas) if r == rank]
+        if [tuple(md.shard_offsets) for md in mine] != [tuple(off) for off, _ in shards]:
+            raise RuntimeError(f"rank {rank}'s checkpoint shards start at {[tuple(off) for off, _ in shards]} but the "
+                               f"shard plan puts them at {[tuple(md.shard_offsets) for md in mine]}")
+        local = [Shard(t, md) for (_, t), md in zip(shards, mine)]
+        props = TensorProperties(dtype=torch.float32, layout=torch.strided, requires_grad=False,
+                                 memory_format=torch.contiguous_format, pin_memory=False)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            local, ShardedTensorMetadata(metas, torch.Size(size), props), process_group=group)
 
 
 class StateLayout:
@@ -61,6 +92,7 @@ class StateLayout:
         self.by_name: dict[str, list[MainParam]] = {}
         for m in optimizer.mains:
             self.by_name.setdefault(m.name, []).append(m)
+        self.place = {n: (b, i) for b in optimizer.buckets for i, n in enumerate(b.names)}  # name -> (bucket, index)
 
     def partition_dim(self, p: torch.nn.Parameter) -> int | None:
         return p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
@@ -79,6 +111,27 @@ class StateLayout:
         tp_ok = self.pctx.tp_rank == 0 or self.partition_dim(m.param) is not None
         dp_ok = self.optimizer.sharded or self.pctx.dp_rank == 0
         return tp_ok and dp_ok
+
+    def global_rects(self, name: str) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+        """``(global rank, offsets, sizes)`` of every rectangle of ``name`` that any rank writes, in rank order
+        (the same list on every rank: computed from the bucket's shard plan, which every rank holds whole).
+        The rectangles tile the global tensor exactly once."""
+        p = self.params[name]
+        b, i = self.place[name]
+        pdim, rows = self.partition_dim(p), self.logical_rows(name, p)
+        out = []
+        for d in range(self.pctx.dp_size):
+            if not (self.optimizer.sharded or d == 0):
+                continue
+            spans = [(pc.param_start, pc.param_end) for pc in b.plan.pieces[d] if pc.index == i] \
+                if self.optimizer.sharded else [(0, p.numel())]
+            for t in range(self.pctx.tp_size):
+                if t != 0 and pdim is None:
+                    continue
+                for lo, hi in spans:
+                    for r in piece_rects(tuple(p.shape), pdim, t, lo, hi, rows):
+                        out.append((d * self.pctx.tp_size + t, r.offsets, r.sizes))
+        return sorted(out, key=lambda e: e[0])
 
     def state_names(self, name: str) -> tuple[str, ...]:
         return MUON_STATES if self.muon and getattr(self.params[name], "use_muon", False) else ADAMW_STATES
@@ -104,29 +157,52 @@ class StateLayout:
 
 
 def optimizer_state_ready(optimizer: DistributedOptimizer, group) -> bool:
-    """True when every main param on every rank has optimizer state (False before the first update)."""
+    """True when every main param on every rank of ``group`` has optimizer state (False before the first
+    update). Collective over ``group`` (an all-gather of one flag per rank, on ``pctx.device``)."""
     ok = all(len(opt.state.get(m.main, {})) > 0 for m in optimizer.mains for opt in [optimizer.optimizer_of(m)])
-    dev = optimizer.pctx.device
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=dev)
-    C.all_reduce(flag, group, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return all(f for (f,) in all_gather_ints([1 if ok else 0], group, optimizer.pctx.device))
 
 
 def build_save_state(layout: StateLayout, reducer, geo, with_optimizer_state: bool) -> dict:
-    """The DCP state dict to save (collective: every rank calls it with the same parameter order)."""
+    """The DCP state dict to save: this rank's part of every entry of the module docstring.
+
+    Collective over the world group (every rank calls it, with the same model). Model and optimizer
+    entries are FP32 ``ShardedTensor``s of the parameter's global shape whose shards stay on this rank's
+    device (their placements name it with its index, e.g. ``rank:3/cuda:3``); the global metadata (every
+    rank's offsets and sizes) comes from the shard plan, so building the dict moves no data.
+
+    Raises:
+        CheckpointRankError: on every rank when building the state failed on any rank (nothing is written;
+            the rank's own exception is chained on the rank that failed).
+    """
+    pctx = layout.pctx
+    devices = rank_devices(pctx)
+    sd, err = {}, None
+    try:
+        sd = _save_entries(layout, reducer, geo, with_optimizer_state, devices)
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it before DCP's collectives
+        err = e
+    agree(err, pctx.world_group, pctx.device, "building the checkpoint state")
+    return sd
+
+
+def _save_entries(layout: StateLayout, reducer, geo, with_optimizer_state: bool, devices: list[torch.device]) -> dict:
+    """The body of :func:`build_save_state` (local: no collectives)."""
     pctx, opt = layout.pctx, layout.optimizer
     world = pctx.world_group
     sd: dict = {}
     for name in layout.params:
         if not layout.params[name].requires_grad:
             continue
-        size = layout.global_shape(name)
-        sd[f"model/{name}"] = _sharded_tensor(layout.shards(name, lambda m: m.main.detach()), size, pctx.rank, world)
+        size, everyone = layout.global_shape(name), layout.global_rects(name)
+        sd[f"model/{name}"] = _sharded_tensor(layout.shards(name, lambda m: m.main.detach()), size, everyone,
+                                              devices, pctx.rank, world)
         if not with_optimizer_state:
             continue
         for s in layout.state_names(name):
             sd[f"optim/{name}/{s}"] = _sharded_tensor(
-                layout.shards(name, lambda m, s=s: opt.optimizer_of(m).state[m.main][s]), size, pctx.rank, world)
+                layout.shards(name, lambda m, s=s: opt.optimizer_of(m).state[m.main][s]), size, everyone, devices,
+                pctx.rank, world)
         for m in layout.by_name.get(name, []):
             st = opt.optimizer_of(m).state[m.main]
             if "step" in st:
@@ -179,7 +255,8 @@ def _ensure_optimizer_state(layout: StateLayout) -> None:
 
 def load_state(path: str, layout: StateLayout, reducer, geo, same_layout: bool, geo_meta: dict | None, log,
                same_tp: bool | None = None) -> None:
-    """Load a checkpoint written by :func:`build_save_state` into the live training state (collective).
+    """Load a checkpoint written by :func:`build_save_state` into the live training state (collective over
+    the world group).
 
     Model and optimizer state are resharded to this run's DP x TP layout; error feedback, RNG and the
     GeoFP8 profile are restored only when ``same_layout`` (else they start fresh, which is logged); the
@@ -187,10 +264,50 @@ def load_state(path: str, layout: StateLayout, reducer, geo, same_layout: bool, 
     Finally the main params are published to the model parameters (all-gathered over DP).
 
     Raises:
-        ValueError: a parameter of this model is missing from the checkpoint.
+        CheckpointRankError: on every rank when a rank failed before or after DCP's read, e.g. with
+            ``kind="value"`` when a parameter of this model is missing from the checkpoint or its optimizer
+            state is of another kind, ``kind="io"`` when the metadata could not be read.
+        torch.distributed.checkpoint.api.CheckpointException: DCP's read failed (on every rank alike).
     """
     import torch.distributed.checkpoint as dcp
 
+    from .safe_reader import SafeFileSystemReader
+
+    pctx = layout.pctx
+    world, dev = pctx.world_group, pctx.device
+    devices = rank_devices(pctx)
+    req, err = None, None
+    try:
+        req = _load_request(path, layout, reducer, geo, same_layout, geo_meta, log, same_tp, devices)
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it before DCP's collectives
+        err = e
+    agree(err, world, dev, "preparing the checkpoint load")
+    sd = req["sd"]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # ShardedTensor deprecation, see _sharded_tensor
+        dcp.load(sd, storage_reader=SafeFileSystemReader(path))
+
+    err = None
+    try:
+        _apply_loaded(layout, reducer, geo, geo_meta, same_layout, log, req)
+    except Exception as e:  # noqa: BLE001 - the broadcasts and the parameter gather below are collectives
+        err = e
+    agree(err, world, dev, "restoring the loaded state")
+    with torch.no_grad():
+        _broadcast_non_writers(layout, req["with_state"])
+    layout.optimizer.publish()
+    layout.optimizer.wait_param_gather()  # the loaded parameters are complete on return
+
+
+def _load_request(path: str, layout: StateLayout, reducer, geo, same_layout: bool, geo_meta: dict | None, log,
+                  same_tp: bool | None, devices: list[torch.device]) -> dict:
+    """The state dict for DCP's read and where each loaded value goes (local: no collectives).
+
+    Raises:
+        ValueError: a parameter of this model is missing from the checkpoint, or its optimizer state is of
+            another kind.
+    """
     from .safe_reader import SafeFileSystemReader
 
     pctx, opt = layout.pctx, layout.optimizer
@@ -213,7 +330,7 @@ def load_state(path: str, layout: StateLayout, reducer, geo, same_layout: bool, 
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (loaded rectangle, destination view)
     world = pctx.world_group
     for name in names:
-        size = layout.global_shape(name)
+        size, everyone = layout.global_shape(name), layout.global_rects(name)
         kinds = [(f"model/{name}", lambda m: m.main.data)]
         if with_state:
             kinds += [(f"optim/{name}/{s}", lambda m, s=s: opt.optimizer_of(m).state[m.main][s])
@@ -224,7 +341,7 @@ def load_state(path: str, layout: StateLayout, reducer, geo, same_layout: bool, 
                 buf = torch.empty(view.shape, dtype=torch.float32, device=view.device)
                 shards.append((off, buf))
                 copies.append((buf, view))
-            sd[key] = _sharded_tensor(shards, size, pctx.rank, world)
+            sd[key] = _sharded_tensor(shards, size, everyone, devices, pctx.rank, world)
         if with_state and f"optim/{name}/step" in keys and name in layout.by_name:
             sd[f"optim/{name}/step"] = torch.zeros((), dtype=torch.float64, device="cpu")
     tag = layout.tag
@@ -247,19 +364,21 @@ def load_state(path: str, layout: StateLayout, reducer, geo, same_layout: bool, 
             if f"{geo_tp}{name}/U" in keys:
                 sd[f"{geo_tp}{name}/U"] = torch.empty(keys[f"{geo_tp}{name}/U"].size, dtype=torch.float32, device="cpu")
                 sd[f"{geo_tp}{name}/d"] = torch.empty(keys[f"{geo_tp}{name}/d"].size, dtype=torch.float32, device="cpu")
+    return {"sd": sd, "copies": copies, "with_state": with_state, "ef": ef, "tag": tag, "geo_tp": geo_tp}
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # ShardedTensor deprecation, see _sharded_tensor
-        dcp.load(sd, storage_reader=SafeFileSystemReader(path))
 
+def _apply_loaded(layout: StateLayout, reducer, geo, geo_meta: dict | None, same_layout: bool, log, req: dict) -> None:
+    """Copy what DCP read into the live state: main params, optimizer state, RNG, error feedback, GeoFP8
+    (local: no collectives)."""
+    pctx, opt = layout.pctx, layout.optimizer
+    sd, ef, tag, with_state = req["sd"], req["ef"], req["tag"], req["with_state"]
     with torch.no_grad():
-        for buf, view in copies:
+        for buf, view in req["copies"]:
             view.copy_(buf)
         for m in opt.mains:
             if with_state and f"optim/{m.name}/step" in sd:
                 st = opt.optimizer_of(m).state[m.main]
                 st["step"].fill_(float(sd[f"optim/{m.name}/step"]))
-        _broadcast_non_writers(layout, with_state)
         if f"{tag}/rng/torch" in sd:
             torch.set_rng_state(sd[f"{tag}/rng/torch"])
         if f"{tag}/rng/cuda" in sd:
@@ -276,9 +395,7 @@ def load_state(path: str, layout: StateLayout, reducer, geo, same_layout: bool, 
             log(f"checkpoint: error-feedback residuals of {len(ef) - len(restored_ef)} parameter(s) start at zero "
                 f"({'the DP x TP layout changed' if not same_layout else 'not in the checkpoint'})")
     if geo is not None:
-        _restore_geo(geo, geo_meta, sd, geo_tp, f"{tag}/geo/hits", same_layout, log)
-    opt.publish()
-    opt.wait_param_gather()  # the loaded parameters are complete on return
+        _restore_geo(geo, geo_meta, sd, req["geo_tp"], f"{tag}/geo/hits", same_layout, log)
 
 
 def _broadcast_non_writers(layout: StateLayout, with_state: bool) -> None:
