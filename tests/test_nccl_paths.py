@@ -158,3 +158,21 @@ def test_coalescing_follows_the_backends_capability(world):
     assert C.coalesces(world, torch.device("cpu")) is False
     nccl = types.SimpleNamespace(_get_backend=lambda device: types.SimpleNamespace(supports_coalescing=True))
     assert C.coalesces(nccl, torch.device("cpu")) is True
+
+
+def test_nccl_collectives_refuse_a_tensor_on_another_gpu(monkeypatch):
+    """The device check compares the index too: on NCCL a tensor on cuda:1 of a process bound to cuda:0 is
+    refused before the collective (fake CUDA tensors: only their device is read)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_geo.parallel import collectives as C
+
+    monkeypatch.setattr(C, "required_device_type", lambda group: "cuda")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(C.dist, "get_backend", lambda group=None: "nccl")
+    with FakeTensorMode():
+        on0, on1 = torch.empty(4, device="cuda:0"), torch.empty(4, device="cuda:1")
+    C.check_devices("all_reduce", None, on0)
+    with pytest.raises(C.CollectiveDeviceError, match=r"all_reduce: tensor 1 .* is on cuda:1 .* run on cuda:0"):
+        C.check_devices("all_reduce", None, on0, on1)

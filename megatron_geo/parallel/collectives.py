@@ -108,14 +108,21 @@ def supports_fp8_sum(group, device=None) -> bool:
 
 
 def check_devices(op: str, group, *tensors: torch.Tensor) -> None:
-    """Raise :class:`CollectiveDeviceError` when a tensor is not on the device type ``group`` needs.
+    """Raise :class:`CollectiveDeviceError` when a tensor is not on the device type ``group`` needs, or, for an
+    NCCL group, on another GPU than this process's current device (the index matters, not only the type).
 
     Also rejects ``meta`` tensors on any backend (they hold no data; under :func:`strict_devices` they are
     tensors this package created without naming a device).
     """
     need = required_device_type(group)
+    index = torch.cuda.current_device() if need == "cuda" else None  # NCCL runs on this process's own GPU
     for i, t in enumerate(tensors):
         dev = t.device.type
+        if need == "cuda" and dev == "cuda" and t.device.index != index:
+            raise CollectiveDeviceError(
+                f"{op}: tensor {i} ({t.dtype}, shape {tuple(t.shape)}) is on {t.device} but this process's NCCL "
+                f"collectives run on cuda:{index}; create it with device=pctx.device (the indexed device, not "
+                f"'cuda' or another GPU)")
         if dev == "meta" or (need is not None and dev != need):
             raise CollectiveDeviceError(
                 f"{op}: tensor {i} ({t.dtype}, shape {tuple(t.shape)}) is on {t.device} but the process group's "
