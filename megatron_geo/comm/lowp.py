@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .codecs import FP8_FORMATS, NVFP4_BLOCK, fp8_max
 from .compiled import resolve_compile
-from .hadamard import hadamard_matrix, hadamard_signs
+from .hadamard import exact_fp32, hadamard_matrix, hadamard_signs
 from .reducer import PendingReduction, Reducer
 from .scale_layout import ScaleLayout, build_scale_layout
 from .wire_cast import CAST_DTYPES, CastWire
@@ -188,7 +188,8 @@ class LowPrecisionReducer(Reducer):
         bucket's gradient buffer, consumed by the reduction)."""
         if self.signs is not None:  # into the reducer's workspace: no new bucket-sized buffer per reduction
             ws = self._workspace(x.numel(), x.device)
-            torch.mm(x.view(-1, self.hadamard_block), self.rotation, out=ws.view(-1, self.hadamard_block))
+            with exact_fp32():  # IEEE FP32 (never TF32) whatever the caller's matmul precision
+                torch.mm(x.view(-1, self.hadamard_block), self.rotation, out=ws.view(-1, self.hadamard_block))
             return ws
         slots = self.geo_slots.get(key)
         if not slots:
@@ -199,10 +200,11 @@ class LowPrecisionReducer(Reducer):
             return x
         # in place: the caller's bucket buffer is not read again before the reduced result overwrites it
         # (reduce-scatter: this rank's chunk; all-reduce: all of it), so no copy of the bucket is made
-        for name, off, rows, cols in slots:
-            if name not in self.geo.selected:
-                continue
-            self.geo.transforms[name].apply_(x[off:off + rows * cols].view(rows, cols))
+        with exact_fp32():  # G T in IEEE FP32: one precision switch for the bucket's layers
+            for name, off, rows, cols in slots:
+                if name not in self.geo.selected:
+                    continue
+                self.geo.transforms[name].apply_(x[off:off + rows * cols].view(rows, cols))
         return x
 
     def _write_back(self, buf: torch.Tensor, start: int, y: torch.Tensor, key) -> None:
@@ -210,26 +212,29 @@ class LowPrecisionReducer(Reducer):
         dest = buf[start:start + y.numel()]
         if self.signs is not None:
             b = self.hadamard_block
-            torch.mm(y.view(-1, b), self.rotation_t, out=dest.view(-1, b))
+            with exact_fp32():
+                torch.mm(y.view(-1, b), self.rotation_t, out=dest.view(-1, b))
         else:
             dest.copy_(self._from_wire(y, key, start))
 
     def _from_wire(self, y: torch.Tensor, key, start: int) -> torch.Tensor:
         """Undo :meth:`_to_wire` on ``y``, the buffer range ``[start, start + len(y))`` (whole parameters)."""
         if self.signs is not None:
-            return torch.mm(y.view(-1, self.hadamard_block), self.rotation_t).view(-1)
+            with exact_fp32():
+                return torch.mm(y.view(-1, self.hadamard_block), self.rotation_t).view(-1)
         slots = self.geo_slots.get(key)
         if not slots:
             return y
         end = start + y.numel()
-        for name, off, rows, cols in slots:
-            lo, hi = max(off, start), min(off + rows * cols, end)
-            if name not in self.geo.selected or lo >= hi:
-                continue
-            if (lo - off) % cols or (hi - off) % cols:
-                raise RuntimeError(f"GeoFP8 layer {name} is cut inside a row by the shard plan; its rows must "
-                                   f"stay whole on their owner (granule {cols})")
-            self.geo.transforms[name].apply_inverse_(y[lo - start:hi - start].view(-1, cols))  # rows are independent
+        with exact_fp32():  # G^ T^-1 in IEEE FP32: one precision switch for the range's layers
+            for name, off, rows, cols in slots:
+                lo, hi = max(off, start), min(off + rows * cols, end)
+                if name not in self.geo.selected or lo >= hi:
+                    continue
+                if (lo - off) % cols or (hi - off) % cols:
+                    raise RuntimeError(f"GeoFP8 layer {name} is cut inside a row by the shard plan; its rows must "
+                                       f"stay whole on their owner (granule {cols})")
+                self.geo.transforms[name].apply_inverse_(y[lo - start:hi - start].view(-1, cols))  # rows independent
         return y
 
     def _sync_amax(self, amax: torch.Tensor) -> torch.Tensor:

@@ -176,12 +176,30 @@ class DistributedOptimizer:
                 w.wait()
 
     def register_forward_hooks(self, model: torch.nn.Module) -> None:
-        """Forward pre-hooks that wait for the gathers of the buckets holding each module's own parameters
-        (only with ``overlap_param_gather``; idempotent)."""
+        """Wait for each parameter's gather just before its first use in forward (only with
+        ``overlap_param_gather``; idempotent).
+
+        For a model with blocks (``model.layers`` and ``model.register_block_pre_forward``, a megatron_geo Llama):
+        one wait per block, for every bucket holding any of the block's parameters, run by the model's forward
+        loop outside the block's call, so that none runs inside a block compiled with ``train.compile=true``
+        (a ``Work.wait()`` there breaks the graph and a module hook is not guarded, see
+        :mod:`megatron_geo.model.compile`). Every other module owning parameters (embedding, final norm, output)
+        gets a forward pre-hook waiting for the buckets holding its own parameters. Either way a bucket is
+        waited before any of its parameters is read, in eager and in compiled mode alike.
+        """
         if not self.overlap_param_gather or self._hooks:
             return
         where = {id(p): b.index for b in self.buckets for p in b.params}
+        blocks = getattr(model, "layers", None)
+        register_block = getattr(model, "register_block_pre_forward", None)
+        in_blocks: set[int] = set()
+        if isinstance(blocks, torch.nn.ModuleList) and callable(register_block):
+            per_block = [sorted({where[id(p)] for p in block.parameters() if id(p) in where}) for block in blocks]
+            in_blocks = {id(m) for block in blocks for m in block.modules()}
+            self._hooks.append(register_block(lambda i, _block: self.wait_param_gather(per_block[i])))
         for mod in model.modules():
+            if id(mod) in in_blocks:
+                continue
             idx = sorted({where[id(p)] for p in mod.parameters(recurse=False) if id(p) in where})
             if idx:
                 self._hooks.append(mod.register_forward_pre_hook(

@@ -13,6 +13,13 @@ a hard error naming the layer); re-base the reducer's error feedback (R <- R T_o
 slope, power, IPR of A's outlier eigenvectors, cancellation across ranks, predicted gain, bound hits of the
 wire), read from the device once per refresh.
 The reducer then communicates G T and maps the reduced shard back with T^-1.
+
+Precision: the statistics, their DP sum, the eigen/sketch decompositions and every moment of a refresh are
+FP32 (FP64 where noted) whatever autocast or TF32 setting the caller has active: the hooks, :meth:`GeoState.refresh`
+and every application of T / T^-1 run under :func:`~megatron_geo.comm.hadamard.exact_fp32`.
+Compiled blocks (``train.compile=true``): :meth:`GeoState.arm` runs the blocks that enclose the armed layers
+eagerly until :meth:`GeoState.disarm` (:class:`~megatron_geo.model.compile.eager_calls`), so the statistics
+hooks fire at every refresh and the compiled graphs are never rebuilt.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from . import refresh_stats as RS
+from ..comm.hadamard import exact_fp32
+from ..model.compile import eager_calls
 from .power_search import pick_powers, roundtrip_errors, with_power
 from .stats import InputStats
 from ..parallel import collectives as C
@@ -63,6 +72,11 @@ class GeoState:
                  underflow_below: float = 2.0 ** -10, log=print, statistics: str = "full", sketch_size: int = 64,
                  power: float | str = 0.5, power_search: tuple[float, ...] = (), select_gain: bool = False):
         self.candidates = select_parameters(model, patterns)
+        # every module on the path from the model to each candidate (the model and the candidate included):
+        # the ones compiled in place run eagerly while the statistics are armed
+        self._enclosing = {n: [model.get_submodule(".".join(n.split(".")[:i])) for i in range(n.count(".") + 1)]
+                           for n in self.candidates}
+        self._eager: eager_calls | None = None
         params = dict(model.named_parameters())
         self.params = {n: params[n] for n in self.candidates}   # rows of every candidate stay whole on their owner
         self.auto_layers, self.profile_steps, self.fp8_max, self.log = auto_layers, profile_steps, fp8_max, log
@@ -161,10 +175,21 @@ class GeoState:
                                       for n in top)))
 
     def arm(self) -> None:
+        """Collect input statistics of the selected layers in the following forward(s) until :meth:`disarm`.
+
+        Modules compiled in place that enclose a selected layer (``train.compile=true``: its block) run eagerly
+        meanwhile: a compiled graph would not run the statistics hooks (they are not part of it)."""
+        self.disarm()
+        self._eager = eager_calls(m for n in self.stats.modules for m in self._enclosing.get(n, ()))
+        self._eager.__enter__()
         self.stats.arm()
 
     def disarm(self) -> None:
+        """Stop collecting (the statistics are kept for :meth:`refresh`); compiled blocks run compiled again."""
         self.stats.disarm()
+        if self._eager is not None:
+            eager, self._eager = self._eager, None
+            eager.__exit__(None, None, None)
 
     def owners(self) -> dict[str, int]:
         """Which DP rank (index in the DP group) decomposes each selected layer's factor: round robin
@@ -177,8 +202,13 @@ class GeoState:
 
         Each layer's statistics are summed onto its owner (:meth:`owners`), which eigendecomposes them
         and broadcasts ``U`` and ``d`` to the DP group: every rank then holds the owner's exact bytes,
-        and the work per rank shrinks with the DP size.
+        and the work per rank shrinks with the DP size. Runs in FP32 / FP64 under any autocast or TF32
+        setting of the caller (:func:`~megatron_geo.comm.hadamard.exact_fp32`); the transforms are float32.
         """
+        with exact_fp32():
+            self._refresh(step)
+
+    def _refresh(self, step: int) -> None:
         owners = self.owners()
         factors = self.stats.reduce(self.dp_group, owners)
         new = dict(self.transforms)
@@ -220,7 +250,7 @@ class GeoState:
         if t is not None:
             buf = torch.cat([t.U.reshape(-1), t.d])
         else:  # overwritten by the broadcast; an identity transform (U = 0, d = 1) where none arrives (fake backend)
-            buf = torch.zeros(d_in * r + r, device=p.device)
+            buf = torch.zeros(d_in * r + r, dtype=torch.float32, device=p.device)
             buf[d_in * r:] = 1.0
         C.broadcast(buf, self.dp_group, owner)
         if t is not None:

@@ -4,6 +4,10 @@ Forward pre-hooks are registered on the selected modules by :meth:`InputStats.ar
 :meth:`InputStats.disarm`, so steps between refreshes pay nothing. :meth:`InputStats.reduce` sums the
 statistics and token counts over the DP group (never over TP: a row-parallel layer's input is its own
 d_in slice and gets its own factor, i.e. a block-diagonal transform of the full layer).
+
+Everything here is FP32 whatever the forward runs in: the hooks fire inside the forward's autocast region
+(BF16 on CUDA), so they run under :func:`~megatron_geo.comm.hadamard.exact_fp32` (autocast off for every
+device type, IEEE FP32 matmuls, never TF32) with explicit dtypes, and the DP sum travels as FP32.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm.hadamard import exact_fp32
 from ..parallel import collectives as C
 
 
@@ -47,18 +52,19 @@ class InputStats:
 
     def _hook(self, name: str):
         def hook(module, args):
-            a = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            omega = self.sketches.get(name)
-            if omega is None:
-                s = a.T @ a
-            else:
-                s = a.T @ (a @ omega.to(a.device))
-                self.traces[name] = self.traces.get(name, 0.0) + float(a.pow(2).sum())
-            if name in self.sums:
-                self.sums[name] += s
-                self.counts[name] += a.shape[0]
-            else:
-                self.sums[name], self.counts[name] = s, float(a.shape[0])
+            with exact_fp32():  # the forward's autocast would make these BF16 matmuls
+                a = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float32)
+                omega = self.sketches.get(name)
+                if omega is None:
+                    s = a.T @ a
+                else:
+                    s = a.T @ (a @ omega.to(device=a.device, dtype=torch.float32))
+                    self.traces[name] = self.traces.get(name, 0.0) + float(a.pow(2).sum(dtype=torch.float32))
+                if name in self.sums:
+                    self.sums[name] += s
+                    self.counts[name] += a.shape[0]
+                else:
+                    self.sums[name], self.counts[name] = s, float(a.shape[0])
         return hook
 
     def reduce(self, dp_group, owners: dict[str, int] | None = None) -> dict[str, torch.Tensor | None]:
@@ -71,18 +77,27 @@ class InputStats:
 
         Every rank must have collected the same module names (same model, same armed micro-batch).
 
+        Returns float32 factors (``[d_in, d_in]``, or ``[d_in, k]`` and a Python float), summed over DP in FP32.
+
         Raises:
             RuntimeError: a module saw no input since :meth:`arm`.
         """
+        with exact_fp32():
+            return self._reduce(dp_group, owners)
+
+    def _reduce(self, dp_group, owners: dict[str, int] | None) -> dict[str, torch.Tensor | None]:
         out = {}
         me = dist.get_rank(dp_group)
         for name in sorted(self.modules):
             if name not in self.sums:
-                raise RuntimeError(f"no input statistics were collected for {name}; was the module used in forward?")
-            s = self.sums[name]
+                raise RuntimeError(f"no input statistics were collected for {name}; was the module used in forward? "
+                                   f"(a block compiled in place must run eagerly while the statistics are armed: "
+                                   f"GeoState.arm does that)")
+            s = self.sums[name].to(torch.float32)
             # one collective per layer: the FP32 sums, then the token count and trace (FP32 holds the count
             # exactly up to 2^24 tokens summed over the DP group per refresh; the trace only scales the damping)
-            buf = torch.cat([s.reshape(-1), s.new_tensor([self.counts[name], self.traces.get(name, 0.0)])])
+            tail = torch.tensor([self.counts[name], self.traces.get(name, 0.0)], dtype=torch.float32, device=s.device)
+            buf = torch.cat([s.reshape(-1), tail])
             if owners is None:
                 C.all_reduce(buf, dp_group)
             else:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..comm.hadamard import exact_fp32
+
 
 @dataclass
 class LowRankTransform:
@@ -45,21 +47,27 @@ class LowRankTransform:
     def d_in(self) -> int:
         return self.U.shape[0]
 
+    # Every application runs inside exact_fp32: IEEE FP32 matmuls (never TF32, whatever the caller's
+    # torch.backends settings) and no autocast, so the round trip g T T^-1 is exact to FP32 rounding.
     def apply(self, g: torch.Tensor) -> torch.Tensor:
         """``g T`` for ``g`` ``[..., d_in]`` (float32); returns a new tensor of the same shape."""
-        return g + ((g @ self.U) * (self.d - 1.0)) @ self.U.T
+        with exact_fp32():
+            return g + ((g @ self.U) * (self.d - 1.0)) @ self.U.T
 
     def apply_inverse(self, g: torch.Tensor) -> torch.Tensor:
         """``g T^-1`` for ``g`` ``[..., d_in]``."""
-        return g + ((g @ self.U) * (1.0 / self.d - 1.0)) @ self.U.T
+        with exact_fp32():
+            return g + ((g @ self.U) * (1.0 / self.d - 1.0)) @ self.U.T
 
     def apply_(self, g: torch.Tensor) -> torch.Tensor:
         """``g <- g T`` in place for a 2-D ``g`` ``[rows, d_in]`` (float32); returns ``g``."""
-        return g.addmm_((g @ self.U) * (self.d - 1.0), self.U.T)
+        with exact_fp32():
+            return g.addmm_((g @ self.U) * (self.d - 1.0), self.U.T)
 
     def apply_inverse_(self, g: torch.Tensor) -> torch.Tensor:
         """``g <- g T^-1`` in place for a 2-D ``g`` ``[rows, d_in]`` (float32); returns ``g``."""
-        return g.addmm_((g @ self.U) * (1.0 / self.d - 1.0), self.U.T)
+        with exact_fp32():
+            return g.addmm_((g @ self.U) * (1.0 / self.d - 1.0), self.U.T)
 
     def dense(self) -> torch.Tensor:
         """T as a dense ``[d_in, d_in]`` matrix (tests and small layers only)."""
@@ -75,15 +83,17 @@ class LowRankTransform:
 
 
 def identity_transform(d_in: int, device=None) -> LowRankTransform:
-    """T = I (r = 0): used before the first refresh."""
-    return LowRankTransform(torch.zeros(d_in, 0, device=device), torch.ones(0, device=device))
+    """T = I (r = 0): used before the first refresh. float32 ``U [d_in, 0]`` and ``d [0]`` on ``device``."""
+    return LowRankTransform(torch.zeros(d_in, 0, dtype=torch.float32, device=device),
+                            torch.ones(0, dtype=torch.float32, device=device))
 
 
 def build_transform(A: torch.Tensor, rank: int, damping: float, power: float = 0.5) -> LowRankTransform:
     """The damped rank-``rank`` transform of a K-FAC input factor ``A`` (``[d_in, d_in]``, symmetric).
 
-    The eigendecomposition runs in FP64 (``torch.linalg.eigh``) for determinism and accuracy; the
-    result is float32 on A's device. Eigenvalues below zero (round-off) are clipped to zero.
+    The eigendecomposition runs in FP64 (``torch.linalg.eigh``) for determinism and accuracy, without autocast
+    (:func:`~megatron_geo.comm.hadamard.exact_fp32`); the result is float32 on A's device. Eigenvalues below
+    zero (round-off) are clipped to zero.
 
     Raises:
         ValueError: A not square, ``rank < 0`` or ``damping <= 0``.
@@ -98,6 +108,11 @@ def build_transform(A: torch.Tensor, rank: int, damping: float, power: float = 0
     r = min(rank, d_in)
     if r == 0:
         return identity_transform(d_in, A.device)
+    with exact_fp32():
+        return _build_transform(A, r, damping, power)
+
+
+def _build_transform(A: torch.Tensor, r: int, damping: float, power: float) -> LowRankTransform:
     A64 = A.double()
     evals, evecs = torch.linalg.eigh(0.5 * (A64 + A64.T))      # ascending
     evals = evals.flip(0).clamp(min=0.0)
@@ -109,14 +124,25 @@ def build_transform(A: torch.Tensor, rank: int, damping: float, power: float = 0
     U = evecs[:, :r]
     idx = U.abs().argmax(dim=0)
     U = U * torch.where(U[idx, torch.arange(r, device=A.device)] < 0, -1.0, 1.0)
-    return LowRankTransform(U.float().contiguous(), d.float())
+    return LowRankTransform(U.to(torch.float32).contiguous(), d.to(torch.float32))
 
 
 def sketch_matrix(d_in: int, k: int, seed: int, device=None) -> torch.Tensor:
     """Orthonormal test matrix Omega ``[d_in, k]`` (float32), the same on every rank for a given seed."""
     g = torch.Generator().manual_seed(seed)
     q, _ = torch.linalg.qr(torch.randn(d_in, k, generator=g, dtype=torch.float64))
-    return q.float().to(device)
+    return q.to(device=device, dtype=torch.float32)
+
+
+def sketch_shift(Y: torch.Tensor) -> float:
+    """The Nystrom shift ``nu = eps_fp32 ||Y||_F sqrt(d_in)`` of :func:`build_transform_from_sketch` for a sketch
+    ``Y`` ``[d_in, k]`` (any float dtype; units of A's entries).
+
+    ``eps_fp32 = torch.finfo(torch.float32).eps``, the precision of :class:`~megatron_geo.geometry.stats.InputStats`'
+    FP32 accumulation, whatever dtype ``Y`` arrives in (never the eps of a low-precision dtype: BF16's would shift
+    by about half of ``||Y||`` at ``d_in = 4096``).
+    """
+    return torch.finfo(torch.float32).eps * max(float(Y.double().norm()), 1e-300) * Y.shape[0] ** 0.5
 
 
 def build_transform_from_sketch(Y: torch.Tensor, omega: torch.Tensor, trace: float, rank: int,
@@ -128,7 +154,8 @@ def build_transform_from_sketch(Y: torch.Tensor, omega: torch.Tensor, trace: flo
     ``nu = eps ||Y||``, ``Y_nu = Y + nu Omega``, ``C = chol(Omega^T Y_nu)``, ``U S V^T = svd(Y_nu C^-T)``,
     ``lambda = max(S^2 - nu, 0)``; the top ``rank`` pairs are used, and ``lambda_ref`` (the mean of the
     remaining eigenvalues) comes from the exact ``trace(A)``: ``(trace - sum_top lambda) / (d_in - rank)``.
-    Exact when rank(A) <= k. Memory ``O(d_in k)`` instead of ``O(d_in^2)``.
+    Exact when rank(A) <= k. Memory ``O(d_in k)`` instead of ``O(d_in^2)``. ``eps`` is FP32's
+    (:func:`sketch_shift`); the work runs in FP64 without autocast; the result is float32 on Y's device.
 
     Args:
         Y: ``[d_in, k]`` float32 sketch (DP-averaged); omega: ``[d_in, k]`` the test matrix used.
@@ -138,9 +165,16 @@ def build_transform_from_sketch(Y: torch.Tensor, omega: torch.Tensor, trace: flo
     r = min(rank, k, d_in)
     if r == 0:
         return identity_transform(d_in, Y.device)
-    Y64, O64 = Y.double(), omega.double()
+    with exact_fp32():
+        return _build_transform_from_sketch(Y, omega, trace, r, damping, power)
+
+
+def _build_transform_from_sketch(Y: torch.Tensor, omega: torch.Tensor, trace: float, r: int, damping: float,
+                                 power: float) -> LowRankTransform:
+    d_in = Y.shape[0]
+    Y64, O64 = Y.double(), omega.to(device=Y.device, dtype=torch.float64)
     # shift by the precision of the sketch itself (FP32 accumulation), so B stays positive definite
-    nu = torch.finfo(Y.dtype).eps * max(float(Y64.norm()), 1e-300) * d_in ** 0.5
+    nu = sketch_shift(Y64)
     Yn = Y64 + nu * O64
     B = O64.T @ Yn
     C = torch.linalg.cholesky(0.5 * (B + B.T))
@@ -153,4 +187,4 @@ def build_transform_from_sketch(Y: torch.Tensor, omega: torch.Tensor, trace: flo
     Ur = U[:, :r]
     idx = Ur.abs().argmax(dim=0)
     Ur = Ur * torch.where(Ur[idx, torch.arange(r, device=Y.device)] < 0, -1.0, 1.0)
-    return LowRankTransform(Ur.float().contiguous(), d.float())
+    return LowRankTransform(Ur.to(torch.float32).contiguous(), d.to(torch.float32))

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections import OrderedDict
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ..config.schema import ModelConfig
 from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -126,6 +129,7 @@ class Llama(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp_group, seed: int, dtype=torch.float32, device=None):
         super().__init__()
+        self._block_pre_forward: OrderedDict[int, Callable[[int, nn.Module], None]] = OrderedDict()
         self.cfg, self.tp_group = cfg, tp_group
         tp = dist.get_world_size(tp_group)
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
@@ -150,11 +154,22 @@ class Llama(nn.Module):
 
             use_transformer_engine(self)
 
+    def register_block_pre_forward(self, fn: Callable[[int, nn.Module], None]) -> RemovableHandle:
+        """Call ``fn(index, block)`` in :meth:`forward` just before each block of ``layers`` runs, outside the
+        block's own call: eagerly even when the block is compiled in place (``train.compile=true``), where a
+        module hook on the block or inside it would be traced into its graph. Callbacks run in registration
+        order; ``handle.remove()`` unregisters. Blocks called directly (not through :meth:`forward`) skip them."""
+        handle = RemovableHandle(self._block_pre_forward)
+        self._block_pre_forward[handle.id] = fn
+        return handle
+
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if tokens.shape[-1] > self.cfg.seq_length:
             raise ValueError(f"sequence of {tokens.shape[-1]} tokens exceeds model.seq_length={self.cfg.seq_length}")
         x = self.embed(tokens)
-        for block in self.layers:
+        for i, block in enumerate(self.layers):
+            for fn in self._block_pre_forward.values():
+                fn(i, block)
             x = block(x, self.rope_cos, self.rope_sin)
         logits = self.output(self.norm(x))
         return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.tp_group)
