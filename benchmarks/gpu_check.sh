@@ -43,6 +43,12 @@ if ! PYBIN="$(command -v "$PY")"; then
     exit 2
 fi
 [[ "$PYBIN" == /* ]] || PYBIN="$PWD/$PYBIN"
+# the interpreter must be a Python that imports torch (not e.g. a system python3 without it, or /bin/true)
+if [[ "$("$PYBIN" -c 'import torch; print("torch-ok")' 2>/dev/null | tail -n 1)" != "torch-ok" ]]; then
+    echo "error: '$PYBIN' (MG_PYTHON=${MG_PYTHON:-unset}) is not a Python that can import torch; set MG_PYTHON to" \
+         "one that can (e.g. MG_PYTHON=.venv/bin/python after make install)" >&2
+    exit 2
+fi
 LIMIT="${GPU_CHECK_TIMEOUT:-470}"
 if ! [[ "$LIMIT" =~ ^[0-9]+$ ]] || (( LIMIT < 1 )); then
     echo "error: GPU_CHECK_TIMEOUT=$LIMIT must be a whole number of seconds >= 1 (default 470)" >&2

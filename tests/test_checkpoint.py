@@ -494,6 +494,13 @@ def test_truncated_data_file_and_damaged_meta_and_latest_are_clear_errors(tmp_pa
     assert "not the name of a step_* folder" in logs[0] and "using the newest complete checkpoint" in logs[0]
     with pytest.raises(ConfigError, match="checkpoint.load=latest but .* not the name of a step_\\* folder"):
         resolve_load(load_config([], [f"train.run_dir={tmp_path}", "checkpoint.load=latest"]))
+    # the only checkpoint damaged (its .metadata gone): auto never starts the run over from step 0 on top of it
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000004\n")
+    (ck / ".metadata").unlink()
+    with pytest.raises(ConfigError, match=r"checkpoint.load=auto but .* names step_00000004, which is not a complete "
+                                          r"checkpoint, and .* no other complete checkpoint.*checkpoint.load=none"):
+        resolve_load(load_config([], [f"train.run_dir={tmp_path}"]))
+    assert resolve_load(load_config([], [f"train.run_dir={tmp_path}", "checkpoint.load=none"])) is None
 
 
 # ---------------------------------------------------------------------------------------------------

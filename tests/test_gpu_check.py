@@ -24,6 +24,16 @@ PHASES = ["env", "checkpoint", "geo", "overlap", "compile", "cuda_tests", "train
 OUTPUTS = {"gpu_check.json", "gpu_check_logs.tar.gz"}
 
 
+PROBE = '-c import torch; print("torch-ok")'  # the script's check that the interpreter imports torch
+
+
+def _runs(calls: Path) -> list[str]:
+    """The logged interpreter calls after the script's torch probe, which must come first."""
+    lines = calls.read_text().splitlines()
+    assert lines and lines[0] == PROBE, lines[:2]
+    return lines[1:]
+
+
 def _python3_on_path(tmp_path: Path, name: str = "python3") -> tuple[Path, Path]:
     """A ``python3`` (first on PATH) that logs each call and runs this interpreter; returns (its path, its log)."""
     bin_dir = tmp_path / "bin"
@@ -91,7 +101,7 @@ def test_dry_run_uses_the_machines_python3_not_the_checkouts_venv(dry_run):
     d = json.loads((dry_run.out / "gpu_check.json").read_text())
     assert d["python"] == str(dry_run.exe)
     assert ".venv" not in d["python"]
-    calls = dry_run.calls.read_text().splitlines()
+    calls = _runs(dry_run.calls)
     assert calls and all("benchmarks/gpu_check.py" in c for c in calls)
     assert calls[0].split()[1:3] == ["run", "--dry-run"]
 
@@ -166,7 +176,7 @@ def test_phase_past_its_budget_is_timed_out_and_the_json_stays_valid(tmp_path):
     for name in set(PHASES) - {"checkpoint", "geo"}:
         assert d[name]["status"] == "skipped" and "GPU_CHECK_ONLY" in d[name]["reason"]
     # MG_PYTHON ran the runner and each phase
-    assert len(calls.read_text().splitlines()) == 3 and d["python"] == str(exe)
+    assert len(_runs(calls)) == 3 and d["python"] == str(exe)
 
 
 def test_overall_limit_cuts_the_running_phase(tmp_path):
@@ -223,7 +233,7 @@ def test_without_a_gpu_the_run_is_refused(tmp_path):
     d, members = _outputs(out)
     assert d["env"]["status"] == "ok" and d["env"]["cuda_available"] is False
     assert all(d[n]["status"] == "skipped" for n in PHASES[1:]) and "gpu_check_logs/env.log" in members
-    assert len(calls.read_text().splitlines()) == 2  # the runner, then the env phase: each a new python3
+    assert len(_runs(calls)) == 2  # the runner, then the env phase: each a new python3
 
 
 @pytest.mark.parametrize("var, value, message", [
@@ -232,6 +242,7 @@ def test_without_a_gpu_the_run_is_refused(tmp_path):
     ("GPU_CHECK_TIMEOUT", "soon", "GPU_CHECK_TIMEOUT=soon must be a whole number"),
     ("GPU_CHECK_LAUNCH", "spawn", "GPU_CHECK_LAUNCH='spawn'"),
     ("MG_PYTHON", "/nonexistent/python", "interpreter '/nonexistent/python' not found"),
+    ("MG_PYTHON", "/bin/true", "is not a Python that can import torch; set MG_PYTHON"),
 ])
 def test_bad_settings_are_refused(tmp_path, var, value, message):
     env = _env(tmp_path, MG_PYTHON=sys.executable)

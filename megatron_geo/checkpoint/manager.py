@@ -83,12 +83,13 @@ def latest_pointer_problem(root: Path) -> str | None:
 def resolve_load(cfg: Config, log=None) -> Path | None:
     """The checkpoint folder this run starts from (None: start fresh), per ``checkpoint.load``.
 
-    With ``auto`` a damaged ``latest`` pointer falls back to the newest complete folder (``log`` says so);
-    with ``latest`` it is an error.
+    With ``auto`` a damaged ``latest`` pointer falls back to the newest complete folder (``log`` says so), and
+    is an error when there is none (a run is never restarted from step 0 over a damaged checkpoint); with
+    ``latest`` it is an error.
 
     Raises:
-        ConfigError: ``latest`` with no complete checkpoint or a damaged pointer, or a path that is not a
-            complete checkpoint.
+        ConfigError: ``latest`` with no complete checkpoint or a damaged pointer, ``auto`` with a damaged pointer
+            and no complete checkpoint, or a path that is not a complete checkpoint.
     """
     mode, root = cfg.checkpoint.load, checkpoint_root(cfg)
     if mode == "none":
@@ -99,6 +100,10 @@ def resolve_load(cfg: Config, log=None) -> Path | None:
             raise ConfigError(f"checkpoint.load=latest but {problem}; point checkpoint.load at a step_* folder, or "
                               f"use checkpoint.load=auto (the newest complete checkpoint)")
         found = latest_checkpoint(root)
+        if problem and found is None:  # never start over silently on top of a run whose checkpoint is damaged
+            raise ConfigError(f"checkpoint.load=auto but {problem}, and {root} holds no other complete checkpoint to "
+                              f"resume from; repair or remove it, or set checkpoint.load=none to start this run "
+                              f"over from step 0")
         if problem and found is not None and log is not None:
             log(f"checkpoint: {problem}; using the newest complete checkpoint, {found.name}")
         if found is None and mode == "latest":

@@ -229,8 +229,9 @@ def check_inputs(cfg: Config, devices: bool = True) -> None:
         wants_cuda = cfg.train.device == "cuda" or cfg.parallel.backend == "nccl"
         if wants_cuda and not torch.cuda.is_available():
             key = "train.device=cuda" if cfg.train.device == "cuda" else "parallel.backend=nccl"
-            raise ConfigError(f"{key} but CUDA is not available on this machine; use train.device=auto (or cpu) and "
-                              f"parallel.backend=auto (or gloo), or run on a GPU node")
+            raise ConfigError(f"{key} but CUDA is not available on this machine (torch {torch.__version__}); run on a "
+                              f"GPU node with a CUDA build of torch, or use train.device=cpu and parallel.backend=auto "
+                              f"(or gloo)")
         if cfg.comm.dtype not in ("fp32", "bf16"):  # the scaled codecs are what comm.compile compiles
             from ..comm.compiled import compiler_problem, resolve_compile
 

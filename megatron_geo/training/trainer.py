@@ -279,10 +279,10 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
                 ckpt.save(t.steps, consumed, skipped_in_a_row)
     finally:
         optimizer.wait_param_gather()  # the model's parameters are complete when train() returns
-        stop.restore()
         if progress is not None:
             progress.close()
-        logger.close()
+        logger.close()  # before the handlers go: a launcher's SIGTERM during wandb's finish must not kill the rank
+        stop.restore()
     summary = {
         "parameters": n_params, "steps": last["step"], "start_loss": first_loss, "final_loss": last_res.loss,
         "val_loss": val_loss,
