@@ -16,3 +16,14 @@ def world():
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield dist.group.WORLD
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: one intra-op thread (several OpenMP threads on shared cores only spin against each other)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -16,12 +16,9 @@ STEPS = 4   # refreshes at steps 0 and 2
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread (several OpenMP threads on shared cores only spin against each other)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def fresh_dynamo(one_thread):
+    """One thread, and no compiled code or counters carried into the next test."""
     yield
-    torch.set_num_threads(n)
     torch._dynamo.reset()   # no compiled code or counters carried into the next test
     torch._dynamo.utils.counters.clear()
 

@@ -14,13 +14,7 @@ from megatron_geo.geometry import GeoState, LowRankTransform
 D_FULL, D_SKETCH, K, RANK, TOKENS = 16, 64, 8, 3, 257   # 257 tokens: a count BF16 cannot hold (it rounds to 256)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread (several OpenMP threads on shared cores only spin against each other)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class TwoLayers(nn.Module):

@@ -118,14 +118,9 @@ class DistributedOptimizer:
         for i, v in enumerate(extra or []):
             if v:
                 buf[1 + i].fill_(float(v))  # a scalar kernel argument, no host-to-device copy
-        if extra is not None and (self.sharded or pctx.world_size > 1):
+        if self.sharded or (extra is not None and pctx.dp_size > 1):
             if not self.sharded and pctx.dp_rank != 0:
                 sq.zero_()  # the world sum counts the (replicated) gradient of one DP rank only
-            if self.sharded or pctx.dp_size > 1:
-                C.all_reduce(buf, pctx.world_group)
-            else:
-                C.all_reduce(buf, pctx.tp_group)
-        elif self.sharded:
             C.all_reduce(buf, pctx.world_group)
         elif pctx.tp_size > 1:
             C.all_reduce(buf, pctx.tp_group)
