@@ -159,6 +159,7 @@ def resolve_configs(runs: list[dict], world: int | None) -> None:
     """
     sys.path.insert(0, str(ROOT))
     from megatron_geo.config import ConfigError, config_to_dict, load_config, validate_config
+    from megatron_geo.config.validate import reject_inert_keys
 
     for r in runs:
         args = r["config_args"]
@@ -167,6 +168,7 @@ def resolve_configs(runs: list[dict], world: int | None) -> None:
         try:
             cfg = load_config(files, overrides)
             validate_config(cfg, world if world is not None else cfg.parallel.tensor)
+            reject_inert_keys(cfg)  # a key with no effect on this run (e.g. geo.* on a plain fp8 preset)
         except ConfigError as e:
             raise SweepError(f"run {r['name']}: {e}") from None
         r["config"] = config_to_dict(cfg)

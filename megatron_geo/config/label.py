@@ -8,9 +8,11 @@ run executes and reports) do not, nor do ``geo.*`` keys while ``comm.transform``
 
 In order:
 
-1. ``comm.label=...`` given as an override wins.
+1. ``comm.label=...`` given as an override wins (``comm.label=null`` or an empty value: derived by the rules
+   below, without any file's label).
 2. A label read from a file (e.g. a run's ``config.yaml`` loaded again) is kept while the settings still equal
-   the ones that file described; a later change of a counted key re-derives it.
+   the ones that file described; a later change of a counted key, or a later file with a null or empty
+   ``comm.label``, re-derives it.
 3. The name of a ``configs/comm/<name>.yaml`` preset whose settings equal the run's: the preset the run was
    given first, then every preset next to it (so ``fp8`` + ``comm.error_feedback=true`` is ``fp8_ef``).
 4. Else a compact label of the counted keys that differ from the defaults (:func:`derive_label`), e.g.

@@ -1,5 +1,16 @@
 """YAML loading, ordered merge of several files, dotted ``key=value`` overrides, type checking.
 
+One meaning per spelling:
+
+- A YAML null (plain ``~``, ``null``, ``Null``, ``NULL`` or an empty value) and an override ``section.key=null``
+  (or ``=~``) set the key to its schema default, also over a value an earlier file gave. An empty override
+  ``section.key=`` is the empty text: the "not given" value of keys whose default is empty, an error for a
+  required path or a number.
+- A section written as null or with no keys sets nothing. Top-level keys starting with ``x-`` are ignored: a
+  place for YAML anchors that sections merge in (``<<: *name``, see :mod:`.yaml_read`).
+- Path keys (:func:`~megatron_geo.config.schema.path_field`) are expanded once, after the last override:
+  ``~`` and ``$VAR`` / ``${VAR}``; an unset variable or an empty required path is an error.
+
 Errors are :class:`ConfigError` with a message that names the offending file/key/value and the fix.
 """
 
@@ -9,17 +20,19 @@ import dataclasses
 import functools
 import decimal
 import difflib
+import os
+import re
 import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from .errors import ConfigError
 from .schema import Config
+from .yaml_read import NULL_WORDS, read_yaml
 
-
-class ConfigError(ValueError):
-    """A bad config file, key, value or combination of sizes."""
+__all__ = ["ConfigError", "config_to_dict", "dump_config", "expand_path", "load_config", "resolve_paths"]
 
 
 def _section_fields(obj) -> dict[str, dataclasses.Field]:
@@ -31,8 +44,7 @@ def _suggest(name: str, options, prefix: str = "") -> str:
     return f" Did you mean '{prefix}{close[0]}'?" if close else f" Valid keys: {', '.join(sorted(options))}."
 
 
-_LIST_KEYS = ("geo.layers", "geo.power_search")  # comma-separated strings that may be written as YAML lists
-_EMPTY_OK = ("geo.power_search",)                 # strings whose empty value means "off"
+_LIST_KEYS = ("geo.layers", "geo.power_search", "checkpoint.allow_changes")  # comma-separated strings that may be written as YAML lists
 _AUTO_BOOL_KEYS = ("parallel.overlap_param_gather", "comm.compile")  # str keys whose values are auto, true or false
 
 
@@ -90,26 +102,23 @@ def _coerce(value: Any, typ: type, where: str) -> Any:
             return {"yes": "true", "on": "true", "no": "false", "off": "false"}.get(low, low)
         if isinstance(value, str) and where.endswith(_LIST_KEYS) and value.strip().startswith("["):
             try:
-                value = yaml.load(value, Loader=yaml.BaseLoader)  # an override written as a YAML list
+                value = read_yaml(value, where)  # an override written as a YAML list
             except yaml.YAMLError:
                 raise ConfigError(f"{where}: {value!r} is not a valid list; e.g. [0.5, 0.25, 0]") from None
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
-        if value is None and where.endswith(_EMPTY_OK):
-            return ""  # `geo.power_search=` (an empty override) = off
-        scalars = isinstance(value, list) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool)
-                                                  for v in value)
-        if scalars and where.endswith(_LIST_KEYS):
-            if any(str(v).strip() == "" for v in value):
-                raise ConfigError(f"{where}: the list {value!r} has an empty element; e.g. [0.5, 0.25, 0]")
-            return ",".join(str(v) for v in value)  # a YAML list of patterns / numbers = the comma-separated form
         if isinstance(value, list) and where.endswith(_LIST_KEYS):
+            if any(v is None or (isinstance(v, str) and not v.strip()) for v in value):
+                raise ConfigError(f"{where}: the list {value!r} has an empty element; e.g. [0.5, 0.25, 0]")
+            if all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
+                return ",".join(str(v) for v in value)  # a YAML list of patterns / numbers = the comma-separated form
             raise ConfigError(f"{where}: expected a list of numbers or strings, got {value!r}; e.g. [0.5, 0.25, 0]")
         raise ConfigError(f"{where}: expected a string, got {value!r}")
     raise ConfigError(f"{where}: unsupported field type {typ}")
 
 
 def _apply(cfg: Config, section: str, key: str, value: Any, origin: str) -> None:
+    """Set ``section.key`` from a file's or an override's ``value``; ``None`` (a null) sets the schema default."""
     sections = _section_fields(cfg)
     if section not in sections:
         raise ConfigError(f"{origin}: unknown section '{section}'.{_suggest(section, sections)}")
@@ -117,16 +126,75 @@ def _apply(cfg: Config, section: str, key: str, value: Any, origin: str) -> None
     fields = _section_fields(sec)
     if key not in fields:
         raise ConfigError(f"{origin}: unknown key '{section}.{key}'.{_suggest(key, fields, section + '.')}")
-    hints = typing.get_type_hints(type(sec))
-    setattr(sec, key, _coerce(value, hints[key], f"{origin}: {section}.{key}"))
+    default = getattr(type(sec)(), key)
+    if value is None:
+        setattr(sec, key, default)
+        return
+    typ, where = typing.get_type_hints(type(sec))[key], f"{origin}: {section}.{key}"
+    if typ is not str and isinstance(value, str) and not value.strip():
+        shown = str(default).lower() if isinstance(default, bool) else default
+        raise ConfigError(f"{where}: empty value; give a value, or null for the default ({shown})")
+    setattr(sec, key, _coerce(value, typ, where))
+
+
+def _override_value(text: str) -> str | None:
+    """An override's value: ``null`` / ``Null`` / ``NULL`` / ``~`` -> None (the default), anything else as written."""
+    return None if text.strip() in NULL_WORDS else text
+
+
+_VAR = re.compile(r"\$(\w+|\{[^}]*\})")  # the forms os.path.expandvars replaces
+
+
+def expand_path(value: str, key: str) -> str:
+    """``value`` with a leading ``~`` / ``~user`` and every ``$VAR`` / ``${VAR}`` expanded (as a shell would).
+
+    Raises:
+        ConfigError: a variable that is not set (naming ``key`` and the variable).
+    """
+    home = os.path.expanduser(value)
+    for m in _VAR.finditer(home):
+        name = m.group(1).strip("{}")
+        if name not in os.environ:
+            raise ConfigError(f"{key}={value!r}: the environment variable {name!r} is not set; set it (export "
+                              f"{name or 'NAME'}=...) or write the path out")
+    return os.path.expandvars(home)
+
+
+def _resolve_path(value: str, key: str, field: dataclasses.Field) -> str:
+    """One path key's final value: keywords (e.g. ``auto``) as written, empty as ``""``, a path expanded."""
+    keywords, default = field.metadata["keywords"], field.default
+    if value in keywords:
+        return value
+    if not value.strip():
+        if field.metadata["required"]:
+            words = f"{', '.join(keywords)} or " if keywords else ""
+            raise ConfigError(f"{key} is empty; give {words}a path, or null for the default ({default})")
+        return ""
+    return expand_path(value, key)
+
+
+def resolve_paths(cfg: Config) -> None:
+    """Expand every path key of ``cfg`` in place (the schema marks them with ``path_field``).
+
+    Raises:
+        ConfigError: an empty required path or an unset ``$VAR``.
+    """
+    for sec_field in dataclasses.fields(cfg):
+        sec = getattr(cfg, sec_field.name)
+        for f in dataclasses.fields(sec):
+            if f.metadata.get("path"):
+                setattr(sec, f.name, _resolve_path(getattr(sec, f.name), f"{sec_field.name}.{f.name}", f))
 
 
 def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Build a :class:`Config`: defaults, then each YAML file in order, then ``section.key=value`` overrides.
 
+    A null sets a key to its schema default; path keys come back expanded (see the module docstring).
+
     Raises:
-        ConfigError: missing file, YAML syntax error, unknown section/key (with the closest valid
-            key suggested), a value of the wrong type, or a malformed override.
+        ConfigError: missing file, YAML syntax error, a duplicate key (naming both lines), unknown section/key
+            (with the closest valid key suggested), a value of the wrong type, a malformed override, an empty
+            required path, or an unset ``$VAR`` in a path.
     """
     from .label import resolve_label
 
@@ -180,12 +248,14 @@ def _build(files, overrides):
             preset = (name, f)
             reset_comm_sections(cfg)  # a preset replaces comm and geo (never a silent merge with earlier files)
         try:
-            # no implicit typing: every scalar stays its text and is typed against the schema (_coerce)
-            data = yaml.load(path.read_text(encoding="utf-8-sig"), Loader=yaml.BaseLoader) or {}
+            # no implicit typing: every scalar stays its text (or None, a null) and is typed against the schema
+            data = read_yaml(path.read_text(encoding="utf-8-sig"), f"config file '{f}'")
         except yaml.YAMLError as e:
             raise ConfigError(f"config file '{f}' is not valid YAML: {e}") from None
+        data = {} if data is None else data
         if not isinstance(data, dict):
             raise ConfigError(f"config file '{f}': top level must be a mapping of sections, got {type(data).__name__}")
+        data = {k: v for k, v in data.items() if not k.startswith("x-")}  # anchors for merge keys, not settings
         # a model config after a preset would silently replace part of it (an overlay of comm/geo keys alone is
         # a deliberate change and allowed)
         if preset is not None and name is None and "model" in data and ({"comm", "geo"} & set(data)):
@@ -193,21 +263,27 @@ def _build(files, overrides):
                               f"comm preset '{preset[1]}', which would silently replace part of it; pass the preset "
                               f"last (--config MODEL.yaml --config {preset[1]}) or change keys with overrides")
         for section, body in data.items():
+            if body is None:  # `train:` with every key commented out
+                continue
             if not isinstance(body, dict):
                 raise ConfigError(f"{f}: section '{section}' must be a mapping of key: value")
             for key, value in body.items():
                 _apply(cfg, section, key, value, f)
-        if cfg.comm.label:  # e.g. a run's config.yaml: its label describes the settings it was written with
-            file_label = (cfg.comm.label, wire_settings(cfg))
+        if "label" in (data.get("comm") or {}):  # e.g. a run's config.yaml: its label describes its settings;
+            # a null or empty label drops an earlier file's (the label is derived again)
+            file_label = (cfg.comm.label, wire_settings(cfg)) if cfg.comm.label else None
             cfg.comm.label = ""
     for ov in overrides:
         if "=" not in ov or "." not in ov.split("=", 1)[0]:
             raise ConfigError(f"override '{ov}' is not of the form section.key=value (e.g. train.steps=20)")
         dotted, value = ov.split("=", 1)
         section, key = dotted.split(".", 1)
-        _apply(cfg, section.strip(), key.strip(), value, "override")
+        _apply(cfg, section.strip(), key.strip(), _override_value(value), "override")
         if (section.strip(), key.strip()) == ("comm", "label"):
             explicit, cfg.comm.label = cfg.comm.label, ""
+            if not explicit:  # comm.label=null or comm.label=: derived, whatever a file said
+                explicit = file_label = None
+    resolve_paths(cfg)
     return cfg, preset, file_label, explicit
 
 

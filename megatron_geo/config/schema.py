@@ -2,12 +2,26 @@
 
 Every key a YAML file or a ``dotted.key=value`` override may set is a field here; the loader
 (:mod:`megatron_geo.config.loader`) rejects anything else. Sections mirror the architecture in
-DESIGN.md section 2.
+DESIGN.md section 2. A YAML null (or a ``key=null`` override) sets a key to the default written here.
+
+Path-valued keys are declared with :func:`path_field`: the loader expands ``~`` and ``$VAR`` in them once,
+when the config is resolved, so every later reader (and the dumped ``config.yaml``) sees the final path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+def path_field(default: str, *, required: bool, keywords: tuple[str, ...] = ()):
+    """A ``str`` field holding a filesystem path.
+
+    Args:
+        default: the default path (may start with ``~``).
+        required: an empty value is a config error (else empty means "not given").
+        keywords: values that are words, not paths (e.g. ``auto``); they are left as written.
+    """
+    return field(default=default, metadata={"path": True, "required": required, "keywords": keywords})
 
 
 @dataclass
@@ -74,7 +88,7 @@ class TrainConfig:
     eval_batches: int = 4
     log_interval: int = 1
     seed: int = 1234
-    run_dir: str = "runs/default"
+    run_dir: str = path_field("runs/default", required=True)
     device: str = "auto"
     param_dtype: str = "fp32"
     autocast_dtype: str = "auto"
@@ -90,10 +104,10 @@ class DataConfig:
     """``source=shakespeare`` prepares the embedded corpus on first use; ``indexed`` reads your own files."""
 
     source: str = "shakespeare"
-    cache_dir: str = "~/.cache/megatron_geo"
-    train_prefix: str = ""
-    valid_prefix: str = ""
-    tokenizer_model: str = ""
+    cache_dir: str = path_field("~/.cache/megatron_geo", required=True)
+    train_prefix: str = path_field("", required=False)
+    valid_prefix: str = path_field("", required=False)
+    tokenizer_model: str = path_field("", required=False)
 
 
 @dataclass
@@ -162,14 +176,18 @@ class CheckpointConfig:
     with ``save_at_end``). ``keep_latest``: complete checkpoints kept (older ones are removed only after a
     newer one is complete; 0 keeps all). ``load``: ``auto`` (resume from the latest complete checkpoint
     in ``dir`` if there is one), ``latest`` (the same, but it must exist), ``none`` (start fresh), or a
-    checkpoint folder path.
+    checkpoint folder path, which initialises a run folder that has no checkpoint of its own (relaunches
+    resume the run's own checkpoints; see ``checkpoint/start.py``). ``allow_changes``: keys that a resume
+    may change although they change the run's trajectory (data order, global batch, learning-rate
+    schedule; ``all`` for every one), see ``checkpoint/resume_changes.py``.
     """
 
-    dir: str = ""
+    dir: str = path_field("", required=False)  # empty: <train.run_dir>/checkpoints
     interval: int = 0
     keep_latest: int = 2
-    load: str = "auto"
+    load: str = path_field("auto", required=True, keywords=("auto", "latest", "none"))
     save_at_end: bool = True
+    allow_changes: str = ""  # comma-separated keys a resume may change (see checkpoint/resume_changes.py)
 
 
 @dataclass
@@ -180,6 +198,7 @@ class LoggingConfig:
     wandb_project: str = "megatron-geo"
     wandb_group: str = ""
     wandb_name: str = ""
+    wandb_resume: str = "auto"  # auto: continue the wandb run only in the folder its id was made in | never | must
 
 
 @dataclass

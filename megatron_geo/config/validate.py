@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
-from .loader import ConfigError
+from .loader import ConfigError, resolve_paths
 from .schema import Config
 
 _CHOICES = {
@@ -31,6 +32,7 @@ _CHOICES = {
     ("comm", "reduce_op"): ("fp32_sum", "wire_sum"),
     ("train", "nonfinite"): ("skip", "stop"),
     ("logging", "wandb"): ("offline", "online", "disabled"),
+    ("logging", "wandb_resume"): ("auto", "never", "must"),
     ("model", "transformer_impl"): ("local", "transformer_engine"),
 }
 
@@ -143,7 +145,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
             "release does not gather TP shards for it. Use parallel.tensor=1 with muon, or optimizer.name=adamw with TP")
     if p.backend == "nccl" and t.device == "cpu":
         raise ConfigError("parallel.backend=nccl needs CUDA; use parallel.backend=gloo (or auto) with train.device=cpu")
-    for name, path in (("train.run_dir", t.run_dir), ("data.cache_dir", os.path.expanduser(cfg.data.cache_dir))):
+    for name, path in (("train.run_dir", t.run_dir), ("data.cache_dir", cfg.data.cache_dir)):
         probe = path
         while probe and not os.path.exists(probe):
             probe = os.path.dirname(probe)
@@ -162,14 +164,25 @@ def validate_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"train.max_skipped_steps={t.max_skipped_steps} must be >= 1")
     if not ck.load:
         raise ConfigError("checkpoint.load is empty; use auto, latest, none or a checkpoint folder")
-    if ck.load not in ("auto", "latest", "none") and not os.path.isdir(os.path.expanduser(ck.load)):
+    if ck.load not in ("auto", "latest", "none") and not os.path.isdir(ck.load) and not _has_own_checkpoint(cfg):
         raise ConfigError(f"checkpoint.load={ck.load!r} is not a folder; use auto, latest, none or the path of a "
                           f"checkpoint folder (e.g. {t.run_dir}/checkpoints/step_00000100)")
+    from ..checkpoint.resume_changes import parse_allow_changes
+
+    parse_allow_changes(ck.allow_changes)
     if not (math.isfinite(p.timeout_minutes) and p.timeout_minutes > 0):
         raise ConfigError(f"parallel.timeout_minutes={p.timeout_minutes} must be a positive number of minutes")
     if cfg.data.source == "indexed" and not (cfg.data.train_prefix and cfg.data.tokenizer_model):
         raise ConfigError("data.source=indexed needs data.train_prefix and data.tokenizer_model "
                           "(make them with tools/train_tokenizer.py and tools/preprocess_data.py)")
+
+
+def _has_own_checkpoint(cfg: Config) -> bool:
+    """Whether the run folder holds a complete checkpoint of its own (which a relaunch resumes whatever an
+    explicit ``checkpoint.load`` names, so that path may be gone)."""
+    from ..checkpoint.manager import checkpoint_root, latest_checkpoint
+
+    return latest_checkpoint(checkpoint_root(cfg)) is not None
 
 
 def output_file_problem(flag: str, path: str | None) -> str | None:
@@ -185,9 +198,10 @@ def check_inputs(cfg: Config, devices: bool = True) -> None:
     """Every file and device the config names, checked before any process group starts (DESIGN: bad input is
     one clear error, not a traceback on every rank).
 
-    Files: ``data.train_prefix`` / ``data.valid_prefix`` (``.bin`` and ``.idx``) and ``data.tokenizer_model``
-    with ``data.source=indexed``, ``checkpoint.load`` (a folder). Devices (``devices=True``; the Slurm pre-flight
-    check on a login node leaves them out): ``train.device=cuda`` or ``parallel.backend=nccl`` without CUDA, and
+    First :func:`reject_inert_keys` (a key that the other settings give no effect). Files: ``data.train_prefix`` /
+    ``data.valid_prefix`` (``.bin`` and ``.idx``) and ``data.tokenizer_model`` with ``data.source=indexed``,
+    ``checkpoint.load`` (a folder). Devices (``devices=True``; the Slurm pre-flight check on a login node leaves
+    them out): ``train.device=cuda`` or ``parallel.backend=nccl`` without CUDA, and
     ``train.device=auto`` on a process the launcher gave GPUs that CUDA cannot use (which would fall back to
     the CPU).
 
@@ -197,20 +211,24 @@ def check_inputs(cfg: Config, devices: bool = True) -> None:
             ``SLURM_JOB_GPUS``, ``CUDA_VISIBLE_DEVICES``) but CUDA unusable on this node (this process's own
             environment: every rank checks its node; the message names the variable and the fix).
     """
+    reject_inert_keys(cfg)
     d = cfg.data
     if d.source == "indexed":
         for key, prefix in (("data.train_prefix", d.train_prefix), ("data.valid_prefix", d.valid_prefix)):
             if not prefix:
                 continue
-            missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(os.path.expanduser(prefix + ext))]
+            missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
             if missing:
                 raise ConfigError(f"{key}={prefix!r}: {' and '.join(repr(m) for m in missing)} not found; write them with "
                                   f"tools/preprocess_data.py --output-prefix {prefix} or fix the path")
-        if d.tokenizer_model and not os.path.isfile(os.path.expanduser(d.tokenizer_model)):
+            from ..data.indexed_dataset import check_dataset_files
+
+            check_dataset_files(key, prefix)  # format, header and sizes of both files
+        if d.tokenizer_model and not os.path.isfile(d.tokenizer_model):
             raise ConfigError(f"data.tokenizer_model={d.tokenizer_model!r} not found; train one with "
                               f"tools/train_tokenizer.py or fix the path")
     ck = cfg.checkpoint.load
-    if ck not in ("auto", "latest", "none", "") and not os.path.isdir(os.path.expanduser(ck)):
+    if ck not in ("auto", "latest", "none", "") and not os.path.isdir(ck) and not _has_own_checkpoint(cfg):
         raise ConfigError(f"checkpoint.load={ck!r} is not a folder; use auto, latest, none or an existing checkpoint "
                           f"folder")
     if cfg.logging.wandb != "disabled":
@@ -241,6 +259,89 @@ def check_inputs(cfg: Config, devices: bool = True) -> None:
             if problem:
                 raise ConfigError(f"comm.compile={cfg.comm.compile}: {problem}; install g++ (or point CXX at a C++ "
                                   f"compiler) or use comm.compile=false")
+
+
+def _inert_rules(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
+    """``(keys, the setting that gives them no effect, how to give them one)`` for the settings of ``cfg``."""
+    c, g, d, o, t = cfg.comm, cfg.geo, cfg.data, cfg.optimizer, cfg.train
+    rules = []
+    if d.source == "shakespeare":
+        rules.append((("data.train_prefix", "data.valid_prefix", "data.tokenizer_model"),
+                      "data.source=shakespeare (the embedded corpus)",
+                      "set data.source=indexed to train on your files"))
+    if d.source == "indexed":
+        rules.append((("data.cache_dir",), "data.source=indexed (only the embedded corpus is prepared there)",
+                      "set data.source=shakespeare"))
+    if c.dtype in ("fp32", "bf16"):
+        rules.append((("comm.scaling",), f"comm.dtype={c.dtype} (sent unscaled)", "use an fp8 comm.dtype"))
+    if not (c.scaling == "block" and c.dtype in ("fp8_e4m3", "fp8_e5m2")):
+        rules.append((("comm.block_size",), f"comm.scaling={c.scaling} and comm.dtype={c.dtype}",
+                      "set comm.scaling=block with an fp8 comm.dtype"))
+    if c.transform != "hadamard":
+        rules.append((("comm.hadamard_block",), f"comm.transform={c.transform}", "set comm.transform=hadamard"))
+    if c.transform != "geo":
+        rules.append((tuple(f"geo.{f.name}" for f in dataclasses.fields(g)), f"comm.transform={c.transform}",
+                      "set comm.transform=geo"))
+    else:
+        if g.select == "layers":
+            rules.append((("geo.num_layers",), "geo.select=layers (geo.layers alone chooses)",
+                          "set geo.select=auto or gain"))
+        if g.select != "auto":
+            rules.append((("geo.profile_steps",), f"geo.select={g.select} (nothing is profiled)",
+                          "set geo.select=auto"))
+        if parse_power_search(g.power_search):
+            rules.append((("geo.power",), f"geo.power_search={g.power_search} (the search picks each layer's power)",
+                          "drop geo.power_search"))
+        if g.statistics == "full":
+            rules.append((("geo.sketch_size",), "geo.statistics=full", "set geo.statistics=sketch or auto"))
+        if not c.error_feedback:
+            rules.append((("geo.ef_on_refresh",), "comm.error_feedback=false (no residual to carry over)",
+                          "set comm.error_feedback=true"))
+    if o.name == "adamw":
+        rules.append((("optimizer.muon_momentum", "optimizer.muon_adjust_lr_fn", "optimizer.muon_ns_dtype",
+                       "optimizer.adamw_lr"), "optimizer.name=adamw", "set optimizer.name=muon"))
+    if not cfg.parallel.distributed_optimizer:
+        rules.append((("parallel.overlap_param_gather",), "parallel.distributed_optimizer=false (nothing is gathered)",
+                      "set parallel.distributed_optimizer=true"))
+    if t.nonfinite == "stop":
+        rules.append((("train.max_skipped_steps",), "train.nonfinite=stop (the first non-finite step stops the run)",
+                      "set train.nonfinite=skip"))
+    if t.device == "cpu":
+        rules.append((("train.autocast_dtype",), "train.device=cpu (autocast runs on CUDA only)",
+                      "set train.device=auto or cuda"))
+    return rules
+
+
+def _same_setting(key: str, value, default) -> bool:
+    """Whether ``value`` means the default (``geo.power`` in any spelling of the same number)."""
+    if key == "geo.power":
+        return parse_power(value) == parse_power(default)
+    return value == default
+
+
+def reject_inert_keys(cfg: Config) -> None:
+    """A key set away from its default while the other settings give it no effect is an error, never ignored
+    (e.g. ``data.train_prefix`` with ``data.source=shakespeare``, ``geo.*`` without ``comm.transform=geo``,
+    ``optimizer.muon_*`` with ``optimizer.name=adamw``). A key at its default, in any spelling, passes, so a
+    resolved ``config.yaml`` (which lists every key) loads again.
+
+    Left alone on purpose: keys that a switch documented as "off" voids while a shipped model config sets them
+    (``train.eval_interval`` with ``train.eval_batches=0``, ``optimizer.min_lr`` with
+    ``train.lr_decay_style=constant``, ``logging.wandb_*`` with ``logging.wandb=disabled``), and per-bucket or
+    per-codec options that a sweep passes to every mode (``comm.compile``, ``comm.telemetry_interval``).
+
+    Raises:
+        ConfigError: naming the first such key, its value, the setting that voids it and the fix.
+    """
+    defaults = Config()
+    resolve_paths(defaults)
+    for keys, why, fix in _inert_rules(cfg):
+        for key in keys:
+            sec, name = key.split(".")
+            value, default = getattr(getattr(cfg, sec), name), getattr(getattr(defaults, sec), name)
+            if not _same_setting(key, value, default):
+                shown = str(value).lower() if isinstance(value, bool) else value
+                raise ConfigError(f"{key}={shown} has no effect with {why}; drop {key} or {fix}")
 
 
 def parse_power(spec, key: str = "geo.power") -> float | str:

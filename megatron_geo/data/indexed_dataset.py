@@ -12,20 +12,27 @@ little-endian ``uint16`` (when ``vocab_size <= 65536``) or ``int32``.
     num_docs    uint64
     sizes       int64[num_docs]   document lengths in tokens
     offsets     int64[num_docs]   document start offsets in tokens (into .bin)
+
+Opening (and :func:`check_dataset_files`, the start-up check) validates all of it: magic, version, dtype code
+against the vocabulary size, the ``.idx`` size its document count implies, the document table, and the ``.bin``
+size the table implies. A Megatron-LM index (magic ``MMIDIDX``) is recognised and refused by name.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+from typing import NamedTuple
 
 import numpy as np
 
 MAGIC = b"MGEOIDX\0"
 VERSION = 1
+# Megatron-LM's MMapIndexedDataset index: another layout (9-byte magic, then <Q version, <B dtype code, <Q sequence
+# count, <Q document count, then the arrays), recognised only to say so.
+MEGATRON_LM_MAGIC = b"MMIDIDX\x00\x00"
 _HEADER = struct.Struct("<8sIIQQ")
 _DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<i4")}
-_FIX = "re-run tools/preprocess_data.py to rebuild it"
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -119,6 +126,136 @@ class IndexedDatasetBuilder:
             self.abort()
 
 
+class IndexHeader(NamedTuple):
+    """The validated header of a ``PREFIX.idx``: storage dtype of the ``.bin``, vocabulary size, document count."""
+
+    dtype: np.dtype
+    vocab_size: int
+    num_docs: int
+
+
+def _fix(prefix: str) -> str:
+    return f"re-run tools/preprocess_data.py --output-prefix {prefix} to rebuild it"
+
+
+def read_index_header(idx_path: str, prefix: str) -> IndexHeader:
+    """Read and check the header of ``idx_path`` against its own size.
+
+    Checks the magic (a Megatron-LM index is named as such), the version, the dtype code (and that it is the one
+    the builder picks for the recorded vocabulary size) and that the file is exactly as long as its document
+    count implies (32-byte header + 16 bytes per document). ``prefix`` only goes into the fix of the message.
+
+    Raises:
+        ValueError: one line naming the file, what was expected and what was found, and the fix.
+        OSError: the file cannot be read.
+    """
+    idx_len = os.path.getsize(idx_path)
+    with open(idx_path, "rb") as f:
+        head = f.read(_HEADER.size)
+    if head[:len(MEGATRON_LM_MAGIC)] == MEGATRON_LM_MAGIC:
+        raise ValueError(f"{idx_path!r} is a Megatron-LM indexed dataset (magic {MEGATRON_LM_MAGIC!r}), a format "
+                         f"megatron-geo does not read (yet); tokenize the text again with tools/preprocess_data.py "
+                         f"--output-prefix {prefix}")
+    if len(head) < _HEADER.size:
+        raise ValueError(f"{idx_path!r} is truncated: {idx_len} bytes, shorter than the {_HEADER.size}-byte header; "
+                         f"{_fix(prefix)}")
+    magic, version, code, vocab_size, num_docs = _HEADER.unpack(head)
+    if magic != MAGIC:
+        raise ValueError(f"{idx_path!r} is not a megatron-geo index (bad magic {magic!r}, expected {MAGIC!r}); "
+                         f"{_fix(prefix)}")
+    if version != VERSION:
+        raise ValueError(f"{idx_path!r} has format version {version}, expected {VERSION}; {_fix(prefix)}")
+    if code not in _DTYPES:
+        raise ValueError(f"{idx_path!r} has unknown dtype code {code}, expected 1 (uint16) or 2 (int32); "
+                         f"{_fix(prefix)}")
+    try:
+        expected_dtype = dtype_for_vocab(vocab_size)
+    except ValueError:
+        expected_dtype = None
+    if _DTYPES[code] != expected_dtype:
+        raise ValueError(f"{idx_path!r} records vocab_size={vocab_size} with dtype code {code} "
+                         f"({_DTYPES[code].name}); the writer stores a vocabulary of 1..65536 ids as code 1 and up to "
+                         f"2**31 as code 2 (corrupt header); {_fix(prefix)}")
+    expected = _HEADER.size + 16 * num_docs
+    if idx_len != expected:
+        raise ValueError(f"{idx_path!r} is truncated or corrupt: {idx_len} bytes, expected {expected} "
+                         f"({_HEADER.size}-byte header + 16 bytes x {num_docs} documents); {_fix(prefix)}")
+    return IndexHeader(_DTYPES[code], int(vocab_size), int(num_docs))
+
+
+def _map_index(idx_path: str, num_docs: int) -> tuple[np.ndarray, np.ndarray]:
+    """``sizes`` and ``offsets`` (int64 [num_docs] each), memory-mapped from a checked index."""
+    if num_docs == 0:
+        return np.empty(0, dtype="<i8"), np.empty(0, dtype="<i8")
+    arr = np.memmap(idx_path, dtype="<i8", mode="r", offset=_HEADER.size, shape=(2 * num_docs,))
+    return arr[:num_docs], arr[num_docs:]
+
+
+def check_document_table(idx_path: str, prefix: str, sizes: np.ndarray, offsets: np.ndarray) -> int:
+    """Check that documents have non-negative sizes and follow each other from offset 0; the token count.
+
+    Raises:
+        ValueError: naming the file, the first bad document and the fix.
+    """
+    if sizes.size:
+        bad = np.flatnonzero(sizes < 0)
+        if not bad.size:
+            starts = np.concatenate(([0], np.cumsum(sizes[:-1], dtype=np.int64)))
+            bad = np.flatnonzero(offsets != starts)
+        if bad.size:
+            raise ValueError(f"{idx_path!r} has inconsistent document sizes/offsets (first at document {bad[0]}: size "
+                             f"{sizes[bad[0]]}, offset {offsets[bad[0]]}); {_fix(prefix)}")
+    return int(sizes.sum())
+
+
+def check_bin_size(bin_path: str, idx_path: str, prefix: str, num_tokens: int, dtype: np.dtype) -> None:
+    """Check that ``bin_path`` holds exactly the ``num_tokens`` tokens of ``dtype`` its index lists.
+
+    Raises:
+        ValueError: naming both files, the two sizes and the fix.
+    """
+    bin_len = os.path.getsize(bin_path)
+    if bin_len != num_tokens * dtype.itemsize:
+        raise ValueError(f"{bin_path!r} is truncated or corrupt: {bin_len} bytes, but {idx_path!r} lists "
+                         f"{num_tokens} tokens x {dtype.itemsize} bytes = {num_tokens * dtype.itemsize} bytes; "
+                         f"{_fix(prefix)}")
+
+
+def _open_checked(prefix: str) -> tuple[IndexHeader, np.ndarray, np.ndarray, int]:
+    """Header, sizes, offsets and token count of ``PREFIX.idx``, with every check made against ``PREFIX.bin``.
+
+    Raises:
+        ValueError: a bad or inconsistent file (see :func:`read_index_header`, :func:`check_document_table`,
+            :func:`check_bin_size`).
+    """
+    idx_path, bin_path = prefix + ".idx", prefix + ".bin"
+    header = read_index_header(idx_path, prefix)
+    sizes, offsets = _map_index(idx_path, header.num_docs)
+    num_tokens = check_document_table(idx_path, prefix, sizes, offsets)
+    check_bin_size(bin_path, idx_path, prefix, num_tokens, header.dtype)
+    return header, sizes, offsets, num_tokens
+
+
+def check_dataset_files(key: str, prefix: str) -> None:
+    """Pre-flight check of the dataset ``PREFIX.bin``/``PREFIX.idx`` named by config key ``key``: the same checks
+    as opening it (header, index size, document table, ``.bin`` size), without mapping the tokens.
+
+    Raises:
+        ConfigError: one line ``KEY='PREFIX': <file>: <expected vs found>; <fix>``, for a file in another format
+            (Megatron-LM's included), truncated, corrupt, or unreadable.
+    """
+    from ..config.loader import ConfigError
+
+    path = os.path.expanduser(prefix)
+    try:
+        _open_checked(path)
+    except ValueError as e:
+        raise ConfigError(f"{key}={prefix!r}: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"{key}={prefix!r}: cannot read {e.filename!r} ({e.strerror or e}); fix its permissions or "
+                          f"{_fix(prefix)}") from None
+
+
 class IndexedDataset:
     """Read-only, memory-mapped view of ``PREFIX.bin``/``PREFIX.idx``.
 
@@ -131,7 +268,8 @@ class IndexedDataset:
 
     Raises (at open):
         FileNotFoundError: ``.bin`` or ``.idx`` missing.
-        ValueError: bad magic/version/dtype, or a truncated/inconsistent file.
+        ValueError: another format (a Megatron-LM index is named as such), bad magic/version/dtype, or a
+            truncated/inconsistent file; the message names the file, the expected and found values and the fix.
     """
 
     def __init__(self, prefix: str):
@@ -143,45 +281,11 @@ class IndexedDataset:
                     f"Indexed dataset file missing: {p!r}. Build it with "
                     f"`python tools/preprocess_data.py ... --output-prefix {self.prefix}`."
                 )
-        idx_len = os.path.getsize(idx_path)
-        if idx_len < _HEADER.size:
-            raise ValueError(f"{idx_path!r} is truncated ({idx_len} bytes < {_HEADER.size}-byte header); {_FIX}.")
-        with open(idx_path, "rb") as f:
-            magic, version, code, vocab_size, num_docs = _HEADER.unpack(f.read(_HEADER.size))
-        if magic != MAGIC:
-            raise ValueError(f"{idx_path!r} is not a megatron-geo index (bad magic {magic!r}); {_FIX}.")
-        if version != VERSION:
-            raise ValueError(f"{idx_path!r} has format version {version}, expected {VERSION}; {_FIX}.")
-        if code not in _DTYPES:
-            raise ValueError(f"{idx_path!r} has unknown dtype code {code}; {_FIX}.")
-        expected = _HEADER.size + 16 * num_docs
-        if idx_len != expected:
-            raise ValueError(
-                f"{idx_path!r} is truncated or corrupt: {idx_len} bytes, expected {expected} "
-                f"for {num_docs} documents; {_FIX}."
-            )
-        self.dtype = _DTYPES[code]
-        self.vocab_size = int(vocab_size)
-        self.sizes, self.offsets = self._map_index(idx_path, num_docs)
-        self.num_tokens = int(self.sizes.sum())
-        bin_len = os.path.getsize(bin_path)
-        if bin_len != self.num_tokens * self.dtype.itemsize:
-            raise ValueError(
-                f"{bin_path!r} is truncated or corrupt: {bin_len} bytes, but {idx_path!r} lists "
-                f"{self.num_tokens} tokens x {self.dtype.itemsize} bytes; {_FIX}."
-            )
-        if num_docs and (self.sizes.min() < 0 or self.offsets[0] != 0
-                         or not np.array_equal(self.offsets[1:], self.offsets[:-1] + self.sizes[:-1])):
-            raise ValueError(f"{idx_path!r} has inconsistent document sizes/offsets; {_FIX}.")
+        header, self.sizes, self.offsets, self.num_tokens = _open_checked(self.prefix)
+        self.dtype = header.dtype
+        self.vocab_size = header.vocab_size
         self.tokens = (np.memmap(bin_path, dtype=self.dtype, mode="r") if self.num_tokens
                        else np.empty(0, dtype=self.dtype))
-
-    @staticmethod
-    def _map_index(idx_path: str, num_docs: int):
-        if num_docs == 0:
-            return np.empty(0, dtype="<i8"), np.empty(0, dtype="<i8")
-        arr = np.memmap(idx_path, dtype="<i8", mode="r", offset=_HEADER.size, shape=(2 * num_docs,))
-        return arr[:num_docs], arr[num_docs:]
 
     def __len__(self) -> int:
         """Number of documents."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -29,7 +28,7 @@ def build_data(cfg: Config, pctx: ParallelContext) -> DataBundle:
     """
     d, m = cfg.data, cfg.model
     if d.source == "shakespeare":
-        cache = os.path.expanduser(d.cache_dir)
+        cache = d.cache_dir  # expanded when the config was loaded
         if pctx.rank == 0:
             prepare_default_corpus(cache, m.vocab_size)
         C.barrier(pctx.world_group)
