@@ -367,7 +367,7 @@ def _mismatch_worker(rank, world, root):
     from megatron_geo.training.checkpointing import Checkpointer
     from megatron_geo.training.trainer import build_model_and_optimizer
 
-    cfg2 = tiny_cfg(f"checkpoint.dir={root}", "comm.dtype=fp8_e4m3")
+    cfg2 = tiny_cfg(f"checkpoint.dir={root}", "comm.dtype=fp8_e4m3", "train.global_batch_size=12")
     m2, b2, r2, g2, o2 = build_model_and_optimizer(cfg2, pctx)
     step = Checkpointer(cfg2, pctx, m2, o2, r2, None, logs.append).resume()[0]
     import torch.distributed as dist

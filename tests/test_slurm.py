@@ -125,7 +125,8 @@ def test_sbatch_preempted_by_signal_requeues_and_resumes_on_two_nodes(cluster, t
     assert f"requeueing job {job} (restart 1" in text, where
     saved = int(re.search(r"stopped by signal \d+ after step (\d+)", text).group(1))
     assert "start 2:" in text and "2 nodes, 2 tasks" in text, where
-    assert f"resumed from {run_dir}/checkpoints/step_{saved:08d} at step {saved}" in text, where
+    assert (f"resuming this run from its own checkpoint {run_dir}/checkpoints/step_{saved:08d}, at step {saved}"
+            in text), where
     first_node = c.node_names[0]
     assert f"waiting for 2 processes (slurm launch) at {first_node}:" in text, where
     assert "parallel: world=2 TP=1 DP=2 backend=gloo device=cpu" in text, where

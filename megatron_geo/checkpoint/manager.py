@@ -7,8 +7,9 @@ On disk (``checkpoint.dir``, default ``<train.run_dir>/checkpoints``)::
     step_00000200/
     latest              "step_00000200" (rewritten atomically, only after the folder is complete)
 
-A save writes into ``.tmp-step_N``, rank 0 adds ``meta.json`` last, renames the folder to ``step_N``
-and then replaces ``latest``; older folders are removed only after that. A crash at any point leaves
+A save writes into ``.tmp-step_N``, rank 0 adds ``meta.json`` last, checks in its own view of the folder
+that every file the metadata names is there with its full size (:mod:`.verify`), renames the folder to
+``step_N`` and then replaces ``latest``; older folders are removed only after that. A crash at any point leaves
 the previous complete checkpoint loadable and ``latest`` pointing to it. Each step that only some ranks
 run (rank 0 preparing and publishing the folder) ends in a rank agreement (:mod:`.agreement`), so a failure
 there is a :class:`CheckpointSaveError` on every rank instead of the others waiting in the next collective.
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..config import Config, ConfigError, config_to_dict
 from ..parallel import collectives as C
 from .agreement import CheckpointRankError, agree
+from .verify import IncompleteCheckpointError, verify_written
 
 FORMAT = "megatron-geo-dcp-v1"
 META = "meta.json"
@@ -37,7 +39,7 @@ SHAPE_KEYS = ("hidden_size", "num_layers", "num_attention_heads", "num_kv_heads"
 
 
 def checkpoint_root(cfg: Config) -> Path:
-    return Path(os.path.expanduser(cfg.checkpoint.dir or os.path.join(cfg.train.run_dir, "checkpoints")))
+    return Path(cfg.checkpoint.dir or os.path.join(cfg.train.run_dir, "checkpoints"))
 
 
 def step_dir_name(step: int) -> str:
@@ -110,7 +112,7 @@ def resolve_load(cfg: Config, log=None) -> Path | None:
             raise ConfigError(f"checkpoint.load=latest but {root} holds no complete checkpoint; use checkpoint.load="
                               f"auto (resume only if there is one) or none")
         return found
-    path = Path(os.path.expanduser(mode))
+    path = Path(mode)
     if (path / "latest").is_file() or (not is_complete(path) and complete_checkpoints(path)):
         found = latest_checkpoint(path)
         if found is not None:
@@ -174,9 +176,7 @@ def check_compatible(meta: dict, cfg: Config, dp_size: int, tp_size: int) -> tup
         for k, v in saved.get(sec, {}).items():
             if now[sec].get(k) != v:
                 notes.append(f"{sec}.{k} changed on resume: {v!r} -> {now[sec].get(k)!r}")
-    for sec, k in (("model", "seq_length"), ("train", "global_batch_size"), ("train", "steps"), ("optimizer", "lr")):
-        if saved[sec][k] != now[sec][k]:
-            notes.append(f"{sec}.{k} changed on resume: {saved[sec][k]!r} -> {now[sec][k]!r}")
+    # keys that change the trajectory (data order, batch, schedule): checkpoint/resume_changes.py
     same = meta["dp_size"] == dp_size and meta["tp_size"] == tp_size
     if not same:
         notes.append(f"resharding: saved at DP={meta['dp_size']} TP={meta['tp_size']}, loading at DP={dp_size} "
@@ -194,9 +194,10 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 class CheckpointSaveError(RuntimeError):
-    """A checkpoint could not be written (disk full, permission lost, a writer killed, or any rank failed while
-    building its part of the state); raised on every rank alike. The partial folder was removed and the
-    previous checkpoint is intact, ``latest`` still names it. The trainer exits with code 6."""
+    """A checkpoint could not be written (disk full, permission lost, a writer killed, any rank failed while
+    building its part of the state, or rank 0 does not see every rank's files complete); raised on every
+    rank alike. The partial folder was removed and the previous checkpoint is intact, ``latest`` still
+    names it. The trainer exits with code 6."""
 
 
 def _save_failure(tmp: Path, err: BaseException) -> CheckpointSaveError:
@@ -238,8 +239,10 @@ def save_checkpoint(root: Path, step: int, state: dict, meta: dict, keep_latest:
 
     Raises:
         CheckpointSaveError: on every rank when any rank failed: preparing the folder (rank 0), writing its
-            files (DCP gathers the failure) or publishing them (rank 0). The partial ``.tmp-step_N`` folder
-            is removed, the previous checkpoint and ``latest`` stay.
+            files (DCP gathers the failure) or publishing them (rank 0), or when rank 0's view of the written
+            folder lacks a file or holds one shorter than the metadata says (a ``checkpoint.dir`` not shared by
+            every node, a lost write). The partial ``.tmp-step_N`` folder is removed, the previous checkpoint
+            and ``latest`` stay, and no older checkpoint is pruned.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -272,12 +275,23 @@ def save_checkpoint(root: Path, step: int, state: dict, meta: dict, keep_latest:
             shutil.rmtree(tmp, ignore_errors=True)
         raise _save_failure(tmp, e) from None
     C.barrier(group)  # every rank's files are written
+    err, text = None, ""
+    if is_main:
+        try:
+            text = json.dumps(dict(meta, format=FORMAT, step=step, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                   save_seconds=round(time.perf_counter() - t0, 3), torch=torch.__version__), indent=1)
+            _write_atomic(tmp / META, text)
+        except Exception as e:  # noqa: BLE001 - the other ranks wait for meta.json
+            shutil.rmtree(tmp, ignore_errors=True)
+            err = e
+    try:
+        agree(err, group, device, f"writing {META}")
+    except CheckpointRankError as e:
+        raise _save_failure(tmp, e) from None
+    _verify_before_publishing(tmp, {META: len(text.encode())}, group, device, is_main)
     err = None
     if is_main:
         try:
-            meta = dict(meta, format=FORMAT, step=step, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
-                        save_seconds=round(time.perf_counter() - t0, 3), torch=torch.__version__)
-            _write_atomic(tmp / META, json.dumps(meta, indent=1))
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -291,6 +305,36 @@ def save_checkpoint(root: Path, step: int, state: dict, meta: dict, keep_latest:
     except CheckpointRankError as e:
         raise _save_failure(tmp, e) from None
     return final
+
+
+def _verify_before_publishing(tmp: Path, own: dict[str, int], group, device: torch.device, is_main: bool) -> None:
+    """Rank 0 checks the written folder ``tmp`` in its own view (:func:`.verify.verify_written`; ``own``:
+    ``{name: bytes}`` of the files rank 0 wrote itself) and every rank agrees on the outcome. Collective over
+    ``group``.
+
+    Raises:
+        CheckpointSaveError: on every rank when a file is missing or short (naming the files and the ranks
+            that wrote them) or the check failed; each rank removes its view of ``tmp``, so nothing is published
+            and no older checkpoint is pruned.
+    """
+    err = None
+    if is_main:
+        try:
+            verify_written(tmp, own)
+        except Exception as e:  # noqa: BLE001 - the other ranks wait for the check
+            err = e
+            shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        agree(err, group, device, "checking the written checkpoint files")
+    except CheckpointRankError as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # a rank's own files on a folder rank 0 does not see
+        if e.error_type != IncompleteCheckpointError.__name__:
+            raise _save_failure(tmp, e) from None
+        raise CheckpointSaveError(
+            f"could not save the checkpoint to {tmp.parent}: {e.message.splitlines()[0]}; nothing was published "
+            f"('latest' and the older checkpoints are unchanged) and the partial folder was removed. checkpoint.dir "
+            f"must be one folder that every node sees (a shared file system, not a node-local disk) with room for "
+            f"every rank's files: fix it, then relaunch to resume") from None
 
 
 def abandon_later(root: Path, step: int) -> list[tuple[Path, Path]]:

@@ -9,8 +9,11 @@ from pathlib import Path
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..checkpoint.agreement import CheckpointRankError, agree, all_gather_ints
-from ..checkpoint.manager import (abandon_later, check_compatible, checkpoint_root, read_meta, resolve_load,
-                                  save_checkpoint, state_failure)
+from ..checkpoint.manager import (abandon_later, check_compatible, checkpoint_root, read_meta, save_checkpoint,
+                                  state_failure)
+from ..checkpoint.resume_changes import check_resume_changes
+from ..checkpoint.shared_dir import check_checkpoint_dir
+from ..checkpoint.start import StartPoint, resolve_start, timeline_of
 from ..checkpoint.state import StateLayout, build_save_state, load_state, optimizer_state_ready
 from ..config import Config, ConfigError, config_to_dict
 from ..parallel import ParallelContext
@@ -23,30 +26,37 @@ class Checkpointer:
         self.cfg, self.pctx, self.reducer, self.geo, self.log = cfg, pctx, reducer, geo, log
         self.layout = StateLayout(model, optimizer, pctx, cfg.model.vocab_size, cfg.optimizer.name)
         self.root = checkpoint_root(cfg)
+        check_checkpoint_dir(cfg, pctx)  # one folder that every rank sees, before any training (collective)
         self.last_saved_step = -1
         self.last_path: str | None = None
+        self.start: StartPoint | None = None  # set by resume(): what this launch loaded and why
+        self.timeline: dict = {"start": "fresh"}  # recorded in every checkpoint this launch saves
 
     def resume(self) -> tuple[int, int, int]:
-        """Load the checkpoint ``checkpoint.load`` selects, if any (collective over the world group).
+        """Load the checkpoint :func:`megatron_geo.checkpoint.start.resolve_start` selects, if any (collective
+        over the world group); ``self.start`` says what was loaded and why.
 
         Returns:
             ``(step, consumed_samples, skipped_in_a_row)`` to continue from (zeros for a fresh start).
 
         Raises:
             ConfigError: on every rank, when the checkpoint is damaged, unreadable on some rank, from another
-                model/optimizer (names the mismatch), not the same one on every rank, or a rank failed
-                while loading it (names the rank and its error).
+                model/optimizer (names the mismatch), not the same one on every rank, a resume would change
+                the run's trajectory (:mod:`megatron_geo.checkpoint.resume_changes`), or a rank failed while
+                loading it (names the rank and its error).
         """
         pctx = self.pctx
         world, dev = pctx.world_group, pctx.device
         path = meta = same = None
         err = None
         try:
-            path = resolve_load(self.cfg, self.log)
+            start = resolve_start(self.cfg, self.log)
+            path = start.path
             if path is not None:
                 meta = read_meta(path)
                 meta["path"] = str(path)
                 same, notes = check_compatible(meta, self.cfg, pctx.dp_size, pctx.tp_size)
+                notes += check_resume_changes(meta["config"], self.cfg, meta["step"], start.kind)
                 for n in notes:
                     self.log(f"checkpoint: {n}")
         except Exception as e:  # noqa: BLE001 - the other ranks would wait in the load's collectives
@@ -67,7 +77,11 @@ class Checkpointer:
                               f"{path if path is not None else 'none'}, rank(s) {', '.join(map(str, others[:8]))} "
                               f"another; checkpoint.dir must be one folder that every node sees (not a node-local "
                               f"disk), or point checkpoint.load at the same step_* folder on each") from None
+        self.start = start
+        self.timeline = timeline_of(meta, start.kind, path)
         if path is None:
+            self._abandon(-1)  # a fresh start in a folder with checkpoints begins a new timeline
+            self.log(f"checkpoint: {start.reason}")
             return 0, 0, 0
         try:
             load_state(str(path), self.layout, self.reducer, self.geo, same, meta.get("geo"), self.log,
@@ -89,22 +103,29 @@ class Checkpointer:
                               f"or incomplete: load an older one (checkpoint.load=PATH of another step_* folder) or "
                               f"start fresh (checkpoint.load=none)") from None
         self.last_saved_step = meta["step"]
+        self._abandon(meta["step"])
+        self.log(f"checkpoint: {start.reason}, at step {meta['step']} ({meta['consumed_samples']:,} samples "
+                 f"consumed)")
+        return meta["step"], meta["consumed_samples"], meta.get("skipped_in_a_row", 0)
+
+    def _abandon(self, step: int) -> None:
+        """Starting at ``step`` begins a new timeline: rank 0 moves the later checkpoints of the run's folder
+        aside (collective; ``step=-1``: all of them)."""
         err, moved = None, []
-        if pctx.is_main:  # resuming from step N starts a new timeline: later checkpoints are moved aside
+        if self.pctx.is_main:
             try:
-                moved = abandon_later(self.root, meta["step"])
+                moved = abandon_later(self.root, step)
             except Exception as e:  # noqa: BLE001 - the other ranks wait below
                 err = e
+            at = "a fresh start" if step < 0 else f"resumed at step {step}"
             for src, dest in moved:
-                self.log(f"checkpoint: {src.name} belongs to an abandoned timeline (resumed at step {meta['step']}); "
+                self.log(f"checkpoint: {src.name} belongs to an abandoned timeline ({at}); "
                          + (f"moved to {dest}" if dest else "removed (an interrupted save)"))
         try:
-            agree(err, world, dev, "moving the abandoned timeline aside")  # also the barrier
+            agree(err, self.pctx.world_group, self.pctx.device, "moving the abandoned timeline aside")  # a barrier
         except CheckpointRankError as e:
             raise ConfigError(f"{e}; fix the permissions of {self.root} (or move its later step_* folders away) and "
                               f"relaunch") from None
-        self.log(f"resumed from {path} at step {meta['step']} ({meta['consumed_samples']:,} samples consumed)")
-        return meta["step"], meta["consumed_samples"], meta.get("skipped_in_a_row", 0)
 
     def save(self, step: int, consumed: int, skipped_in_a_row: int = 0) -> Path | None:
         """Checkpoint the state after ``step`` optimizer steps (once per step)."""
@@ -118,7 +139,7 @@ class Checkpointer:
             raise state_failure(self.root, step, e) from None
         geo = self.geo
         meta = {"consumed_samples": consumed, "dp_size": self.pctx.dp_size, "tp_size": self.pctx.tp_size,
-                "skipped_in_a_row": skipped_in_a_row, "config": config_to_dict(self.cfg),
+                "skipped_in_a_row": skipped_in_a_row, "config": config_to_dict(self.cfg), "timeline": self.timeline,
                 "geo": None if geo is None else {"last_refresh": geo.last_refresh, "selected": sorted(geo.selected),
                                                  "profiled": geo.profiled}}
         path = save_checkpoint(self.root, step, state, meta, self.cfg.checkpoint.keep_latest,

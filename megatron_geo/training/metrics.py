@@ -8,20 +8,81 @@ import os
 import uuid
 from pathlib import Path
 
+from ..config import ConfigError
+
+
+ID_FILE = "wandb_run_id"
+
+
+def _folder_identity(run_dir: Path) -> dict:
+    st = run_dir.stat()
+    return {"run_dir": str(run_dir.resolve()), "inode": st.st_ino}
+
+
+def read_wandb_id(run_dir: Path) -> tuple[str | None, dict | None]:
+    """The wandb run id kept in ``run_dir/wandb_run_id`` and the identity of the folder it was made in
+    (``{"run_dir": resolved path, "inode": int}``; None for a file of the one-line format, which names no
+    folder). ``(None, None)`` when there is no readable id."""
+    f = run_dir / ID_FILE
+    try:
+        text = f.read_text()
+    except OSError:
+        return None, None
+    try:
+        d = json.loads(text)
+    except ValueError:
+        d = None
+    if isinstance(d, dict) and isinstance(d.get("id"), str) and d["id"]:
+        origin = {k: d.get(k) for k in ("run_dir", "inode")}
+        return d["id"], origin
+    line = text.strip().splitlines()[0].strip() if text.strip() else ""
+    return (line or None), None
+
+
+def choose_wandb_id(run_dir: Path, resume_step: int, mode: str = "auto") -> tuple[str, str]:
+    """The wandb run id a launch logs under, and a line saying why.
+
+    A fresh run (``resume_step == 0``) gets a new id. A resumed run continues the id kept in its folder
+    when the folder is the one the id was made in (the same resolved path or the same inode, so a folder
+    moved within its file system, or mounted elsewhere, stays the same run; a copy is a new run);
+    ``mode``: ``auto`` (that rule), ``never`` (always a new id), ``must`` (continue the kept id even in a
+    copy; an error when there is none).
+
+    Raises:
+        ConfigError: ``mode="must"`` and the folder keeps no id, or an unknown mode.
+    """
+    if mode not in ("auto", "never", "must"):
+        raise ConfigError(f"logging.wandb_resume={mode!r}; choose auto, never or must")
+    kept, origin = read_wandb_id(run_dir) if resume_step > 0 else (None, None)
+    if mode == "must":
+        if kept is None:
+            raise ConfigError(f"logging.wandb_resume=must but {run_dir / ID_FILE} holds no wandb run id to continue; "
+                             f"use logging.wandb_resume=auto")
+        return kept, f"wandb: continuing run {kept} (logging.wandb_resume=must)"
+    new = uuid.uuid4().hex[:12]  # wandb accepts any [a-z0-9] id; its generate_id moved in 0.31
+    if kept is None or mode == "never":
+        return new, f"wandb: new run {new}"
+    here = _folder_identity(run_dir)
+    if origin is None or origin.get("run_dir") == here["run_dir"] or origin.get("inode") == here["inode"]:
+        return kept, f"wandb: continuing run {kept}"
+    return new, (f"wandb: new run {new}: this folder is a copy of {origin.get('run_dir')}, whose run is {kept} "
+                 f"(logging.wandb_resume=must continues that one instead)")
+
 
 class MetricsLogger:
     """Append one JSON object per logged step to ``run_dir/metrics.jsonl`` and mirror it to wandb.
 
     A fresh run (``resume_step=0``) starts a new file; a run resumed from the checkpoint of step
-    ``resume_step`` keeps the records up to that step and continues the same wandb run (its id is kept
-    in ``run_dir/wandb_run_id``).
+    ``resume_step`` keeps the records up to that step and continues the same wandb run when the folder is
+    the one that run was made in (its id and the folder's identity are kept in ``run_dir/wandb_run_id``;
+    see :func:`choose_wandb_id` and ``wandb_resume``).
 
     ``wandb_mode``: offline | online | disabled. The wandb group defaults to the comm settings, so runs of
     different comm modes line up in one project.
     """
 
     def __init__(self, run_dir: str, enabled: bool, wandb_mode: str, project: str, group: str, name: str,
-                 tags: list[str], config: dict, resume_step: int = 0):
+                 tags: list[str], config: dict, resume_step: int = 0, wandb_resume: str = "auto", log=None):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self._wandb = None
@@ -45,12 +106,13 @@ class MetricsLogger:
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
 
-            id_file = Path(run_dir) / "wandb_run_id"
-            if resume_step > 0 and id_file.is_file():
-                run_id = id_file.read_text().strip()
-            else:
-                run_id = uuid.uuid4().hex[:12]  # wandb accepts any [a-z0-9] id; its generate_id moved in 0.31
-                id_file.write_text(run_id + "\n")
+            folder = Path(run_dir)
+            run_id, why = choose_wandb_id(folder, resume_step, wandb_resume)
+            if log is not None:
+                log(why)
+            tmp_id = folder / (ID_FILE + ".tmp")
+            tmp_id.write_text(json.dumps({"id": run_id, **_folder_identity(folder)}) + "\n")
+            os.replace(tmp_id, folder / ID_FILE)
             self._wandb = wandb.init(project=project, group=group or None, name=name or None, tags=tags,
                                      config=config, dir=run_dir, mode=wandb_mode, reinit=True, id=run_id,
                                      resume="allow")

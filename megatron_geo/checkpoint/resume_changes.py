@@ -1,0 +1,149 @@
+"""Settings that change a run's trajectory, compared between a checkpoint and the launch that resumes it.
+
+A relaunch of a run (a Slurm requeue, an ``exit_interval`` stop, extending ``train.steps``) must continue
+the trajectory the checkpoint was on. Keys that would silently change it are refused on a resume unless
+``checkpoint.allow_changes`` names them:
+
+- the data order: ``train.seed`` (the per-epoch shuffle of the sample index), ``model.seq_length`` (the
+  sample boundaries), ``data.source`` / ``data.train_prefix`` (the documents);
+- the samples per step: ``train.global_batch_size``;
+- the learning-rate schedule: ``optimizer.lr``, ``optimizer.min_lr``, ``optimizer.adamw_lr``,
+  ``train.warmup_steps``, ``train.lr_decay_style``, ``train.steps``. These are compared by their effect: a
+  change is refused only when the learning rate of some step still to train differs from the saved
+  schedule's (so extending a run that is still in its warmup, or a constant schedule, is no change); the
+  message gives the first such step and both rates.
+
+A run initialised from another checkpoint (or rolled back to an earlier one) starts a new trajectory, so
+there the same differences are only logged.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from ..config import Config, ConfigError, config_to_dict
+from ..training.schedule import lr_at
+
+DATA_KEYS = {
+    "train.seed": "the data order (the per-epoch shuffle of the sample index)",
+    "model.seq_length": "the sample boundaries, hence the data order",
+    "data.source": "the training documents",
+    "data.train_prefix": "the training documents",
+    "train.global_batch_size": "the samples per step",
+}
+SCHEDULE_KEYS = ("optimizer.lr", "optimizer.min_lr", "optimizer.adamw_lr", "train.warmup_steps",
+                 "train.lr_decay_style", "train.steps")
+ALLOWABLE = tuple(DATA_KEYS) + SCHEDULE_KEYS
+_PATH_KEYS = ("data.train_prefix",)
+
+
+def parse_allow_changes(text: str) -> set[str]:
+    """``checkpoint.allow_changes`` (comma-separated keys, or ``all``) as a set of dotted keys.
+
+    Raises:
+        ConfigError: a key that is not one of :data:`ALLOWABLE` (names it and the valid keys).
+    """
+    keys = {k.strip() for k in str(text or "").split(",") if k.strip()}
+    if "all" in keys:
+        return set(ALLOWABLE)
+    bad = sorted(keys - set(ALLOWABLE))
+    if bad:
+        raise ConfigError(f"checkpoint.allow_changes names {', '.join(bad)}, which a resume never refuses; valid keys: "
+                          f"{', '.join(ALLOWABLE)} (or all)")
+    return keys
+
+
+def _get(d: dict, key: str):
+    sec, name = key.split(".")
+    return d.get(sec, {}).get(name)
+
+
+def _norm(key: str, v):
+    if key in _PATH_KEYS and isinstance(v, str) and v:
+        return os.path.abspath(os.path.expandvars(os.path.expanduser(v)))
+    return v
+
+
+def _lr(c: dict, step: int, which: str) -> float:
+    o, t = c["optimizer"], c["train"]
+    base = o["lr"]
+    if which == "adamw" and (o.get("adamw_lr") or -1.0) >= 0:
+        base = o["adamw_lr"]
+    scale = lr_at(step, max_lr=1.0, min_lr=o["min_lr"] / o["lr"] if o["lr"] else 0.0,
+                  warmup_steps=t["warmup_steps"], total_steps=t["steps"], style=t["lr_decay_style"])
+    return base * scale
+
+
+def first_lr_difference(saved: dict, now: dict, start_step: int) -> tuple[int, float, float] | None:
+    """The first optimizer step in ``[start_step, now.train.steps)`` whose learning rate differs between the
+    saved and the new config (``(step, saved_lr, new_lr)``, step 0-based), or None when none does.
+
+    Both the main learning rate and AdamW's (``optimizer.adamw_lr`` under Muon) are compared; rates are
+    equal when within 1e-12 relative (the schedule of :func:`megatron_geo.training.schedule.lr_at`).
+    """
+    for step in range(start_step, now["train"]["steps"]):
+        for which in ("main", "adamw"):
+            a, b = _lr(saved, step, which), _lr(now, step, which)
+            if not math.isclose(a, b, rel_tol=1e-12, abs_tol=0.0):
+                return step, a, b
+    return None
+
+
+def check_resume_changes(saved: dict, cfg: Config, start_step: int, kind: str) -> list[str]:
+    """Compare the checkpoint's config ``saved`` with this launch's ``cfg``.
+
+    Args:
+        saved: the ``config`` mapping of the checkpoint's ``meta.json``.
+        start_step: the checkpoint's step (the next step to train is ``start_step + 1``, 1-based).
+        kind: ``resume`` refuses the changes :data:`ALLOWABLE` lists unless ``checkpoint.allow_changes`` names
+            them; ``init`` and ``rollback`` only report them.
+
+    Returns:
+        Lines for the start-up log (each change and its effect).
+
+    Raises:
+        ConfigError: on a resume, a refused change (names every refused key, both values, the effect and the
+            override).
+    """
+    now = config_to_dict(cfg)
+    allowed = parse_allow_changes(cfg.checkpoint.allow_changes)
+    notes, refused, refused_keys = [], [], []
+    for key, what in DATA_KEYS.items():
+        old, new = _norm(key, _get(saved, key)), _norm(key, _get(now, key))
+        if old is None or old == new:
+            continue
+        line = f"{key} changed on resume: {old!r} -> {new!r} (it sets {what})"
+        if kind == "resume" and key not in allowed:
+            refused.append(line)
+            refused_keys.append(key)
+        else:
+            notes.append(line + (" (allowed by checkpoint.allow_changes)" if kind == "resume" else ""))
+    sched = [k for k in SCHEDULE_KEYS if _get(saved, k) is not None and _get(saved, k) != _get(now, k)]
+    if sched:
+        changes = ", ".join(f"{k} {_get(saved, k)!r} -> {_get(now, k)!r}" for k in sched)
+        try:
+            diff = first_lr_difference(saved, now, start_step)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            diff = (start_step, float("nan"), float("nan"))  # an old checkpoint's schedule cannot be evaluated
+        if diff is None:
+            notes.append(f"{changes} on resume: the learning rate of every remaining step is unchanged")
+        else:
+            step, a, b = diff
+            effect = (f"the learning rate of step {step + 1} becomes {b:.3e} where the saved schedule gives {a:.3e}"
+                      f"{' (it ended at step ' + str(saved['train']['steps']) + ')' if step >= saved['train']['steps'] else ''}")
+            line = f"{changes} on resume: {effect}"
+            unallowed = [k for k in sched if k not in allowed]
+            if kind == "resume" and unallowed:
+                refused.append(line)
+                refused_keys += unallowed
+            else:
+                notes.append(line + (" (allowed by checkpoint.allow_changes)" if kind == "resume" else ""))
+    if refused:
+        keys = refused_keys
+        raise ConfigError(
+            "resuming would change this run's trajectory: " + "; ".join(refused) + ". Keep the checkpoint's values, "
+            f"or accept the change with checkpoint.allow_changes={','.join(keys)} (to stop a run earlier without "
+            f"changing its schedule use train.exit_interval; to start a new run from this checkpoint use a new "
+            f"train.run_dir with checkpoint.load=PATH)")
+    return notes
