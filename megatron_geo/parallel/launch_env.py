@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import re
 import shutil
@@ -13,88 +15,161 @@ class LaunchError(RuntimeError):
     """The launch environment is inconsistent (e.g. a rank outside the world)."""
 
 
+# How long the processes of a multi-process launch wait for each other to connect (the rendezvous), in seconds.
+# The collectives' own timeout (parallel.timeout_minutes) starts only after it.
+RENDEZVOUS_TIMEOUT_VARIABLE = "MG_RENDEZVOUS_TIMEOUT"
+DEFAULT_RENDEZVOUS_TIMEOUT_S = 60.0
+
+
 @dataclass
 class LaunchEnv:
+    """Where this process sits in the launch.
+
+    Attributes:
+        rendezvous_timeout_s: seconds every process waits for all the others to connect to the store at
+            ``master_addr:master_port`` (:data:`RENDEZVOUS_TIMEOUT_VARIABLE`, default 60).
+    """
+
     rank: int
     world_size: int
     local_rank: int
     master_addr: str
     master_port: int
     launcher: str  # "torchrun" | "slurm" | "single"
+    rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S
+
+
+# Slurm's host-list separators (outside brackets) and its limit on the hosts of one range (hostlist.c).
+_HOSTLIST_SEPARATORS = ", \t"
+_MAX_RANGE_HOSTS = 65536
+_FIX_NODELIST = "set MASTER_ADDR to the first node's hostname, or put scontrol on PATH"
 
 
 def _split_top_level(text: str) -> list[str]:
-    """Split a Slurm host list at the commas outside brackets."""
+    """Split a Slurm host list at the separators (comma, space, tab) outside brackets; empty items dropped.
+
+    Raises:
+        ValueError: a bracket opened inside another, a ``]`` without its ``[``, or a ``[`` never closed.
+    """
     parts, depth, cur = [], 0, []
     for ch in text:
         if ch == "[":
-            depth += 1
+            if depth:
+                raise ValueError("nested '['")
+            depth = 1
         elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError("unbalanced ']'")
-        if ch == "," and depth == 0:
+            if not depth:
+                raise ValueError("']' without '['")
+            depth = 0
+        if ch in _HOSTLIST_SEPARATORS and not depth:
             parts.append("".join(cur))
             cur = []
         else:
             cur.append(ch)
     if depth:
-        raise ValueError("unbalanced '['")
+        raise ValueError("'[' never closed")
     parts.append("".join(cur))
     return [p for p in parts if p]
 
 
 def _expand_range_set(body: str) -> list[str]:
-    """``"001-003,070"`` -> ``["001", "002", "003", "070"]`` (zero padding kept, as Slurm does)."""
+    """``"001-003,070"`` -> ``["001", "002", "003", "070"]``.
+
+    Each item is ``N`` or ``N-M`` in decimal digits with ``N <= M`` and at most 65536 values; a value is
+    zero-padded to the number of digits of ``N`` (Slurm's rule: ``[09-10]`` gives 09, 10; ``[9-010]`` gives 9, 10).
+
+    Raises:
+        ValueError: an empty item, a non-digit bound, a descending or too long range.
+    """
     out = []
     for item in body.split(","):
         lo, sep, hi = item.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
+        if not lo.isdigit() or (sep and not hi.isdigit()) or not lo.isascii() or not hi.isascii():
             raise ValueError(f"bad range {item!r}")
         if not sep:
             out.append(lo)
             continue
         if int(hi) < int(lo):
             raise ValueError(f"descending range {item!r}")
-        width = len(lo) if lo.startswith("0") else 0
-        out += [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
+        if int(hi) - int(lo) + 1 > _MAX_RANGE_HOSTS:
+            raise ValueError(f"range {item!r} has more than {_MAX_RANGE_HOSTS} hosts")
+        out += [str(i).zfill(len(lo)) for i in range(int(lo), int(hi) + 1)]
     return out
 
 
-def expand_hostlist(nodelist: str) -> list[str]:
-    """Every host of a Slurm host list, in Slurm's order, without calling ``scontrol``.
+def _parse_host_expression(expr: str) -> tuple[list[str], list[list[str]]]:
+    """``"r[1-2]n[01-02]"`` -> texts ``["r", "n"]`` and groups ``[["1", "2"], ["01", "02"]]``: text ``i``
+    precedes group ``i``. A name without brackets is one text and no groups.
 
-    Follows Slurm's syntax: hosts separated by commas; any number of bracket ranges per host, with text
-    before, between and after them (``rack[1-2]-ib``, ``r[1-2]n[01-04]``); zero padding of ranges kept.
+    Raises:
+        ValueError: text after the last bracket group (Slurm refuses it too), or a bad range.
+    """
+    pieces = re.split(r"\[([^\]]*)\]", expr)   # text, group, text, group, ..., text
+    texts, groups = pieces[0::2], [_expand_range_set(body) for body in pieces[1::2]]
+    if groups and texts[-1]:
+        raise ValueError(f"text {texts[-1]!r} after the last bracket of {expr!r}")
+    return (texts[:-1] if groups else texts), groups
+
+
+def _expand_host_expression(texts: list[str], groups: list[list[str]]):
+    """The hosts of one parsed expression, in ``scontrol show hostnames`` order.
+
+    Slurm expands the last group as the host's number suffix and each earlier group as part of the prefix,
+    the rightmost first, recursively: the last group varies fastest, then the first, the second, ..., and the
+    second-to-last slowest (``a[1-2]b[1-2]c[1-2]``: a1b1c1 a1b1c2 a2b1c1 a2b1c2 a1b2c1 ...).
+    """
+    if not groups:
+        yield texts[0]
+        return
+    order = list(range(len(groups) - 2, -1, -1)) + [len(groups) - 1]   # slowest first
+    for values in itertools.product(*(groups[g] for g in order)):
+        chosen = dict(zip(order, values))
+        yield "".join(texts[g] + chosen[g] for g in range(len(groups)))
+
+
+def iter_hostlist(nodelist: str):
+    """Every host of a Slurm host list, lazily, in ``scontrol show hostnames`` order (see :func:`expand_hostlist`).
+
+    The whole list is parsed (and refused if bad) before the first host is given.
 
     Raises:
         LaunchError: the list cannot be parsed (names the value and the fix).
     """
     try:
-        hosts = []
-        for expr in _split_top_level(nodelist.strip()):
-            pieces = re.split(r"(\[[^\]]*\])", expr)
-            expanded = [""]
-            for piece in pieces:
-                if piece.startswith("["):
-                    choices = _expand_range_set(piece[1:-1])
-                    expanded = [h + c for h in expanded for c in choices]
-                elif "[" in piece or "]" in piece:
-                    raise ValueError(f"bad bracket in {expr!r}")
-                else:
-                    expanded = [h + piece for h in expanded]
-            hosts += expanded
-        if not hosts:
+        parsed = [_parse_host_expression(expr) for expr in _split_top_level(nodelist)]
+        if not parsed:
             raise ValueError("empty")
-        return hosts
     except ValueError as e:
-        raise LaunchError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r} ({e}); set MASTER_ADDR to the first "
-                          f"node's hostname, or put scontrol on PATH") from None
+        raise LaunchError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r} ({e}); {_FIX_NODELIST}") from None
+    for texts, groups in parsed:
+        yield from _expand_host_expression(texts, groups)
+
+
+def expand_hostlist(nodelist: str) -> list[str]:
+    """Every host of a Slurm host list, in ``scontrol show hostnames`` order, without calling ``scontrol``.
+
+    Accepted syntax (Slurm 22.05's, checked against ``scontrol show hostnames``): host expressions separated by
+    commas, spaces or tabs outside brackets (empty ones skipped); an expression is a name with any number of
+    bracket groups ``[R,R,...]``, ``R`` being ``N`` or ``N-M`` (ASCII digits, ``N <= M``, at most 65536 hosts),
+    with text before and between the groups but none after the last one (``rack[1-2]-ib`` is refused, as Slurm
+    refuses it); a value keeps the digit count of ``N`` (``[09-10]``: 09, 10). Repeated hosts are kept and the
+    expressions keep their order. Within an expression the last group varies fastest, then the first, the
+    second, ..., the second-to-last slowest (``a[1-2]b[1-2]c[1-2]``: a1b1c1 a1b1c2 a2b1c1 a2b1c2 a1b2c1 ...).
+
+    Nothing beyond Slurm's syntax is accepted. Refused although Slurm takes them (as literal host names or with
+    odd results): a ``[`` never closed or a ``]`` outside a group, nested brackets, and range bounds with
+    spaces, signs or a missing upper bound (``n[1-]``).
+
+    Raises:
+        LaunchError: the list cannot be parsed (names the value and the fix).
+    """
+    return list(iter_hostlist(nodelist))
 
 
 def _expand_first_host(nodelist: str) -> str:
-    """First host of a Slurm node list such as ``gh[001-064,070],login1`` or ``rack[1-2]-ib`` (no scontrol)."""
-    return expand_hostlist(nodelist)[0]
+    """First host of a Slurm node list such as ``gh[001-064,070],login1`` (no scontrol; the whole list is
+    checked, only the first host is expanded)."""
+    return next(iter_hostlist(nodelist))
 
 
 def slurm_master_addr(nodelist: str) -> str:
@@ -119,6 +194,26 @@ def _int_env(name: str, default: int | None = None) -> int:
     except ValueError:
         raise LaunchError(f"environment variable {name}={raw!r} is not an integer; unset it or fix the launcher "
                           f"that sets it") from None
+
+
+def rendezvous_timeout_s() -> float:
+    """Seconds to wait for every process to join the rendezvous: ``MG_RENDEZVOUS_TIMEOUT`` if set, else 60.
+
+    Raises:
+        LaunchError: the variable is not a positive finite number of seconds.
+    """
+    raw = os.environ.get(RENDEZVOUS_TIMEOUT_VARIABLE, "").strip()
+    if not raw:
+        return DEFAULT_RENDEZVOUS_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise LaunchError(f"{RENDEZVOUS_TIMEOUT_VARIABLE}={raw!r} is not a positive number of seconds; set it to "
+                          f"how long the processes may take to start and connect (default "
+                          f"{DEFAULT_RENDEZVOUS_TIMEOUT_S:g}), or unset it")
+    return value
 
 
 # Launcher variables that allot GPUs to a process, in the order they are reported. Slurm sets
@@ -191,8 +286,11 @@ def detect_launch_env() -> LaunchEnv:
     task, no torchrun): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; MASTER_ADDR defaults to the first host
     of SLURM_JOB_NODELIST and MASTER_PORT to 29500 + (SLURM_JOB_ID % 1000). Otherwise one process.
 
+    A multi-process launch also reads ``MG_RENDEZVOUS_TIMEOUT`` (:func:`rendezvous_timeout_s`).
+
     Raises:
-        LaunchError: non-integer variables or a rank outside ``[0, world_size)``.
+        LaunchError: non-integer variables, a rank outside ``[0, world_size)``, a port outside 1-65535 or a bad
+            ``MG_RENDEZVOUS_TIMEOUT``.
     """
     if ("RANK" in os.environ) != ("WORLD_SIZE" in os.environ):
         have, lack = ("RANK", "WORLD_SIZE") if "RANK" in os.environ else ("WORLD_SIZE", "RANK")
@@ -215,5 +313,6 @@ def detect_launch_env() -> LaunchEnv:
     if not 0 < env.master_port < 65536 and env.launcher != "single":
         raise LaunchError(f"MASTER_PORT={env.master_port} is not a TCP port (1-65535)")
     if env.world_size == 1:  # e.g. one Slurm task: nothing to rendezvous with
-        env = LaunchEnv(0, 1, env.local_rank, "127.0.0.1", 0, "single")
+        return LaunchEnv(0, 1, env.local_rank, "127.0.0.1", 0, "single")
+    env.rendezvous_timeout_s = rendezvous_timeout_s()
     return env
