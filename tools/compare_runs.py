@@ -19,7 +19,12 @@ Writes into ``--out`` (default ``SWEEP_DIR``):
 - ``rel_err.png`` (when the runs logged ``comm/rel_err/...``, see ``comm.telemetry_interval``): the live
   quantization error per mode, and for GeoFP8 layers through the transform vs the plain codec;
 - ``results.md`` and ``results.csv``, one row per mode:
-  - ``final_val_loss_mean`` / ``_std``: last validation loss of each run, mean and sample std (ddof=1) over seeds;
+  - ``diverged`` / ``diverged_seeds``: runs whose end is non-finite (the last ``loss`` or ``val_loss`` logged is
+    ``null``, NaN or inf, or the run stopped before ``train.steps`` on a non-finite step: ``train.nonfinite=stop``
+    or ``train.max_skipped_steps`` skips in a row). Their final losses are NaN (never an earlier finite value),
+    they are left out of the means, stds and pairs below, and named in the tables;
+  - ``final_val_loss_mean`` / ``_std``: last validation loss of each run that did not diverge, mean and sample
+    std (ddof=1) over those seeds (n/a with fewer than 2);
   - ``gap`` = mean(mode) - mean(baseline); ``gap_sigma`` = gap / std(baseline) (DESIGN.md section 4,
     "loss gap to the BF16 run in units of the seed-to-seed std"); ``paired_gap`` = mean over shared seeds of
     (mode - baseline) of the same seed;
@@ -27,11 +32,13 @@ Writes into ``--out`` (default ``SWEEP_DIR``):
     for DP gradient reduction per step) and ``bytes_rel`` = that / the baseline's;
   - ``tokens_per_sec``: mean over steps after the first, then over seeds (global tokens/s);
   - ``ci_lo``/``ci_hi``/``ci_method``/``verdict``/``seeds_needed``: the paired verdict of ``tools/verdict.py``
-  (95% interval of the same-seed gap; better / worse / not distinguishable at n seeds);
+  (95% interval of the same-seed gap; better / worse / not distinguishable at n seeds; seeds to resolve the gap,
+  ``unknown (one pair)`` / ``unknown (no pairs)`` below 2 pairs);
   rows sorted by the paired gap, the baseline first; ``results.md`` adds a verdict table.
 
 Errors (exit status 2, one ``error:`` line): SWEEP_DIR missing or without runs; a run folder without
-metrics or stopped before ``train.steps`` (use ``--skip-incomplete`` to leave it out); a malformed metrics line (file and line named).
+metrics or stopped before ``train.steps`` other than on a non-finite step (use ``--skip-incomplete`` to leave it
+out); a malformed metrics line (file and line named).
 """
 
 from __future__ import annotations
@@ -59,12 +66,14 @@ class CompareError(ValueError):
 
 @dataclass
 class Run:
-    """One training run: ``records`` are the metrics.jsonl objects in file order."""
+    """One training run: ``records`` are the metrics.jsonl objects in file order; ``stopped_nonfinite``: it
+    ended before ``train.steps`` on a non-finite step (see :func:`stopped_on_nonfinite`)."""
 
     path: Path
     mode: str
     seed: int
     records: list[dict] = field(default_factory=list)
+    stopped_nonfinite: bool = False
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """``(steps, values)`` of the records that carry a finite ``key``."""
@@ -83,15 +92,33 @@ class Run:
                 vals.append(sum(v) / len(v))
         return steps, vals
 
+    def last_value(self, key: str) -> float | None:
+        """``key`` of the last record that carries it, as a float (NaN for ``null``, the trainer's spelling of a
+        non-finite value); None when no record carries it. An earlier finite value never stands in."""
+        for r in reversed(self.records):
+            if key in r:
+                return _as_float(r[key])
+        return None
+
+    @property
+    def diverged(self) -> bool:
+        """The run's end is non-finite: its last ``loss`` or ``val_loss`` is null / NaN / inf, or it stopped on a
+        non-finite step."""
+        ends = [self.last_value(k) for k in ("loss", "val_loss")]
+        return self.stopped_nonfinite or any(v is not None and not math.isfinite(v) for v in ends)
+
+    def final(self, key: str) -> float:
+        """The run's result for ``key``: its last value; NaN when the run diverged or never logged it."""
+        v = self.last_value(key)
+        return math.nan if v is None or self.diverged else v
+
     @property
     def final_val_loss(self) -> float:
-        _, v = self.series("val_loss")
-        return v[-1] if v else math.nan
+        return self.final("val_loss")
 
     @property
     def final_loss(self) -> float:
-        _, v = self.series("loss")
-        return v[-1] if v else math.nan
+        return self.final("loss")
 
     @property
     def comm_bytes_per_step(self) -> float:
@@ -103,6 +130,31 @@ class Run:
         steps, v = self.series("tokens_per_sec")
         v = [x for s, x in zip(steps, v) if s > 1] or v  # the first step includes warm-up
         return sum(v) / len(v) if v else math.nan
+
+
+def _as_float(v) -> float:
+    """A logged value as a float: NaN for None (null) or anything that is not a number."""
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def stopped_on_nonfinite(recs: list[dict], cfg: dict) -> bool:
+    """A run that ended before ``train.steps`` because of non-finite gradients: its last record is a skipped
+    step (the trainer logs it before stopping) and either ``train.nonfinite=stop`` or the trailing run of
+    consecutive skipped steps reached ``train.max_skipped_steps`` (default 10)."""
+    train = cfg.get("train") or {}
+    if not recs or recs[-1].get("skipped") is not True:
+        return False
+    if train.get("nonfinite", "skip") == "stop":
+        return True
+    run, step = 0, None
+    for r in reversed(recs):
+        if r.get("skipped") is not True or (step is not None and r["step"] != step - 1):
+            break
+        run, step = run + 1, r["step"]
+    return run >= int(train.get("max_skipped_steps", 10))
 
 
 def _mode_from_config(cfg: dict) -> str:
@@ -244,7 +296,12 @@ def load_sweep(sweep_dir: str | Path, skip_incomplete: bool = False) -> list[Run
                                f"(tools/run_comparison.py --resume), or pass --skip-incomplete")
         cfg = yaml.safe_load(c.read_text()) or {}
         steps = cfg.get("train", {}).get("steps")
-        if isinstance(steps, int) and recs[-1]["step"] < steps:
+        stopped = isinstance(steps, int) and recs[-1]["step"] < steps
+        nonfinite = stopped and stopped_on_nonfinite(recs, cfg)
+        if nonfinite:
+            print(f"warning: '{d}' stopped at step {recs[-1]['step']} of {steps} on a non-finite gradient: counted "
+                  f"as diverged", file=sys.stderr)
+        elif stopped:
             if skip_incomplete:
                 print(f"warning: skipping '{d}' (stopped at step {recs[-1]['step']} of {steps})", file=sys.stderr)
                 continue
@@ -254,7 +311,7 @@ def load_sweep(sweep_dir: str | Path, skip_incomplete: bool = False) -> list[Run
         match = re.fullmatch(r"(.+)-seed(\d+)", d.name)
         mode = _label(cfg) or (match.group(1) if match else _mode_from_config(cfg))
         seed = cfg.get("train", {}).get("seed", int(match.group(2)) if match else 0)
-        runs.append(Run(d, mode, int(seed), recs))
+        runs.append(Run(d, mode, int(seed), recs, stopped_nonfinite=nonfinite))
     if not runs:
         raise CompareError(f"no runs (folders with metrics.jsonl and config.yaml) under '{root}'")
     seen = {}
@@ -286,43 +343,67 @@ def _std(xs):
     return statistics.stdev(xs) if len(xs) > 1 else math.nan
 
 
+def _finite_vals(runs: list[Run]) -> list[float]:
+    """Final validation losses of the runs that did not diverge (and logged one)."""
+    return [v for v in (r.final_val_loss for r in runs) if math.isfinite(v)]
+
+
 def summarize(modes: dict[str, list[Run]], baseline: str = "bf16") -> list[dict]:
-    """One row per mode (see the module docstring for the columns); baseline columns are NaN without it."""
+    """One row per mode (see the module docstring for the columns); baseline columns are NaN without it.
+    Diverged runs count in ``seeds`` and ``diverged``/``diverged_seeds`` only."""
     base = modes.get(baseline)
-    b_val = [r.final_val_loss for r in base] if base else []
+    b_val = _finite_vals(base) if base else []
     b_mean, b_std = _mean(b_val), _std(b_val)
     b_bytes = _mean([r.comm_bytes_per_step for r in base]) if base else math.nan
     b_by_seed = {r.seed: r.final_val_loss for r in base} if base else {}
-    from verdict import paired_verdict
+    from verdict import describe_interval, describe_seeds_needed, paired_verdict
 
     rows = []
     for mode, rs in modes.items():
         v = paired_verdict({r.seed: r.final_val_loss for r in rs}, b_by_seed) if base and mode != baseline else None
-        val = [r.final_val_loss for r in rs]
+        val = _finite_vals(rs)
         mean, std = _mean(val), _std(val)
-        paired = [r.final_val_loss - b_by_seed[r.seed] for r in rs if r.seed in b_by_seed]
+        paired = [r.final_val_loss - b_by_seed[r.seed] for r in rs if r.seed in b_by_seed
+                  and math.isfinite(r.final_val_loss) and math.isfinite(b_by_seed[r.seed])]
         by = _mean([r.comm_bytes_per_step for r in rs])
         gap = mean - b_mean
+        diverged = [r.seed for r in rs if r.diverged]
         rows.append({
-            "mode": mode, "seeds": len(rs), "steps": max(r.records[-1]["step"] for r in rs),
+            "mode": mode, "seeds": len(rs), "finite_runs": len(val), "diverged": len(diverged),
+            "diverged_seeds": diverged,
+            "reference_diverged_seeds": v["reference_diverged"] if v else [],
+            "steps": max(r.records[-1]["step"] for r in rs),
             "final_val_loss_mean": mean, "final_val_loss_std": std,
             "gap": gap, "gap_sigma": gap / b_std if b_std and b_std > 0 else math.nan,
             "paired_gap": _mean(paired) if paired else math.nan,
-            "final_train_loss_mean": _mean([r.final_loss for r in rs]),
+            "final_train_loss_mean": _mean([r.final_loss for r in rs if not r.diverged]),
             "comm_bytes_per_step": by, "bytes_rel": by / b_bytes if b_bytes and b_bytes > 0 else math.nan,
             "tokens_per_sec": _mean([r.tokens_per_sec for r in rs]),
             "ci_lo": v["lo"] if v else math.nan, "ci_hi": v["hi"] if v else math.nan,
             "ci_method": v["method"] if v else "", "verdict": v["verdict"] if v else ("reference" if base else ""),
             "seeds_needed": v["seeds_needed"] if v else math.nan, "paired_seeds": v["n"] if v else 0,
+            "seeds_needed_text": describe_seeds_needed(v) if v else "",
+            "ci_text": describe_interval(v) if v else "",
         })
     # sorted by the paired gap (the reference first, modes without a pair last)
     rows.sort(key=lambda r: (r["mode"] != baseline, math.isnan(r["paired_gap"]), r["paired_gap"]))
     return rows
 
 
-CSV_COLUMNS = ["mode", "seeds", "steps", "final_val_loss_mean", "final_val_loss_std", "gap", "gap_sigma",
-               "paired_gap", "ci_lo", "ci_hi", "ci_method", "verdict", "seeds_needed", "final_train_loss_mean",
-               "comm_bytes_per_step", "bytes_rel", "tokens_per_sec"]
+CSV_COLUMNS = ["mode", "seeds", "diverged", "diverged_seeds", "steps", "final_val_loss_mean", "final_val_loss_std",
+               "gap", "gap_sigma", "paired_gap", "paired_seeds", "ci_lo", "ci_hi", "ci_method", "verdict",
+               "seeds_needed", "final_train_loss_mean", "comm_bytes_per_step", "bytes_rel", "tokens_per_sec"]
+
+
+def _csv_value(r: dict, k: str):
+    """A row's value as the CSV writes it: blank for NaN, seeds as ``1;3``, seeds to resolve in words when it
+    is not a number (``unknown (one pair)``, ``never (gap 0)``, ...)."""
+    if k == "seeds_needed" and r.get("seeds_needed_text") and not r["seeds_needed_text"].isdigit():
+        return r["seeds_needed_text"]
+    x = r[k]
+    if isinstance(x, list):
+        return ";".join(map(str, x))
+    return "" if isinstance(x, float) and math.isnan(x) else x
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
@@ -330,7 +411,7 @@ def write_csv(rows: list[dict], path: Path) -> None:
         w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         w.writeheader()
         for r in rows:
-            w.writerow({k: ("" if isinstance(r[k], float) and math.isnan(r[k]) else r[k]) for k in CSV_COLUMNS})
+            w.writerow({k: _csv_value(r, k) for k in CSV_COLUMNS})
 
 
 def _f(x: float, fmt: str) -> str:
@@ -342,28 +423,36 @@ def markdown_table(rows: list[dict], baseline: str) -> str:
             f"paired gap | final train loss | bytes/step | bytes vs {baseline} | tokens/s |")
     lines = [head, "|" + "---|" * 10]
     for r in rows:
+        seeds = f"{r['seeds']} ({_diverged_text(r['diverged_seeds'])})" if r["diverged"] else f"{r['seeds']}"
+        n = r["finite_runs"]
+        std = _f(r["final_val_loss_std"], ".4f") if n > 1 else f"n/a ({n} finite run{'s' if n != 1 else ''})"
         lines.append(
-            f"| {r['mode']} | {r['seeds']} | {_f(r['final_val_loss_mean'], '.4f')} ± {_f(r['final_val_loss_std'], '.4f')}"
+            f"| {r['mode']} | {seeds} | {_f(r['final_val_loss_mean'], '.4f')} ± {std}"
             f" | {_f(r['gap'], '+.4f')} | {_f(r['gap_sigma'], '+.2f')} | {_f(r['paired_gap'], '+.4f')}"
             f" | {_f(r['final_train_loss_mean'], '.4f')} | {_f(r['comm_bytes_per_step'], ',.0f')}"
             f" | {_f(r['bytes_rel'], '.3f')} | {_f(r['tokens_per_sec'], ',.0f')} |")
     return "\n".join(lines)
 
 
+def _diverged_text(seeds: list[int]) -> str:
+    """``1 diverged: seed 3`` / ``2 diverged: seeds 1, 4``."""
+    return f"{len(seeds)} diverged: seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
+
+
 def verdict_table(rows: list[dict], baseline: str) -> str:
-    """One line per mode: paired gap of the final validation loss to ``baseline`` with its 95% interval and
-    the verdict (rows as :func:`summarize` sorts them)."""
+    """One line per mode: paired gap of the final validation loss to ``baseline`` with its 95% interval, the
+    verdict, the seeds needed to resolve the gap and the diverged seeds (left out of the pairs; rows as
+    :func:`summarize` sorts them)."""
     lines = [f"| mode | paired seeds | final val loss - {baseline} (same seed) | 95% interval | verdict | "
-             f"seeds to resolve the gap |", "|---|---|---|---|---|---|"]
+             f"seeds to resolve the gap | diverged (left out) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["mode"] == baseline or not r["verdict"]:
             continue
-        need = r["seeds_needed"]
-        need = "n/a" if isinstance(need, float) and math.isnan(need) else ("never (gap 0)" if need == math.inf
-                                                                          else f"{int(need)}")
+        div = [_diverged_text(r["diverged_seeds"])] if r["diverged_seeds"] else []
+        if r["reference_diverged_seeds"]:
+            div.append(f"{baseline} {_diverged_text(r['reference_diverged_seeds'])}")
         lines.append(f"| {r['mode']} | {r['paired_seeds']} | {_f(r['paired_gap'], '+.4f')} | "
-                     f"[{_f(r['ci_lo'], '+.4f')}, {_f(r['ci_hi'], '+.4f')}] ({r['ci_method'] or '-'}) | "
-                     f"**{r['verdict']}** | {need} |")
+                     f"{r['ci_text']} | **{r['verdict']}** | {r['seeds_needed_text']} | {'; '.join(div) or 'none'} |")
     return "\n".join(lines)
 
 
@@ -397,6 +486,16 @@ def gap_series(rs: list[Run], base: list[Run], key: str, smooth: int = 1) -> tup
         return [], []
     steps, vals = aligned([p for pair in pairs for p in pair], key, smooth)
     return steps, [[a - b for a, b in zip(vals[2 * i], vals[2 * i + 1])] for i in range(len(pairs))]
+
+
+def _curve_runs(rs: list[Run]) -> tuple[list[Run], str]:
+    """The runs a mode's curve averages (those that did not diverge; all of them when every one did, whose
+    curves then end where they diverged) and the legend's count, e.g. ``n=2, 1 diverged``."""
+    ok = [r for r in rs if not r.diverged]
+    bad = len(rs) - len(ok)
+    if not ok:
+        return rs, f"n={len(rs)}, all diverged"
+    return ok, f"n={len(ok)}" + (f", {bad} diverged" if bad else "")
 
 
 STYLES = ["-", "--", "-.", ":"]
@@ -433,10 +532,11 @@ def plot(modes: dict[str, list[Run]], out: Path, baseline: str, smooth: int, tit
     written = []
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     for i, (mode, rs) in enumerate(modes.items()):
+        runs, count = _curve_runs(rs)
         for ax, key, sm in ((axes[0], "loss", smooth), (axes[1], "val_loss", 1)):
-            steps, vals = aligned(rs, key, sm)
+            steps, vals = aligned(runs, key, sm)
             if steps:
-                _band(ax, steps, vals, f"{mode} (n={len(rs)})", colors(i % 10), i)
+                _band(ax, steps, vals, f"{mode} ({count})", colors(i % 10), i)
     axes[0].set_title(f"train loss (moving average over {smooth} steps)" if smooth > 1 else "train loss")
     axes[1].set_title("validation loss")
     zoom_from = _zoom(axes[1], modes, "val_loss")
@@ -454,14 +554,14 @@ def plot(modes: dict[str, list[Run]], out: Path, baseline: str, smooth: int, tit
     plt.close(fig)
     written.append(p)
 
-    base = modes.get(baseline)
+    base = [r for r in modes.get(baseline) or [] if not r.diverged]
     if base:
         fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
         for i, (mode, rs) in enumerate(modes.items()):
             if mode == baseline:
                 continue
             for ax, key, sm in ((axes[0], "loss", smooth), (axes[1], "val_loss", 1)):
-                steps, vals = gap_series(rs, base, key, sm)
+                steps, vals = gap_series([r for r in rs if not r.diverged], base, key, sm)
                 if steps:
                     _band(ax, steps, vals, f"{mode} (n={len(vals)})", colors(i % 10), i, band="ci")
         for ax, what in zip(axes, ("train loss", "validation loss")):
@@ -582,7 +682,10 @@ def main(argv: list[str] | None = None) -> int:
               f"relative-bytes columns are n/a (choose one with --baseline)", file=sys.stderr)
     write_csv(rows, out / "results.csv")
     table = markdown_table(rows, a.baseline)
-    note = (f"Sweep `{Path(a.sweep_dir).name}`: {len(runs)} runs, {len(modes)} modes. Final val loss = last "
+    n_div = sum(r.diverged for r in runs)
+    note = (f"Sweep `{Path(a.sweep_dir).name}`: {len(runs)} runs, {len(modes)} modes"
+            + (f", {n_div} diverged (non-finite end: left out of every mean, std and pair, named in the seeds "
+               f"column)" if n_div else "") + ". Final val loss = last "
             f"validation loss of each run; std is the sample std over seeds; gap / {a.baseline} std = "
             f"(mean - {a.baseline} mean) / {a.baseline} std; paired gap = mean over seeds of (run - {a.baseline} "
             f"run of the same seed); bytes/step = bytes one rank sent for DP gradient reduction per step; "

@@ -11,16 +11,28 @@ on its own data -- the shapes, plans, memory and op counts of the 64-rank job, o
 cannot show: the values other ranks would have sent (the reduced gradient is this rank's own contribution,
 as if the others' were zero, for every reducer alike), and communication time.
 
+The gathers follow the same rule (:func:`loopback_gathers`): the parameter all-gather after a step leaves the
+ranges other ranks own as they were (this rank's own range holds its update), for even plans (AdamW) as for
+whole-parameter plans (Muon), where the fake broadcasts already do so; an all-gather into a fresh buffer
+(the all-reduce path, ``parallel.distributed_optimizer=false``) delivers this rank's part and zeros. Without
+this the fake all-gather would copy this rank's range into every other one.
+
 Data are random tokens; shrink ``model.seq_length``, ``train.global_batch_size`` and
-``train.micro_batch_size`` to fit the device. Prints per step the loss, gradient norm and time, then the
-persistent memory of the rank (FP32 gradient buffer, parameter buffer, main params, optimizer state,
-error feedback, GeoFP8 state: the storages the trainer holds after a step, counted once each; on CUDA also
-``torch.cuda.memory_allocated`` and the peak) next to ``tools/plan_report.py``'s figure for rank 0.
+``train.micro_batch_size`` to fit the device. Prints per step the time; for step 1 also rank 0's loss (mean
+per-token loss of its own micro-batches at the initial parameters: the one loss figure that does not depend
+on other ranks' data). The global loss of later steps and the gradient norm do depend on it (through the
+reduced gradient and the update) and are not printed. Then the persistent memory of the rank (FP32 gradient
+buffer, parameter buffer, main params, optimizer state, error feedback, GeoFP8 state: the storages the trainer
+holds after a step, counted once each; on CUDA also ``torch.cuda.memory_allocated`` and the peak) next to
+``tools/plan_report.py``'s figure for rank 0. ``--json``: ``steps`` (``step``, ``time_s``, ``updated``: the
+update ran on this rank, i.e. its part of the gradient norm was finite), ``rank0_step1_loss``,
+``optimizer_steps``, the memory figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -77,6 +89,92 @@ def persistent_bytes(model, buckets, optimizer, reducer) -> dict:
     return out
 
 
+class _Done:
+    """A finished collective (``wait`` returns at once)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def loopback_gathers():
+    """On the fake process group: a parameter all-gather (``all_gather_ranges``) leaves the other ranks' ranges of
+    the buffer as they are, and an all-gather into a fresh buffer (``all_gather_into``) delivers this rank's own
+    part and zeros from the others, as the fake all-to-all does (see the module docstring)."""
+    import torch.distributed as dist
+
+    from megatron_geo.parallel import collectives as C
+
+    saved_ranges, saved_into = C.all_gather_ranges, C.all_gather_into
+
+    def gather_ranges(buf, bounds, group, async_op=True):
+        return _Done()  # this rank's range already holds its new values; the others keep theirs
+
+    def gather_into(out, inp, group, async_op=False):
+        saved_into(out, inp, group, async_op=False)
+        me = dist.get_rank(group)
+        out.zero_()
+        out[me * inp.numel():(me + 1) * inp.numel()].copy_(inp.reshape(-1))
+        return _Done()
+
+    C.all_gather_ranges, C.all_gather_into = gather_ranges, gather_into
+    try:
+        yield
+    finally:
+        C.all_gather_ranges, C.all_gather_into = saved_ranges, saved_into
+
+
+def rank0_micro_batches(cfg, dp: int, steps: int) -> list[list[dict]]:
+    """Per step, rank 0's micro-batches of random tokens (``train.seed``; ``global_batch_size / (dp * micro)`` of
+    ``micro_batch_size`` sequences, at least one)."""
+    micro, seq, v = cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size
+    n_micro = max(1, cfg.train.global_batch_size // (dp * micro))
+    g = torch.Generator().manual_seed(cfg.train.seed)
+    out = []
+    for _ in range(steps):
+        mbs = []
+        for _ in range(n_micro):
+            data = torch.randint(0, v, (micro, seq + 1), generator=g)
+            mbs.append({"tokens": data[:, :-1], "labels": data[:, 1:], "loss_mask": torch.ones(micro, seq)})
+        out.append(mbs)
+    return out
+
+
+def run_steps(cfg, pctx, dp: int, steps: int) -> tuple[list[dict], dict]:
+    """Build rank 0's model, buckets, reducer and optimizer and run ``steps`` optimizer steps on the fake process
+    group that the caller initialised (``dp * tp`` ranks).
+
+    Returns:
+        ``(records, state)``: per step ``{"step", "time_s", "updated"}`` and, for step 1, ``"loss"`` (rank 0's
+        mean per-token loss of its micro-batches at the initial parameters, nats); ``state``: ``model``,
+        ``buckets``, ``reducer``, ``optimizer`` and ``build_s`` (seconds to build them).
+    """
+    from megatron_geo.training.step import train_step
+    from megatron_geo.training.trainer import build_model_and_optimizer
+
+    dev = pctx.device
+    torch.manual_seed(cfg.train.seed)
+    t0 = time.perf_counter()
+    model, buckets, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
+    state = {"model": model, "buckets": buckets, "reducer": reducer, "optimizer": opt,
+             "build_s": time.perf_counter() - t0}
+    geo = getattr(reducer, "geo", None)
+    records = []
+    with loopback_gathers():
+        for step, mbs in enumerate(rank0_micro_batches(cfg, dp, steps)):
+            t = time.perf_counter()
+            res = train_step(model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad, cfg.train.autocast_dtype,
+                             geo=geo, step=step)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            rec = {"step": step + 1, "time_s": time.perf_counter() - t, "updated": not res.skipped}
+            if step == 0:  # the fake all-reduces leave rank 0's own sums: its own mean loss
+                rec["loss"] = res.loss
+            records.append(rec)
+    opt.wait_param_gather()
+    return records, state
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", action="append", required=True, metavar="FILE")
@@ -107,8 +205,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_geo.distributed.plan_report import meta_model_params, plan_figures
     from megatron_geo.parallel import build_groups, indexed_device
-    from megatron_geo.training.step import train_step
-    from megatron_geo.training.trainer import build_model_and_optimizer
 
     if not args.exact_init:
         import megatron_geo.model.llama as llama
@@ -122,35 +218,21 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_figures(cfg, args.dp, meta_model_params(cfg, args.tp), args.tp)  # before the job's process group
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     pctx = build_groups(0, world, args.tp, dev, "fake")
-    torch.manual_seed(cfg.train.seed)
-    t0 = time.perf_counter()
-    model, buckets, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
-    geo = getattr(reducer, "geo", None)
+    steps, state = run_steps(cfg, pctx, args.dp, args.steps)
+    buckets = state["buckets"]
     print(f"dry run: rank 0 of DP={args.dp} x TP={args.tp} on {dev} (fake process group); {len(buckets)} buckets, "
-          f"{sum(1 for b in buckets if not b.plan.even)} with uneven owner ranges; built in "
-          f"{time.perf_counter() - t0:.1f} s", flush=True)
-    micro, seq, v = cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size
-    n_micro = max(1, cfg.train.global_batch_size // (args.dp * micro))
-    g = torch.Generator().manual_seed(cfg.train.seed)
-    steps = []
-    for step in range(args.steps):
-        mbs = []
-        for _ in range(n_micro):
-            data = torch.randint(0, v, (micro, seq + 1), generator=g)
-            mbs.append({"tokens": data[:, :-1], "labels": data[:, 1:], "loss_mask": torch.ones(micro, seq)})
-        t = time.perf_counter()
-        res = train_step(model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad, cfg.train.autocast_dtype,
-                         geo=geo, step=step)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        dt = time.perf_counter() - t
-        steps.append({"step": step + 1, "loss": res.loss, "grad_norm": res.grad_norm, "skipped": res.skipped,
-                      "time_s": dt})
-        print(f"step {step + 1}: loss {res.loss:.4f} grad norm {res.grad_norm:.4g}{' (skipped)' if res.skipped else ''}"
-              f" {dt:.2f} s", flush=True)
-    mem = persistent_bytes(model, buckets, opt, reducer)
-    out = {"dp": args.dp, "tp": args.tp, "device": str(dev), "steps": steps, "persistent_bytes": mem,
-           "optimizer_steps": sum(1 for s in steps if not s["skipped"])}
+          f"{sum(1 for b in buckets if not b.plan.even)} with uneven owner ranges; built in {state['build_s']:.1f} s. "
+          f"Shown: step times and rank 0's step-1 loss; the global loss and the gradient norm depend on other ranks' "
+          f"data, which the fake process group does not move", flush=True)
+    for rec in steps:
+        loss = f" rank 0 loss {rec['loss']:.4f} (its micro-batches, initial parameters)" if "loss" in rec else ""
+        print(f"step {rec['step']}:{loss} {rec['time_s']:.2f} s{'' if rec['updated'] else ' (update skipped)'}",
+              flush=True)
+    mem = persistent_bytes(state["model"], buckets, state["optimizer"], state["reducer"])
+    out = {"dp": args.dp, "tp": args.tp, "device": str(dev),
+           "steps": [{k: v for k, v in r.items() if k != "loss"} for r in steps],
+           "rank0_step1_loss": steps[0]["loss"], "persistent_bytes": mem,
+           "optimizer_steps": sum(1 for s in steps if s["updated"])}
     line = f"persistent memory of rank 0: {mem['total'] / GiB:.3f} GiB (" + ", ".join(
         f"{k} {v / GiB:.3f}" for k, v in mem.items() if k != "total") + ")"
     if plan is not None:

@@ -119,9 +119,14 @@ def geo_report(out: dict, markdown: bool = False) -> str:
 
 
 def _with_spread(summary: dict, key: str, fmt: str) -> str:
+    """``value [min .. max, sd, n seeds]``; where some seeds gave no finite value, how many did (the mean is
+    then ``-``), and no sd from fewer than 2 values."""
     v = summary.get(key)
     s = summary.get("spread", {}).get(key)
     txt = fmt_value(v, fmt)
+    seeds = len(summary.get("seeds") or []) or (s["n"] if s else 0)
+    if s and s["n"] < seeds:
+        txt += f" (finite in {s['n']} of {seeds} seeds)"
     if s and s["n"] > 1:
         txt += f" [{fmt_value(s['min'], fmt)} .. {fmt_value(s['max'], fmt)}, sd {s['sd']:.2g}, {s['n']} seeds]"
     return txt

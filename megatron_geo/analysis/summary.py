@@ -68,16 +68,22 @@ def summarize(geo: dict, scope: str, params: dict, paper: bool = False, rank: in
 
 
 def _spread(vals: list) -> dict | None:
+    """``{mean, min, max, sd, n}`` over the seeds' values ``vals``; None when no value is a finite number.
+
+    ``n`` counts the finite values. ``mean`` is None when any seed's value is missing or non-finite (a mean
+    over the remaining seeds would hide that seed); ``sd`` (ddof = 1) is None below 2 finite values (one value
+    has no spread to estimate from)."""
     v = [x for x in vals if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)]
     if not v:
         return None
-    return {"mean": sum(v) / len(v), "min": min(v), "max": max(v), "sd": statistics.stdev(v) if len(v) > 1 else 0.0,
-            "n": len(v)}
+    return {"mean": sum(v) / len(v) if len(v) == len(vals) else None, "min": min(v), "max": max(v),
+            "sd": statistics.stdev(v) if len(v) > 1 else None, "n": len(v)}
 
 
 def aggregate(summaries: list[dict]) -> dict:
-    """Mean over seeds of every number of the summaries (same keys), with ``spread`` ``{key: {mean, min, max,
-    sd, n}}``; ``paper_rows`` averaged row by row (``measured_change_pct`` / ``measured_rel_l2`` / ``diff_points``
+    """Mean over seeds of every number of the summaries (same keys; None where a seed's value is missing or
+    non-finite), with ``spread`` ``{key: {mean, min, max, sd, n}}`` (:func:`_spread`: ``n`` finite seeds, ``sd``
+    None below 2); ``paper_rows`` averaged row by row (``measured_change_pct`` / ``measured_rel_l2`` / ``diff_points``
     means, ``within`` re-judged on the means, ``change_pct_min`` / ``change_pct_max`` over seeds); ``seeds``:
     the seeds. Non-numeric values are taken from the first summary."""
     first = summaries[0]
@@ -108,13 +114,15 @@ def aggregate(summaries: list[dict]) -> dict:
         for i, row in enumerate(first["paper_rows"]):
             pct = _spread([x["paper_rows"][i]["measured_change_pct"] for x in summaries])
             rel = _spread([x["paper_rows"][i]["measured_rel_l2"] for x in summaries])
-            diff = pct["mean"] - row["paper_change_pct"] if pct and row["paper_change_pct"] is not None else None
+            pct_mean, rel_mean = pct["mean"] if pct else None, rel["mean"] if rel else None
+            diff = pct_mean - row["paper_change_pct"] if pct_mean is not None and row["paper_change_pct"] is not None \
+                else None
             if row["row"] == "Euclidean":
-                within = abs(rel["mean"] / PAPER_EUCLIDEAN - 1.0) <= EUCLIDEAN_TOLERANCE if rel else None
+                within = abs(rel_mean / PAPER_EUCLIDEAN - 1.0) <= EUCLIDEAN_TOLERANCE if rel_mean is not None else None
             else:
                 within = abs(diff) <= TOLERANCE_POINTS if diff is not None else None
-            rows.append({**row, "measured_rel_l2": rel["mean"] if rel else None,
-                         "measured_change_pct": pct["mean"] if pct else None, "diff_points": diff, "within": within,
+            rows.append({**row, "measured_rel_l2": rel_mean,
+                         "measured_change_pct": pct_mean, "diff_points": diff, "within": within,
                          "change_pct_min": pct["min"] if pct else None, "change_pct_max": pct["max"] if pct else None})
         out["paper_rows"] = rows
     out["seeds"] = [x.get("seed") for x in summaries]

@@ -19,6 +19,8 @@ Part of :mod:`megatron_geo.analysis`: the training path never imports it.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -71,7 +73,8 @@ def window_sum(step_grads: list[list[Tensor]], codec: dict | str, transform=None
 
 def windowed_rel_l2(layers: list[tuple[list[list[Tensor]], object]], codec: dict | str) -> dict:
     """RelL2 of the window's sum for Euclidean, Euclidean + EF, geo and geo + EF: ``{mode: float}`` over
-    :data:`MODES`, over the concatenation of ``layers`` (``[(step_grads, transform or None)]``, see
+    :data:`MODES` (NaN where the window's reference sum is zero: a relative error of nothing is undefined), over
+    the concatenation of ``layers`` (``[(step_grads, transform or None)]``, see
     :func:`window_sum`; a layer without a transform is Euclidean in the geo modes too, as an unselected layer
     is in the trainer)."""
     out = {}
@@ -82,5 +85,5 @@ def windowed_rel_l2(layers: list[tuple[list[list[Tensor]], object]], codec: dict
             got, want = window_sum(step_grads, codec, transform if geo else None, ef)
             err2 += float((got - want).norm()) ** 2
             ref2 += float(want.norm()) ** 2
-        out[mode] = err2 ** 0.5 / ref2 ** 0.5 if ref2 > 0 else 0.0
+        out[mode] = err2 ** 0.5 / ref2 ** 0.5 if ref2 > 0 else math.nan  # no reference: undefined, not 0
     return out

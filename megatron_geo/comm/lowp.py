@@ -40,7 +40,7 @@ from .scale_layout import ScaleLayout, build_scale_layout
 from .wire_cast import CAST_DTYPES, CastWire
 from .wire_fp8 import FP8Wire
 from .wire_nvfp4 import NVFP4Wire
-from .wire_sum import REDUCE_OPS, ring_sum
+from .wire_sum import REDUCE_OPS, ring_mean, ring_sum
 from ..parallel import collectives as C
 
 # tensor-scaled FP8 keeps parameters 16-aligned so that its scales reach the elements one per 16-element block
@@ -365,12 +365,13 @@ class LowPrecisionReducer(Reducer):
                 self.telemetry.append((f"bound_hits/saturated/bucket{key}", saturated.sum().float(),
                                        torch.full((), float(max(own, 1)), device=buf.device)))
             scale = shared[r]                                                                   # [K]
-            if keep_wire:  # all-reduce: gather the summed codes as they are, with the scale that includes 1/N
+            if keep_wire:  # all-reduce: gather the summed codes as they are, with the shared scale s itself
+                # (the gather's decode then divides by N, as below; s / N may be an FP32 subnormal)
                 self._shard_in_wire_coords[key] = torch.cat(
-                    [total.view(1, -1), (scale / dp).view(1, -1).view(torch.uint8)], dim=1)
+                    [total.view(1, -1), scale.view(1, -1).view(torch.uint8)], dim=1)
                 return
             g = layout.granule
-            avg = self.wire.decode(total.view(-1, g), layout.row_block_values(scale, r)).div_(dp)
+            avg = ring_mean(self.wire.decode(total.view(-1, g), layout.row_block_values(scale, r)), dp)
             self._write_back(buf, lo, avg, key)
 
         return PendingReduction(None, epilogue)
@@ -393,7 +394,10 @@ class LowPrecisionReducer(Reducer):
             out = torch.empty((dp, payload.shape[1]), dtype=torch.uint8, device=buf.device)
             C.all_gather_into(out.view(-1), payload.reshape(-1), self.group)
             self.bytes_sent += (dp - 1) * payload.shape[1]
-            self._write_back(buf, 0, self.wire.decode_all(out, layout), key)
+            decoded = self.wire.decode_all(out, layout)
+            if self.reduce_op == "wire_sum":  # summed codes with the shared scale: p * s, then / N
+                decoded = ring_mean(decoded, dp)
+            self._write_back(buf, 0, decoded, key)
 
         pending = PendingReduction(None, gather)
         if not async_op:

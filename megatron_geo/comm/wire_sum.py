@@ -12,7 +12,11 @@ sum back to FP8 at every hop of the ring. This module is the numerics of that su
 - ring order: the chunk owned by rank ``o`` starts at rank ``o + 1`` and visits ``o + 2, ..., o`` (mod N),
   as in a ring reduce-scatter; at each hop ``p <- RNE_sat(p + c_r)``, where ``RNE_sat`` rounds to nearest,
   ties to even, and clamps to ``[-max, max]`` (NCCL's saturating FP8 conversion);
-- result: ``p * s / N`` in FP32 (the one division by N, DESIGN.md invariant 1's documented exception).
+- result: ``p * s / N`` in FP32 (the one division by N, DESIGN.md invariant 1's documented exception), in
+  that order: the summed codes are decoded with ``s`` itself and the FP32 product divided by N
+  (:func:`ring_mean`), on the reduce-scatter path and on the all-reduce path alike (there the summed codes
+  travel with ``s``, not with ``s / N``: a pre-divided scale below 2^-126 is an FP32 subnormal with fewer
+  significant bits than ``s``, and decoding with it would round differently).
 
 The hop sum is formed in FP32: the sum of two FP8 values has at most 24 significant bits for E4M3 and is
 rounded at most innocuously for E5M2 (24 >= 2 * 3 + 2 bits, the double-rounding bound for addition), so
@@ -64,6 +68,20 @@ def ring_sum(codes: Tensor, owner: int, fmt: str) -> tuple[Tensor, Tensor]:
     return acc.to(f8).view(torch.uint8), saturated
 
 
+def ring_mean(decoded_total: Tensor, dp: int) -> Tensor:
+    """The DP mean ``p * s / N`` from the decoded ring sum, in place.
+
+    Args:
+        decoded_total: float32, any shape: the summed codes ``p`` decoded with the shared scale ``s`` itself
+            (``p * s``, one FP32 rounding); never with a pre-divided ``s / N``.
+        dp: the DP size ``N`` (>= 1).
+
+    Returns:
+        ``decoded_total`` divided by ``dp`` (one more FP32 rounding): the collective's documented result.
+    """
+    return decoded_total.div_(dp)
+
+
 def wire_sum_scale(amax: Tensor, fmt: str, dp: int, prediv: bool) -> Tensor:
     """FP32 shared scale(s) from the DP-wide amax (any shape): ``amax * dp / max`` with pre-division, else
     ``amax / max`` (:func:`.codecs.fp8_scale_from_amax`; 0 -> 1, non-finite -> NaN)."""
@@ -103,6 +121,6 @@ def simulate_wire_sum(rank_grads: list[Tensor], fmt: str, prediv: bool = True) -
         t, s = ring_sum(codes[:, idx], o, fmt)
         totals.append(t)
         sats.append(s)
-    avg = fp8_decode(torch.cat(totals), scale, fmt).div_(n)
+    avg = ring_mean(fp8_decode(torch.cat(totals), scale, fmt), n)
     hits = {"saturated": float(torch.cat(sats).float().mean()) if x.shape[1] else 0.0, "flushed": float(flushed)}
     return avg.view(rank_grads[0].shape), hits

@@ -6,14 +6,16 @@ is a terminal and otherwise prints one line every ``train.log_interval`` steps::
     step 120/20000 | loss 3.4521 | lr 2.99e-04 | grad norm 0.812 | 1,677,722 tok/s | 1.250 s/step |
     comm 45.2 MB/rank | skipped 0 | ETA 6h54m
 
-(one line in the log; wrapped here).
+(one line in the log; wrapped here). The ETA counts the optimizer steps, evaluations and checkpoint saves still
+to come (:mod:`.eta`); ``ETA 6h54m+evals+saves`` marks evaluations / saves still to come that have not been
+timed yet and are not included.
 """
 
 from __future__ import annotations
 
 import math
 
-from .eta import format_duration
+from .eta import PhaseTimes, eta_text
 
 
 def use_progress_bar(progress: bool, stream) -> bool:
@@ -22,17 +24,18 @@ def use_progress_bar(progress: bool, stream) -> bool:
     return bool(progress) and callable(isatty) and bool(isatty())
 
 
-def log_line(record: dict, total_steps: int, recent_step_times: list[float], skipped_total: int) -> str:
+def log_line(record: dict, total_steps: int, recent_step_times: list[float], skipped_total: int,
+             phases: PhaseTimes | None = None) -> str:
     """One line for the metrics ``record`` of a step (keys ``step``, ``loss``, ``lr``, ``grad_norm``,
     ``tokens_per_sec``, ``step_time_s``, ``comm_bytes``; ``val_loss`` when evaluated).
 
-    ``recent_step_times``: durations (s) of the last steps for the ETA (empty: this step's time);
+    ``recent_step_times``: durations (s) of the last steps for the ETA (empty: this step's time); ``phases``: the
+    evaluations and checkpoint saves still to come, which the ETA adds (:func:`.eta.eta_text`; None: steps only);
     ``skipped_total``: non-finite steps skipped so far in this run. ``comm`` is the bytes this rank sent for
     the DP gradient reduction in this step, in MB (1e6 bytes).
     """
     times = recent_step_times or [record["step_time_s"]]
     spt = sum(times) / len(times)
-    left = (total_steps - record["step"]) * spt
     gn = record.get("grad_norm")
     parts = [
         f"step {record['step']}/{total_steps}",
@@ -44,6 +47,6 @@ def log_line(record: dict, total_steps: int, recent_step_times: list[float], ski
         f"{record['step_time_s']:.3f} s/step",
         f"comm {record['comm_bytes'] / 1e6:,.1f} MB/rank",
         f"skipped {skipped_total}",
-        f"ETA {format_duration(left)}",
+        f"ETA {eta_text(record['step'], total_steps, spt, phases)}",
     ]
     return " | ".join(parts)

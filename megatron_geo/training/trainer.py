@@ -24,6 +24,7 @@ from ..parallel import LaunchError, ParallelContext, destroy_parallel, detect_la
 from .data_setup import build_data, train_global_tokens, train_micro_batches, valid_micro_batches
 from .checkpointing import Checkpointer
 from . import telemetry
+from .eta import RunTimer
 from .log_line import log_line, use_progress_bar
 from .metrics import MetricsLogger
 from .mfu import gpu_flops_metrics
@@ -171,7 +172,7 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
                     f"train.steps to train on")
         return {"parameters": n_params, "steps": start_step, "start_loss": None, "final_loss": None,
                 "val_loss": None, "tokens_per_sec": 0.0, "comm_bytes_per_step": 0.0,
-                "run_dir": str(run_dir.resolve()), "checkpoint": None}
+                "run_dir": str(run_dir.resolve()), "checkpoint": None, "start_step": start_step}
     if pctx.is_main:  # only once the checkpoint (if any) loaded: a failed start leaves the run dir as it was
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
@@ -181,7 +182,8 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
             f"dp={pctx.dp_size}"]
     logger = MetricsLogger(str(run_dir), pctx.is_main, cfg.logging.wandb, cfg.logging.wandb_project,
                            cfg.logging.wandb_group or label, cfg.logging.wandb_name or f"{label}-seed{t.seed}", tags,
-                           config_to_dict(cfg), resume_step=start_step)
+                           config_to_dict(cfg), resume_step=start_step, wandb_resume=cfg.logging.wandb_resume,
+                           log=lambda m: _log0(pctx, m))
     valid_batches = valid_micro_batches(data.valid, cfg, pctx) if data.valid and t.eval_batches else []
     progress = None
     if pctx.is_main and use_progress_bar(t.progress, sys.stdout):  # a log file gets lines, not \r updates
@@ -191,6 +193,10 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
                         file=sys.stdout)
     stop = StopRequest()
     every = cfg.checkpoint.interval
+    # measured evaluations and periodic saves: the ETA adds the ones still to come; a save's seconds go into the
+    # next logged record (checkpoint_time_s, checkpoints_saved) for the metrics.jsonl watcher
+    timer = RunTimer(t.steps, start_step, t.eval_interval if valid_batches else 0, every, cfg.checkpoint.save_at_end)
+    unlogged_saves: list[float] = []
 
     first_loss, last, last_res, val_loss, logged_refresh, skipped_total = None, None, None, None, False, 0
     tok_per_s_hist, bytes_hist, step_times = [], [], []
@@ -221,6 +227,8 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
                       "tokens_per_sec": res.tokens / dt, "comm_bytes": comm_bytes, "step_time_s": dt,
                       "consumed_samples": consumed, "skipped": res.skipped}
             record.update(rel_err)
+            if unlogged_saves:
+                record.update(checkpoint_time_s=sum(unlogged_saves), checkpoints_saved=len(unlogged_saves))
             if geo is not None:
                 record["geo_refresh"] = refreshed
                 if refreshed:  # per-layer refresh diagnostics (host floats, read once at the refresh)
@@ -241,7 +249,9 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
                 handle_nonfinite(step + 1, res.grad_norm, t.nonfinite, reducer, skipped_in_a_row, t.max_skipped_steps)
             if valid_batches and ((step + 1) % t.eval_interval == 0 or step + 1 == t.steps):
                 optimizer.wait_param_gather()
-                val_loss = evaluate(model, valid_batches, pctx, t.autocast_dtype)
+                with timer.timing("eval"):
+                    val_loss = evaluate(model, valid_batches, pctx, t.autocast_dtype)
+                record["eval_time_s"] = timer.last("eval")
                 record["val_loss"] = val_loss
             log_now = bool(res.skipped or rel_err or refreshed or (step + 1) % t.log_interval == 0
                            or "val_loss" in record or step + 1 == t.steps or first_loss is None)
@@ -250,6 +260,7 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
             if res.skipped or rel_err or refreshed or ((step + 1) % t.log_interval == 0 or "val_loss" in record
                                           or step + 1 == t.steps):
                 logger.log(record)
+                unlogged_saves.clear()
             first_loss = res.loss if first_loss is None else first_loss
             last, last_res = record, res
             if step > start_step:
@@ -258,14 +269,16 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
 
             skipped_total += int(res.skipped)
             if progress is None and ((step + 1) % t.log_interval == 0 or step + 1 == t.steps):
-                _log0(pctx, log_line(record, t.steps, step_times[-20:], skipped_total))  # no bar: one line
+                _log0(pctx, log_line(record, t.steps, step_times[-20:], skipped_total, timer.phases()))  # one line
             bytes_hist.append(comm_bytes)
             if progress is not None:
                 progress.update(1)
                 if log_now:
                     progress.set_postfix(loss=f"{res.loss:.3f}", **({"val": f"{val_loss:.3f}"} if val_loss else {}))
             if every and (step + 1) % every == 0:
-                ckpt.save(step + 1, consumed, skipped_in_a_row)
+                with timer.timing("save"):
+                    ckpt.save(step + 1, consumed, skipped_in_a_row)
+                unlogged_saves.append(timer.last("save"))
             if t.exit_interval and (step + 1) % t.exit_interval == 0 and step + 1 < t.steps:
                 ckpt.save(step + 1, consumed, skipped_in_a_row)
                 _log0(pctx, f"step {step + 1}: exiting (train.exit_interval={t.exit_interval}); relaunch to resume")
@@ -370,8 +383,12 @@ def main(argv: list[str] | None = None) -> int:
     if env.world_size > 1 and env.rank == 0:
         print(f"waiting for {env.world_size} processes ({env.launcher} launch) at {env.master_addr}:{env.master_port}",
               flush=True)
-    pctx = init_parallel(cfg.parallel.tensor, cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_minutes,
-                         env)
+    try:
+        pctx = init_parallel(cfg.parallel.tensor, cfg.train.device, cfg.parallel.backend,
+                             cfg.parallel.timeout_minutes, env)
+    except LaunchError as e:  # a rendezvous that did not complete: every process says what it saw
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         train(cfg, pctx)
     except ConfigError as e:
