@@ -205,9 +205,11 @@ def test_missing_files_and_devices_are_one_error_line_before_any_process_group(t
         import torch
         if torch.cuda.is_available():
             pytest.skip("CUDA is available here")
-    ok = tmp_path / "d"
-    ok.with_suffix(".bin").write_bytes(b"")
-    ok.with_suffix(".idx").write_bytes(b"")
+    from megatron_geo.data import IndexedDatasetBuilder
+
+    ok = tmp_path / "d"  # a well-formed dataset: the files' headers are checked too
+    with IndexedDatasetBuilder(str(ok), vocab_size=2048) as builder:
+        builder.add_document([5, 6, 7, 1])
     tok = tmp_path / "t.model"
     tok.write_bytes(b"")
     args = ["data.source=indexed", f"data.tokenizer_model={tok}", f"train.run_dir={tmp_path / 'run'}"] + \
