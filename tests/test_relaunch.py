@@ -173,6 +173,10 @@ def test_a_resume_refuses_a_new_seed_batch_or_schedule_unless_allowed(tmp_path):
     assert out[4] == {"start_step": 6, "steps": 12}
     recs = {x["step"]: x for x in map(json.loads, (r / "metrics.jsonl").read_text().splitlines())}
     assert recs[7]["lr"] == pytest.approx(want7, rel=1e-12)
+    # the permission is for that launch only: neither config.yaml nor the checkpoint records it
+    assert load_config([str(r / "config.yaml")]).checkpoint.allow_changes == ""
+    meta = json.loads((r / "checkpoints/step_00000012/meta.json").read_text())
+    assert meta["config"]["checkpoint"]["allow_changes"] == "" and meta["config"]["train"]["steps"] == 12
     assert recs[6]["lr"] == pytest.approx(3e-4, rel=1e-12)  # the first launch's last step, kept
 
 
@@ -197,8 +201,10 @@ def test_a_fresh_start_moves_the_folders_earlier_checkpoints_aside(tmp_path):
     r = tmp_path / "R"
     base = tiny_train_overrides(r, data, "train.steps=2")
     out = run_distributed(_jobs_worker, 1, [base, base + ["checkpoint.load=none", "train.steps=1"],
-                                            base + ["train.steps=1"]])[0]
-    assert [o["start_step"] for o in out] == [0, 0, 1]
+                                            base + ["train.steps=1"], base + ["train.global_batch_size=1000000"]])[0]
+    assert [o.get("start_step") for o in out[:3]] == [0, 0, 1]
+    # a global batch larger than the whole training set is refused before any step (it used to allocate it)
+    assert "train.global_batch_size=1000000 is larger than the whole training set" in out[3]["error"]
     ck = r / "checkpoints"
     assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000001"]
     assert [p.name.split("-")[0] for p in (ck / "abandoned").iterdir()] == ["step_00000002"]
@@ -235,3 +241,31 @@ def test_a_copied_run_folder_gets_a_new_wandb_run_id(tmp_path):
     assert choose_wandb_id(b, 1)[0] == "abc123"
     with pytest.raises(ConfigError, match="wandb_resume=must"):
         choose_wandb_id(tmp_path, 1, "must")
+
+
+def test_a_complete_checkpoint_newer_than_latest_is_resumed_not_abandoned(tmp_path):
+    # a save published (verified, renamed) but stopped before the pointer was rewritten
+    root = tmp_path / "R/checkpoints"
+    _fake_checkpoint(root, 4)
+    s5 = _fake_checkpoint(root, 5)
+    (root / "latest").write_text("step_00000004\n")
+    assert resolve_start(_cfg(tmp_path / "R", "auto")).path == s5
+    assert resolve_start(_cfg(tmp_path / "R", "latest")).path == s5
+
+
+def test_start_up_values_that_used_to_crash_later_are_config_errors(tmp_path):
+    from megatron_geo.config import validate_config
+    from megatron_geo.training.metrics import read_wandb_id
+    from megatron_geo.training.trainer import resume_hint
+
+    for seed in ("-1", str(2**70)):  # torch.manual_seed / the sampler failed with a traceback
+        with pytest.raises(ConfigError, match=r"train.seed=.* must be in \[0, 2\*\*63\)"):
+            validate_config(load_config([], [f"train.seed={seed}"]), 1)
+    f = tmp_path / "c.yaml"
+    f.write_bytes("train:\n  steps: 5\n".encode("utf-16"))
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_config([str(f)])
+    (tmp_path / "wandb_run_id").write_text("garbage{\n")   # a damaged id file is never used as an id
+    assert read_wandb_id(tmp_path) == (None, None)
+    assert "checkpoint.load=auto" in resume_hint(load_config([], ["checkpoint.load=none"]))
+    assert "same train.run_dir" in resume_hint(load_config([], []))

@@ -58,13 +58,13 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 
 def latest_checkpoint(root: Path) -> Path | None:
-    """The folder ``latest`` names (if complete), else the newest complete folder, else None."""
-    pointer = root / "latest"
-    if pointer.is_file():
-        name = pointer.read_text().strip()
-        # only a folder of this root (never a path elsewhere, e.g. another run's checkpoint)
-        if name.startswith("step_") and "/" not in name and "\\" not in name and is_complete(root / name):
-            return root / name
+    """The newest complete checkpoint folder of ``root`` (None when there is none).
+
+    ``latest`` names the last published one; a complete folder newer than it can only be a save that was
+    published (verified and renamed) but stopped before the pointer was rewritten, so the newer folder wins
+    and a relaunch never moves it aside as an abandoned timeline. (A roll-back moves later folders out of
+    ``root`` first.)
+    """
     done = complete_checkpoints(root)
     return done[-1] if done else None
 

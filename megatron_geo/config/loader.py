@@ -252,6 +252,9 @@ def _build(files, overrides):
             data = read_yaml(path.read_text(encoding="utf-8-sig"), f"config file '{f}'")
         except yaml.YAMLError as e:
             raise ConfigError(f"config file '{f}' is not valid YAML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file '{f}' is not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); "
+                              f"save it as UTF-8 (e.g. iconv -f UTF-16 -t UTF-8)") from None
         data = {} if data is None else data
         if not isinstance(data, dict):
             raise ConfigError(f"config file '{f}': top level must be a mapping of sections, got {type(data).__name__}")

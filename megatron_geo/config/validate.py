@@ -160,6 +160,8 @@ def validate_config(cfg: Config, world_size: int) -> None:
         if getattr(ck, key) < 0:
             raise ConfigError(f"checkpoint.{key}={getattr(ck, key)} must be >= 0 (checkpoint.interval=0: no periodic "
                               f"saves; checkpoint.keep_latest=0: keep all)")
+    if not 0 <= t.seed < 2**63:  # torch.manual_seed and the data shuffle's numpy generator take this range
+        raise ConfigError(f"train.seed={t.seed} must be in [0, 2**63); choose another seed")
     if t.max_skipped_steps < 1:
         raise ConfigError(f"train.max_skipped_steps={t.max_skipped_steps} must be >= 1")
     if not ck.load:

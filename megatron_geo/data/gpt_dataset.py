@@ -63,7 +63,7 @@ class GPTDataset(torch.utils.data.Dataset):
             doc = int(np.flatnonzero(nonempty)[bad[0]])
             raise ValueError(
                 f"{bad.size} documents of {ix.prefix!r} (first: doc {doc}) do not end with eod_id={eod_id}; "
-                f"rebuild with tools/preprocess_data.py --append-eod and the same tokenizer, or pass eod_id=None."
+                f"rebuild it with tools/preprocess_data.py --append-eod and the same tokenizer."
             )
 
     def __len__(self) -> int:

@@ -19,6 +19,13 @@ from ..config import Config, ConfigError, config_to_dict
 from ..parallel import ParallelContext
 
 
+def _record_config(cfg: Config) -> dict:
+    """The config a checkpoint records: without ``checkpoint.allow_changes``, a permission for one launch only."""
+    d = config_to_dict(cfg)
+    d["checkpoint"]["allow_changes"] = ""
+    return d
+
+
 class Checkpointer:
     """Save and resume one run's complete training state (collective calls: every rank makes them)."""
 
@@ -139,7 +146,8 @@ class Checkpointer:
             raise state_failure(self.root, step, e) from None
         geo = self.geo
         meta = {"consumed_samples": consumed, "dp_size": self.pctx.dp_size, "tp_size": self.pctx.tp_size,
-                "skipped_in_a_row": skipped_in_a_row, "config": config_to_dict(self.cfg), "timeline": self.timeline,
+                "skipped_in_a_row": skipped_in_a_row, "timeline": self.timeline,
+                "config": _record_config(self.cfg),
                 "geo": None if geo is None else {"last_refresh": geo.last_refresh, "selected": sorted(geo.selected),
                                                  "profiled": geo.profiled}}
         path = save_checkpoint(self.root, step, state, meta, self.cfg.checkpoint.keep_latest,

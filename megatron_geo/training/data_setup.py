@@ -50,8 +50,15 @@ def build_data(cfg: Config, pctx: ParallelContext) -> DataBundle:
             raise ConfigError(f"the {split} dataset {prefixes[split]} was tokenized with a "
                               f"{ds.vocab_size}-token vocab but the tokenizer {tok_path} has {tok.vocab_size}; rebuild it "
                               f"with tools/preprocess_data.py --tokenizer-model {tok_path}")
-    train = GPTDataset(sets["train"], m.seq_length, seed, eod_id=tok.eod_id)
-    valid = GPTDataset(sets["valid"], m.seq_length, seed + 1, eod_id=tok.eod_id) if valid_prefix else None
+    try:
+        train = GPTDataset(sets["train"], m.seq_length, seed, eod_id=tok.eod_id)
+        valid = GPTDataset(sets["valid"], m.seq_length, seed + 1, eod_id=tok.eod_id) if valid_prefix else None
+    except ValueError as e:  # documents without the tokenizer's end-of-document token, a bad seed
+        raise ConfigError(f"data: {e}") from None
+    if cfg.train.global_batch_size > len(train):
+        raise ConfigError(f"train.global_batch_size={cfg.train.global_batch_size} is larger than the whole training "
+                          f"set ({len(train):,} samples of model.seq_length={m.seq_length} tokens in {train_prefix}); "
+                          f"lower train.global_batch_size or use more data")
     return DataBundle(train, valid, tok_path)
 
 

@@ -32,11 +32,16 @@ def read_wandb_id(run_dir: Path) -> tuple[str | None, dict | None]:
         d = json.loads(text)
     except ValueError:
         d = None
-    if isinstance(d, dict) and isinstance(d.get("id"), str) and d["id"]:
+    if isinstance(d, dict) and isinstance(d.get("id"), str) and _valid_id(d["id"]):
         origin = {k: d.get(k) for k in ("run_dir", "inode")}
         return d["id"], origin
     line = text.strip().splitlines()[0].strip() if text.strip() else ""
-    return (line or None), None
+    return (line if _valid_id(line) else None), None  # a damaged file: a new run rather than a garbage id
+
+
+def _valid_id(run_id: str) -> bool:
+    """wandb run ids of this project: 1-64 characters of [A-Za-z0-9_-]."""
+    return 0 < len(run_id) <= 64 and all(c.isascii() and (c.isalnum() or c in "_-") for c in run_id)
 
 
 def choose_wandb_id(run_dir: Path, resume_step: int, mode: str = "auto") -> tuple[str, str]:

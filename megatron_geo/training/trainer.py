@@ -165,6 +165,10 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
                 f"comm={cfg.comm.label} (comm.dtype={cfg.comm.dtype}) "
                 f"distributed_optimizer={cfg.parallel.distributed_optimizer} "
                 f"overlap_param_gather={optimizer.overlap_param_gather}")
+    if pctx.dp_size == 1 and (cfg.comm.dtype != "fp32" or cfg.comm.transform != "none"):
+        _log0(pctx, f"note: DP=1: no gradient is sent between data-parallel ranks, so comm={cfg.comm.label} "
+                    f"(comm.dtype={cfg.comm.dtype}, comm.transform={cfg.comm.transform}) changes nothing in this run; "
+                    f"launch several data-parallel ranks to compare communication modes")
     ckpt = Checkpointer(cfg, pctx, model, optimizer, reducer, geo, lambda m: _log0(pctx, m))
     start_step, consumed, skipped_in_a_row = ckpt.resume()
     if start_step >= t.steps:  # nothing to train: write nothing (no checkpoint, metrics untouched)
@@ -175,7 +179,7 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
                 "run_dir": str(run_dir.resolve()), "checkpoint": None, "start_step": start_step}
     if pctx.is_main:  # only once the checkpoint (if any) loaded: a failed start leaves the run dir as it was
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        (run_dir / "config.yaml").write_text(dump_config(launch_neutral(cfg)))
 
     label = cfg.comm.label
     tags = [f"comm={label}", f"comm.dtype={cfg.comm.dtype}", f"opt={cfg.optimizer.name}", f"tp={pctx.tp_size}",
@@ -281,12 +285,12 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
                 unlogged_saves.append(timer.last("save"))
             if t.exit_interval and (step + 1) % t.exit_interval == 0 and step + 1 < t.steps:
                 ckpt.save(step + 1, consumed, skipped_in_a_row)
-                _log0(pctx, f"step {step + 1}: exiting (train.exit_interval={t.exit_interval}); relaunch to resume")
+                _log0(pctx, f"step {step + 1}: exiting (train.exit_interval={t.exit_interval}); {resume_hint(cfg)}")
                 break
             if stopping:
                 ckpt.save(step + 1, consumed, skipped_in_a_row)
                 raise StopRequested(f"stopped by signal {stop.signal} after step {step + 1}; checkpoint saved to "
-                                    f"{ckpt.root}; relaunch with the same train.run_dir to resume")
+                                    f"{ckpt.root}; {resume_hint(cfg)}")
         else:
             if cfg.checkpoint.save_at_end and t.steps > 0:
                 ckpt.save(t.steps, consumed, skipped_in_a_row)
@@ -307,6 +311,22 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
     return summary
 
 
+def resume_hint(cfg: Config) -> str:
+    """How to continue this run from the checkpoint just saved."""
+    if cfg.checkpoint.load == "none":
+        return ("relaunch with checkpoint.load=auto to resume (checkpoint.load=none starts this folder over at every "
+                "launch)")
+    return "relaunch with the same train.run_dir to resume"
+
+
+def launch_neutral(cfg: Config) -> Config:
+    """``cfg`` as the run's record (``config.yaml``, checkpoint metadata): without the one-launch permission
+    ``checkpoint.allow_changes``, so a reloaded config never carries it into later resumes."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, allow_changes=""))
+
+
 def format_summary(s: dict, cfg: Config) -> str:
     val = f"{s['val_loss']:.4f}" if s["val_loss"] is not None else "n/a"
     return "\n".join([
@@ -321,7 +341,7 @@ def format_summary(s: dict, cfg: Config) -> str:
         f"  DP grad comm    {s['comm_bytes_per_step']:,.0f} bytes sent per step per rank",
         f"  outputs         {s['run_dir']}/ (config.yaml, metrics.jsonl"
         f"{', wandb/' if cfg.logging.wandb != 'disabled' else ''})",
-        *([f"  checkpoint      {s['checkpoint']} (resume: run again with the same train.run_dir)"]
+        *([f"  checkpoint      {s['checkpoint']} ({resume_hint(cfg)})"]
           if s.get("checkpoint") else []),
         "=" * 72,
     ])
