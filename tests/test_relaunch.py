@@ -192,6 +192,9 @@ def test_extending_a_run_inside_its_warmup_is_no_change(tmp_path):
     # a run started from another checkpoint starts a new trajectory: reported, not refused
     notes = check_resume_changes(saved, load_config([], ["train.steps=8", "train.seed=9"]), 4, "init")
     assert any(n.startswith("train.seed changed") for n in notes)
+    notes = check_resume_changes(saved, load_config([], ["train.steps=4", "train.warmup_steps=20",
+                                                         "optimizer.weight_decay=0.3"]), 4, "resume")
+    assert notes == ["optimizer.weight_decay changed on resume: 0.1 -> 0.3"]
     with pytest.raises(ConfigError, match="never refuses"):
         check_resume_changes(saved, load_config([], ["checkpoint.allow_changes=train.micro_batch_size"]), 4, "resume")
 

@@ -112,7 +112,7 @@ def _json_lines(path: str):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise InputError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON "
+                raise InputError(f"{where}: not valid JSON ({e.msg.removesuffix(' at')}, column {e.colno}); each line must be one JSON "
                                  f"object such as {{\"text\": \"...\"}}") from None
             if not isinstance(row, dict):
                 raise InputError(f"{where}: {_kind(row)}, not an object; each line must be one JSON "
@@ -128,7 +128,7 @@ def _json_array(path: str):
     except UnicodeDecodeError as e:
         raise InputError(f"{path}: not UTF-8 (byte {e.start}: {e.reason}); save the file as UTF-8") from None
     except json.JSONDecodeError as e:
-        raise InputError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); give one JSON "
+        raise InputError(f"{path}: not valid JSON ({e.msg.removesuffix(' at')}, line {e.lineno}, column {e.colno}); give one JSON "
                          f"array of objects, or one object per line") from None
     for number, row in enumerate(records, 1):
         where = f"{path} record {number}"

@@ -13,8 +13,9 @@ the trajectory the checkpoint was on. Keys that would silently change it are ref
   schedule's (so extending a run that is still in its warmup, or a constant schedule, is no change); the
   message gives the first such step and both rates.
 
-A run initialised from another checkpoint (or rolled back to an earlier one) starts a new trajectory, so
-there the same differences are only logged.
+The optimizer's other hyper-parameters (weight decay, betas, eps, clipping, Muon momentum) are logged when
+they change. A run initialised from another checkpoint (or rolled back to an earlier one) starts a new
+trajectory, so there every difference is only logged.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ DATA_KEYS = {
 SCHEDULE_KEYS = ("optimizer.lr", "optimizer.min_lr", "optimizer.adamw_lr", "train.warmup_steps",
                  "train.lr_decay_style", "train.steps")
 ALLOWABLE = tuple(DATA_KEYS) + SCHEDULE_KEYS
+# changed on resume only with a log line (they change the update but not which data or learning rate it sees)
+LOGGED_KEYS = ("optimizer.weight_decay", "optimizer.beta1", "optimizer.beta2", "optimizer.eps", "optimizer.clip_grad",
+               "optimizer.muon_momentum", "optimizer.muon_adjust_lr_fn")
 _PATH_KEYS = ("data.train_prefix",)
 
 
@@ -119,6 +123,10 @@ def check_resume_changes(saved: dict, cfg: Config, start_step: int, kind: str) -
             refused_keys.append(key)
         else:
             notes.append(line + (" (allowed by checkpoint.allow_changes)" if kind == "resume" else ""))
+    for key in LOGGED_KEYS:  # the optimizer's other hyper-parameters: stated, never silent
+        old, new = _get(saved, key), _get(now, key)
+        if old is not None and old != new:
+            notes.append(f"{key} changed on resume: {old!r} -> {new!r}")
     sched = [k for k in SCHEDULE_KEYS if _get(saved, k) is not None and _get(saved, k) != _get(now, k)]
     if sched:
         changes = ", ".join(f"{k} {_get(saved, k)!r} -> {_get(now, k)!r}" for k in sched)
