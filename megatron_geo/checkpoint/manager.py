@@ -112,6 +112,16 @@ def resolve_load(cfg: Config, log=None) -> Path | None:
             raise ConfigError(f"checkpoint.load=latest but {root} holds no complete checkpoint; use checkpoint.load="
                               f"auto (resume only if there is one) or none")
         return found
+    return explicit_checkpoint(mode)
+
+
+def explicit_checkpoint(mode: str) -> Path:
+    """The complete checkpoint an explicit ``checkpoint.load`` path names: a step folder, or a checkpoints
+    folder (its newest complete checkpoint).
+
+    Raises:
+        ConfigError: the path is not a complete checkpoint and holds none.
+    """
     path = Path(mode)
     if (path / "latest").is_file() or (not is_complete(path) and complete_checkpoints(path)):
         found = latest_checkpoint(path)

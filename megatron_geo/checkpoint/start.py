@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config, ConfigError
-from .manager import (META, checkpoint_root, complete_checkpoints, is_complete, latest_checkpoint,
-                      latest_pointer_problem, read_meta, resolve_load)
+from .manager import (checkpoint_root, explicit_checkpoint, latest_checkpoint, latest_pointer_problem, read_meta,
+                      resolve_load)
 
 KINDS = ("fresh", "resume", "init", "rollback")
 
@@ -71,17 +71,7 @@ def timeline_of(meta: dict | None, kind: str, path: Path | None) -> dict:
 def _explicit_target(mode: str) -> Path | None:
     """The complete checkpoint an explicit ``checkpoint.load`` path names (a step folder, or a checkpoints
     folder through its ``latest``), or None when it does not exist (any more)."""
-    path = Path(mode)
-    if not path.exists():
-        return None
-    if (path / "latest").is_file() or (not is_complete(path) and complete_checkpoints(path)):
-        found = latest_checkpoint(path)
-        if found is not None:
-            return found
-    if not is_complete(path):
-        raise ConfigError(f"checkpoint.load={mode!r} is not a complete checkpoint (no {META} and .metadata in it); "
-                          f"point it at a step_* folder or a checkpoints folder with a 'latest' file")
-    return path
+    return explicit_checkpoint(mode) if Path(mode).exists() else None
 
 
 def _inside(path: Path, root: Path) -> bool:
