@@ -1,0 +1,150 @@
+"""Recorded behaviour of the reduction path: what every comm preset hands to the collectives, and a
+checkpoint to resume from.
+
+:func:`record_wire` (a ``run_distributed`` worker) trains the small test model for a few steps at DP = 2
+with one preset and returns, in call order, a SHA-256 of every tensor the package hands to a collective
+(the gradient codes, their scales, the parameter all-gather, the norms) with the losses. The committed
+``tests/data/golden/wire_codes.json`` holds these records made by an earlier version of the code;
+``tests/test_golden.py`` asserts the current code hands over the same bytes. Regenerate (only when a
+change of the wire bytes is intended, and say so in the commit) with::
+
+    python tests/golden.py --out tests/data/golden
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+GOLDEN = HERE / "data" / "golden"
+CORPUS_TOKEN = "@CORPUS@"  # the corpus folder in the committed checkpoint's meta.json / config.yaml
+
+# preset file (configs/comm) -> extra overrides
+RUNS: dict[str, tuple[str, list[str]]] = {
+    **{p.stem: (p.name, []) for p in sorted((ROOT / "configs" / "comm").glob("*.yaml"))},
+    "fp8_allreduce": ("fp8.yaml", ["parallel.distributed_optimizer=false"]),
+    "fp8_wire_sum": ("fp8.yaml", ["comm.reduce_op=wire_sum"]),
+    "muon_fp8_ef": ("fp8_ef.yaml", ["optimizer.name=muon"]),
+    "muon_geofp8": ("geofp8.yaml", ["optimizer.name=muon"]),
+}
+STEPS = 4
+# checkpointed at step 2 of STEPS (its meta.json / config.yaml with the corpus and run folder as placeholders)
+CHECKPOINTS = {"adamw_geofp8": ("geofp8.yaml", []), "muon_geofp8": ("geofp8.yaml", ["optimizer.name=muon"])}
+RUN_TOKEN = "@RUN@"
+
+
+def overrides(corpus: Path, run_dir: Path, preset: str, extra: list[str]) -> list[str]:
+    return ["model.hidden_size=32", "model.num_layers=2", "model.num_attention_heads=4", "model.num_kv_heads=2",
+            "model.ffn_hidden_size=64", "model.seq_length=16", "model.make_vocab_size_divisible_by=1",
+            "parallel.bucket_size=3000", "train.global_batch_size=8", "train.micro_batch_size=2",
+            "train.warmup_steps=2", "train.eval_batches=0", "train.progress=false", "logging.wandb=disabled",
+            f"train.steps={STEPS}", "geo.refresh_interval=2", f"train.run_dir={run_dir}",
+            "data.source=indexed", f"data.train_prefix={corpus}/train", f"data.valid_prefix={corpus}/valid",
+            f"data.tokenizer_model={corpus}/tok.model", "model.vocab_size=96",
+            "--config", str(ROOT / "configs" / "comm" / preset), *extra]
+
+
+def _digest(t: torch.Tensor) -> str:
+    t = t.detach().contiguous().cpu()
+    return hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def _install_recorder(log: list) -> None:
+    """Wrap the package's collective helpers: each call appends ``[op, dtype, numel, digest of the input]``."""
+    from megatron_geo.parallel import collectives as C
+
+    def wrap(name, fn, pick):
+        def inner(*args, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith("megatron_geo."):
+                t = pick(*args)
+                log.append([name, str(t.dtype).replace("torch.", ""), t.numel(), _digest(t)])
+            return fn(*args, **kwargs)
+        return inner
+
+    first, second = (lambda t, *a: t), (lambda out, inp, *a: inp)
+    for name, pick in (("all_reduce", first), ("broadcast", first), ("reduce", first),
+                       ("all_gather_into", second), ("reduce_scatter_into", second),
+                       ("all_gather_list", second), ("all_to_all_single", second),
+                       ("reduce_ranges", first), ("all_gather_ranges", first)):
+        setattr(C, name, wrap(name, getattr(C, name), pick))
+
+
+def record_wire(rank, world, corpus, run_dir, preset, extra):
+    from megatron_geo.config import validate_config
+    from megatron_geo.training.trainer import train
+
+    from helpers import pctx_for
+
+    log: list = []
+    _install_recorder(log)
+    cfg = load_cfg(overrides(Path(corpus), Path(run_dir), preset, extra))
+    validate_config(cfg, world)
+    train(cfg, pctx_for(cfg.parallel.tensor))
+    losses = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    losses = [[r["step"], r.get("loss"), r.get("grad_norm")] for r in losses if r.get("loss") is not None]
+    return {"calls": log, "losses": losses}
+
+
+def load_cfg(ov: list[str]):
+    from megatron_geo.config import load_config
+
+    cfg_files = [ov[i + 1] for i, o in enumerate(ov) if o == "--config"]
+    plain = [o for i, o in enumerate(ov) if o != "--config" and (i == 0 or ov[i - 1] != "--config")]
+    return load_config(cfg_files, plain)
+
+
+def make_corpus_into(root: Path) -> None:
+    sys.path.insert(0, str(HERE))
+    from ckpt_helpers import make_corpus
+
+    make_corpus(root)
+    for p in root.iterdir():
+        if p.name not in ("train.bin", "train.idx", "valid.bin", "valid.idx", "tok.model"):
+            p.unlink()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(GOLDEN))
+    ap.add_argument("--work", default="/tmp/golden-work")
+    args = ap.parse_args()
+    sys.path.insert(0, str(HERE))
+    from dist_harness import run_distributed
+
+    out, work = Path(args.out), Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    corpus = out / "corpus"
+    if not (corpus / "tok.model").exists():
+        make_corpus_into(corpus)
+    records = {}
+    for name, (preset, extra) in RUNS.items():
+        res = run_distributed(record_wire, 2, str(corpus), str(work / name), preset, extra)
+        records[name] = {"preset": preset, "extra": extra, "ranks": res}
+        print(name, len(res[0]["calls"]), "calls", res[0]["losses"][-1])
+    (out / "wire_codes.json").write_text(json.dumps(records, indent=1) + "\n")
+    resumes = {}
+    for name, (preset, extra) in CHECKPOINTS.items():
+        run = work / f"ckpt_{name}"
+        res = run_distributed(record_wire, 2, str(corpus), str(run), preset,
+                              [*extra, "checkpoint.interval=2", "checkpoint.keep_latest=0"])
+        dst = out / "ckpt" / name
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(run / "checkpoints" / "step_00000002", dst / "step_00000002")
+        (dst / "latest").write_text("step_00000002\n")
+        for f in (dst / "step_00000002").glob("*.json"):
+            f.write_text(f.read_text().replace(str(corpus.resolve()), CORPUS_TOKEN).replace(str(run), RUN_TOKEN))
+        resumes[name] = {"preset": preset, "extra": extra, "losses": res[0]["losses"]}
+    (out / "resume.json").write_text(json.dumps(resumes, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
