@@ -45,3 +45,9 @@ class CastWire:
     def decode_all(self, out: Tensor, layout: ScaleLayout) -> Tensor:
         """FP32 ``[numel]`` of the gathered payloads ``out`` ``[dp, bytes]``."""
         return out.view(self.dtype).reshape(-1).float()
+
+    def saturated(self, x: Tensor, payload: Tensor, layout: ScaleLayout) -> Tensor:
+        """bool ``[numel]``: finite elements of ``x`` that the cast in the :meth:`encode_chunk` payload ``[1, bytes]``
+        turned into +-inf (bf16 overflow; never for fp32)."""
+        wire = payload.view(self.dtype).reshape(-1)[:x.numel()]
+        return torch.isinf(wire) & torch.isfinite(x)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .codecs import fp8_decode, fp8_encode, fp8_scale_from_amax
+from .codecs import FP8_FORMATS, fp8_decode, fp8_encode, fp8_max, fp8_scale_from_amax
 from .compiled import maybe_compile
 from .scale_layout import ScaleLayout
 
@@ -143,3 +143,9 @@ class FP8Wire:
         c, g = layout.chunk, layout.granule
         seg = out[:, c:].contiguous().view(torch.float32)                                  # [dp, K]
         return self.decode(out[:, :c].reshape(-1, g), layout.block_values(seg))
+
+    def saturated(self, x: Tensor, payload: Tensor, layout: ScaleLayout) -> Tensor:
+        """bool ``[numel]``: the elements whose code in the :meth:`encode_chunk` payload ``[1, bytes]`` of ``x``
+        ``[numel]`` is +-fp8_max (clipped, or rounded onto the top of the range)."""
+        codes = payload[0, :x.numel()]
+        return codes.view(FP8_FORMATS[self.fmt]).float().abs() == fp8_max(self.fmt)

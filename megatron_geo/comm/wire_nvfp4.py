@@ -24,6 +24,8 @@ from .compiled import maybe_compile
 from .scale_layout import ScaleLayout
 from .wire_fp8 import block_amax
 
+_E2M1_TOP = 7  # magnitude code of 6.0, the largest E2M1 value
+
 
 def _encode(x: Tensor, divisor: Tensor) -> Tensor:
     """uint8 ``[nb, 8]`` packed E2M1 codes of float32 ``x`` ``[nb, 16]`` with the block divisors ``[nb]``."""
@@ -139,3 +141,9 @@ class NVFP4Wire:
         bscale = out[:, c // 2: c // 2 + nb].reshape(-1)
         seg = out[:, c // 2 + nb:].contiguous().view(torch.float32)                        # [dp, K]
         return self.decode(packed, bscale, layout.block_values(seg))
+
+    def saturated(self, x: Tensor, payload: Tensor, layout: ScaleLayout) -> Tensor:
+        """bool ``[numel]``: the elements whose E2M1 code in the :meth:`encode_chunk` payload ``[1, bytes]`` of ``x``
+        ``[numel]`` is the top magnitude 6.0 (times its block scale)."""
+        packed = payload[0, :x.numel() // 2]
+        return torch.stack([packed & 7, (packed >> 4) & 7], dim=-1).view(-1) == _E2M1_TOP
