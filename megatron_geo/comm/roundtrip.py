@@ -7,35 +7,38 @@ per-rank quantizer the offline fidelity simulation (:mod:`megatron_geo.analysis.
 
 A *codec* is a dict whose keys mirror the ``comm.*`` config keys (missing keys take these defaults)::
 
-    {"dtype": "fp8_e4m3",       # fp32 | bf16 | fp8_e4m3 | fp8_e5m2 | nvfp4
+    {"dtype": "fp8_e4m3",       # a registered wire format (megatron_geo.comm.formats.FORMATS)
      "scaling": "tensor",       # tensor (one FP32 scale per parameter) | block (one per block_size elements)
-     "block_size": 128,         # elements per scale with scaling=block (fp8 only; nvfp4 is always 16)
+     "block_size": 128,         # elements per scale with scaling=block (formats with block scaling only)
      "transform": "none",       # none | hadamard (block-Hadamard rotation of the flattened parameter)
      "hadamard_block": 128,     # rotation block (power of two)
      "rounding": "nearest",     # nearest | stochastic
      "seed": 0}                 # Hadamard signs (hadamard_signs(hadamard_block, seed)) and stochastic draws
 
-The numerics are the project's own kernels (:mod:`.codecs`, :mod:`.hadamard`), used the way
-:class:`~megatron_geo.comm.lowp.LowPrecisionReducer` uses them, but per tensor instead of per bucket chunk.
+One codec implementation: the quantizer is the format's own wire class (``formats.get_format(dtype).make_wire``),
+the one the low-precision reducer sends buckets with, run on a one-parameter, one-rank scale layout
+(:func:`.scale_layout.build_scale_layout`): the tensor is one parameter of a bucket owned by one DP rank, encoded
+as the all-reduce's gather stage encodes a range (:meth:`~megatron_geo.comm.formats.Wire.encode_chunk`) and
+decoded from that payload. The Hadamard rotation is the reducer's too: one FP32 matmul with
+:func:`.hadamard.hadamard_matrix` per block row under :func:`.hadamard.exact_fp32`.
 Stochastic rounding draws from ``torch.Generator(device).manual_seed(seed * 1_000_003 + rank)``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
 import torch
 from torch import Tensor
 
-from .codecs import (FP8_FORMATS, NVFP4_BLOCK, fp8_decode, fp8_encode, fp8_max, fp8_scale_from_amax, nvfp4_decode,
-                     nvfp4_encode, nvfp4_global_scale)
-from .hadamard import block_hadamard, block_hadamard_inverse, hadamard_signs
+from .formats import FORMATS, comm_view, get_format
+from .hadamard import exact_fp32, hadamard_matrix, hadamard_signs
+from .scale_layout import ScaleLayout, build_scale_layout
 
-DTYPES = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4")
 CODEC_DEFAULTS = {"dtype": "fp32", "scaling": "tensor", "block_size": 128, "transform": "none",
                   "hadamard_block": 128, "rounding": "nearest", "seed": 0}
-_E2M1_TOP = 7  # magnitude index of 6.0, the largest E2M1 value
 
 
 def is_pow2(v: int) -> bool:
@@ -56,7 +59,8 @@ def normalize_codec(codec: dict | str) -> dict:
     if unknown:
         raise ValueError(f"unknown codec keys {sorted(unknown)}; valid keys: {sorted(CODEC_DEFAULTS)}")
     c = {**CODEC_DEFAULTS, **codec}
-    for key, choices in (("dtype", DTYPES), ("scaling", ("tensor", "block")), ("transform", ("none", "hadamard")),
+    for key, choices in (("dtype", tuple(FORMATS)), ("scaling", ("tensor", "block")),
+                         ("transform", ("none", "hadamard")),
                          ("rounding", ("nearest", "stochastic"))):
         if c[key] not in choices:
             raise ValueError(f"codec {key}={c[key]!r} is not supported; choose one of {', '.join(choices)}")
@@ -105,7 +109,7 @@ def codec_label(codec: dict | str) -> str:
     """Canonical spec string of a codec (``parse_codec(codec_label(c)) == normalize_codec(c)``)."""
     c = normalize_codec(codec)
     s = c["dtype"]
-    if c["dtype"] in FP8_FORMATS:
+    if get_format(c["dtype"]).block_scaling:
         s += ":" + ("tensor" if c["scaling"] == "tensor" else f"block{c['block_size']}")
     if c["transform"] == "hadamard":
         s += f"+hadamard{c['hadamard_block']}"
@@ -117,34 +121,39 @@ def codec_label(codec: dict | str) -> str:
 
 
 def pad_multiple(c: dict) -> int:
-    """Elements per quantization / rotation block of codec ``c`` (the wire vector is padded to it)."""
-    m = 1
-    if c["dtype"] == "nvfp4":
-        m = NVFP4_BLOCK
-    elif c["dtype"] in FP8_FORMATS and c["scaling"] == "block":
-        m = c["block_size"]
+    """Elements per quantization / rotation block of codec ``c`` (the wire vector is padded to it): the format's
+    alignment (:attr:`.formats.WireFormat.alignment`), with a rotation its lcm with ``hadamard_block``."""
+    m = get_format(c["dtype"]).alignment(comm_view(c))
     if c["transform"] == "hadamard":
         m = math.lcm(m, c["hadamard_block"])
     return m
 
 
+def _rotate(flat: Tensor, signs: Tensor, inverse: bool) -> Tensor:
+    """``flat`` ``[n]`` (a multiple of the block) rotated per block row as the reducer rotates a bucket: one IEEE FP32
+    matmul with ``M = hadamard_matrix(signs)`` (``M^T`` for the inverse)."""
+    b = signs.numel()
+    m = hadamard_matrix(signs.to(flat.device))
+    with exact_fp32():
+        return torch.mm(flat.view(-1, b), m.t().contiguous() if inverse else m).view(-1)
+
+
 def to_wire(x: Tensor, c: dict, signs: Tensor | None) -> Tensor:
-    """Flatten to FP32, zero-pad to the block multiple, rotate (optional): the vector that is quantized."""
+    """Flatten to FP32, zero-pad to :func:`pad_multiple`, rotate (optional; the reducer's matmul, :func:`_rotate`):
+    the vector that is quantized, float32 ``[padded numel]``."""
     flat = x.reshape(-1).float()
     pad = (-flat.numel()) % pad_multiple(c)
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
     if signs is not None:
-        hb = c["hadamard_block"]
-        flat = block_hadamard(flat.view(-1, hb), signs.to(flat.device)).view(-1)
+        flat = _rotate(flat, signs, inverse=False)
     return flat
 
 
 def from_wire(y: Tensor, c: dict, signs: Tensor | None, shape: torch.Size) -> Tensor:
     """Inverse of :func:`to_wire`: rotate back (optional), unpad, reshape to ``shape``."""
     if signs is not None:
-        hb = c["hadamard_block"]
-        y = block_hadamard_inverse(y.view(-1, hb), signs.to(y.device)).view(-1)
+        y = _rotate(y, signs, inverse=True)
     n = math.prod(shape)
     return y[:n].reshape(shape)
 
@@ -163,43 +172,52 @@ def rounding_generator(c: dict, rank: int, device) -> torch.Generator | None:
     return g
 
 
-def quantize_wire(y: Tensor, c: dict, rank: int) -> tuple[Tensor, Tensor]:
-    """Decode(encode(y)) of one rank's wire vector ``y`` (FP32, 1-D, padded) and its saturation mask.
+@functools.lru_cache(maxsize=32)
+def _one_parameter_layout(numel: int, scaling: str, block_size: int, granule: int, device: str) -> ScaleLayout:
+    """The scale layout of a bucket holding one parameter of ``numel`` elements (a multiple of ``granule``), owned
+    by one DP rank (cached: the power search and the fidelity tools round-trip the same shapes again and again)."""
+    return build_scale_layout([0], [numel], numel, 1, scaling, block_size, device, granule=granule)
 
-    Saturated: the element's code is the format's largest magnitude (fp8: +-fp8_max, nvfp4: E2M1 6.0
-    times its block scale), i.e. it was clipped or rounded onto the top of the range; bf16: a finite
-    value that became inf. fp32 never saturates.
+
+def quantize_wire(y: Tensor, c: dict, rank: int) -> tuple[Tensor, Tensor]:
+    """Decode(encode(y)) of one rank's wire vector ``y`` (FP32, 1-D) and its saturation mask, both ``[len(y)]``.
+
+    The format's wire class encodes ``y`` as one parameter of a one-rank bucket (zero-padded to the format's
+    block internally; the padding does not change any scale) with the codec's rounding (stochastic: the stream of
+    :func:`rounding_generator`), and decodes that payload.
+
+    Saturated (:meth:`~megatron_geo.comm.formats.Wire.saturated`): the element's code is the format's largest
+    magnitude (fp8: +-fp8_max, nvfp4: E2M1 6.0 times its block scale), i.e. it was clipped or rounded onto the top
+    of the range; bf16: a finite value that became inf. fp32 never saturates.
+
+    Raises:
+        ValueError: an unknown ``c["dtype"]``.
     """
-    dt = c["dtype"]
-    if dt == "fp32":
-        return y.clone(), torch.zeros_like(y, dtype=torch.bool)
-    if dt == "bf16":
-        dec = y.to(torch.bfloat16).float()
-        return dec, torch.isinf(dec) & torch.isfinite(y)
-    gen = rounding_generator(c, rank, y.device)
-    if dt == "nvfp4":
-        blocks = y.view(-1, NVFP4_BLOCK)
-        g = nvfp4_global_scale(y.abs().amax())
-        packed, bscale = nvfp4_encode(blocks, g, c["rounding"], gen)
-        dec = nvfp4_decode(packed, bscale, g).view(-1)
-        idx = torch.stack([packed & 7, (packed >> 4) & 7], dim=-1).view(-1)
-        return dec, idx == _E2M1_TOP
-    if c["scaling"] == "block":
-        v = y.view(-1, c["block_size"])
-        scale = fp8_scale_from_amax(v.abs().amax(dim=1, keepdim=True), dt)
-    else:
-        v = y
-        scale = fp8_scale_from_amax(y.abs().amax(), dt)
-    codes = fp8_encode(v, scale, dt, c["rounding"], gen)
-    dec = fp8_decode(codes, scale, dt).view(-1)
-    sat = codes.view(FP8_FORMATS[dt]).float().abs().view(-1) == fp8_max(dt)
-    return dec, sat
+    fmt = get_format(c["dtype"])
+    comm = comm_view(c, transform="none")
+    n = y.numel()
+    if n == 0:
+        return y.float().clone(), torch.zeros_like(y, dtype=torch.bool)
+    wire = fmt.make_wire(comm, rounding_generator(c, rank, y.device), False)
+    if fmt.scaled:
+        granule = fmt.granule(comm) if fmt.granule is not None else fmt.alignment(comm)
+    else:  # an unscaled cast reads no block tables: the whole vector as one block
+        granule = n
+    x = y.reshape(-1).float()
+    pad = (-n) % granule
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad)])
+    layout = _one_parameter_layout(x.numel(), fmt.layout_scaling(comm), comm.block_size, granule, str(x.device))
+    payload = wire.encode_chunk(x, layout, 0)
+    dec = wire.decode_all(payload, layout)[:n]
+    return dec, wire.saturated(x, payload, layout)[:n]
 
 
 def quantize_roundtrip(x: Tensor, codec: dict | str) -> Tensor:
     """``decode(encode(x))`` of one tensor through ``codec`` (one rank, no reduce): round to nearest,
     no rotation, one scale over the whole tensor (tensor scaling) or per ``block_size`` elements of the
     flattened tensor (block scaling; NVFP4: its 16-element blocks under a per-tensor FP32 scale).
+    The format's own wire class does the work (:func:`quantize_wire`).
 
     Args:
         x: any float tensor (upcast to float32).

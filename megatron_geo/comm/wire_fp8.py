@@ -141,7 +141,7 @@ class FP8Wire:
     def decode_all(self, out: Tensor, layout: ScaleLayout) -> Tensor:
         """FP32 ``[numel]`` of every rank's range from the gathered payloads ``out`` ``[dp, bytes]`` (even plan)."""
         c, g = layout.chunk, layout.granule
-        seg = out[:, c:].contiguous().view(torch.float32)                                  # [dp, K]
+        seg = out[:, c:].clone(memory_format=torch.contiguous_format).view(torch.float32)  # [dp, K] (also dp = 1)
         return self.decode(out[:, :c].reshape(-1, g), layout.block_values(seg))
 
     def saturated(self, x: Tensor, payload: Tensor, layout: ScaleLayout) -> Tensor:

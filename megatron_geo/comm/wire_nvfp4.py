@@ -139,7 +139,7 @@ class NVFP4Wire:
         nb = c // NVFP4_BLOCK
         packed = out[:, : c // 2].reshape(-1, NVFP4_BLOCK // 2)
         bscale = out[:, c // 2: c // 2 + nb].reshape(-1)
-        seg = out[:, c // 2 + nb:].contiguous().view(torch.float32)                        # [dp, K]
+        seg = out[:, c // 2 + nb:].clone(memory_format=torch.contiguous_format).view(torch.float32)  # [dp, K]
         return self.decode(packed, bscale, layout.block_values(seg))
 
     def saturated(self, x: Tensor, payload: Tensor, layout: ScaleLayout) -> Tensor:

@@ -114,7 +114,7 @@ class DataConfig:
 class CommConfig:
     """Gradient-reduction wire format and its options (DESIGN.md section 2, ``comm``; orthogonal keys)."""
 
-    dtype: str = "fp32"            # fp32 | bf16 | fp8_e4m3 | fp8_e5m2 | nvfp4
+    dtype: str = "fp32"            # a format registered in comm/formats.py: fp32, bf16, fp8_e4m3, fp8_e5m2, nvfp4
     scaling: str = "tensor"        # tensor (one FP32 scale per parameter) | block (one per block_size elements)
     block_size: int = 128          # elements per scale with scaling=block
     rounding: str = "nearest"      # nearest | stochastic (unbiased, seeded)

@@ -21,7 +21,6 @@ _CHOICES = {
     ("parallel", "overlap_param_gather"): ("auto", "true", "false"),
     ("comm", "compile"): ("auto", "true", "false"),
     ("data", "source"): ("shakespeare", "indexed"),
-    ("comm", "dtype"): ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4"),
     ("comm", "scaling"): ("tensor", "block"),
     ("comm", "rounding"): ("nearest", "stochastic"),
     ("comm", "transform"): ("none", "hadamard", "geo"),
@@ -55,6 +54,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
         v = getattr(getattr(cfg, sec), key)
         if v not in choices:
             raise ConfigError(f"{sec}.{key}={v!r} is not supported; choose one of {', '.join(choices)}")
+    fmt = wire_format(cfg.comm)
     for sec, key in _POSITIVE:
         v = getattr(getattr(cfg, sec), key)
         if v <= 0:
@@ -77,16 +77,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
     for name, v in (("comm.block_size", c.block_size), ("comm.hadamard_block", c.hadamard_block)):
         if v <= 0 or v & (v - 1):
             raise ConfigError(f"{name}={v} must be a positive power of two (e.g. 128)")
-    low = c.dtype in ("fp8_e4m3", "fp8_e5m2", "nvfp4")
-    if not low:
-        for key, v, default in (("error_feedback", c.error_feedback, False), ("scale_sync", c.scale_sync, "none"),
-                                ("rounding", c.rounding, "nearest")):
-            if v != default:
-                raise ConfigError(f"comm.{key}={str(v).lower()} needs a low-precision comm.dtype (fp8_e4m3, fp8_e5m2, "
-                                  f"nvfp4), got comm.dtype={c.dtype}; drop comm.{key} or change comm.dtype")
-    if c.dtype == "nvfp4" and c.scaling != "tensor":
-        raise ConfigError(f"comm.scaling={c.scaling} does not apply to comm.dtype=nvfp4 (its scales are fixed: one E4M3 "
-                          f"per 16 elements and one FP32 per parameter); drop comm.scaling or use an fp8 comm.dtype")
+    fmt.check(c)  # the wire format's own rules (error feedback, rounding, scaling, scale sync, wire_sum)
     g = cfg.geo
     if c.transform == "geo":
         if g.select == "auto" and (g.num_layers < 1 or g.profile_steps < 1):
@@ -95,8 +86,11 @@ def validate_config(cfg: Config, world_size: int) -> None:
         if g.select == "gain" and g.num_layers < 1:
             raise ConfigError(f"geo.select=gain needs geo.num_layers={g.num_layers} >= 1 (how many layers keep the "
                               f"transform)")
-        if c.dtype not in ("fp8_e4m3", "fp8_e5m2") and g.select == "auto":
-            raise ConfigError("geo.select=auto profiles FP8 bound hits; use comm.dtype=fp8_e4m3 or fp8_e5m2")
+        if fmt.fp8_max is None and g.select == "auto":
+            from ..comm.formats import FORMATS
+
+            fp8 = " or ".join(f.name for f in FORMATS.values() if f.fp8_max is not None)
+            raise ConfigError(f"geo.select=auto profiles FP8 bound hits; use comm.dtype={fp8}")
         if g.sketch_size < g.rank:
             raise ConfigError(f"geo.sketch_size={g.sketch_size} must be >= geo.rank={g.rank}")
         for key, v in (("rank", g.rank), ("refresh_interval", g.refresh_interval)):
@@ -110,11 +104,6 @@ def validate_config(cfg: Config, world_size: int) -> None:
     if c.reduce_op != "wire_sum" and not c.wire_sum_prediv:
         raise ConfigError("comm.wire_sum_prediv=false only changes comm.reduce_op=wire_sum; set comm.reduce_op="
                           "wire_sum as well, or drop comm.wire_sum_prediv")
-    if c.reduce_op == "wire_sum" and c.dtype not in ("fp8_e4m3", "fp8_e5m2"):
-        raise ConfigError(f"comm.reduce_op=wire_sum sums FP8 codes in the collective; it needs comm.dtype=fp8_e4m3 "
-                          f"or fp8_e5m2, got comm.dtype={c.dtype} (or use comm.reduce_op=fp32_sum)")
-    if c.dtype == "nvfp4" and c.scale_sync != "none":
-        raise ConfigError("comm.scale_sync=max is supported for fp8 formats only; use comm.scale_sync=none with nvfp4")
     if t.warmup_steps < 0 or t.eval_batches < 0:
         raise ConfigError("train.warmup_steps and train.eval_batches must be >= 0")
     if m.hidden_size % m.num_attention_heads:
@@ -177,6 +166,20 @@ def validate_config(cfg: Config, world_size: int) -> None:
     if cfg.data.source == "indexed" and not (cfg.data.train_prefix and cfg.data.tokenizer_model):
         raise ConfigError("data.source=indexed needs data.train_prefix and data.tokenizer_model "
                           "(make them with tools/train_tokenizer.py and tools/preprocess_data.py)")
+
+
+def wire_format(comm):
+    """The registered wire format of ``comm.dtype`` (:func:`megatron_geo.comm.formats.get_format`).
+
+    Raises:
+        ConfigError: an unknown ``comm.dtype``; the message lists the registered formats.
+    """
+    from ..comm.formats import get_format
+
+    try:
+        return get_format(comm.dtype)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _has_own_checkpoint(cfg: Config) -> bool:
@@ -252,7 +255,7 @@ def check_inputs(cfg: Config, devices: bool = True) -> None:
             raise ConfigError(f"{key} but CUDA is not available on this machine (torch {torch.__version__}); run on a "
                               f"GPU node with a CUDA build of torch, or use train.device=cpu and parallel.backend=auto "
                               f"(or gloo)")
-        if cfg.comm.dtype not in ("fp32", "bf16"):  # the scaled codecs are what comm.compile compiles
+        if wire_format(cfg.comm).scaled:  # the scaled codecs are what comm.compile compiles
             from ..comm.compiled import compiler_problem, resolve_compile
 
             dev = "cuda" if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()) \
@@ -274,9 +277,10 @@ def _inert_rules(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
     if d.source == "indexed":
         rules.append((("data.cache_dir",), "data.source=indexed (only the embedded corpus is prepared there)",
                       "set data.source=shakespeare"))
-    if c.dtype in ("fp32", "bf16"):
+    fmt = wire_format(c)
+    if not fmt.scaled:
         rules.append((("comm.scaling",), f"comm.dtype={c.dtype} (sent unscaled)", "use an fp8 comm.dtype"))
-    if not (c.scaling == "block" and c.dtype in ("fp8_e4m3", "fp8_e5m2")):
+    if not (c.scaling == "block" and fmt.block_scaling):
         rules.append((("comm.block_size",), f"comm.scaling={c.scaling} and comm.dtype={c.dtype}",
                       "set comm.scaling=block with an fp8 comm.dtype"))
     if c.transform != "hadamard":
