@@ -52,10 +52,11 @@ import dataclasses  # noqa: E402
 from megatron_geo.comm import build_reducer  # noqa: E402
 from megatron_geo.comm.op_trace import OpRecorder  # noqa: E402
 from megatron_geo.config import ConfigError, load_config  # noqa: E402
+from megatron_geo.config.presets import codec_presets, comm_presets  # noqa: E402
 from megatron_geo.distributed.shard_plan import plan_shards  # noqa: E402
 from megatron_geo.parallel import collectives as C  # noqa: E402
 
-PRESETS = ["fp32", "bf16", "fp8", "fp8_e5m2", "fp8_block", "fp8_ef", "fp8_shared_scale", "fp8_hadamard", "nvfp4"]
+PRESETS = codec_presets()  # every configs/comm preset without a learned transform (comm.transform=geo)
 
 
 def _sync(dev: torch.device) -> None:
@@ -112,14 +113,14 @@ def main(argv: list[str] | None = None) -> int:
         problem = compiler_problem(a.device)
         if problem:
             bad.append(f"--compile {a.compile}: {problem}; install g++ (or set CXX) or use --compile eager")
-    geo = [p for p in a.presets if p.startswith("geo")]
+    geo = [p for p in a.presets if p in comm_presets() and p not in PRESETS]
     if geo:
         bad.append(f"--presets {geo[0]}: the geometry-aware presets are not timed here (their transform cost is "
                    f"benchmarks/geo_overhead.py's); the codec itself is the fp8 / nvfp4 row")
     if bad:
         print(f"error: {bad[0]}", file=sys.stderr)
         return 2
-    unknown = [p for p in a.presets if not os.path.isfile(os.path.join(ROOT, "configs", "comm", f"{p}.yaml"))]
+    unknown = [p for p in a.presets if p not in comm_presets()]
     if unknown:
         print(f"error: --presets {unknown[0]}: no configs/comm/{unknown[0]}.yaml", file=sys.stderr)
         return 2

@@ -1,17 +1,18 @@
 #!/usr/bin/env python
 """Quantize + dequantize throughput of the gradient codecs, next to a plain memory copy.
 
-Each operation takes an FP32 buffer of ``--numel`` elements (standard-normal values) through one
-encode/decode round trip with the project's kernels (megatron_geo/comm/codecs.py, hadamard.py), the way
-the low-precision reducer does it (scale from the amax, encode, decode):
+Each operation takes an FP32 buffer of ``--numel`` elements (standard-normal values) through one encode/decode
+round trip of a registered wire format (megatron_geo/comm/formats.py): the format's own wire class, the one the
+low-precision reducer sends buckets with, on the buffer as one parameter of a one-rank bucket (scales from the
+amax, ``encode_ranges``, ``decode_own``: the reduce-scatter without its all-to-all). One row per registered
+format that compresses (fewer than 4 bytes per element), named from its registry entry:
 
-- ``fp8_e4m3 tensor``: one FP32 scale (amax / 448) for the whole buffer;
-- ``fp8_e4m3 block128``: one FP32 scale per 128 elements;
-- ``fp8_e5m2 tensor``;
-- ``nvfp4``: FP32 global scale, E4M3 scale per 16 elements, E2M1 elements;
-- ``fp8_e4m3 stochastic``: tensor scaling with unbiased stochastic rounding;
-- ``hadamard128``: block-Hadamard rotation and its inverse (no quantization);
-- ``bf16 cast``: ``x.to(bfloat16).float()``;
+- ``<fmt> tensor`` / ``<fmt> block128`` / ``<fmt> stochastic`` for formats with block scaling (FP8: one FP32 scale
+  for the whole buffer, one per 128 elements, tensor scaling with unbiased stochastic rounding);
+- ``<fmt>`` and ``<fmt> stochastic`` for the other scaled formats (``nvfp4``: FP32 global scale, E4M3 scale per
+  16 elements, E2M1 elements);
+- ``<fmt> cast`` for plain casts (``bf16 cast``: ``x.to(bfloat16).float()``);
+- ``hadamard128 rot+inv``: the reducer's block-Hadamard rotation and its inverse (no quantization);
 - ``copy``: ``dst.copy_(src)`` of the same buffer (the memory-bandwidth reference).
 
 Throughput = bytes of the FP32 input (4 * numel) / time, in GB/s (1e9 bytes); the median over
@@ -21,7 +22,7 @@ copy throughput. On CUDA, ``torch.cuda.synchronize()`` is called before and afte
 
     python benchmarks/codec_kernels.py [--numel 16777216] [--repeats 5] [--device cpu|cuda]
 
-The bare kernels on one scale; ``benchmarks/codec.py`` times the reducer's real path per preset.
+Eager codecs on one parameter; ``benchmarks/codec.py`` times the reducer's real path per preset.
 """
 
 from __future__ import annotations
@@ -36,45 +37,56 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_geo.comm.codecs import (NVFP4_BLOCK, fp8_decode, fp8_encode, fp8_scale_from_amax,  # noqa: E402
-                                      nvfp4_decode, nvfp4_encode, nvfp4_global_scale)
-from megatron_geo.comm.hadamard import block_hadamard, block_hadamard_inverse, hadamard_signs  # noqa: E402
+from megatron_geo.comm.formats import FORMATS, comm_view  # noqa: E402
+from megatron_geo.comm.hadamard import exact_fp32, hadamard_matrix, hadamard_signs  # noqa: E402
+from megatron_geo.comm.roundtrip import normalize_codec, tensor_layout, tensor_wire  # noqa: E402
+
+
+def wire_roundtrip(x: torch.Tensor, codec: dict | str):
+    """Zero-argument callable: ``x`` (FP32 ``[numel]``, a multiple of the codec's block) through the codec's wire
+    class as a one-parameter, one-rank bucket (``encode_ranges`` then ``decode_own``), into a buffer of its own."""
+    c = normalize_codec(codec)
+    layout = tensor_layout(c, x.numel(), x.device)
+    wire = tensor_wire(c, 0, x.device)  # stochastic rounding: the seeded stream of DP rank 0
+    out = torch.empty_like(x)
+
+    def run():
+        codes, scales, _ = wire.encode_ranges(x, layout)
+        return wire.decode_own([p for p, _ in codes], scales, layout, 0, out)
+    return run
+
+
+def codec_rows() -> dict[str, dict]:
+    """``{row name: codec dict}`` of every registered format that compresses (module docstring)."""
+    rows = {}
+    for name, fmt in FORMATS.items():
+        if fmt.bytes_per_element(comm_view(dtype=name)) >= 4.0:
+            continue
+        if not fmt.scaled:
+            rows[f"{name} cast"] = {"dtype": name}
+            continue
+        rows[f"{name} tensor" if fmt.block_scaling else name] = {"dtype": name}
+        if fmt.block_scaling:
+            rows[f"{name} block128"] = {"dtype": name, "scaling": "block", "block_size": 128}
+        rows[f"{name} stochastic"] = {"dtype": name, "rounding": "stochastic"}
+    return rows
 
 
 def make_ops(x: torch.Tensor, dst: torch.Tensor) -> dict:
     """name -> zero-argument callable running one round trip of ``x`` (FP32, 1-D, numel % 128 == 0)."""
-    gen = torch.Generator(device=x.device).manual_seed(0)
-    signs = hadamard_signs(128, 0).to(x.device)
-
-    def fp8_tensor(fmt, rounding="nearest"):
-        def run():
-            s = fp8_scale_from_amax(x.abs().amax(), fmt)
-            return fp8_decode(fp8_encode(x, s, fmt, rounding, gen if rounding == "stochastic" else None), s, fmt)
-        return run
-
-    def fp8_block():
-        v = x.view(-1, 128)
-        s = fp8_scale_from_amax(v.abs().amax(dim=1, keepdim=True), "fp8_e4m3")
-        return fp8_decode(fp8_encode(v, s, "fp8_e4m3"), s, "fp8_e4m3")
-
-    def nvfp4():
-        g = nvfp4_global_scale(x.abs().amax())
-        packed, bs = nvfp4_encode(x.view(-1, NVFP4_BLOCK), g)
-        return nvfp4_decode(packed, bs, g)
+    m = hadamard_matrix(hadamard_signs(128, 0).to(x.device))
+    mt = m.t().contiguous()
+    rot = torch.empty_like(x)
 
     def hadamard():
-        return block_hadamard_inverse(block_hadamard(x.view(-1, 128), signs), signs)
+        with exact_fp32():
+            torch.mm(x.view(-1, 128), m, out=rot.view(-1, 128))
+            return torch.mm(rot.view(-1, 128), mt, out=dst.view(-1, 128))
 
-    return {
-        "copy": lambda: dst.copy_(x),
-        "fp8_e4m3 tensor": fp8_tensor("fp8_e4m3"),
-        "fp8_e4m3 block128": fp8_block,
-        "fp8_e5m2 tensor": fp8_tensor("fp8_e5m2"),
-        "nvfp4": nvfp4,
-        "fp8_e4m3 stochastic": fp8_tensor("fp8_e4m3", "stochastic"),
-        "hadamard128 rot+inv": hadamard,
-        "bf16 cast": lambda: x.to(torch.bfloat16).float(),
-    }
+    ops = {"copy": lambda: dst.copy_(x)}
+    ops.update({name: wire_roundtrip(x, c) for name, c in codec_rows().items()})
+    ops["hadamard128 rot+inv"] = hadamard
+    return ops
 
 
 def bench(numel: int, repeats: int, device: str) -> dict[str, list[float]]:

@@ -495,9 +495,13 @@ def _time_ops(ctx: Ctx, ops: dict, repeats: int) -> dict[str, float]:
 def _geo_layer_cost(ctx: Ctx) -> dict:
     """GeoFP8's extra work per selected layer (G T before encoding, G^ T^-1 after decoding) on the gradient shapes
     of the MLP down projections, next to the FP8 round trip and a copy of the same gradient (``ratio_to_copy``)."""
-    from megatron_geo.comm.codecs import fp8_decode, fp8_encode, fp8_scale_from_amax
+    from megatron_geo.comm.roundtrip import quantize_roundtrip
     from megatron_geo.config import load_config
+    from megatron_geo.config.presets import preset_config
     from megatron_geo.geometry.transform import build_transform
+
+    geo = preset_config("geofp8").comm  # the GeoFP8 preset's codec, through its wire class (comm/roundtrip.py)
+    codec = {"dtype": geo.dtype, "scaling": geo.scaling, "block_size": geo.block_size}
 
     out = {}
     for cfg_path in (["configs/tiny.yaml"] if ctx.dry_run else ["configs/llama_300m.yaml", "configs/llama_600m.yaml"]):
@@ -511,13 +515,11 @@ def _geo_layer_cost(ctx: Ctx) -> dict:
         dst = torch.empty_like(g)
 
         def fp8_rt():
-            s = fp8_scale_from_amax(g.abs().amax(), "fp8_e4m3")
-            return fp8_decode(fp8_encode(g, s, "fp8_e4m3"), s, "fp8_e4m3")
+            return quantize_roundtrip(g, codec)
 
         def geo_rt():
             gt = T.apply(g)
-            s = fp8_scale_from_amax(gt.abs().amax(), "fp8_e4m3")
-            return T.apply_inverse(fp8_decode(fp8_encode(gt, s, "fp8_e4m3"), s, "fp8_e4m3"))
+            return T.apply_inverse(quantize_roundtrip(gt, codec))
 
         ops = {"copy": lambda: dst.copy_(g), "fp8_e4m3 round trip": fp8_rt, "transform G T": lambda: T.apply(g),
                "inverse G T^-1": lambda: T.apply_inverse(g), "geofp8 round trip": geo_rt}
@@ -842,8 +844,30 @@ def phase_train_600m(ctx: Ctx, rec: Record) -> None:
     dist.destroy_process_group()
 
 
-CODEC_PRESETS = ["fp8", "nvfp4", "bf16", "fp8_block", "fp8_hadamard", "fp8_ef"]  # the most used first
-DRY_CODEC_PRESETS = ["fp8", "nvfp4"]
+def dry_codec_presets() -> list[str]:
+    """One plain preset (``comm.dtype`` alone, :func:`megatron_geo.config.presets.plain_presets`) per scaled wire
+    class, the first by name: every scaled codec kernel once (``["fp8", "nvfp4"]`` today)."""
+    from megatron_geo.comm.formats import comm_view, get_format
+    from megatron_geo.config.presets import plain_presets, preset_config
+
+    seen, out = set(), []
+    for name in plain_presets():
+        dtype = preset_config(name).comm.dtype
+        fmt = get_format(dtype)
+        wire = type(fmt.make_wire(comm_view(dtype=dtype), None, False)) if fmt.scaled else None
+        if wire is not None and wire not in seen:
+            seen.add(wire)
+            out.append(name)
+    return out
+
+
+def codec_presets() -> list[str]:
+    """The presets the codec phase times: :func:`dry_codec_presets` first (a time limit keeps the finished ones), then
+    every other preset without a learned transform (:func:`megatron_geo.config.presets.codec_presets`), by name."""
+    from megatron_geo.config.presets import codec_presets as all_codec_presets
+
+    first = dry_codec_presets()
+    return first + [p for p in all_codec_presets() if p not in first]
 
 
 def phase_codec(ctx: Ctx, rec: Record) -> None:
@@ -872,7 +896,7 @@ def phase_codec(ctx: Ctx, rec: Record) -> None:
         mode, rec["compiled_skipped"] = "eager", problem
     else:
         mode = "both"
-    presets = DRY_CODEC_PRESETS if ctx.dry_run else CODEC_PRESETS
+    presets = dry_codec_presets() if ctx.dry_run else codec_presets()
     rnumel = 1 << 20 if ctx.dry_run else 64 * 2 ** 20
     rec["reducer"] = {"numel": rnumel, "dp": 2, "modes": mode, "presets": {}}
     for p in presets:  # one run per preset, each with its own copy reference: a time limit keeps the finished ones

@@ -56,7 +56,8 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 from megatron_geo.analysis import scenarios as SC  # noqa: E402
-from megatron_geo.analysis.codec_table import bytes_per_element_of, evaluate_codec, format_table  # noqa: E402
+from megatron_geo.analysis.codec_table import (bytes_per_element_of, evaluate_codec, format_table,  # noqa: E402
+                                               preset_codecs)
 from megatron_geo.analysis.fidelity import COLLECTIVES  # noqa: E402
 from megatron_geo.analysis.geo_ablation import GEO_FP8, check_geo_fp8_codec, preset_side  # noqa: E402
 from megatron_geo.analysis.geo_command import run_model, run_scenario  # noqa: E402
@@ -68,8 +69,7 @@ from megatron_geo.comm.roundtrip import normalize_codec, parse_codec  # noqa: E4
 from megatron_geo.config import ConfigError  # noqa: E402
 from megatron_geo.config.validate import parse_power_search  # noqa: E402
 
-DEFAULT_CODECS = ["fp8_e4m3:tensor", "fp8_e4m3:block128", "fp8_e5m2:tensor", "fp8_e4m3:tensor+hadamard128",
-                  "nvfp4", "bf16"]
+DEFAULT_CODECS = preset_codecs()  # the codec of every configs/comm preset without a learned transform
 
 
 def parse_args(argv):

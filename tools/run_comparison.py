@@ -42,8 +42,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_PRESETS = ["fp32", "bf16", "fp8", "fp8_ef", "fp8_hadamard", "geofp8", "geofp8_search", "nvfp4", "geonvfp4"]
 PRESET_DIR = ROOT / "configs" / "comm"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from megatron_geo.config.presets import comm_presets  # noqa: E402
+
+DEFAULT_PRESETS = list(comm_presets(PRESET_DIR))  # every configs/comm/*.yaml, by name
 SBATCH_SCRIPT = ROOT / "scripts" / "slurm" / "pretrain.sbatch"
 RESERVED = ("train.run_dir", "train.seed", "logging.wandb_group", "logging.wandb_name")
 
@@ -64,7 +68,7 @@ def resolve_preset(name: str) -> tuple[str, Path]:
         return p.stem, p
     path = PRESET_DIR / f"{name}.yaml"
     if not path.is_file():
-        known = sorted(f.stem for f in PRESET_DIR.glob("*.yaml"))
+        known = list(comm_presets(PRESET_DIR))
         raise SweepError(f"unknown comm preset '{name}'; choose from {', '.join(known)} (configs/comm/) "
                          f"or pass a YAML file path")
     return name, path

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from ..comm.codecs import bytes_per_element
+from ..comm.formats import comm_view, get_format
+from ..comm.roundtrip import CODEC_DEFAULTS, codec_label
+from ..config.presets import codec_presets, preset_config
 from .fidelity import fidelity_metrics, simulate_reduce
 from .report_io import finite_mean, fmt_value
 
@@ -35,10 +37,25 @@ def evaluate_codec(codec: dict, names: list[str], grads: dict[str, list[torch.Te
     return {"overall": overall, "layers": layers}
 
 
+def preset_codecs() -> list[str]:
+    """The codec specs of the ``configs/comm`` presets without a learned transform
+    (:func:`megatron_geo.config.presets.codec_presets`), each once, in preset-name order, the lossless fp32
+    reference left out:
+    ``["bf16", "fp8_e4m3:tensor", "fp8_e4m3:block128", ...]``. Keys that are not part of a codec (error
+    feedback, scale sync) do not make a new one."""
+    out: list[str] = []
+    for name in codec_presets():
+        comm = preset_config(name).comm
+        spec = codec_label({k: getattr(comm, k) for k in CODEC_DEFAULTS if hasattr(comm, k)})
+        if comm.dtype != "fp32" and spec not in out:
+            out.append(spec)
+    return out
+
+
 def bytes_per_element_of(c: dict) -> float:
-    if c["dtype"] in ("fp32", "bf16", "nvfp4"):
-        return bytes_per_element(c["dtype"])
-    return bytes_per_element(c["dtype"], c["block_size"] if c["scaling"] == "block" else None)
+    """Wire bytes per element of codec ``c`` (codes plus block scales): its format's registry entry
+    (:attr:`megatron_geo.comm.formats.WireFormat.bytes_per_element`)."""
+    return get_format(c["dtype"]).bytes_per_element(comm_view(c))
 
 
 _COLS = [("RelL2", "rel_l2", ".3e"), ("SQNR dB", "sqnr_db", ".2f"), ("cosine", "cosine", ".6f"),

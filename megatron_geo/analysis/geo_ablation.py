@@ -14,6 +14,7 @@ import zlib
 
 import torch
 
+from ..comm.formats import FORMATS, get_format
 from ..comm.roundtrip import codec_label, is_pow2, parse_codec, quantize_roundtrip
 from ..geometry import refresh_stats as RS
 from ..geometry.power_search import pick_powers, roundtrip_errors, with_power
@@ -247,17 +248,14 @@ def refresh_diagnostics(A: torch.Tensor, grads: list, rank: int, damping: float,
     ``cancel`` (top-r subspace), ``pred_gain`` / ``pred_gain_white`` (relative-precision / white-noise model at the
     auto power), and the bound hits
     ``sat`` / ``flush`` of the Euclidean wire (summed over ranks) under ``fp8``'s format."""
-    from ..comm.codecs import fp8_max
-
     base = build_coordinate_transform(A, "lowrank", rank, damping, power=1.0)
     r, d_in = base.U.shape[1], base.d_in
     mom = sum(RS.layer_moments(g, base.U) for g in grads)
     e, total, gu = mom[:r], mom[r], mom[r + 1:].view(-1, r)
     s = RS.energy_slope(e, total, base.d, d_in)
     p = float(RS.auto_power(s))
-    dtype = parse_codec(fp8)["dtype"]
-    fmax = fp8_max(dtype)
-    under = 2.0 ** -10 if dtype == "fp8_e4m3" else 2.0 ** -17
+    wire = get_format(parse_codec(fp8)["dtype"])
+    fmax, under = wire.fp8_max, wire.underflow_below
     hits = sum(RS.wire_bound_hits(g, fmax, under) for g in grads)
     t = with_power(base, p)
     col = sum(t.apply(g.float()).double().pow(2).sum(0) for g in grads)
@@ -363,13 +361,18 @@ def check_geo_fp8_codec(spec: str) -> str:
         ValueError: anything else, naming the value and the accepted forms.
     """
     c = parse_codec(spec)
-    ok = c["dtype"] in ("fp8_e4m3", "fp8_e5m2") and c["transform"] == "none" and \
+    ok = c["dtype"] in fp8_formats() and c["transform"] == "none" and \
         (c["scaling"] == "tensor" or is_pow2(c["block_size"]))
     if not ok:
-        raise ValueError(f"--geo-fp8-codec={spec!r}: the FP8 rows need fp8_e4m3 or fp8_e5m2 with tensor scaling or a "
-                         f"power-of-two block and no rotation, e.g. fp8_e5m2:tensor or fp8_e4m3:block128 (NVFP4 has "
-                         f"its own rows)")
+        raise ValueError(f"--geo-fp8-codec={spec!r}: the FP8 rows need {' or '.join(fp8_formats())} with tensor "
+                         f"scaling or a power-of-two block and no rotation, e.g. fp8_e5m2:tensor or fp8_e4m3:block128 "
+                         f"(NVFP4 has its own rows)")
     return codec_label(c)
+
+
+def fp8_formats() -> list[str]:
+    """The registered FP8 wire formats (those with an ``fp8_max``): ``["fp8_e4m3", "fp8_e5m2"]`` today."""
+    return [n for n, f in FORMATS.items() if f.fp8_max is not None]
 
 
 def _int_list(s: str) -> list[int]:
@@ -398,7 +401,7 @@ def preset_side(name: str, root: str) -> tuple[str, dict, tuple]:
     cfg = load_config([path], [])
     if cfg.comm.transform != "geo":
         raise ValueError(f"preset {name!r} is not a GeoFP8 preset (comm.transform={cfg.comm.transform})")
-    if cfg.comm.dtype not in ("fp8_e4m3", "fp8_e5m2"):
+    if cfg.comm.dtype not in fp8_formats():
         raise ValueError(f"preset {name!r} sends {cfg.comm.dtype}; --preset takes an FP8 GeoFP8 preset (geofp8, "
                          f"geofp8_search, geofp8_paper): its rows use --geo-fp8-codec (the model mode's NVFP4 rows "
                          f"cover GeoNVFP4)")

@@ -174,17 +174,46 @@ def rounding_generator(c: dict, rank: int, device) -> torch.Generator | None:
 
 @functools.lru_cache(maxsize=32)
 def _one_parameter_layout(numel: int, scaling: str, block_size: int, granule: int, device: str) -> ScaleLayout:
-    """The scale layout of a bucket holding one parameter of ``numel`` elements (a multiple of ``granule``), owned
-    by one DP rank (cached: the power search and the fidelity tools round-trip the same shapes again and again)."""
     return build_scale_layout([0], [numel], numel, 1, scaling, block_size, device, granule=granule)
+
+
+def tensor_granule(c: dict, numel: int) -> int:
+    """Elements per block of a one-tensor layout of codec ``c`` (a tensor of ``numel`` elements is zero-padded to a
+    multiple of it): the format's granule without a transform; an unscaled cast reads no block tables, so there the
+    whole tensor is one block."""
+    fmt = get_format(c["dtype"])
+    if not fmt.scaled:
+        return max(numel, 1)
+    comm = comm_view(c, transform="none")
+    return fmt.granule(comm) if fmt.granule is not None else fmt.alignment(comm)
+
+
+def tensor_layout(c: dict, numel: int, device) -> ScaleLayout:
+    """The scale layout of a bucket holding one parameter of ``numel`` elements (a multiple of
+    :func:`tensor_granule`) owned by one DP rank, for codec ``c`` (cached: the power search and the fidelity tools
+    round-trip the same shapes again and again).
+
+    Raises:
+        ValueError: ``numel`` is not a multiple of the granule, or an unknown ``c["dtype"]``.
+    """
+    fmt = get_format(c["dtype"])
+    comm = comm_view(c, transform="none")
+    return _one_parameter_layout(numel, fmt.layout_scaling(comm), int(c["block_size"]), tensor_granule(c, numel),
+                                 str(torch.device(device)))
+
+
+def tensor_wire(c: dict, rank: int, device):
+    """The wire class of codec ``c`` (``formats.get_format(dtype).make_wire``, eager) for DP rank ``rank``: its
+    stochastic rounding draws from :func:`rounding_generator`."""
+    return get_format(c["dtype"]).make_wire(comm_view(c, transform="none"), rounding_generator(c, rank, device), False)
 
 
 def quantize_wire(y: Tensor, c: dict, rank: int) -> tuple[Tensor, Tensor]:
     """Decode(encode(y)) of one rank's wire vector ``y`` (FP32, 1-D) and its saturation mask, both ``[len(y)]``.
 
-    The format's wire class encodes ``y`` as one parameter of a one-rank bucket (zero-padded to the format's
-    block internally; the padding does not change any scale) with the codec's rounding (stochastic: the stream of
-    :func:`rounding_generator`), and decodes that payload.
+    The format's wire class (:func:`tensor_wire`) encodes ``y`` as one parameter of a one-rank bucket
+    (:func:`tensor_layout`; zero-padded to the format's block internally, which changes no scale) with the codec's
+    rounding, as the all-reduce's gather stage encodes a range, and decodes that payload.
 
     Saturated (:meth:`~megatron_geo.comm.formats.Wire.saturated`): the element's code is the format's largest
     magnitude (fp8: +-fp8_max, nvfp4: E2M1 6.0 times its block scale), i.e. it was clipped or rounded onto the top
@@ -193,24 +222,18 @@ def quantize_wire(y: Tensor, c: dict, rank: int) -> tuple[Tensor, Tensor]:
     Raises:
         ValueError: an unknown ``c["dtype"]``.
     """
-    fmt = get_format(c["dtype"])
-    comm = comm_view(c, transform="none")
     n = y.numel()
     if n == 0:
+        get_format(c["dtype"])
         return y.float().clone(), torch.zeros_like(y, dtype=torch.bool)
-    wire = fmt.make_wire(comm, rounding_generator(c, rank, y.device), False)
-    if fmt.scaled:
-        granule = fmt.granule(comm) if fmt.granule is not None else fmt.alignment(comm)
-    else:  # an unscaled cast reads no block tables: the whole vector as one block
-        granule = n
     x = y.reshape(-1).float()
-    pad = (-n) % granule
+    pad = (-n) % tensor_granule(c, n)
     if pad:
         x = torch.cat([x, x.new_zeros(pad)])
-    layout = _one_parameter_layout(x.numel(), fmt.layout_scaling(comm), comm.block_size, granule, str(x.device))
+    layout = tensor_layout(c, x.numel(), x.device)
+    wire = tensor_wire(c, rank, x.device)
     payload = wire.encode_chunk(x, layout, 0)
-    dec = wire.decode_all(payload, layout)[:n]
-    return dec, wire.saturated(x, payload, layout)[:n]
+    return wire.decode_all(payload, layout)[:n], wire.saturated(x, payload, layout)[:n]
 
 
 def quantize_roundtrip(x: Tensor, codec: dict | str) -> Tensor:
