@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from megatron_geo.distributed.plan_report import meta_model_params, plan_figures
+    from megatron_geo.analysis.plan_report import meta_model_params, plan_figures
     from megatron_geo.parallel import build_groups, indexed_device
 
     if not args.exact_init:

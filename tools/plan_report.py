@@ -4,7 +4,7 @@
     python tools/plan_report.py --config configs/llama_600m.yaml --dp 64 [--tp 1] [--json OUT] [key=value ...]
     python tools/plan_report.py --config configs/llama_600m.yaml --dp 8 16 64 128 --markdown
 
-Prints rank 0, the rank with the most wire bytes and the rank with the most persistent memory (figures defined in ``megatron_geo/distributed/plan_report.py``); ``--json``
+Prints rank 0, the rank with the most wire bytes and the rank with the most persistent memory (figures defined in ``megatron_geo/analysis/plan_report.py``); ``--json``
 writes one object per DP size (a list when several are given).
 """
 
@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from megatron_geo.config import ConfigError, load_config, validate_config  # noqa: E402
 from megatron_geo.config.validate import output_file_problem  # noqa: E402
-from megatron_geo.distributed.plan_report import meta_model_params, plan_figures  # noqa: E402
+from megatron_geo.analysis.plan_report import meta_model_params, plan_figures  # noqa: E402
 
 GiB = 2 ** 30
 

@@ -269,7 +269,7 @@ def wire_ratio(config_path: str, n: int, all_to_all: bool) -> float:
     """Wire bytes per rank per step of the plan's reduce + gather over those of an even, unpadded ring
     reduce-scatter + all-gather of the same parameters (``tools/plan_report.py``; 1.0 = no padding and balanced).
     ``all_to_all``: the low-precision path (receives ``(n - 1) x own``), else the FP32 per-owner reduce."""
-    from megatron_geo.distributed.plan_report import meta_model_params, plan_figures
+    from megatron_geo.analysis.plan_report import meta_model_params, plan_figures
 
     cfg = load_config([config_path], [] if not all_to_all else ["comm.dtype=bf16"])
     if config_path not in _META:

@@ -1,7 +1,9 @@
 """The shard plan of a config at any DP size, and what it costs per rank, computed without GPUs.
 
-:func:`plan_figures` lays the model's parameters out exactly as the trainer does (:func:`plan_model` with the
-trainer's atomic rule, FLOP model, bucket size and the reducer's alignment) and reports, per DP rank:
+:func:`plan_layout` lays the model's parameters out exactly as the trainer does: the ownership rule of
+:func:`megatron_geo.distributed.ownership.param_specs` (the one the trainer's buckets use), the GeoFP8 layers of
+:func:`megatron_geo.geometry.select_parameters`, the bucket size and the reducer's alignment
+(:func:`megatron_geo.comm.formats.comm_alignment`). :func:`plan_figures` reports, per DP rank:
 
 - buffer elements (the FP32 gradient buffer and the model-dtype parameter buffer have this many; every rank
   holds whole buckets) and ``padding_ratio = buffer_elements_per_rank / parameters``;
@@ -10,9 +12,9 @@ trainer's atomic rule, FLOP model, bucket size and the reducer's alignment) and 
   (``S - own``) and receives ``S - own`` on the FP32 reduce path (chain/ring reduce onto each owner) or
   ``(dp - 1) * own`` through an all-to-all (BF16 and the low-precision codecs); ``wire_bytes_per_rank`` is
   the worst rank's larger direction. ``even_reduce_scatter_bytes = (dp - 1) / dp * parameters * b``, the
-  ring reduce-scatter of an unpadded, evenly split buffer. Wire elements cost b bytes: FP32 4, BF16 2,
-  FP8 1 (+ 4 / block_size with block scaling), NVFP4 0.5625; per-tensor scales (a few bytes per parameter)
-  are left out;
+  ring reduce-scatter of an unpadded, evenly split buffer. Wire elements cost b bytes, the format's
+  :attr:`~megatron_geo.comm.formats.WireFormat.bytes_per_element` (FP32 4, BF16 2, FP8 1 (+ 4 / block_size
+  with block scaling), NVFP4 0.5625; per-tensor scales, a few bytes per parameter, are left out);
 - the parameter gather after the step (``S - own`` per bucket, in the parameter dtype);
 - optimizer FLOPs per rank (Newton-Schulz ``~4 k^2 K + 2 k^3`` per iteration for Muon matrices, 12 per
   element for AdamW) and ``optimizer_flops_max_over_mean``;
@@ -24,27 +26,39 @@ The model is built on the ``meta`` device (shapes only); TP > 1 uses a fake proc
 
 from __future__ import annotations
 
-import fnmatch
+from dataclasses import dataclass, field
 
 import torch
 
-from ..config import Config
-from .shard_plan import ADAMW_FLOPS_PER_ELEMENT, ParamSpec, newton_schulz_flops, plan_model
+from ..comm.formats import comm_alignment, get_format
+from ..config import Config, ConfigError
+from ..distributed.ownership import ParamInfo, param_infos, param_specs
+from ..distributed.shard_plan import ADAMW_FLOPS_PER_ELEMENT, ShardPlan, plan_model
 
-WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8_e4m3": 1.0, "fp8_e5m2": 1.0, "nvfp4": 0.5625}
+
+@dataclass(frozen=True)
+class ModelParams:
+    """What the plan needs of a model: ``infos`` (``(name, local shape, use_muon)`` of every parameter that needs
+    a gradient, registration order) and ``geo_layers`` (the GeoFP8 layers ``geo.layers`` selects; empty unless
+    ``comm.transform=geo``)."""
+
+    infos: list[ParamInfo]
+    geo_layers: frozenset[str] = field(default_factory=frozenset)
 
 
-def meta_model_params(cfg: Config, tp_size: int = 1) -> list[tuple[str, tuple[int, ...], bool]]:
-    """``(name, local shape, use_muon)`` of every parameter of TP rank 0, in registration order (meta device).
+def meta_model_params(cfg: Config, tp_size: int = 1) -> ModelParams:
+    """The parameters of TP rank 0 (meta device) and its GeoFP8 layers.
 
     Needs a TP group for the model's constructor: when ``torch.distributed`` is not initialised, a fake process
     group of ``tp_size`` ranks is created for the call and destroyed afterwards (nothing is left behind).
 
     Raises:
         RuntimeError: ``tp_size > 1`` while a process group of another size is already initialised.
+        ConfigError: a ``geo.layers`` pattern matches no linear weight.
     """
     import torch.distributed as dist
 
+    from ..geometry import select_parameters
     from ..model import Llama
 
     created = False
@@ -60,58 +74,46 @@ def meta_model_params(cfg: Config, tp_size: int = 1) -> list[tuple[str, tuple[in
         group = dist.group.WORLD if dist.get_world_size() == tp_size else dist.new_group([dist.get_rank()])
         dtype = torch.bfloat16 if cfg.train.param_dtype == "bf16" else torch.float32
         model = Llama(cfg.model, group, cfg.train.seed, dtype=dtype, device=torch.device("meta"))
-        return [(n, tuple(p.shape), bool(getattr(p, "use_muon", False))) for n, p in model.named_parameters()
-                if p.requires_grad]
+        try:
+            geo = frozenset(select_parameters(model, cfg.geo.layers)) if cfg.comm.transform == "geo" else frozenset()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return ModelParams(param_infos(model), geo)
     finally:
         if created:
             dist.destroy_process_group()
 
 
-def reducer_alignment(cfg: Config) -> int:
-    """The low-precision reducer's range alignment for ``cfg.comm`` (see ``LowPrecisionReducer.alignment``)."""
-    c = cfg.comm
-    a = 1
-    if c.dtype == "nvfp4":
-        a = 16
-    elif c.scaling == "block" and c.dtype.startswith("fp8"):
-        a = c.block_size
-    if c.transform == "hadamard":
-        a = max(a, c.hadamard_block)
-    return a
+def _planned(cfg: Config, dp_size: int, params: ModelParams):
+    back = list(reversed(params.infos))  # backward order, as build_buckets
+    align = comm_alignment(cfg.comm)
+    specs = param_specs(cfg, back, align, params.geo_layers)
+    return back, specs, plan_model(specs, cfg.parallel.bucket_size, dp_size, align)
 
 
-def geo_candidates(cfg: Config, names_shapes) -> set[str]:
-    """Names of the parameters ``geo.layers`` selects (every candidate is owned whole)."""
-    if cfg.comm.transform != "geo":
-        return set()
-    pats = [p.strip() for p in cfg.geo.layers.split(",") if p.strip()]
-    return {n for n, shape, _ in names_shapes if len(shape) == 2 and n.endswith(".weight")
-            and any(fnmatch.fnmatchcase(n, p) for p in pats)}
+def plan_layout(cfg: Config, dp_size: int, params: ModelParams) -> list[tuple[list[str], ShardPlan]]:
+    """The buckets the trainer builds for ``cfg`` at ``dp_size``: ``[(parameter names, plan), ...]`` in launch
+    order (``plan.offsets`` follow the names; ``plan.bounds`` are the DP ranks' ranges, elements)."""
+    back, _, plans = _planned(cfg, dp_size, params)
+    return [([back[i][0] for i in idx], pl) for idx, pl in plans]
 
 
 def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> dict:
     """Every figure of the module docstring for ``cfg`` at ``dp_size`` (JSON-ready dict).
 
     ``params``: the output of :func:`meta_model_params` (built when None).
+
+    Raises:
+        ConfigError: as :func:`meta_model_params` (when ``params`` is None).
     """
     params = params if params is not None else meta_model_params(cfg, tp_size)
     muon = cfg.optimizer.name == "muon"
     sharded = cfg.parallel.distributed_optimizer
-    geo = geo_candidates(cfg, params)
-    back = list(reversed(params))  # backward order, as build_buckets
-    specs = []
-    for n, shape, use_muon in back:
-        numel = 1
-        for d in shape:
-            numel *= d
-        atomic = sharded and muon and use_muon
-        flops = newton_schulz_flops(shape) if (muon and use_muon) else ADAMW_FLOPS_PER_ELEMENT * numel
-        specs.append(ParamSpec(numel, atomic, flops, shape[1] if sharded and n in geo else 1))
-    plans = plan_model(specs, cfg.parallel.bucket_size, dp_size, reducer_alignment(cfg))
+    geo = params.geo_layers
+    back, specs, plans = _planned(cfg, dp_size, params)
     P = sum(s.numel for s in specs)
     buffer = sum(pl.buffer_numel for _, pl in plans)
-    wire_b = WIRE_BYTES[cfg.comm.dtype] + (4.0 / cfg.comm.block_size if cfg.comm.scaling == "block"
-                                           and cfg.comm.dtype.startswith("fp8") else 0.0)
+    wire_b = get_format(cfg.comm.dtype).bytes_per_element(cfg.comm)
     all_to_all = not (cfg.comm.dtype == "fp32" and cfg.comm.transform == "none")
     param_b = 2 if cfg.train.param_dtype == "bf16" else 4
     own = [0] * dp_size
@@ -142,7 +144,7 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
         flops = [sum(s.flops for s in specs)] * dp_size
     ef = buffer * 4 if cfg.comm.error_feedback else 0
     geo_bytes = 0
-    for n, shape, _ in params:
+    for n, shape, _ in params.infos:
         if n in geo:
             d_in = shape[1]
             sketched = cfg.geo.statistics == "sketch" or (cfg.geo.statistics == "auto" and d_in > 4 * cfg.geo.sketch_size)
@@ -172,6 +174,7 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
         "parameters": P,
         "buckets": len(plans),
         "uneven_buckets": sum(1 for _, pl in plans if not pl.even),
+        "alignment": comm_alignment(cfg.comm),
         "buffer_elements_per_rank": buffer,
         "padding_ratio": buffer / max(P, 1),
         "wire_bytes_per_element": wire_b,

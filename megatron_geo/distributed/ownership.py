@@ -1,0 +1,67 @@
+"""The ownership rule: what the shard planner may do with each parameter, decided once for the trainer's buckets
+and for the plan report.
+
+For every parameter that needs a gradient, :func:`param_specs` decides
+
+- *atomic*: owned whole by one DP rank. Muon matrices under the distributed optimizer (Newton-Schulz
+  orthogonalises whole matrices);
+- *granule*: a splittable parameter is cut only at multiples of this many elements from its start. GeoFP8
+  layers (``comm.transform=geo``) under the distributed optimizer keep whole rows on their owner (``G T`` mixes
+  columns only and each row is inverted on its own), cut at a multiple of the reducer's alignment as well;
+  every other parameter 1 (anywhere; the planner rounds cuts to the alignment);
+- *optimizer FLOPs* per step of owning it: :func:`~.shard_plan.newton_schulz_flops` for Muon matrices,
+  :data:`~.shard_plan.ADAMW_FLOPS_PER_ELEMENT` per element otherwise (element-wise AdamW / Muon's AdamW group).
+
+Without the distributed optimizer every rank owns everything, so nothing is atomic and nothing granular.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+
+from .shard_plan import ADAMW_FLOPS_PER_ELEMENT, ParamSpec, newton_schulz_flops
+
+ParamInfo = tuple[str, tuple[int, ...], bool]
+"""``(name, local shape, use_muon)`` of one parameter (``use_muon``: Muon's orthogonalised group)."""
+
+
+def param_specs(cfg, names_shapes: Sequence[ParamInfo], alignment: int,
+                geo_layers: Collection[str] = ()) -> list[ParamSpec]:
+    """The planner's view of every parameter, in the order of ``names_shapes``.
+
+    Args:
+        cfg: the run's :class:`~megatron_geo.config.Config` (reads ``optimizer.name`` and
+            ``parallel.distributed_optimizer``).
+        names_shapes: ``(name, local shape, use_muon)`` of each parameter that needs a gradient.
+        alignment: the reducer's alignment in elements (``comm_alignment(cfg.comm)``, >= 1): every rank's range
+            and every parameter start is a multiple of it.
+        geo_layers: names of the GeoFP8 layers (``geometry.select_parameters`` of ``geo.layers``; empty unless
+            ``comm.transform=geo``).
+
+    Returns:
+        One :class:`~.shard_plan.ParamSpec` per entry: ``numel``, ``atomic``, ``flops`` (FLOPs per step),
+        ``granule`` (elements).
+
+    Raises:
+        ValueError: ``alignment`` below 1.
+    """
+    if alignment < 1:
+        raise ValueError(f"alignment={alignment} must be >= 1")
+    muon = cfg.optimizer.name == "muon"
+    sharded = cfg.parallel.distributed_optimizer
+    specs = []
+    for name, shape, use_muon in names_shapes:
+        numel = math.prod(shape)
+        matrix = muon and use_muon
+        flops = newton_schulz_flops(tuple(shape)) if matrix else ADAMW_FLOPS_PER_ELEMENT * numel
+        row = shape[1] if sharded and name in geo_layers else 1
+        specs.append(ParamSpec(numel, sharded and matrix, float(flops), math.lcm(row, alignment) if row > 1 else 1))
+    return specs
+
+
+def param_infos(model) -> list[ParamInfo]:
+    """``(name, shape, use_muon)`` of every parameter of ``model`` (an ``nn.Module``, any device, ``meta``
+    included) that needs a gradient, in registration order."""
+    return [(n, tuple(p.shape), bool(getattr(p, "use_muon", False))) for n, p in model.named_parameters()
+            if p.requires_grad]
