@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from megatron_geo.comm.codecs import (
-    NVFP4_BLOCK, bytes_per_element, fp8_decode, fp8_encode, fp8_max, fp8_scale_from_amax,
+    NVFP4_BLOCK, fp8_decode, fp8_encode, fp8_max, fp8_scale_from_amax,
     nvfp4_decode, nvfp4_encode, nvfp4_global_scale,
 )
+from megatron_geo.comm.formats import comm_view, get_format
 from megatron_geo.comm.hadamard import block_hadamard, block_hadamard_inverse, hadamard_signs
 
 FMTS = ["fp8_e4m3", "fp8_e5m2"]
@@ -350,15 +351,13 @@ def test_nvfp4_global_scale_and_shape_errors():
         nvfp4_decode(torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(3, dtype=torch.uint8), torch.tensor(1.0))
 
 
-def test_bytes_per_element():
-    assert bytes_per_element("fp32", None) == 4.0
-    assert bytes_per_element("bf16", None) == 2.0
-    assert bytes_per_element("fp8_e4m3", None) == 1.0
-    assert bytes_per_element("fp8_e5m2", 128) == 1.0 + 4 / 128
-    assert bytes_per_element("nvfp4", None) == bytes_per_element("nvfp4", 16) == 0.5625
-    for bad in (("int8", None), ("nvfp4", 32), ("fp8_e4m3", 0), ("fp32", 16)):
-        with pytest.raises(ValueError):
-            bytes_per_element(*bad)
+def test_bytes_per_element_comes_from_the_registry_entries():
+    for dtype, settings, want in (("fp32", {}, 4.0), ("bf16", {}, 2.0), ("fp8_e4m3", {}, 1.0),
+                                  ("fp8_e5m2", {"scaling": "block", "block_size": 128}, 1.0 + 4 / 128),
+                                  ("nvfp4", {}, 0.5 + 1 / 16)):
+        assert get_format(dtype).bytes_per_element(comm_view(dtype=dtype, **settings)) == want
+    with pytest.raises(ValueError, match="choose one of fp32, bf16, fp8_e4m3, fp8_e5m2, nvfp4"):
+        get_format("int8")
 
 
 # -- Hadamard -------------------------------------------------------------------------------------

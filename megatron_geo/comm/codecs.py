@@ -445,28 +445,3 @@ def nvfp4_decode(packed: Tensor, block_scale_codes: Tensor, global_scale: Tensor
     vals = e2m1_unpack(packed)
     s = block_scale_codes.view(torch.float8_e4m3fn).float().view(nblk, 1)
     return (vals * s) * g  # e2m1 * e4m3 is exact in FP32; one rounding for the global scale
-
-
-def bytes_per_element(fmt: str, block_size: int | None = None) -> float:
-    """Wire bytes per gradient element (documentation helper; the per-tensor FP32 scale is ignored).
-
-    ``fp32`` 4, ``bf16`` 2, ``fp8_e4m3``/``fp8_e5m2`` 1 (+ 4 / block_size with an FP32 scale per
-    block), ``nvfp4`` 0.5 + 1/16 (4-bit element + one E4M3 scale per 16; ``block_size`` None or 16).
-
-    Raises:
-        ValueError: unknown ``fmt``, non-positive ``block_size``, a block size for fp32/bf16, or
-            an nvfp4 block size other than 16.
-    """
-    if block_size is not None and block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    if fmt in ("fp32", "bf16"):
-        if block_size is not None:
-            raise ValueError(f"{fmt} has no block scaling; block_size must be None")
-        return 4.0 if fmt == "fp32" else 2.0
-    if fmt in FP8_FORMATS:
-        return 1.0 + (4.0 / block_size if block_size else 0.0)
-    if fmt == "nvfp4":
-        if block_size not in (None, NVFP4_BLOCK):
-            raise ValueError(f"nvfp4 blocks are {NVFP4_BLOCK} elements, got block_size={block_size}")
-        return 0.5 + 1.0 / NVFP4_BLOCK
-    raise ValueError(f"unknown format {fmt!r}; choose fp32, bf16, fp8_e4m3, fp8_e5m2 or nvfp4")
