@@ -81,11 +81,11 @@ class WireFormat:
         make_wire: ``(comm, generator, compile) -> Wire``: the encoder/decoder for a bucket buffer; ``generator``
             (a ``torch.Generator`` on the buffer's device) feeds stochastic rounding, ``compile`` (bool) turns on
             the ``torch.compile`` graphs (:mod:`.compiled`).
-        alignment: ``comm -> int``: elements a parameter's start (and each DP rank range) must be a multiple of for
-            this format with its scaling, before any transform (FP8 tensor scaling 16, FP8 block scaling
-            ``comm.block_size``, NVFP4 16, plain casts 1).
         bytes_per_element: ``comm -> float``: wire bytes per gradient element, codes plus block scales (a
             per-parameter FP32 scale is left out: FP8 tensor scaling 1.0, block scaling ``1 + 4 / block_size``).
+        alignment: ``comm -> int``: elements a parameter's start (and each DP rank range) must be a multiple of for
+            this format with its scaling, before any transform (FP8 tensor scaling 16, FP8 block scaling
+            ``comm.block_size``, NVFP4 16, plain casts 1, the default).
         scaled: the wire carries codes with scales (a quantiser: error feedback and stochastic rounding apply, and
             ``comm.compile`` compiles it); False for the plain casts fp32 / bf16.
         block_scaling: ``comm.scaling=block`` (one FP32 scale per ``comm.block_size`` elements) is supported.
@@ -103,8 +103,8 @@ class WireFormat:
 
     name: str
     make_wire: Callable[[Any, torch.Generator | None, bool], Wire]
+    bytes_per_element: Callable[[Any], float]
     alignment: Callable[[Any], int] = _one
-    bytes_per_element: Callable[[Any], float] = lambda comm: 4.0
     scaled: bool = True
     block_scaling: bool = False
     scale_sync: bool = False
@@ -205,9 +205,9 @@ def comm_view(settings: dict | None = None, **kw) -> SimpleNamespace:
 
 # -- the built-in formats -------------------------------------------------------------------------------------------
 
-def _cast(name: str, nbytes: float) -> WireFormat:
-    return WireFormat(name=name, make_wire=lambda comm, generator=None, compile=False: CastWire(name),
-                      bytes_per_element=lambda comm: nbytes, scaled=False)
+def _cast(name: str, dtype: torch.dtype) -> WireFormat:
+    return WireFormat(name=name, make_wire=lambda comm, generator=None, compile=False: CastWire(dtype),
+                      bytes_per_element=lambda comm: float(dtype.itemsize), scaled=False)
 
 
 def _fp8_alignment(comm) -> int:
@@ -224,8 +224,8 @@ def _fp8(name: str, underflow_below: float) -> WireFormat:
         block_scaling=True, scale_sync=True, wire_sum=True, fp8_max=fp8_max(name), underflow_below=underflow_below)
 
 
-register_format(_cast("fp32", 4.0))
-register_format(_cast("bf16", 2.0))
+register_format(_cast("fp32", torch.float32))
+register_format(_cast("bf16", torch.bfloat16))
 register_format(_fp8("fp8_e4m3", 2.0 ** -10))
 register_format(_fp8("fp8_e5m2", 2.0 ** -17))
 register_format(WireFormat(

@@ -10,14 +10,13 @@ from torch import Tensor
 
 from .scale_layout import ScaleLayout
 
-CAST_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
 
 class CastWire:
-    """Encode / decode of bucket buffers as a plain cast to ``CAST_DTYPES[fmt]``."""
+    """Encode / decode of bucket buffers as a plain cast to the floating-point ``dtype`` (``torch.bfloat16``; the
+    registry entry of each cast format, :mod:`.formats`, names it)."""
 
-    def __init__(self, fmt: str):
-        self.dtype = CAST_DTYPES[fmt]
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
 
     def encode_ranges(self, x: Tensor, layout: ScaleLayout, sync_amax=None, residual: Tensor | None = None):
         """``([(wire bytes, split sizes in bytes)], None, None)``; ``residual`` (if given) <- ``x - wire`` in place."""
