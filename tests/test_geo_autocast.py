@@ -209,9 +209,10 @@ def test_transform_and_hadamard_force_highest_precision_and_restore(tf32_on):
     # the reducer's Hadamard rotation (to the wire, back into the bucket, and back as a new tensor)
     red = LowPrecisionReducer(None, 1, 0, "fp8_e4m3", transform="hadamard", hadamard_block=16, compile=False)
     x = torch.randn(64, generator=g)
-    for name, fn in [("rotation", lambda: red._to_wire(x.clone(), None)),
-                     ("inverse rotation", lambda: red._from_wire(x.clone(), None, 0)),
-                     ("inverse rotation into the bucket", lambda: red._write_back(x.clone(), 0, x.clone(), None))]:
+    for name, fn in [("rotation", lambda: red.transform.to_wire(x.clone(), None)),
+                     ("inverse rotation", lambda: red.transform.from_wire(x.clone(), None, 0)),
+                     ("inverse rotation into the bucket",
+                      lambda: red.transform.write_back(x.clone(), 0, x.clone(), None))]:
         rec = RecordMatmulFlags()
         with rec:
             fn()

@@ -17,6 +17,10 @@ Layout-specific entries (restored only when DP and TP sizes are unchanged, other
 - ``dp<d>.tp<t>/rng/*``: torch CPU (and CUDA) RNG state and the reducer's stochastic-rounding generator.
 - ``dp<d>.tp<t>/geo/hits``: GeoFP8 bound-hit profile (select=auto) of this rank.
 - ``tp<t>/geo/<name>/U`` and ``/d``: GeoFP8 transforms (identical on every DP rank; needs the same TP).
+
+The reducer's entries come from its ``state_dict()`` / go back through ``load_state_dict()`` (error-feedback
+residuals per bucket, cut here into per-parameter views; the generator state), the GeoFP8 entries likewise from
+the GeoFP8 state's (``megatron_geo.geometry.GeoState``).
 """
 
 from __future__ import annotations
@@ -211,23 +215,24 @@ def _save_entries(layout: StateLayout, reducer, geo, with_optimizer_state: bool,
     sd[f"{tag}/rng/torch"] = torch.get_rng_state()
     if pctx.device.type == "cuda":
         sd[f"{tag}/rng/cuda"] = torch.cuda.get_rng_state(pctx.device)
-    gen = getattr(reducer, "generator", None)
-    if gen is not None:
-        sd[f"{tag}/rng/reducer"] = gen.get_state()
-    for name, res in residual_views(layout, reducer).items():
+    red = reducer.state_dict()
+    if "generator" in red:
+        sd[f"{tag}/rng/reducer"] = red["generator"]
+    for name, res in residual_views(layout, red.get("residuals", {})).items():
         sd[f"{tag}/ef/{name}"] = res.detach().clone()
     if geo is not None:
-        geo._fold_hits()
-        sd[f"{tag}/geo/hits"] = torch.tensor([geo.hits[n] for n in sorted(geo.hits)], dtype=torch.float64, device="cpu")
-        for name, t in geo.transforms.items():
-            sd[f"tp{pctx.tp_rank}/geo/{name}/U"] = t.U.detach().cpu().clone()
-            sd[f"tp{pctx.tp_rank}/geo/{name}/d"] = t.d.detach().cpu().clone()
+        g = geo.state_dict()
+        sd[f"{tag}/geo/hits"] = torch.tensor([g["hits"][n] for n in sorted(g["hits"])], dtype=torch.float64,
+                                             device="cpu")
+        for name, t in g["transforms"].items():
+            sd[f"tp{pctx.tp_rank}/geo/{name}/U"] = t["U"].detach().cpu().clone()
+            sd[f"tp{pctx.tp_rank}/geo/{name}/d"] = t["d"].detach().cpu().clone()
     return sd
 
 
-def residual_views(layout: StateLayout, reducer) -> dict[str, torch.Tensor]:
-    """Per-parameter views of the reducer's error-feedback residuals (empty without error feedback)."""
-    residuals = getattr(reducer, "residuals", None) or {}
+def residual_views(layout: StateLayout, residuals: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-parameter views (FP32 ``[numel]``) of the error-feedback residuals ``residuals`` (bucket key -> FP32
+    ``[bucket numel]``, the reducer's ``state_dict()["residuals"]``); empty without error feedback."""
     out = {}
     for b in layout.optimizer.buckets:
         res = residuals.get(b.index)
@@ -345,26 +350,30 @@ def _load_request(path: str, layout: StateLayout, reducer, geo, same_layout: boo
         if with_state and f"optim/{name}/step" in keys and name in layout.by_name:
             sd[f"optim/{name}/step"] = torch.zeros((), dtype=torch.float64, device="cpu")
     tag = layout.tag
-    ef = residual_views(layout, reducer)
+    red = reducer.state_dict()
+    ef = residual_views(layout, red.get("residuals", {}))
+    live_geo = geo.state_dict() if geo is not None else None
     if same_layout:
         for k in ("rng/torch", "rng/cuda", "rng/reducer"):
             if f"{tag}/{k}" in keys and (k != "rng/cuda" or pctx.device.type == "cuda") and \
-                    (k != "rng/reducer" or getattr(reducer, "generator", None) is not None):
+                    (k != "rng/reducer" or "generator" in red):
                 sd[f"{tag}/{k}"] = torch.empty(keys[f"{tag}/{k}"].size, dtype=torch.uint8, device="cpu")
         for name in ef:
             if f"{tag}/ef/{name}" in keys:
                 sd[f"{tag}/ef/{name}"] = torch.empty_like(ef[name])
+        n_hits = len(live_geo["hits"]) if live_geo is not None else 0
         if geo is not None and f"{tag}/geo/hits" in keys and len(keys[f"{tag}/geo/hits"].size) == 1 and \
-                keys[f"{tag}/geo/hits"].size[0] == len(geo.hits):
-            sd[f"{tag}/geo/hits"] = torch.zeros(len(geo.hits), dtype=torch.float64, device="cpu")
+                keys[f"{tag}/geo/hits"].size[0] == n_hits:
+            sd[f"{tag}/geo/hits"] = torch.zeros(n_hits, dtype=torch.float64, device="cpu")
     geo_tp = f"tp{pctx.tp_rank}/geo/"
     same_tp = same_layout if same_tp is None else same_tp
     if geo is not None and geo_meta is not None and same_tp:
-        for name in geo.transforms:
+        for name in live_geo["transforms"]:
             if f"{geo_tp}{name}/U" in keys:
                 sd[f"{geo_tp}{name}/U"] = torch.empty(keys[f"{geo_tp}{name}/U"].size, dtype=torch.float32, device="cpu")
                 sd[f"{geo_tp}{name}/d"] = torch.empty(keys[f"{geo_tp}{name}/d"].size, dtype=torch.float32, device="cpu")
-    return {"sd": sd, "copies": copies, "with_state": with_state, "ef": ef, "tag": tag, "geo_tp": geo_tp}
+    return {"sd": sd, "copies": copies, "with_state": with_state, "ef": ef, "tag": tag, "geo_tp": geo_tp,
+            "residuals": red.get("residuals", {}), "live_geo": live_geo}
 
 
 def _apply_loaded(layout: StateLayout, reducer, geo, geo_meta: dict | None, same_layout: bool, log, req: dict) -> None:
@@ -383,19 +392,26 @@ def _apply_loaded(layout: StateLayout, reducer, geo, geo_meta: dict | None, same
             torch.set_rng_state(sd[f"{tag}/rng/torch"])
         if f"{tag}/rng/cuda" in sd:
             torch.cuda.set_rng_state(sd[f"{tag}/rng/cuda"], pctx.device)
+        red: dict = {}
         if f"{tag}/rng/reducer" in sd:
-            reducer.generator.set_state(sd[f"{tag}/rng/reducer"])
-        restored_ef = [n for n in ef if f"{tag}/ef/{n}" in sd]
-        for n in restored_ef:
-            ef[n].copy_(sd[f"{tag}/ef/{n}"])
+            red["generator"] = sd[f"{tag}/rng/reducer"]
+        # the residuals as they are (alignment padding kept), each parameter's range loaded or zeroed
+        residuals = {k: r.clone() for k, r in req["residuals"].items()} if ef else {}
+        views = residual_views(layout, residuals)
+        restored_ef = {n for n in ef if f"{tag}/ef/{n}" in sd}
+        for n, view in views.items():
+            if n in restored_ef:
+                view.copy_(sd[f"{tag}/ef/{n}"])
+            else:
+                view.zero_()
+        if residuals:
+            red["residuals"] = residuals
+        reducer.load_state_dict(red)
         if ef and len(restored_ef) < len(ef):
-            for n in ef:
-                if n not in restored_ef:
-                    ef[n].zero_()
             log(f"checkpoint: error-feedback residuals of {len(ef) - len(restored_ef)} parameter(s) start at zero "
                 f"({'the DP x TP layout changed' if not same_layout else 'not in the checkpoint'})")
     if geo is not None:
-        _restore_geo(geo, geo_meta, sd, req["geo_tp"], f"{tag}/geo/hits", same_layout, log)
+        _restore_geo(geo, req["live_geo"], geo_meta, sd, req["geo_tp"], f"{tag}/geo/hits", log)
 
 
 def _broadcast_non_writers(layout: StateLayout, with_state: bool) -> None:
@@ -421,27 +437,21 @@ def _broadcast_non_writers(layout: StateLayout, with_state: bool) -> None:
                 C.broadcast(t, pctx.dp_group, 0)
 
 
-def _restore_geo(geo, geo_meta, sd, geo_tp, hits_key, same_layout, log) -> None:
-    """GeoFP8 selection, profile, refresh step and transforms from the checkpoint."""
-    from ..geometry.transform import LowRankTransform
-
+def _restore_geo(geo, live: dict, geo_meta: dict | None, sd: dict, geo_tp: str, hits_key: str, log) -> None:
+    """GeoFP8 selection, profile, refresh step and transforms from the checkpoint, through ``geo.load_state_dict``
+    (``live``: ``geo.state_dict()`` before the load, for the candidate names)."""
     if geo_meta is None:
         log("checkpoint: it was saved without comm.transform=geo; GeoFP8 starts fresh")
         return
-    geo.profiled = int(geo_meta["profiled"])
+    state: dict = {"profiled": int(geo_meta["profiled"])}
     if hits_key in sd:
-        for n, v in zip(sorted(geo.hits), sd[hits_key].tolist()):
-            geo.hits[n] = v
-    selected = [n for n in geo_meta["selected"] if n in geo.candidates]
-    if geo.auto_layers or set(selected) != set(geo.selected):
-        geo.selected = {n: geo.candidates[n] for n in selected}
-        geo.stats = geo._make_stats()
-    loaded = [n for n in geo.transforms if f"{geo_tp}{n}/U" in sd]
-    for n in loaded:
-        dev = geo.params[n].device
-        geo.transforms[n] = LowRankTransform(sd[f"{geo_tp}{n}/U"].to(dev), sd[f"{geo_tp}{n}/d"].to(dev))
+        state["hits"] = dict(zip(sorted(live["hits"]), sd[hits_key].tolist()))
+    state["selected"] = list(geo_meta["selected"])
+    loaded = [n for n in live["transforms"] if f"{geo_tp}{n}/U" in sd]
+    state["transforms"] = {n: {"U": sd[f"{geo_tp}{n}/U"], "d": sd[f"{geo_tp}{n}/d"]} for n in loaded}
     if loaded:
-        geo.last_refresh = int(geo_meta["last_refresh"])
-    elif geo_meta["last_refresh"] >= 0:
+        state["last_refresh"] = int(geo_meta["last_refresh"])
+    geo.load_state_dict(state)
+    if not loaded and geo_meta["last_refresh"] >= 0:
         log("checkpoint: the TP size changed, so the GeoFP8 transforms restart from the identity until the next "
             "scheduled refresh")

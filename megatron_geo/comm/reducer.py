@@ -10,7 +10,8 @@ Every reducer implements the same two collectives on a flat FP32 bucket buffer l
   (implemented as reduce-scatter + all-gather of the averaged shard, so the result cannot differ; even
   plans only).
 
-The averaging (sum, then ``/ dp_size``) happens exactly once, in FP32 (DESIGN.md section 3, invariant 1).
+The averaging (sum, then ``/ dp_size``) happens exactly once, in FP32 (``docs/design.md``, "Invariants of the
+reduction path", 1).
 ``bytes_sent`` counts what this rank itself puts on the wire, from the sizes of the tensors handed
 to the collectives: a reduce-scatter, all-to-all or all-gather of a bucket of S elements sends
 ``S - own`` elements per rank, ``own`` being this rank's range (ring algorithm; exact for all-to-all).
@@ -18,9 +19,11 @@ to the collectives: a reduce-scatter, all-to-all or all-gather of a bucket of S 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
+
 from ..parallel import collectives as C
 
 
@@ -40,16 +43,77 @@ class PendingReduction:
         self._done = True
 
 
+class GradientReducer(Protocol):
+    """What the gradient sync, the distributed optimizer, the checkpoint and the trainer call on a reducer.
+
+    ``name``: the ``comm.dtype`` it implements; ``bytes_sent``: bytes this rank put on the wire since the last
+    :meth:`reset_bytes`; ``telemetry``: ``None``, or while armed (``comm.telemetry_interval``) a list that each
+    reduction appends ``(name, numerator, denominator)`` device scalars to; ``geo``: the GeoFP8 state whose
+    transforms the reducer applies (``geometry.GeoState``), or ``None``.
+    """
+
+    name: str
+    bytes_sent: int
+    telemetry: list | None
+
+    @property
+    def geo(self): ...
+
+    def alignment(self) -> int: ...
+
+    def register_bucket(self, key: int, offsets: list[int], numels: list[int], bounds, device) -> None: ...
+
+    def reduce_scatter(self, buf: torch.Tensor, key=None, async_op: bool = True) -> PendingReduction: ...
+
+    def all_reduce(self, buf: torch.Tensor, key=None, async_op: bool = True) -> PendingReduction: ...
+
+    def reset_bytes(self) -> int: ...
+
+    def reset_error_feedback(self) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, sd: dict) -> None: ...
+
+
 class Reducer:
-    """Base class. Subclasses set ``wire_dtype`` and implement :meth:`_reduce_scatter`."""
+    """Base class of every :class:`GradientReducer`. Subclasses set ``wire_dtype`` and implement
+    :meth:`_reduce_scatter`; stateful ones override :meth:`state_dict` / :meth:`load_state_dict`."""
 
     name = "base"
     wire_dtype: torch.dtype = torch.float32
+    telemetry: list | None = None  # only reducers with a low-precision codec append to it
 
     def __init__(self, dp_group, dp_size: int, dp_rank: int):
         self.group, self.dp_size, self.dp_rank = dp_group, dp_size, dp_rank
         self.bytes_sent = 0
         self.bounds: dict[int, list[int]] = {}
+
+    # -- state ----------------------------------------------------------------------------------------
+    @property
+    def geo(self):
+        """The GeoFP8 state (``geometry.GeoState``) whose transforms this reducer applies, or ``None``."""
+        return None
+
+    def reset_error_feedback(self) -> None:
+        """Zero the error-feedback residuals (after a skipped step); a no-op for reducers without any."""
+
+    def state_dict(self) -> dict:
+        """The reducer's own training state: ``{"residuals": {bucket key: FP32 [bucket numel]}}`` (error
+        feedback, in the coordinates that are quantised) and ``"generator"`` (uint8 stochastic-rounding generator
+        state) where it has them. Tensors are references to the live state (as ``nn.Module.state_dict``)."""
+        return {}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore what :meth:`state_dict` returned (copied in; absent entries keep their current value).
+
+        Raises:
+            KeyError: ``sd`` names a bucket this reducer has no residual for.
+            ValueError: a residual's size differs from the registered bucket's.
+        """
+        if sd.get("residuals"):
+            raise KeyError(f"{self.name} reducer keeps no error-feedback residuals; got buckets "
+                           f"{sorted(sd['residuals'])}")
 
     # -- accounting -------------------------------------------------------------------------------
     def _count(self, chunk_numel: int, dtype: torch.dtype) -> None:

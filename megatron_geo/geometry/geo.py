@@ -8,7 +8,8 @@ each layer's exponent from the DP-summed round-trip errors (:mod:`.power_search`
 from the slope of the DP-summed gradient energy against A's eigenvalues (:mod:`.refresh_stats`, no trial
 quantisation); with ``geo.select=gain`` keep only the ``num_layers`` candidates with the largest positive
 predicted gain (the others stay Euclidean); compare a checksum of every T across the DP group (a mismatch is
-a hard error naming the layer); re-base the reducer's error feedback (R <- R T_old^-1 T_new, or zero it with
+a hard error naming the layer); notify the refresh listeners (:meth:`GeoState.add_refresh_listener`; the reducer's
+:class:`~.coordinates.GeoTransform` re-bases its error feedback, R <- R T_old^-1 T_new, or zeroes it with
 ``geo.ef_on_refresh=reset``). Every refresh also records per-layer diagnostics (:attr:`GeoState.diagnostics`:
 slope, power, IPR of A's outlier eigenvectors, cancellation across ranks, predicted gain, bound hits of the
 wire), read from the device once per refresh.
@@ -16,27 +17,34 @@ The reducer then communicates G T and maps the reduced shard back with T^-1.
 
 Precision: the statistics, their DP sum, the eigen/sketch decompositions and every moment of a refresh are
 FP32 (FP64 where noted) whatever autocast or TF32 setting the caller has active: the hooks, :meth:`GeoState.refresh`
-and every application of T / T^-1 run under :func:`~megatron_geo.comm.hadamard.exact_fp32`.
+and every application of T / T^-1 run under :func:`~megatron_geo.parallel.precision.exact_fp32`.
 Compiled blocks (``train.compile=true``): :meth:`GeoState.arm` runs the blocks that enclose the armed layers
-eagerly until :meth:`GeoState.disarm` (:class:`~megatron_geo.model.compile.eager_calls`), so the statistics
-hooks fire at every refresh and the compiled graphs are never rebuilt.
+eagerly until :meth:`GeoState.disarm` (the ``run_eagerly`` context given to the constructor,
+:class:`~megatron_geo.model.compile.eager_calls` in training), so the statistics hooks fire at every refresh and
+the compiled graphs are never rebuilt.
+
+What this package needs from the reducer's side (the codec round trip that ``geo.power_search`` scores, the FP8
+limits of the wire) arrives through the :class:`GeoState` constructor; ``megatron_geo.training.geo_setup`` wires
+both sides together.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import zlib
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager as ContextManager
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..parallel import collectives as C
+from ..parallel.precision import exact_fp32
 from . import refresh_stats as RS
-from ..comm.hadamard import exact_fp32
-from ..model.compile import eager_calls
 from .power_search import pick_powers, roundtrip_errors, with_power
 from .stats import InputStats
-from ..parallel import collectives as C
 from .transform import (LowRankTransform, build_transform, build_transform_from_sketch, identity_transform,
                         sketch_matrix)
 
@@ -64,19 +72,37 @@ def select_parameters(model: nn.Module, patterns: str) -> dict[str, nn.Module]:
     return chosen
 
 
+def _no_bypass(modules: Iterable[nn.Module]) -> ContextManager:
+    return contextlib.nullcontext()
+
+
 class GeoState:
-    """Transforms of the selected parameters, keyed by parameter name."""
+    """Transforms of the selected parameters, keyed by parameter name.
+
+    Args (beyond the ``geo.*`` settings): ``fp8_max`` / ``underflow_below``: the wire format's largest magnitude
+    and half its smallest subnormal (E4M3: 448 and 2**-10), for the bound-hit counts; ``roundtrip``: ``x ->
+    decode(encode(x))`` of one tensor through the reducer's codec (FP32 out, same shape), needed by
+    ``geo.power_search``; ``run_eagerly``: ``modules -> context manager`` that runs modules compiled in place
+    eagerly (:class:`megatron_geo.model.compile.eager_calls`) while the statistics are armed; by default
+    nothing is bypassed (a compiled block would then not run the statistics hooks).
+
+    Raises:
+        ValueError: a ``geo.layers`` pattern matches no linear weight.
+    """
 
     def __init__(self, model: nn.Module, patterns: str, rank: int, damping: float, refresh_interval: int,
                  ef_on_refresh: str, dp_group, auto_layers: int = 0, profile_steps: int = 0, fp8_max: float = 448.0,
                  underflow_below: float = 2.0 ** -10, log=print, statistics: str = "full", sketch_size: int = 64,
-                 power: float | str = 0.5, power_search: tuple[float, ...] = (), select_gain: bool = False):
+                 power: float | str = 0.5, power_search: tuple[float, ...] = (), select_gain: bool = False,
+                 roundtrip: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 run_eagerly: Callable[[Iterable[nn.Module]], ContextManager] = _no_bypass):
         self.candidates = select_parameters(model, patterns)
         # every module on the path from the model to each candidate (the model and the candidate included):
         # the ones compiled in place run eagerly while the statistics are armed
         self._enclosing = {n: [model.get_submodule(".".join(n.split(".")[:i])) for i in range(n.count(".") + 1)]
                            for n in self.candidates}
-        self._eager: eager_calls | None = None
+        self._run_eagerly = run_eagerly
+        self._eager: ContextManager | None = None
         params = dict(model.named_parameters())
         self.params = {n: params[n] for n in self.candidates}   # rows of every candidate stay whole on their owner
         self.auto_layers, self.profile_steps, self.fp8_max, self.log = auto_layers, profile_steps, fp8_max, log
@@ -93,13 +119,18 @@ class GeoState:
         self.power_search = tuple(power_search)   # non-empty: p chosen per layer at each refresh
         self.powers: dict[str, float] = {}         # power_search / auto: the p chosen per layer at the last refresh
         self.diagnostics: dict[str, dict[str, float]] = {}  # per layer, from the last refresh (host floats)
-        self.roundtrip = None  # set by the reducer: the codec's quantize-dequantize (power_search)
+        self.roundtrip = roundtrip  # the codec's quantize-dequantize (power_search)
         self.grad_of = lambda name: self.params[name].main_grad  # the local gradient at a refresh
         self.stats = self._make_stats()
         self.transforms: dict[str, LowRankTransform] = {
             n: identity_transform(p.shape[1], p.device) for n, p in self.params.items()}
         self.last_refresh = -1
-        self.rebase_hook = None  # set by the reducer: fn(old: dict, new: dict) re-bases error feedback
+        self._listeners: list[Callable[[dict, dict], None]] = []  # see add_refresh_listener
+
+    def add_refresh_listener(self, fn: Callable[[dict, dict], None]) -> None:
+        """Call ``fn(old, new)`` after every refresh, with the transforms before and after (dicts parameter name ->
+        :class:`~.transform.LowRankTransform`), on every DP rank (the reducer's error-feedback re-base)."""
+        self._listeners.append(fn)
 
     def _use_sketch(self, d_in: int) -> bool:
         if self.statistics == "auto":
@@ -180,7 +211,7 @@ class GeoState:
         Modules compiled in place that enclose a selected layer (``train.compile=true``: its block) run eagerly
         meanwhile: a compiled graph would not run the statistics hooks (they are not part of it)."""
         self.disarm()
-        self._eager = eager_calls(m for n in self.stats.modules for m in self._enclosing.get(n, ()))
+        self._eager = self._run_eagerly(m for n in self.stats.modules for m in self._enclosing.get(n, ()))
         self._eager.__enter__()
         self.stats.arm()
 
@@ -203,7 +234,7 @@ class GeoState:
         Each layer's statistics are summed onto its owner (:meth:`owners`), which eigendecomposes them
         and broadcasts ``U`` and ``d`` to the DP group: every rank then holds the owner's exact bytes,
         and the work per rank shrinks with the DP size. Runs in FP32 / FP64 under any autocast or TF32
-        setting of the caller (:func:`~megatron_geo.comm.hadamard.exact_fp32`); the transforms are float32.
+        setting of the caller (:func:`~megatron_geo.parallel.precision.exact_fp32`); the transforms are float32.
         """
         with exact_fp32():
             self._refresh(step)
@@ -235,8 +266,8 @@ class GeoState:
         self._record_diagnostics(new, moments, d1, ipr, step)
         self.check_consistent(new)
         old, self.transforms = self.transforms, new
-        if self.rebase_hook is not None:
-            self.rebase_hook(old, new)
+        for fn in self._listeners:
+            fn(old, new)
         self.last_refresh = step
 
     def _broadcast_transform(self, name: str, t: LowRankTransform | None, owner: int) -> LowRankTransform:
@@ -355,7 +386,8 @@ class GeoState:
         """Replace each selected layer's power-1 transform by the candidate power with the smallest
         DP-summed round-trip error of the current local gradients (:mod:`.power_search`)."""
         if self.roundtrip is None:
-            raise RuntimeError("geo.power_search needs the reducer's codec (LowPrecisionReducer.attach_geo)")
+            raise RuntimeError("geo.power_search needs the codec round trip (GeoState(roundtrip=...), given by "
+                               "megatron_geo.training.geo_setup.build_geo)")
         names = sorted(self.selected)
         errs = torch.stack([roundtrip_errors(self.grad_of(n), transforms[n], list(self.power_search), self.roundtrip)
                             for n in names])
@@ -387,8 +419,51 @@ class GeoState:
                 f"GeoFP8 transform differs across DP ranks for layer(s) {', '.join(bad)}: the input statistics "
                 f"or the eigendecomposition were not identical on every rank (checksum mismatch)")
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this state keeps between steps, for memory accounting: each candidate's ``U`` and ``d``, then
+        the statistics' running sums and sketch matrices (FP32, on the parameters' device)."""
+        out = [x for t in self.transforms.values() for x in (t.U, t.d)]
+        return out + list(self.stats.sums.values()) + list(self.stats.sketches.values())
+
     def state_dict(self) -> dict:
+        """The GeoFP8 training state (one host sync: the device-side bound-hit fractions are folded in first):
+
+        - ``last_refresh`` (int, -1 before the first refresh), ``selected`` (sorted names), ``profiled`` (int);
+        - ``hits``: ``{candidate name: float}``, the summed bound-hit fractions of the ``select=auto`` profile (this
+          DP rank's own);
+        - ``transforms``: ``{candidate name: {"U": FP32 [d_in, r], "d": FP32 [r]}}`` (identical on every DP rank),
+          references to the live tensors.
+        """
         self._fold_hits()
         return {"last_refresh": self.last_refresh, "selected": sorted(self.selected), "hits": dict(self.hits),
                 "profiled": self.profiled,
                 "transforms": {n: {"U": t.U, "d": t.d} for n, t in self.transforms.items()}}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore what :meth:`state_dict` returned; every key is optional (absent ones keep their value), and so
+        is every candidate inside ``hits`` and ``transforms`` (tensors are copied to the parameter's device).
+
+        ``selected``: names that are not candidates here are dropped; with ``select=auto|gain`` or a different set
+        the statistics collectors are rebuilt for the restored selection.
+
+        Raises:
+            KeyError: ``hits`` or ``transforms`` names a parameter that is not a candidate.
+        """
+        if "profiled" in sd:
+            self.profiled = int(sd["profiled"])
+        for n, v in sd.get("hits", {}).items():
+            if n not in self.hits:
+                raise KeyError(f"GeoFP8 bound-hit profile of {n!r}, which is not a geo.layers candidate")
+            self.hits[n] = float(v)
+        if "selected" in sd:
+            selected = [n for n in sd["selected"] if n in self.candidates]
+            if self.auto_layers or set(selected) != set(self.selected):
+                self.selected = {n: self.candidates[n] for n in selected}
+                self.stats = self._make_stats()
+        for n, t in sd.get("transforms", {}).items():
+            if n not in self.transforms:
+                raise KeyError(f"GeoFP8 transform of {n!r}, which is not a geo.layers candidate")
+            dev = self.params[n].device
+            self.transforms[n] = LowRankTransform(t["U"].to(dev), t["d"].to(dev))
+        if "last_refresh" in sd:
+            self.last_refresh = int(sd["last_refresh"])

@@ -1,5 +1,5 @@
 """Per-layer statistics of a GeoFP8 refresh: where the gradient's energy lies among the K-FAC factor's
-eigen-directions, and what follows from it (issue 16, DESIGN.md section 4b).
+eigen-directions, and what follows from it (``docs/design.md``, "When geometry helps").
 
 For one layer with the refresh's transform at power 1, ``U`` (``[d_in, r]``, A's top-r eigenvectors) and
 ``d1_i = (lambda_ref + damping) / (lambda_i + damping)`` (``[r]``), and the DP ranks' local gradients
@@ -21,8 +21,8 @@ For one layer with the refresh's transform at power 1, ``U`` (``[d_in, r]``, A's
   wire element rounded with the same relative error, independently, as FP8 with a fresh scale does):
   ``ratio^2 = sum_k c_k q_k / E`` with ``c_k = sum_r ||G_r T e_k||^2`` the wire's column energies and
   ``q_k = ||e_k^T T^-1||^2 = 1 + sum_i U_ki^2 (d_i^-2 - 1)``. The white-noise model cannot see that a
-  transform along one input channel gains nothing in a relative-precision format (DESIGN.md section 4b);
-  the relative-precision one can, and is the ``pred_gain = 1 - ratio`` that ``geo.select=gain`` ranks by.
+  transform along one input channel gains nothing in a relative-precision format (``docs/design.md``, "When
+  geometry helps"); the relative-precision one can, and is the ``pred_gain = 1 - ratio`` that ``geo.select=gain`` ranks by.
 - spread of A's outlier eigenvectors: inverse participation ratio ``IPR(u) = sum_j u_j^4`` (1: one input
   channel; 1/k: k channels equally; ~3 / d_in: a dense Gaussian direction), averaged over the eigenvectors
   whose eigenvalue is at least twice the rest's (``d1 <= 1/2``; the top one if none is).

@@ -6,7 +6,7 @@ statistics and token counts over the DP group (never over TP: a row-parallel lay
 d_in slice and gets its own factor, i.e. a block-diagonal transform of the full layer).
 
 Everything here is FP32 whatever the forward runs in: the hooks fire inside the forward's autocast region
-(BF16 on CUDA), so they run under :func:`~megatron_geo.comm.hadamard.exact_fp32` (autocast off for every
+(BF16 on CUDA), so they run under :func:`~megatron_geo.parallel.precision.exact_fp32` (autocast off for every
 device type, IEEE FP32 matmuls, never TF32) with explicit dtypes, and the DP sum travels as FP32.
 """
 
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm.hadamard import exact_fp32
+from ..parallel.precision import exact_fp32
 from ..parallel import collectives as C
 
 
@@ -41,7 +41,7 @@ class InputStats:
         self.disarm()
         self.sums.clear()
         self.counts.clear()
-        self.traces.clear()  # per refresh, like the sums (kept across refreshes, a resumed run diverged: c13)
+        self.traces.clear()  # per refresh, like the sums (kept across refreshes, a resumed run would diverge)
         for name, mod in self.modules.items():
             self._handles.append(mod.register_forward_pre_hook(self._hook(name)))
 

@@ -18,7 +18,7 @@ columns only, so rows stay independent) and mapped back as G^ T^-1; applying eit
 ``O(d_out d_in r)``: ``G T = G + ((G U) (D - I)) U^T``.
 
 Source: GeoFP8 / GIFT (arXiv 2607.07494), section "geometry-aware coordinates"; the paper leaves the
-damping and the exact form unspecified; this is the form of DESIGN.md section 1 / issue 4.
+damping and the exact form unspecified; this is the form of ``docs/design.md``, "The transform T".
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.hadamard import exact_fp32
+from ..parallel.precision import exact_fp32
 
 
 @dataclass
@@ -92,7 +92,7 @@ def build_transform(A: torch.Tensor, rank: int, damping: float, power: float = 0
     """The damped rank-``rank`` transform of a K-FAC input factor ``A`` (``[d_in, d_in]``, symmetric).
 
     The eigendecomposition runs in FP64 (``torch.linalg.eigh``) for determinism and accuracy, without autocast
-    (:func:`~megatron_geo.comm.hadamard.exact_fp32`); the result is float32 on A's device. Eigenvalues below
+    (:func:`~megatron_geo.parallel.precision.exact_fp32`); the result is float32 on A's device. Eigenvalues below
     zero (round-off) are clipped to zero.
 
     Raises:

@@ -1,8 +1,8 @@
 """One optimizer step: forward/backward over the micro-batches, DP reduction, clipping, update.
 
 The loss is the sum of per-token losses over all valid tokens of the global batch divided by the
-global valid-token count (DESIGN.md invariant 9). Each rank scales its local sum by
-``dp_size / global_tokens`` so that the reducer's single FP32 division by ``dp_size`` yields exactly
+global valid-token count (``docs/design.md``, "Invariants of the reduction path", 10). Each rank scales its
+local sum by ``dp_size / global_tokens`` so that the reducer's single FP32 division by ``dp_size`` yields exactly
 the gradient of that global mean, however unevenly tokens fall on ranks and micro-batches.
 """
 
