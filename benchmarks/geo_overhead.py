@@ -64,16 +64,18 @@ class _Clock:
         return timed
 
 
-def _instrument(reducer, geo) -> dict:
-    """Clocks on the reducer's coordinate hooks and, with GeoFP8, on the refresh and statistics hooks."""
+def _instrument(reducer, geo, dp_group) -> dict:
+    """Clocks on the reducer's coordinate transform (to and from the wire coordinates) and, with GeoFP8, on the
+    refresh and statistics hooks."""
     clocks = {"wire": _Clock(), "refresh": _Clock(), "hooks": _Clock()}
-    reducer._to_wire = clocks["wire"].wrap(reducer._to_wire)
-    reducer._from_wire = clocks["wire"].wrap(reducer._from_wire)
+    transform = reducer.transform
+    transform.to_wire = clocks["wire"].wrap(transform.to_wire)
+    transform.from_wire = clocks["wire"].wrap(transform.from_wire)
     if geo is not None:
         timed = clocks["refresh"].wrap(geo.refresh)
 
         def refresh(step):
-            dist.barrier(group=geo.dp_group)  # off the clock: ranks arrive unevenly from backward, and that
+            dist.barrier(group=dp_group)  # off the clock: ranks arrive unevenly from backward, and that
             return timed(step)                # wait would otherwise be booked to the refresh's first collective
         geo.refresh = refresh
         make = geo.stats._hook
@@ -81,12 +83,12 @@ def _instrument(reducer, geo) -> dict:
     return clocks
 
 
-def _transform_flops(model, geo, dp: int) -> float:
+def _transform_flops(model, geo, rank: int, dp: int) -> float:
     """FLOPs per step of GeoFP8's transforms: G T on every selected gradient (4 d_out d_in r), T^-1 on
     this rank's share of them (4 d_out d_in r / dp)."""
     if geo is None:
         return 0.0
-    return sum((4 + 4 / dp) * p.shape[0] * p.shape[1] * geo.rank for p in geo.params.values())
+    return sum((4 + 4 / dp) * p.shape[0] * p.shape[1] * rank for p in geo.params.values())
 
 
 def _mode_config(args, mode):
@@ -104,8 +106,8 @@ def _label(cfg) -> str:
 def _run_mode(args, mode, pctx):
     cfg = _mode_config(args, mode)
     model, _, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
-    geo = getattr(reducer, "geo", None)
-    clocks = _instrument(reducer, geo)
+    geo = reducer.geo
+    clocks = _instrument(reducer, geo, pctx.dp_group)
     times, refresh_times, parts = [], [], {k: [] for k in clocks}
     for s in range(args.steps + 1):
         mbs = synthetic_batches(cfg, pctx.dp_rank, pctx.dp_size, s)
@@ -125,7 +127,7 @@ def _run_mode(args, mode, pctx):
     tokens = cfg.train.global_batch_size // pctx.dp_size * cfg.model.seq_length
     from megatron_geo.model import count_parameters
     model_flops = 6.0 * count_parameters(cfg.model) * tokens
-    return times, refresh_times, parts, {"transform_flops": _transform_flops(model, geo, pctx.dp_size),
+    return times, refresh_times, parts, {"transform_flops": _transform_flops(model, geo, cfg.geo.rank, pctx.dp_size),
                                          "model_flops": model_flops, "tokens_per_rank": tokens}
 
 

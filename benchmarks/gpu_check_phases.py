@@ -192,7 +192,7 @@ def capture_build(*callbacks):
         out = orig(cfg, pctx)
         built.clear()
         built.update(model=out[0], buckets=out[1], reducer=out[2], sync=out[3], optimizer=out[4],
-                     geo=getattr(out[2], "geo", None))
+                     geo=out[2].geo)
         for cb in callbacks:
             cb(built)
         return out
@@ -248,7 +248,7 @@ def state_devices(built: dict) -> dict[str, list[str]]:
                 add("optimizer_state", v)
     for b in built["buckets"]:
         add("grad_buffers", b.grad_data)
-    for r in getattr(built["reducer"], "residuals", {}).values():
+    for r in built["reducer"].state_dict().get("residuals", {}).values():
         add("error_feedback", r)
     geo = built.get("geo")
     if geo is not None:

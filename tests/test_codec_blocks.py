@@ -41,7 +41,7 @@ def _tp_replicas(rank, world, presets):
         model, _, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
         for step in range(3):
             mbs = rank_micro_batches(global_batch(cfg, step), 2, pctx.dp_rank, pctx.dp_size)
-            train_step(model, mbs, sync, opt, pctx, 1.0, 1.0, geo=getattr(reducer, "geo", None), step=step)
+            train_step(model, mbs, sync, opt, pctx, 1.0, 1.0, geo=reducer.geo, step=step)
         out[preset] = {n: p.detach().clone() for n, p in model.named_parameters()
                        if not getattr(p, "tensor_model_parallel", False)}
     return out

@@ -48,7 +48,7 @@ def _train(cfg, pctx, compile_backend, steps):
     torch._dynamo.utils.counters.clear()
     torch.manual_seed(0)
     model, buckets, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
-    geo = getattr(reducer, "geo", None)
+    geo = reducer.geo
     if compile_backend is not None:
         compile_blocks(model, backend=compile_backend)
     factors, graphs_after = [], []

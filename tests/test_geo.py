@@ -133,25 +133,26 @@ def _rebase(rank, world):
     for step in range(2):  # refresh at step 0; builds a residual at steps 0 and 1
         mb = rank_micro_batches(global_batch(cfg, step), 2, rank, world)
         train_step(model, mb, sync, opt, pctx, 1.0, 1.0, geo=geo, step=step)
-    key, slots = next(iter(reducer.geo_slots.items()))
+    key, slots = next(iter(reducer.transform.slots.items()))
     name, off, rows, cols = slots[0]
-    before = reducer.residuals[key][off:off + rows * cols].view(rows, cols).clone().double()
+    residual = reducer.state_dict()["residuals"][key]
+    before = residual[off:off + rows * cols].view(rows, cols).clone().double()
     old = geo.transforms[name]
-    other = reducer.residuals[key].clone()
+    other = residual.clone()
     mb = rank_micro_batches(global_batch(cfg, 2), 2, rank, world)
     geo.arm()
     model(mb[0]["tokens"], mb[0]["labels"])
     geo.disarm()
     geo.refresh(2)
     new = geo.transforms[name]
-    after = reducer.residuals[key][off:off + rows * cols].view(rows, cols).double()
+    after = residual[off:off + rows * cols].view(rows, cols).double()
     # R T_old^-1 (the residual in gradient coordinates) is unchanged by the re-basing
     grad_coords_before = old.apply_inverse(before.float()).double()
     grad_coords_after = new.apply_inverse(after.float()).double()
     mask = torch.ones_like(other, dtype=torch.bool)
     for _, o, r_, c_ in slots:
         mask[o:o + r_ * c_] = False
-    untouched = torch.equal(reducer.residuals[key][mask], other[mask])
+    untouched = torch.equal(residual[mask], other[mask])
     return before.abs().max().item(), (grad_coords_after - grad_coords_before).abs().max().item(), untouched
 
 

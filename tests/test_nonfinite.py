@@ -1,4 +1,4 @@
-"""Non-finite gradients are never laundered into finite ones (handed case c01), in every preset.
+"""Non-finite gradients are never laundered into finite ones, in every preset.
 
 DP = 2, the tiny model: one element of one parameter's gradient on rank 1 only is +inf, -inf or NaN. The
 global gradient norm after the reduction must be non-finite on both ranks (so every rank skips the step,
@@ -40,9 +40,7 @@ def _norms(rank, world, preset, which):
             target.main_grad.view(-1)[3] = value
         sync.finish()
         norms.append(opt.grad_norm())
-        reset = getattr(reducer, "reset_error_feedback", None)
-        if reset is not None:
-            reset()
+        reducer.reset_error_feedback()
     return norms
 
 

@@ -24,7 +24,7 @@ def _train(rank, world, overrides, steps):
         for step in range(steps):
             mbs = rank_micro_batches(global_batch(cfg, step), 2, pctx.dp_rank, pctx.dp_size)
             losses.append(train_step(model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad,
-                                     geo=getattr(reducer, "geo", None), step=step).loss)
+                                     geo=reducer.geo, step=step).loss)
             pending_after_step.append(len(opt._gathers))
         opt.wait_param_gather()
         params = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -218,7 +218,7 @@ def _train(rank, world, overrides, steps, tp=1, micro=2):
     for step in range(steps):
         mbs = rank_micro_batches(global_batch(cfg, step), micro, pctx.dp_rank, pctx.dp_size)
         losses.append(train_step(model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad,
-                                     geo=getattr(reducer, "geo", None), step=step).loss)
+                                     geo=reducer.geo, step=step).loss)
     uneven = sum(1 for b in buckets if not b.plan.even)
     rows_cut = sum(1 for m in opt.mains if ".mlp." in m.name and not m.whole)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, uneven, rows_cut
@@ -279,11 +279,11 @@ def _load_pre(rank, world, root):
         cfg = tiny_cfg(f"checkpoint.dir={d}", f"train.run_dir={d}", "train.global_batch_size=12", *ov)
         pctx = pctx_for(1)
         model, buckets, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
-        ck = Checkpointer(cfg, pctx, model, opt, reducer, getattr(reducer, "geo", None), lambda m: None)
+        ck = Checkpointer(cfg, pctx, model, opt, reducer, reducer.geo, lambda m: None)
         step, consumed, _ = ck.resume()
         state = local_state(opt)
         mbs = rank_micro_batches(global_batch(cfg, step), 2, pctx.dp_rank, pctx.dp_size)
-        loss = train_step(model, mbs, sync, opt, pctx, 1.0, 1.0, geo=getattr(reducer, "geo", None), step=step).loss
+        loss = train_step(model, mbs, sync, opt, pctx, 1.0, 1.0, geo=reducer.geo, step=step).loss
         out[name] = {"state": state, "step": step, "loss": loss, "uneven": sum(1 for b in buckets if not b.plan.even)}
     return out
 

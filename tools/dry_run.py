@@ -76,15 +76,11 @@ def persistent_bytes(model, buckets, optimizer, reducer) -> dict:
             for v in st.values():
                 if isinstance(v, torch.Tensor) and v.numel() > 1:
                     add("optimizer_state", v)
-    for r in getattr(reducer, "residuals", {}).values():
+    for r in reducer.state_dict().get("residuals", {}).values():
         add("error_feedback", r)
-    geo = getattr(reducer, "geo", None)
-    if geo is not None:
-        for t in geo.transforms.values():
-            add("geo_state", t.U)
-            add("geo_state", t.d)
-        for s in list(geo.stats.sums.values()) + list(geo.stats.sketches.values()):
-            add("geo_state", s)
+    if reducer.geo is not None:
+        for t in reducer.geo.tensors():
+            add("geo_state", t)
     out["total"] = sum(out.values())
     return out
 
@@ -158,7 +154,7 @@ def run_steps(cfg, pctx, dp: int, steps: int) -> tuple[list[dict], dict]:
     model, buckets, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
     state = {"model": model, "buckets": buckets, "reducer": reducer, "optimizer": opt,
              "build_s": time.perf_counter() - t0}
-    geo = getattr(reducer, "geo", None)
+    geo = reducer.geo
     records = []
     with loopback_gathers():
         for step, mbs in enumerate(rank0_micro_batches(cfg, dp, steps)):
