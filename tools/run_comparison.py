@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", action="append", default=None,
                     help="model config YAML (repeatable; default configs/tiny.yaml)")
     ap.add_argument("--presets", nargs="+", default=DEFAULT_PRESETS,
-                    help=f"comm presets, space- or comma-separated (names in configs/comm/ or YAML paths; default: {' '.join(DEFAULT_PRESETS)})")
+                    help="comm presets, space- or comma-separated (names in configs/comm/ or YAML paths; default: "
+                         "every preset in configs/comm/)")
     ap.add_argument("--seeds", type=int, default=3, help="number of seeds: train.seed = 1..N (default 3)")
     ap.add_argument("--seed-list", type=int, nargs="+", default=None, help="explicit seeds (overrides --seeds)")
     ap.add_argument("--sweep-dir", default="runs/sweep", help="output folder; its name is the wandb group")

@@ -14,6 +14,7 @@ from ..config.presets import codec_presets, preset_config
 from .fidelity import fidelity_metrics, simulate_reduce
 from .report_io import finite_mean, fmt_value
 
+
 def evaluate_codec(codec: dict, names: list[str], grads: dict[str, list[torch.Tensor]],
                    directions: bool = True) -> dict:
     """Per-layer and overall metrics of one codec (see the module docstring for the keys)."""

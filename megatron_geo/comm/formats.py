@@ -14,9 +14,10 @@ A ``comm`` argument is a :class:`~megatron_geo.config.schema.CommConfig` or anyt
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
