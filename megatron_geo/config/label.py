@@ -60,15 +60,6 @@ def _power_text(power: str) -> str:
         return str(power).strip().lower()
 
 
-def _block_scaled(dtype: str) -> bool:
-    """Whether the wire format ``dtype`` has block scaling (:attr:`megatron_geo.comm.formats.WireFormat.block_scaling`;
-    False for an unknown one, which validation rejects)."""
-    from ..comm.formats import FORMATS
-
-    fmt = FORMATS.get(dtype)
-    return fmt is not None and fmt.block_scaling
-
-
 def derive_label(cfg: Config) -> str:
     """A compact label of the counted comm and geo keys that differ from the defaults.
 
@@ -80,7 +71,7 @@ def derive_label(cfg: Config) -> str:
     """
     c, g = cfg.comm, cfg.geo
     parts = [c.dtype]
-    if c.scaling == "block" and _block_scaled(c.dtype):
+    if c.scaling == "block":  # only formats with block scaling accept it (comm.formats, checked by validation)
         parts.append(f"block{c.block_size}")
     if c.rounding == "stochastic":
         parts.append("sr")
