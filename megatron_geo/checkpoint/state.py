@@ -29,7 +29,9 @@ import warnings
 
 import torch
 
+from ..comm.reducer import GradientReducer
 from ..distributed.optimizer import DistributedOptimizer, MainParam
+from ..geometry import GeoState
 from ..parallel import ParallelContext
 from ..parallel import collectives as C
 from .agreement import agree, all_gather_ints
@@ -167,7 +169,8 @@ def optimizer_state_ready(optimizer: DistributedOptimizer, group) -> bool:
     return all(f for (f,) in all_gather_ints([1 if ok else 0], group, optimizer.pctx.device))
 
 
-def build_save_state(layout: StateLayout, reducer, geo, with_optimizer_state: bool) -> dict:
+def build_save_state(layout: StateLayout, reducer: GradientReducer, geo: GeoState | None,
+                     with_optimizer_state: bool) -> dict:
     """The DCP state dict to save: this rank's part of every entry of the module docstring.
 
     Collective over the world group (every rank calls it, with the same model). Model and optimizer
@@ -258,8 +261,8 @@ def _ensure_optimizer_state(layout: StateLayout) -> None:
             st["step"] = torch.zeros((), dtype=torch.float32, device=m.main.device if on_dev else "cpu")
 
 
-def load_state(path: str, layout: StateLayout, reducer, geo, same_layout: bool, geo_meta: dict | None, log,
-               same_tp: bool | None = None) -> None:
+def load_state(path: str, layout: StateLayout, reducer: GradientReducer, geo: GeoState | None, same_layout: bool,
+               geo_meta: dict | None, log, same_tp: bool | None = None) -> None:
     """Load a checkpoint written by :func:`build_save_state` into the live training state (collective over
     the world group).
 

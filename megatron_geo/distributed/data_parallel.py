@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm.reducer import PendingReduction, Reducer
+from ..comm.reducer import GradientReducer, PendingReduction
 from .buckets import Bucket
 
 
@@ -32,7 +32,7 @@ class GradSync:
     sees the finished reduction; every temporary of the reducer is allocated and freed on the side stream.
     """
 
-    def __init__(self, buckets: list[Bucket], reducer: Reducer, sharded: bool, overlap: bool = True,
+    def __init__(self, buckets: list[Bucket], reducer: GradientReducer, sharded: bool, overlap: bool = True,
                  comm_stream: bool | None = None):
         self.buckets, self.reducer, self.sharded, self.overlap = buckets, reducer, sharded, overlap
         on_cuda = bool(buckets) and buckets[0].grad_data.is_cuda
