@@ -8,7 +8,7 @@
 
 import sys
 
-from megatron_geo.training.trainer import main
+from megatron_geo.training.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

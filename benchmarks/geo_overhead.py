@@ -42,7 +42,7 @@ from bench_common import WorkerError, run_gloo, synthetic_batches  # noqa: E402
 from megatron_geo.config import ConfigError, load_config, validate_config  # noqa: E402
 from megatron_geo.parallel import build_groups  # noqa: E402
 from megatron_geo.training.step import train_step  # noqa: E402
-from megatron_geo.training.trainer import build_model_and_optimizer  # noqa: E402
+from megatron_geo.training.setup import build_model_and_optimizer  # noqa: E402
 
 MODES = {"fp8": ["comm.dtype=fp8_e4m3", "comm.error_feedback=true"],
          "geofp8": ["comm.dtype=fp8_e4m3", "comm.error_feedback=true", "comm.transform=geo"]}

@@ -792,7 +792,7 @@ def phase_train_600m(ctx: Ctx, rec: Record) -> None:
     from megatron_geo.parallel.launch_env import LaunchEnv
     from megatron_geo.training.mfu import gpu_flops_metrics, peak_bf16_flops
     from megatron_geo.training.step import train_step
-    from megatron_geo.training.trainer import build_model_and_optimizer
+    from megatron_geo.training.setup import build_model_and_optimizer
 
     over = ["logging.wandb=disabled", "train.global_batch_size=8", "train.micro_batch_size=4",
             f"train.device={ctx.device.type}"]

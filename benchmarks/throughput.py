@@ -29,7 +29,7 @@ from megatron_geo.config import load_config  # noqa: E402
 from megatron_geo.model import Llama  # noqa: E402
 from megatron_geo.parallel import build_groups  # noqa: E402
 from megatron_geo.training.step import train_step  # noqa: E402
-from megatron_geo.training.trainer import build_model_and_optimizer  # noqa: E402
+from megatron_geo.training.setup import build_model_and_optimizer  # noqa: E402
 
 
 def _ours(cfg, pctx, steps):

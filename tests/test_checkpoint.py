@@ -114,7 +114,7 @@ RESHARD_CASES = {  # name: (overrides, tp at save)
 
 def _build(overrides, tp, ckpt_dir):
     from megatron_geo.training.checkpointing import Checkpointer
-    from megatron_geo.training.trainer import build_model_and_optimizer
+    from megatron_geo.training.setup import build_model_and_optimizer
 
     cfg = tiny_cfg(f"parallel.tensor={tp}", f"checkpoint.dir={ckpt_dir}", "train.run_dir=" + str(ckpt_dir),
                    "train.global_batch_size=12", *overrides)  # 12: whole micro-batches at DP 1, 2 and 3
@@ -212,7 +212,7 @@ _KILL_SCRIPT = textwrap.dedent("""
     import torch.distributed.checkpoint as dcp
     sys.path.insert(0, {tests!r})
     from helpers import tiny_cfg, pctx_for
-    from megatron_geo.training.trainer import build_model_and_optimizer
+    from megatron_geo.training.setup import build_model_and_optimizer
     from megatron_geo.training.checkpointing import Checkpointer
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     cfg = tiny_cfg("checkpoint.dir=" + {root!r}, "checkpoint.keep_latest=1")
@@ -254,7 +254,7 @@ def test_save_killed_midway_leaves_previous_checkpoint(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 def _nan_worker(rank, world):
     from megatron_geo.training.step import train_step
-    from megatron_geo.training.trainer import build_model_and_optimizer
+    from megatron_geo.training.setup import build_model_and_optimizer
 
     cfg = tiny_cfg("comm.dtype=fp8_e4m3", "comm.error_feedback=true")
     pctx = pctx_for(1)
@@ -365,7 +365,7 @@ def _mismatch_worker(rank, world, root):
             errors.append(str(e))
     logs = []
     from megatron_geo.training.checkpointing import Checkpointer
-    from megatron_geo.training.trainer import build_model_and_optimizer
+    from megatron_geo.training.setup import build_model_and_optimizer
 
     cfg2 = tiny_cfg(f"checkpoint.dir={root}", "comm.dtype=fp8_e4m3", "train.global_batch_size=12")
     m2, b2, r2, g2, o2 = build_model_and_optimizer(cfg2, pctx)
@@ -542,7 +542,7 @@ _ENOSPC_SCRIPT = textwrap.dedent("""
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(self, plan, planner)
     fs.FileSystemWriter.write_data = full_disk
-    from megatron_geo.training.trainer import main
+    from megatron_geo.training.cli import main
     sys.exit(main(sys.argv[1:]))
 """)
 

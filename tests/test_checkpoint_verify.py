@@ -26,7 +26,7 @@ def _build(root: Path, *extra: str, train: bool = True):
     from helpers import global_batch, pctx_for, rank_micro_batches, tiny_cfg
     from megatron_geo.training.checkpointing import Checkpointer
     from megatron_geo.training.step import train_step
-    from megatron_geo.training.trainer import build_model_and_optimizer
+    from megatron_geo.training.setup import build_model_and_optimizer
 
     cfg = tiny_cfg(f"checkpoint.dir={root}", f"train.run_dir={root}", "checkpoint.keep_latest=1", *extra)
     pctx = pctx_for(1)

@@ -26,7 +26,7 @@ PRESETS = sorted(p.stem for p in (ROOT / "configs" / "comm").glob("*.yaml"))
 def _tp_replicas(rank, world, presets):
     from megatron_geo.config import load_config
     from megatron_geo.training.step import train_step
-    from megatron_geo.training.trainer import build_model_and_optimizer
+    from megatron_geo.training.setup import build_model_and_optimizer
 
     out = {}
     for preset in presets:

@@ -42,7 +42,7 @@ def _train(cfg, pctx, compile_backend, steps):
     """``steps`` train steps; per refresh the DP-averaged factors GeoFP8 built its transforms from."""
     from megatron_geo.model.compile import compile_blocks
     from megatron_geo.training.step import train_step
-    from megatron_geo.training.trainer import build_model_and_optimizer
+    from megatron_geo.training.setup import build_model_and_optimizer
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -135,7 +135,7 @@ def test_block_pre_forward_waits_before_each_block_in_eager_mode(world):
     """Uncompiled, the block-level waits still run before each block (and the embedding / output hooks before
     theirs): every bucket holding a block's parameters is waited before the block starts."""
     from megatron_geo.distributed.optimizer import DistributedOptimizer
-    from megatron_geo.training.trainer import build_model_and_optimizer
+    from megatron_geo.training.setup import build_model_and_optimizer
 
     cfg = tiny_cfg("parallel.bucket_size=600")
     pctx = pctx_for(1)

@@ -234,7 +234,7 @@ def test_an_empty_path_is_an_error_where_one_is_required(tmp_path, key, required
 
 def test_run_dir_under_home_puts_config_metrics_and_checkpoints_in_one_folder(tmp_path, monkeypatch):
     from megatron_geo.checkpoint.manager import checkpoint_root
-    from megatron_geo.training.trainer import prepare_output_dirs
+    from megatron_geo.training.cli import prepare_output_dirs
 
     home, cwd = tmp_path / "home", tmp_path / "cwd"
     cwd.mkdir()

@@ -42,7 +42,7 @@ def _both(opt_name: str, json_path: str) -> dict:
     from megatron_geo.config import load_config
     from megatron_geo.parallel import build_groups
     from megatron_geo.training.step import train_step
-    from megatron_geo.training.trainer import build_model_and_optimizer
+    from megatron_geo.training.setup import build_model_and_optimizer
 
     torch.set_num_threads(1)
     over = TINY + [f"optimizer.name={opt_name}"]

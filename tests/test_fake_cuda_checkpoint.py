@@ -60,7 +60,7 @@ def _build_fake(world: int, ckpt_dir: str):
     from helpers import tiny_cfg
     from megatron_geo.checkpoint.state import StateLayout, _ensure_optimizer_state
     from megatron_geo.parallel import build_groups
-    from megatron_geo.training.trainer import build_model_and_optimizer
+    from megatron_geo.training.setup import build_model_and_optimizer
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     pctx = build_groups(0, world, 1, torch.device("cuda", 0), "fake")
@@ -252,7 +252,7 @@ def _build_real(root: Path, train: bool = True):
     from helpers import global_batch, pctx_for, rank_micro_batches, tiny_cfg
     from megatron_geo.training.checkpointing import Checkpointer
     from megatron_geo.training.step import train_step
-    from megatron_geo.training.trainer import build_model_and_optimizer
+    from megatron_geo.training.setup import build_model_and_optimizer
 
     cfg = tiny_cfg(f"checkpoint.dir={root}", f"train.run_dir={root}", "comm.dtype=fp8_e4m3",
                    "comm.error_feedback=true")

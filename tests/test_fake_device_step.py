@@ -27,7 +27,7 @@ def fake_run(world: int) -> dict:
     import megatron_geo.model.llama as llama
     from megatron_geo.parallel.context import build_groups
     from megatron_geo.training.step import train_step
-    from megatron_geo.training.trainer import build_model_and_optimizer
+    from megatron_geo.training.setup import build_model_and_optimizer
 
     from megatron_geo.geometry import transform
 

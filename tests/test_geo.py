@@ -61,7 +61,7 @@ def test_transform_matches_formula_in_fp64(power):
 
 def _build_geo(rank, world, overrides, corrupt=False):
     from megatron_geo.training.step import train_step
-    from megatron_geo.training.trainer import build_model_and_optimizer
+    from megatron_geo.training.setup import build_model_and_optimizer
 
     cfg = tiny_cfg("comm.transform=geo", "geo.rank=8", "geo.refresh_interval=2", *overrides)
     pctx = pctx_for(1)
@@ -165,7 +165,7 @@ def test_error_feedback_rebase_is_exact():
 
 def _factors_tp(rank, world, tp):
     cfg = tiny_cfg("comm.transform=geo", "geo.rank=4", "comm.dtype=fp32", "optimizer.name=adamw")
-    from megatron_geo.training.trainer import build_model_and_optimizer
+    from megatron_geo.training.setup import build_model_and_optimizer
 
     pctx = pctx_for(tp)
     model, _, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)

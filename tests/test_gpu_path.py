@@ -204,7 +204,7 @@ def _cuda_step_body() -> None:
     from megatron_geo.parallel import destroy_parallel, init_parallel
     from megatron_geo.parallel.launch_env import LaunchEnv
     from megatron_geo.training.step import train_step
-    from megatron_geo.training.trainer import build_model_and_optimizer
+    from megatron_geo.training.setup import build_model_and_optimizer
     from helpers import global_batch, rank_micro_batches
 
     pctx = init_parallel(1, "cuda", "auto", env=LaunchEnv(0, 1, 0, "127.0.0.1", 0, "single"))

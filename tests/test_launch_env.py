@@ -141,7 +141,7 @@ def test_allotted_gpus_reads_the_launcher_variables(gpu_env, name, value, allott
 
 
 def _main_stderr(args, capsys):
-    from megatron_geo.training.trainer import main
+    from megatron_geo.training.cli import main
 
     rc = main(args)
     return rc, capsys.readouterr().err

@@ -179,7 +179,7 @@ def test_error_feedback_telescopes_and_stays_bounded():
 
 def _nonfinite(rank, world, dtype):
     from helpers import global_batch, rank_micro_batches, tiny_cfg
-    from megatron_geo.training.trainer import build_model_and_optimizer
+    from megatron_geo.training.setup import build_model_and_optimizer
 
     cfg = tiny_cfg(f"comm.dtype={dtype}", "parallel.overlap_grad_reduce=false")
     pctx = pctx_for(1)
@@ -220,7 +220,7 @@ def test_nonfinite_on_one_rank_is_seen_by_all(dtype):
 def _train_identical(rank, world, overrides):
     from helpers import global_batch, rank_micro_batches, tiny_cfg
     from megatron_geo.training.step import train_step
-    from megatron_geo.training.trainer import build_model_and_optimizer
+    from megatron_geo.training.setup import build_model_and_optimizer
 
     cfg = tiny_cfg(*overrides)
     pctx = pctx_for(1)

@@ -20,7 +20,7 @@ VALUES = (float("inf"), float("-inf"), float("nan"), 1.0)
 
 def _norms(rank, world, preset, which):
     from megatron_geo.config import load_config
-    from megatron_geo.training.trainer import build_model_and_optimizer
+    from megatron_geo.training.setup import build_model_and_optimizer
 
     cfg = tiny_cfg("parallel.overlap_grad_reduce=false")
     cfg.comm = load_config([str(ROOT / "configs" / "comm" / f"{preset}.yaml")]).comm

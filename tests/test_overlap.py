@@ -13,7 +13,7 @@ from helpers import global_batch, pctx_for, rank_micro_batches, tiny_cfg
 def _train(rank, world, overrides, steps):
     """The same run with the blocking and with the overlapped gather, one after the other in this process."""
     from megatron_geo.training.step import train_step
-    from megatron_geo.training.trainer import build_model_and_optimizer
+    from megatron_geo.training.setup import build_model_and_optimizer
 
     out = []
     for overlap in ("false", "true"):

@@ -259,7 +259,7 @@ def test_a_complete_checkpoint_newer_than_latest_is_resumed_not_abandoned(tmp_pa
 def test_start_up_values_that_used_to_crash_later_are_config_errors(tmp_path):
     from megatron_geo.config import validate_config
     from megatron_geo.training.metrics import read_wandb_id
-    from megatron_geo.training.trainer import resume_hint
+    from megatron_geo.training.checkpointing import resume_hint
 
     for seed in ("-1", str(2**70)):  # torch.manual_seed / the sampler failed with a traceback
         with pytest.raises(ConfigError, match=r"train.seed=.* must be in \[0, 2\*\*63\)"):

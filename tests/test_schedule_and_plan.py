@@ -51,3 +51,26 @@ def test_shard_plan_covers_each_element_once():
 def test_shard_plan_padding_is_small_for_splittable_params():
     plan = plan_shards([1000, 10, 10, 3], [False] * 4, 3)
     assert plan.chunk == math.ceil(1023 / 3) and plan.padding([1000, 10, 10, 3]) <= 2
+
+
+def test_ownership_rule_per_parameter():
+    """param_specs: Muon matrices atomic under the distributed optimizer (Newton-Schulz FLOPs, 5 iterations of
+    4 k^2 K + 2 k^3), GeoFP8 rows cut at lcm(row, alignment), AdamW 12 FLOPs per element, nothing atomic or
+    granular without the distributed optimizer."""
+    from megatron_geo.config import load_config
+    from megatron_geo.distributed.ownership import param_specs
+
+    infos = [("a.weight", (24, 40), True), ("b.weight", (40, 24), True), ("norm.weight", (40,), False)]
+    cfg = load_config([], ["optimizer.name=muon"])
+    a, b, n = param_specs(cfg, infos, 16, geo_layers={"b.weight"})
+    assert (a.numel, a.atomic, a.granule, a.flops) == (960, True, 1, 5 * (4 * 24 ** 2 * 40 + 2 * 24 ** 3))
+    assert (b.atomic, b.granule) == (True, 48)          # a GeoFP8 layer under Muon: atomic anyway
+    assert (n.numel, n.atomic, n.granule, n.flops) == (40, False, 1, 12.0 * 40)
+    adamw = load_config([], ["optimizer.name=adamw"])
+    a, b, n = param_specs(adamw, infos, 16, geo_layers={"b.weight"})
+    assert (a.atomic, a.flops) == (False, 12.0 * 960) and (b.atomic, b.granule) == (False, 48)  # lcm(24, 16)
+    assert param_specs(adamw, infos, 1, geo_layers={"b.weight"})[1].granule == 24
+    flat = load_config([], ["optimizer.name=muon", "parallel.distributed_optimizer=false"])
+    assert all(not s.atomic and s.granule == 1 for s in param_specs(flat, infos, 16, geo_layers={"b.weight"}))
+    with pytest.raises(ValueError, match="alignment"):
+        param_specs(cfg, infos, 0)

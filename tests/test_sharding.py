@@ -208,7 +208,7 @@ def sizes_uneven(bounds) -> bool:
 
 def _train(rank, world, overrides, steps, tp=1, micro=2):
     from megatron_geo.training.step import train_step
-    from megatron_geo.training.trainer import build_model_and_optimizer
+    from megatron_geo.training.setup import build_model_and_optimizer
 
     cfg = tiny_cfg("train.global_batch_size=12", f"parallel.tensor={tp}", f"train.micro_batch_size={micro}",
                    *overrides)
@@ -271,7 +271,7 @@ PRE_CASES = {"muon": ["optimizer.name=muon"],
 def _load_pre(rank, world, root):
     from megatron_geo.training.checkpointing import Checkpointer
     from megatron_geo.training.step import train_step
-    from megatron_geo.training.trainer import build_model_and_optimizer
+    from megatron_geo.training.setup import build_model_and_optimizer
 
     out = {}
     for name, ov in PRE_CASES.items():

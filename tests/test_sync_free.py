@@ -33,7 +33,7 @@ def preset_ops(preset: str, rank: int, dp: int) -> dict:
     """Per bucket of the tiny model with ``configs/comm/<preset>.yaml`` (Muon: uneven owner ranges):
     ``{"compute": aten ops other than collectives, "c10d": collectives, "bad": [...]}``."""
     from helpers import pctx_for, tiny_cfg
-    from megatron_geo.training.trainer import build_model_and_optimizer
+    from megatron_geo.training.setup import build_model_and_optimizer
 
     extra = ["geo.layers=layers.*.mlp.down_proj.weight", "geo.rank=4"] if preset.startswith("geo") else []
     cfg = tiny_cfg("optimizer.name=muon", *extra)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from dist_harness import run_distributed
 from helpers import global_batch, pctx_for, rank_micro_batches, tiny_cfg
 from megatron_geo.tensor_parallel import vocab_parallel_cross_entropy
-from megatron_geo.training.trainer import build_model_and_optimizer
+from megatron_geo.training.setup import build_model_and_optimizer
 
 
 def _loss_and_grads(rank, world, tp):

@@ -10,7 +10,7 @@ import torch
 from dist_harness import run_distributed
 from helpers import global_batch, pctx_for, rank_micro_batches, tiny_cfg
 from megatron_geo.training.step import train_step
-from megatron_geo.training.trainer import build_model_and_optimizer
+from megatron_geo.training.setup import build_model_and_optimizer
 
 
 def _train(rank, world, overrides, tp, steps, micro):

@@ -4,7 +4,7 @@ import torch
 
 from dist_harness import run_distributed
 from helpers import pctx_for, tiny_cfg
-from megatron_geo.training.trainer import build_model_and_optimizer
+from megatron_geo.training.setup import build_model_and_optimizer
 
 
 def _batch(cfg):

@@ -146,7 +146,7 @@ def run_steps(cfg, pctx, dp: int, steps: int) -> tuple[list[dict], dict]:
         ``buckets``, ``reducer``, ``optimizer`` and ``build_s`` (seconds to build them).
     """
     from megatron_geo.training.step import train_step
-    from megatron_geo.training.trainer import build_model_and_optimizer
+    from megatron_geo.training.setup import build_model_and_optimizer
 
     dev = pctx.device
     torch.manual_seed(cfg.train.seed)

@@ -21,7 +21,7 @@ from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..training.data_setup import build_data, train_micro_batches
 from ..training.schedule import lr_at
 from ..training.step import autocast_context, train_step
-from ..training.trainer import build_model_and_optimizer
+from ..training.setup import build_model_and_optimizer
 from .capture import Capture
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import zlib
 from pathlib import Path
 
@@ -19,11 +21,27 @@ from ..config import Config, ConfigError, config_to_dict
 from ..parallel import ParallelContext
 
 
+def launch_neutral(cfg: Config) -> Config:
+    """``cfg`` as the run's record (``config.yaml``, checkpoint metadata): without the one-launch permission
+    ``checkpoint.allow_changes``, so a reloaded config never carries it into later resumes."""
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, allow_changes=""))
+
+
 def _record_config(cfg: Config) -> dict:
-    """The config a checkpoint records: without ``checkpoint.allow_changes``, a permission for one launch only."""
-    d = config_to_dict(cfg)
-    d["checkpoint"]["allow_changes"] = ""
-    return d
+    """The config a checkpoint records (:func:`launch_neutral`)."""
+    return config_to_dict(launch_neutral(cfg))
+
+
+def resume_hint(cfg: Config) -> str:
+    """How to continue this run from the checkpoint just saved."""
+    if cfg.checkpoint.load == "none":
+        return ("relaunch with checkpoint.load=auto to resume (checkpoint.load=none starts this folder over at every "
+                "launch)")
+    return "relaunch with the same train.run_dir to resume"
+
+
+class StopRequested(Exception):
+    """A stop signal arrived; a checkpoint was saved (exit code 4)."""
 
 
 class Checkpointer:
@@ -133,6 +151,46 @@ class Checkpointer:
         except CheckpointRankError as e:
             raise ConfigError(f"{e}; fix the permissions of {self.root} (or move its later step_* folders away) and "
                               f"relaunch") from None
+
+    def maybe_save(self, step: int, consumed: int, skipped_in_a_row: int, stop: int | None = None,
+                   fatal: Exception | None = None, timer=None) -> bool:
+        """After optimizer step ``step`` (1-based): save when this step is a save point, and say whether the loop
+        ends here (collective: every rank calls it after every step with the same arguments).
+
+        Args:
+            step, consumed, skipped_in_a_row: what the checkpoint records (steps done, samples consumed,
+                non-finite steps skipped in a row).
+            stop: the signal every rank agreed to stop on (``StopRequest.signal``), or None.
+            fatal: an error that ends the run after this step (a non-finite gradient with
+                ``train.nonfinite=stop`` or too many skipped steps), or None.
+            timer: a :class:`~.eta.RunTimer`: the periodic saves are timed in it as ``"save"``.
+
+        In this order: every ``checkpoint.interval`` steps a timed save; ``fatal``: save, raise it;
+        ``train.exit_interval``: save, say so, end the loop; ``stop``: save, raise :class:`StopRequested`; the
+        last step (``train.steps``) with ``checkpoint.save_at_end``: save. A step is saved once whatever the
+        reasons.
+
+        Returns:
+            True when the loop ends after this step (``train.exit_interval``).
+
+        Raises:
+            ``fatal``; StopRequested; CheckpointSaveError: the save failed (on every rank alike).
+        """
+        t, every = self.cfg.train, self.cfg.checkpoint.interval
+        if every and step % every == 0:
+            with timer.timing("save") if timer is not None else contextlib.nullcontext():
+                self.save(step, consumed, skipped_in_a_row)
+        exiting = bool(t.exit_interval) and step % t.exit_interval == 0 and step < t.steps
+        if fatal is not None or exiting or stop is not None or (step == t.steps and self.cfg.checkpoint.save_at_end):
+            self.save(step, consumed, skipped_in_a_row)
+        if fatal is not None:
+            raise fatal
+        if exiting:
+            self.log(f"step {step}: exiting (train.exit_interval={t.exit_interval}); {resume_hint(self.cfg)}")
+        elif stop is not None:
+            raise StopRequested(f"stopped by signal {stop} after step {step}; checkpoint saved to {self.root}; "
+                                f"{resume_hint(self.cfg)}")
+        return exiting
 
     def save(self, step: int, consumed: int, skipped_in_a_row: int = 0) -> Path | None:
         """Checkpoint the state after ``step`` optimizer steps (once per step)."""

@@ -14,6 +14,7 @@ timed yet and are not included.
 from __future__ import annotations
 
 import math
+import sys
 
 from .eta import PhaseTimes, eta_text
 
@@ -50,3 +51,37 @@ def log_line(record: dict, total_steps: int, recent_step_times: list[float], ski
         f"ETA {eta_text(record['step'], total_steps, spt, phases)}",
     ]
     return " | ".join(parts)
+
+
+class StepOutput:
+    """Rank 0's per-step progress on stdout: a tqdm bar (``train.progress`` on a terminal, the loss shown whenever
+    a step read it) or else one :func:`log_line` on each log step. Other ranks print nothing.
+
+    ``train``: the ``train`` config section (``steps``, ``progress``); ``start_step``: the step this launch starts
+    at (0-based).
+    """
+
+    def __init__(self, train, start_step: int, is_main: bool):
+        self.total, self.is_main, self.bar = train.steps, is_main, None
+        if is_main and use_progress_bar(train.progress, sys.stdout):  # a log file gets lines, not \r updates
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=train.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                            file=sys.stdout)
+
+    def step(self, record: dict, log_step: bool, stats, phases: PhaseTimes | None = None) -> None:
+        """After a step: its metrics ``record`` (``loss`` present when it was read), ``log_step`` (a log-interval or
+        the last step), ``stats`` (a :class:`~.summary.RunStats` that already counts this step) and the
+        evaluations / saves still to come for the ETA."""
+        if self.bar is None:
+            if log_step and self.is_main:
+                print(log_line(record, self.total, stats.step_times[-20:], stats.skipped_total, phases), flush=True)
+            return
+        self.bar.update(1)
+        if "loss" in record:
+            val = stats.val_loss
+            self.bar.set_postfix(loss=f"{record['loss']:.3f}", **({"val": f"{val:.3f}"} if val else {}))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,4 +1,5 @@
-"""Metric sinks: stdout, ``metrics.jsonl`` and wandb (offline by default). Only rank 0 writes."""
+"""Metric sinks: ``metrics.jsonl`` and wandb (offline by default), and the record each step logs. Only rank 0
+writes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ import os
 import uuid
 from pathlib import Path
 
-from ..config import ConfigError
+import torch
+
+from ..config import Config, ConfigError, config_to_dict, dump_config
+from ..model import flops_per_token
+from ..parallel import ParallelContext
+from .checkpointing import launch_neutral
+from .mfu import gpu_flops_metrics
 
 
 ID_FILE = "wandb_run_id"
@@ -137,3 +144,50 @@ class MetricsLogger:
         self._file.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def open_run_outputs(cfg: Config, pctx: ParallelContext, start_step: int, log) -> MetricsLogger:
+    """Rank 0 writes ``train.run_dir/config.yaml`` (:func:`~.checkpointing.launch_neutral`) and every rank opens
+    the run's :class:`MetricsLogger` (tags and wandb names from the comm settings). Call it once the checkpoint,
+    if any, loaded: a failed start leaves the run folder as it was."""
+    t, lg, label = cfg.train, cfg.logging, cfg.comm.label
+    run_dir = Path(t.run_dir)
+    if pctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_config(launch_neutral(cfg)))
+    tags = [f"comm={label}", f"comm.dtype={cfg.comm.dtype}", f"opt={cfg.optimizer.name}", f"tp={pctx.tp_size}",
+            f"dp={pctx.dp_size}"]
+    return MetricsLogger(str(run_dir), pctx.is_main, lg.wandb, lg.wandb_project, lg.wandb_group or label,
+                         lg.wandb_name or f"{label}-seed{t.seed}", tags, config_to_dict(cfg), resume_step=start_step,
+                         wandb_resume=lg.wandb_resume, log=log)
+
+
+class StepRecords:
+    """The metrics record of each step: ``step`` (1-based), ``lr``, ``grad_norm``, ``tokens_per_sec`` (global),
+    ``comm_bytes`` (this rank, this step), ``step_time_s``, ``consumed_samples``, ``skipped``, then the extras
+    given (telemetry, checkpoint times), with GeoFP8 ``geo_refresh`` and per-layer ``geo/<layer>/<key>`` refresh
+    diagnostics, and on CUDA ``tflops_per_gpu``, ``mfu`` and ``max_memory_gib``."""
+
+    def __init__(self, cfg: Config, pctx: ParallelContext, geo):
+        self.lr, self.pctx, self.geo = cfg.optimizer.lr, pctx, geo
+        self.flops_tok = flops_per_token(cfg.model)
+        self.gpu_name = torch.cuda.get_device_name(pctx.device) if pctx.device.type == "cuda" else None
+
+    def make(self, step: int, lr_scale: float, res, dt: float, consumed: int, comm_bytes: float, *extras: dict,
+             refreshed: bool = False) -> dict:
+        """The record of step ``step`` (0-based) from its :class:`~.step.StepResult` ``res`` and ``dt`` seconds."""
+        record = {"step": step + 1, "lr": self.lr * lr_scale, "grad_norm": res.grad_norm,
+                  "tokens_per_sec": res.tokens / dt, "comm_bytes": comm_bytes, "step_time_s": dt,
+                  "consumed_samples": consumed, "skipped": res.skipped}
+        for extra in extras:
+            record.update(extra)
+        if self.geo is not None:
+            record["geo_refresh"] = refreshed
+            if refreshed:  # per-layer refresh diagnostics (host floats, read once at the refresh)
+                record.update({f"geo/{n.removesuffix('.weight')}/{k}": v
+                               for n, d in self.geo.diagnostics.items() for k, v in d.items()})
+        if self.gpu_name is not None:  # MFU and memory (docs/design.md section 4, Metrics)
+            fl = gpu_flops_metrics(record["tokens_per_sec"], self.pctx.world_size, self.flops_tok, self.gpu_name)
+            record.update(tflops_per_gpu=fl["tflops_per_gpu"], mfu=fl["mfu"],
+                          max_memory_gib=torch.cuda.max_memory_allocated(self.pctx.device) / 2**30)
+        return record
