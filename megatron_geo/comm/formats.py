@@ -91,7 +91,9 @@ class WireFormat:
             ``comm.compile`` compiles it); False for the plain casts fp32 / bf16.
         block_scaling: ``comm.scaling=block`` (one FP32 scale per ``comm.block_size`` elements) is supported.
         scale_sync: ``comm.scale_sync=max`` (DP-shared scales) is supported.
-        wire_sum: ``comm.reduce_op=wire_sum`` (codes summed in the format inside the collective) is supported.
+        wire_sum: ``comm.reduce_op=wire_sum`` (codes summed in the format inside the collective) is supported; such a
+            wire also offers ``decode(codes [blocks, granule], block scales [blocks]) -> FP32 [numel]`` for the
+            summed codes (:class:`.wire_fp8.FP8Wire`).
         fp8_max: largest finite magnitude for FP8 formats (E4M3 448.0, E5M2 57344.0), else None.
         underflow_below: half the smallest subnormal for FP8 formats (E4M3 2**-10, E5M2 2**-17: magnitudes below it
             flush to zero after scaling), else None.
