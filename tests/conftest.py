@@ -7,6 +7,15 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 import pytest  # noqa: E402
 
+from markers import marks_for  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test ``dist`` / ``slurm`` / ``gpu`` / ``slow`` by the rules of tests/markers.py."""
+    for item in items:
+        for name in marks_for(item):
+            item.add_marker(getattr(pytest.mark, name))
+
 
 @pytest.fixture(scope="module")
 def world():
