@@ -236,7 +236,7 @@ def test_geo_hooks_and_refresh_force_highest_precision_and_restore(world, tf32_o
 
 
 def test_exact_fp32_restores_every_setting_also_on_error():
-    from megatron_geo.comm.hadamard import exact_fp32
+    from megatron_geo.parallel.precision import exact_fp32
 
     torch.set_float32_matmul_precision("high")
     torch.backends.cudnn.allow_tf32 = False

@@ -44,10 +44,18 @@ from .wire_sum import REDUCE_OPS, ring_mean, ring_sum
 
 
 class LowPrecisionReducer(Reducer):
-    """``comm.dtype`` in fp8_e4m3 | fp8_e5m2 | nvfp4 behind the common reducer interface.
+    """A registered wire format (``comm.dtype``: fp8_e4m3 | fp8_e5m2 | nvfp4, or a plain cast behind a transform)
+    behind the common reducer interface (:class:`~.reducer.GradientReducer`).
 
-    Per-bucket state (scale layout, error-feedback residual) is registered with :meth:`register_bucket`
-    before the first reduction; ``key`` in the collectives selects it.
+    ``wire``: the format's encoder (``formats.get_format(fmt).make_wire``); ``transform``: the one
+    :class:`~.transforms.CoordinateTransform` the buckets are quantised in (``comm.transform``; GeoFP8's replaces the
+    identity through :meth:`set_transform`). Per-bucket state (scale layout, error-feedback residual) is registered
+    with :meth:`register_bucket` before the first reduction; ``key`` in the collectives selects it. The residuals and
+    the stochastic-rounding generator are the reducer's :meth:`state_dict`.
+
+    Raises:
+        ValueError: an unregistered ``fmt``, ``reduce_op=wire_sum`` or ``scale_sync=max`` where the format has
+            none, an unknown ``transform``.
     """
 
     wire_dtype = torch.uint8
