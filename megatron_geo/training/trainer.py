@@ -56,9 +56,7 @@ def handle_nonfinite(step: int, grad_norm: float, action: str, reducer, in_a_row
     err = nonfinite_error(step, grad_norm, action, in_a_row, max_in_a_row)
     if err is not None:
         raise err
-    reset = getattr(reducer, "reset_error_feedback", None)
-    if reset is not None:
-        reset()
+    reducer.reset_error_feedback()
 
 
 def should_log(train, step: int) -> bool:
