@@ -38,7 +38,7 @@ test-fast: $(STAMP)
 lint: $(LINT_STAMP)
 	@rc=0; \
 	echo "== ruff check"; $(BIN)/ruff check . || rc=1; \
-	echo "== ruff format --check"; $(BIN)/ruff format --check . || rc=1; \
+	echo "== ruff format --check"; $(BIN)/ruff format --check --output-format concise . || rc=1; \
 	echo "== mypy"; $(BIN)/mypy || rc=1; \
 	echo "== lint-imports"; $(BIN)/lint-imports || rc=1; \
 	exit $$rc
