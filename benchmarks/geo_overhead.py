@@ -39,7 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_common import WorkerError, run_gloo, synthetic_batches  # noqa: E402
-from megatron_geo.config import ConfigError, load_config, validate_config  # noqa: E402
+from megatron_geo.config import ConfigError, load_config  # noqa: E402
+from megatron_geo.training.validate import validate_config  # noqa: E402
 from megatron_geo.parallel import build_groups  # noqa: E402
 from megatron_geo.training.step import train_step  # noqa: E402
 from megatron_geo.training.setup import build_model_and_optimizer  # noqa: E402

@@ -161,7 +161,8 @@ def fake_dp(dp: int, device: torch.device):
 
 def train_config(ctx: Ctx, name: str, *extra: str, comm: str | None = None, world: int = 2):
     """configs/tiny.yaml (smaller in the dry run) on the synthetic corpus, run dir ``<work>/runs/<name>``."""
-    from megatron_geo.config import load_config, validate_config
+    from megatron_geo.config import load_config
+    from megatron_geo.training.validate import validate_config
 
     files = [str(ROOT / "configs" / "tiny.yaml")] + ([str(ROOT / "configs" / "comm" / f"{comm}.yaml")] if comm else [])
     over = corpus_overrides(ctx) + [

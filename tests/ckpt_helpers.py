@@ -37,7 +37,8 @@ def tiny_train_overrides(run_dir: Path, data: list[str], *extra: str) -> list[st
 
 def train_jobs(rank, world, jobs):
     """``run_distributed`` worker: train each override list of ``jobs`` in turn; returns the train results."""
-    from megatron_geo.config import load_config, validate_config
+    from megatron_geo.config import load_config
+    from megatron_geo.training.validate import validate_config
     from megatron_geo.training.trainer import train
 
     from helpers import pctx_for

@@ -79,7 +79,7 @@ def _install_recorder(log: list) -> None:
 
 
 def record_wire(rank, world, corpus, run_dir, preset, extra):
-    from megatron_geo.config import validate_config
+    from megatron_geo.training.validate import validate_config
     from megatron_geo.training.trainer import train
 
     from helpers import pctx_for

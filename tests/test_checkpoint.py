@@ -415,7 +415,8 @@ def test_piece_rectangles_tile_the_global_tensor():
 
 def test_bad_checkpoint_load_values(tmp_path):
     from megatron_geo.checkpoint.manager import resolve_load
-    from megatron_geo.config import ConfigError, load_config, validate_config
+    from megatron_geo.config import ConfigError, load_config
+    from megatron_geo.training.validate import validate_config
 
     with pytest.raises(ConfigError, match="checkpoint.load='/nonexistent' is not a folder"):
         validate_config(load_config([], ["checkpoint.load=/nonexistent"]), 1)

@@ -144,7 +144,7 @@ def test_nibble_packing_matches_the_pair_layout_for_every_code_pair():
 def test_comm_compile_setting():
     from megatron_geo.comm.compiled import resolve_compile
     from megatron_geo.config import ConfigError, load_config
-    from megatron_geo.config.validate import validate_config
+    from megatron_geo.training.validate import validate_config
 
     assert resolve_compile("auto", "cpu") is False and resolve_compile("auto", "cuda") is True
     assert resolve_compile("true", "cpu") is True and resolve_compile(False, "cuda") is False

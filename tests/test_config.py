@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_geo.config import ConfigError, load_config, validate_config
+from megatron_geo.config import ConfigError, load_config
+from megatron_geo.training.validate import validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,7 +140,7 @@ def test_power_search_validation(value, message):
 
 
 def test_power_search_accepts_a_yaml_list_and_the_preset(tmp_path):
-    from megatron_geo.config.validate import parse_power_search
+    from megatron_geo.training.validate import parse_power_search
 
     f = tmp_path / "ps.yaml"
     f.write_text("geo:\n  power_search: [0.5, 0.25, 0]\n  layers: [layers.0.mlp.down_proj.weight, layers.1.*]\n")
@@ -264,7 +265,7 @@ def test_wandb_logging_without_the_wandb_package_is_a_start_up_error(monkeypatch
 
     from helpers import tiny_cfg
     from megatron_geo.config import ConfigError
-    from megatron_geo.config.validate import check_inputs
+    from megatron_geo.training.validate import check_inputs
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_geo.config import Config, ConfigError, dump_config, load_config, validate_config
-from megatron_geo.config.validate import check_inputs
+from megatron_geo.config import Config, ConfigError, dump_config, load_config
+from megatron_geo.training.validate import validate_config
+from megatron_geo.training.validate import check_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -338,7 +339,7 @@ README_RUNS = [  # the combinations README and scripts/ use (files, overrides)
                          [([f], []) for f in MODELS + PRESETS] +
                          [([m, p], []) for m in MODELS for p in PRESETS] + README_RUNS)
 def test_every_shipped_config_and_combination_loads_and_passes(tmp_path, files, overrides):
-    from megatron_geo.config.validate import reject_inert_keys
+    from megatron_geo.training.validate import reject_inert_keys
 
     cfg = load_config(files, overrides)
     validate_config(cfg, cfg.parallel.tensor)

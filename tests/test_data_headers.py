@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from megatron_geo.config import ConfigError, load_config
-from megatron_geo.config.validate import check_inputs
+from megatron_geo.training.validate import check_inputs
 from megatron_geo.data import IndexedDataset, IndexedDatasetBuilder
 
 ROOT = Path(__file__).resolve().parent.parent

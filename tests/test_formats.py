@@ -27,7 +27,8 @@ from megatron_geo.comm.formats import (FORMATS, Wire, WireFormat, build_reducer,
 from megatron_geo.comm.lowp import LowPrecisionReducer
 from megatron_geo.comm.roundtrip import codec_label, normalize_codec, parse_codec, quantize_roundtrip, quantize_wire
 from megatron_geo.comm.scale_layout import ScaleLayout
-from megatron_geo.config import ConfigError, load_config, validate_config
+from megatron_geo.config import ConfigError, load_config
+from megatron_geo.training.validate import validate_config
 from megatron_geo.config.label import derive_label
 from megatron_geo.config.presets import codec_presets, comm_presets, preset_config
 from megatron_geo.distributed.shard_plan import plan_shards

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import tiny_cfg
-from megatron_geo.config import ConfigError, load_config, validate_config
+from megatron_geo.config import ConfigError, load_config
+from megatron_geo.training.validate import validate_config
 from megatron_geo.model import Llama, flops_per_token
 from megatron_geo.model.compile import compile_blocks, is_compiled
 from megatron_geo.model.te import use_transformer_engine

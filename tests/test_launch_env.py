@@ -181,7 +181,7 @@ def test_no_gpus_allotted_or_explicit_cpu_is_not_refused(gpu_env):
     import torch
 
     from megatron_geo.config import load_config
-    from megatron_geo.config.validate import check_inputs
+    from megatron_geo.training.validate import check_inputs
     from megatron_geo.parallel.launch_env import require_cuda_if_allotted
 
     auto = load_config([str(ROOT / "configs/tiny.yaml")])

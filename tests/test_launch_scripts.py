@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_geo.config import ConfigError, load_config, validate_config
+from megatron_geo.config import ConfigError, load_config
+from megatron_geo.training.validate import validate_config
 from megatron_geo.training.eta import eta_line, eta_seconds, format_duration, metrics_eta_line, read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -54,8 +54,8 @@ def test_the_start_point_of_every_relaunch(tmp_path):
     # the same when the explicit checkpoint is gone meanwhile (pruned, moved)
     shutil.rmtree(a_step2)
     assert resolve_start(_cfg(b, str(a_step2))).path == own
-    from megatron_geo.config import validate_config
-    from megatron_geo.config.validate import check_inputs
+    from megatron_geo.training.validate import validate_config
+    from megatron_geo.training.validate import check_inputs
 
     validate_config(_cfg(b, str(a_step2)), 1)   # the start-up checks accept the gone path: the run has its own
     check_inputs(_cfg(b, str(a_step2)), devices=False)
@@ -103,7 +103,8 @@ def test_a_damaged_own_checkpoint_is_never_started_over_from_an_explicit_one(tmp
 # ---- end to end: a requeued run continues its own timeline ----------------------------------------------
 
 def _jobs_worker(rank, world, jobs):
-    from megatron_geo.config import load_config, validate_config
+    from megatron_geo.config import load_config
+    from megatron_geo.training.validate import validate_config
     from megatron_geo.training.trainer import train
 
     from helpers import pctx_for
@@ -257,7 +258,7 @@ def test_a_complete_checkpoint_newer_than_latest_is_resumed_not_abandoned(tmp_pa
 
 
 def test_start_up_values_that_used_to_crash_later_are_config_errors(tmp_path):
-    from megatron_geo.config import validate_config
+    from megatron_geo.training.validate import validate_config
     from megatron_geo.training.metrics import read_wandb_id
     from megatron_geo.training.checkpointing import resume_hint
 

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from megatron_geo.distributed.shard_plan import plan_shards
-from megatron_geo.training.schedule import lr_at
+from megatron_geo.optim.schedule import lr_at
 
 
 def test_lr_schedule_table():

@@ -14,7 +14,7 @@ from megatron_geo.comm.wire_sum import ring_order, simulate_wire_sum
 from megatron_geo.config import ConfigError
 from megatron_geo.config.label import derive_label
 from megatron_geo.config.schema import CommConfig, Config
-from megatron_geo.config.validate import validate_config
+from megatron_geo.training.validate import validate_config
 from megatron_geo.distributed.shard_plan import plan_shards
 from megatron_geo.training import telemetry
 

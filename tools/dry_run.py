@@ -44,8 +44,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megatron_geo.config import ConfigError, load_config, validate_config  # noqa: E402
-from megatron_geo.config.validate import output_file_problem  # noqa: E402
+from megatron_geo.config import ConfigError, load_config  # noqa: E402
+from megatron_geo.training.validate import validate_config  # noqa: E402
+from megatron_geo.training.validate import output_file_problem  # noqa: E402
 
 GiB = 2 ** 30
 

@@ -67,7 +67,7 @@ from megatron_geo.analysis.model_capture import (DEFAULT_CONFIG, capture_rank_gr
 from megatron_geo.analysis.report_io import write_json  # noqa: E402
 from megatron_geo.comm.roundtrip import normalize_codec, parse_codec  # noqa: E402
 from megatron_geo.config import ConfigError  # noqa: E402
-from megatron_geo.config.validate import parse_power_search  # noqa: E402
+from megatron_geo.training.validate import parse_power_search  # noqa: E402
 
 DEFAULT_CODECS = preset_codecs()  # the codec of every configs/comm preset without a learned transform
 

@@ -18,8 +18,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from megatron_geo.config import ConfigError, load_config, validate_config  # noqa: E402
-from megatron_geo.config.validate import output_file_problem  # noqa: E402
+from megatron_geo.config import ConfigError, load_config  # noqa: E402
+from megatron_geo.training.validate import validate_config  # noqa: E402
+from megatron_geo.training.validate import output_file_problem  # noqa: E402
 from megatron_geo.analysis.plan_report import meta_model_params, plan_figures  # noqa: E402
 
 GiB = 2 ** 30

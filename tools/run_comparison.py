@@ -162,8 +162,9 @@ def resolve_configs(runs: list[dict], world: int | None) -> None:
         SweepError: the first run whose config does not load or validate.
     """
     sys.path.insert(0, str(ROOT))
-    from megatron_geo.config import ConfigError, config_to_dict, load_config, validate_config
-    from megatron_geo.config.validate import reject_inert_keys
+    from megatron_geo.config import ConfigError, config_to_dict, load_config
+    from megatron_geo.training.validate import validate_config
+    from megatron_geo.training.validate import reject_inert_keys
 
     for r in runs:
         args = r["config_args"]

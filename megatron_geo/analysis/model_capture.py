@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import load_config, validate_config
+from ..config import load_config
+from ..training.validate import validate_config
 from ..geometry import InputStats
 from ..parallel import LaunchEnv, destroy_parallel, init_parallel
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..training.data_setup import build_data, train_micro_batches
-from ..training.schedule import lr_at
+from ..optim.schedule import lr_at
 from ..training.step import autocast_context, train_step
 from ..training.setup import build_model_and_optimizer
 from .capture import Capture

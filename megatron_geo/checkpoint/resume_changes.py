@@ -24,7 +24,7 @@ import math
 import os
 
 from ..config import Config, ConfigError, config_to_dict
-from ..training.schedule import lr_at
+from ..optim.schedule import lr_at
 
 DATA_KEYS = {
     "train.seed": "the data order (the per-epoch shuffle of the sample index)",
@@ -84,7 +84,7 @@ def first_lr_difference(saved: dict, now: dict, start_step: int) -> tuple[int, f
     saved and the new config (``(step, saved_lr, new_lr)``, step 0-based), or None when none does.
 
     Both the main learning rate and AdamW's (``optimizer.adamw_lr`` under Muon) are compared; rates are
-    equal when within 1e-12 relative (the schedule of :func:`megatron_geo.training.schedule.lr_at`).
+    equal when within 1e-12 relative (the schedule of :func:`megatron_geo.optim.schedule.lr_at`).
     """
     for step in range(start_step, now["train"]["steps"]):
         for which in ("main", "adamw"):

@@ -1,7 +1,6 @@
-"""Config schema, YAML loading with overrides, and validation."""
+"""Config schema and YAML loading with overrides (validation: :mod:`megatron_geo.training.validate`)."""
 
 from .loader import ConfigError, config_to_dict, dump_config, load_config
 from .schema import Config
-from .validate import validate_config
 
-__all__ = ["Config", "ConfigError", "config_to_dict", "dump_config", "load_config", "validate_config"]
+__all__ = ["Config", "ConfigError", "config_to_dict", "dump_config", "load_config"]

@@ -1,6 +1,6 @@
 """Training loop, step, LR schedule, metrics."""
 
-from .schedule import lr_at
+from ..optim.schedule import lr_at
 from .step import StepResult, evaluate, train_step
 
 __all__ = ["StepResult", "evaluate", "lr_at", "train_step"]

@@ -20,8 +20,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..checkpoint.manager import CheckpointSaveError
-from ..config import Config, ConfigError, dump_config, load_config, validate_config
-from ..config.validate import check_inputs
+from ..config import Config, ConfigError, dump_config, load_config
+from .validate import validate_config
+from .validate import check_inputs
 from ..parallel import LaunchError, destroy_parallel, detect_launch_env, init_parallel
 from .checkpointing import StopRequested
 from .trainer import NonFiniteGradientError, train

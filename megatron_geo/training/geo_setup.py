@@ -12,7 +12,7 @@ import torch
 from ..comm.formats import get_format
 from ..comm.roundtrip import quantize_roundtrip
 from ..config import Config, ConfigError
-from ..config.validate import parse_power, parse_power_search
+from .validate import parse_power, parse_power_search
 from ..geometry import GeoState, GeoTransform
 from ..model.compile import eager_calls
 from ..parallel import ParallelContext

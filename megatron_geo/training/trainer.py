@@ -18,7 +18,7 @@ from .data_setup import build_data, train_global_tokens, train_micro_batches, va
 from .eta import RunTimer
 from .log_line import StepOutput
 from .metrics import StepRecords, open_run_outputs
-from .schedule import lr_at
+from ..optim.schedule import lr_at
 from .setup import build_model_and_optimizer, compile_model, startup_text
 from .signals import StopRequest
 from .step import evaluate, train_step

@@ -1,4 +1,7 @@
-"""Cross-field checks that need no process group: run before any distributed work starts."""
+"""Cross-field checks of a loaded config that need no process group, run before any distributed work starts.
+
+They live above ``config`` (like Megatron-LM's argument validation in its training package) because they consult
+the wire-format registry, the checkpoint folder, the data files and the launch environment."""
 
 from __future__ import annotations
 
@@ -6,8 +9,8 @@ import dataclasses
 import math
 import os
 
-from .loader import ConfigError, resolve_paths
-from .schema import Config
+from ..config.loader import ConfigError, resolve_paths
+from ..config.schema import Config
 
 _CHOICES = {
     ("optimizer", "name"): ("adamw", "muon"),
