@@ -1,6 +1,6 @@
 """A real single-machine Slurm cluster for tests: slurmctld + one slurmd per virtual node, started by hand.
 
-Facts this relies on (measured, see ../shared/notes/slurm-local.md): Debian's Slurm 22.05 runs without
+Facts this relies on (measured on Debian's packages): Debian's Slurm 22.05 runs without
 systemd; ``AuthType=auth/none`` + ``CredType=cred/none`` need no munge; several slurmd on one host
 work with ``NodeName=a,b NodeHostname=localhost Port=...`` and ``slurmd -N name``; the node names must
 resolve (an /etc/hosts line, removed again on stop); ``MinJobAge=4`` makes ``sbatch --wait`` return

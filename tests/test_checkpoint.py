@@ -36,7 +36,7 @@ MODES = {
     "fp8_ef": ["comm.dtype=fp8_e4m3", "comm.error_feedback=true"],
     "geofp8": ["comm.dtype=fp8_e4m3", "comm.transform=geo", "geo.rank=8", "geo.refresh_interval=3",
                "comm.error_feedback=true", "comm.rounding=stochastic"],
-    # c13: sketched statistics, resumed just after a refresh (3), at one (exit at 6: refresh at 6 right after
+    # sketched statistics, resumed just after a refresh (3), at one (exit at 6: refresh at 6 right after
     # the resume) and before one (5), with geo.select=auto and geo.power_search
     "geofp8_sketch": ["comm.dtype=fp8_e4m3", "comm.transform=geo", "geo.rank=4", "geo.refresh_interval=3",
                       "comm.error_feedback=true", "geo.statistics=sketch", "geo.sketch_size=16"],

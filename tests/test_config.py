@@ -184,7 +184,7 @@ def test_integral_spellings_and_string_keys_keep_what_was_written(tmp_path):
     assert (cfg.train.steps, cfg.train.run_dir, cfg.logging.wandb_name) == (2, "0x10", "007")
 
 
-# -- c11: every file and device named in the config is checked before any process group starts ---------------------
+# -- every file and device named in the config is checked before any process group starts ---------------------
 
 def _pretrain(*args, nproc=None, timeout=120):
     cmd = [sys.executable, "pretrain_llama.py"] if nproc is None else \

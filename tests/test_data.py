@@ -336,7 +336,7 @@ def test_byte_order_mark_is_dropped_when_reading_documents_and_training_tokenize
     assert pieces(with_bom) == pieces(without) and "\ufeff" not in "".join(pieces(with_bom))
 
 
-# -- c10: the tokenizer's round trip and its one documented exception ------------------------------------------------
+# -- the tokenizer's round trip and its one documented exception ------------------------------------------------
 
 def test_tokenizer_round_trip_holds_except_for_the_whitespace_marker(tmp_path):
     import random

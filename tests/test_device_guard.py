@@ -1,4 +1,4 @@
-"""Every collective gets tensors on its process group's device (handed case c12).
+"""Every collective gets tensors on its process group's device.
 
 On CPU the NCCL rule cannot fail by itself, so the run is made under ``strict_devices``: a tensor factory called
 from the package without ``device=`` creates a ``meta`` tensor, which the collectives module rejects (as NCCL

@@ -1,4 +1,4 @@
-"""Bucket reductions are matched by bucket, never by arrival order (handed case c04).
+"""Bucket reductions are matched by bucket, never by arrival order.
 
 DP = 2, four 64-element parameters, one per bucket, overlap on; on rank 1 the second parameter takes no part
 in the forward (a data-dependent branch), so its gradient never arrives there. Every bucket's average must

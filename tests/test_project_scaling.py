@@ -54,7 +54,7 @@ def test_collective_times_by_hand():
     assert ps.ring_phase_time(4, 1e9, 1e10, 1e-5) == pytest.approx(0.07503, rel=1e-12)
     assert ps.allreduce_time(4, 1e9, 1e10, 1e-5) == pytest.approx(0.15006, rel=1e-12)
     assert ps.allreduce_time(1, 1e9, 1e10, 1e-5) == 0.0
-    # DESIGN.md section 5: 600M FP32 ring all-reduce over 64 GPUs at 50 GB/s, bandwidth term ~94 ms
+    # docs/design.md section 6: 600M FP32 ring all-reduce over 64 GPUs at 50 GB/s, bandwidth term ~94 ms
     assert ps.allreduce_time(64, 600e6 * 4, 50e9, 0.0) == pytest.approx(0.0945, abs=5e-4)
     assert ps.bytes_per_element("nvfp4", 10**9, 0) == pytest.approx(0.5 + 1 / 16 + 4 / 1024)
     assert ps.bytes_per_element("fp8_ef", 1000, 10) == pytest.approx(1.04)

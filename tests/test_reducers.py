@@ -10,7 +10,7 @@ from helpers import pctx_for
 
 def _inputs(world: int, n: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(7)
-    # ranks differ by 1000x, as DESIGN.md invariant 6 asks
+    # ranks differ by 1000x, as invariant 7 of docs/design.md section 3 asks
     return [torch.randn(n, generator=g, dtype=torch.float64) * (1000.0 ** r) for r in range(world)]
 
 

@@ -127,7 +127,7 @@ MODES = {"fp32": {}, "bf16": {}, "fp8_e4m3": {}, "fp8_block": {"scaling": "block
 
 def _rank_grads(world: int) -> list[list[torch.Tensor]]:
     g = torch.Generator().manual_seed(11)
-    # ranks differ by 1000x (DESIGN.md invariant 6)
+    # ranks differ by 1000x (invariant 7 of docs/design.md section 3)
     return [[torch.randn(s, generator=g, dtype=torch.float64) * 1000.0 ** (r % 2) for s in SHAPES]
             for r in range(world)]
 

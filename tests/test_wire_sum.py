@@ -90,7 +90,7 @@ def test_simulate_wire_sum_equals_fp64_ring(fmt, prediv, n):
 
 
 def test_ring_fp8_sum_error_grows_with_ranks_where_fp32_accumulation_does_not():
-    """DESIGN.md 4b: the FP8 ring sum re-rounds at every hop, so its error grows with N."""
+    """The FP8 ring sum re-rounds at every hop, so its error grows with N."""
     def rel(n):
         g = [torch.randn(4096, generator=torch.Generator().manual_seed(r)) for r in range(n)]
         ref = torch.stack(g).double().mean(0)

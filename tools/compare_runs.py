@@ -25,7 +25,7 @@ Writes into ``--out`` (default ``SWEEP_DIR``):
     they are left out of the means, stds and pairs below, and named in the tables;
   - ``final_val_loss_mean`` / ``_std``: last validation loss of each run that did not diverge, mean and sample
     std (ddof=1) over those seeds (n/a with fewer than 2);
-  - ``gap`` = mean(mode) - mean(baseline); ``gap_sigma`` = gap / std(baseline) (DESIGN.md section 4,
+  - ``gap`` = mean(mode) - mean(baseline); ``gap_sigma`` = gap / std(baseline) (docs/design.md section 4,
     "loss gap to the BF16 run in units of the seed-to-seed std"); ``paired_gap`` = mean over shared seeds of
     (mode - baseline) of the same seed;
   - ``comm_bytes_per_step``: mean of ``comm_bytes`` over all logged steps and seeds (bytes one rank sent

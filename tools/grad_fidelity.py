@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Gradient fidelity of low-precision DP reduction codecs on real or synthetic gradients (DESIGN.md section 4).
+"""Gradient fidelity of low-precision DP reduction codecs on real or synthetic gradients (docs/design.md section 4).
 
 A thin command over :mod:`megatron_geo.analysis` (the simulation, the scenarios, the ablation rows, the
 summary, the paper rows, the windowed metric); docs/geofp8_fidelity.md has the measurements and the commands.

@@ -3,7 +3,7 @@
 
     python tools/project_scaling.py [--gpus 8 16 32 64 128 256] [--net-gbs 50] [--mfu 0.4] [--plot FILE]
 
-Model (DESIGN.md section 5), TP = 1, data parallel over all n GPUs, per step:
+Model (docs/design.md section 6), TP = 1, data parallel over all n GPUs, per step:
 
 - compute  T_c = flops_per_token(model) * global_batch * seq_length / (n * peak * MFU)
   (``megatron_geo.model.llama.flops_per_token``: 6 N + 6 L s h, Kaplan et al. 2020 / PaLM app. B);
@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {m.name}: wire bytes per rank over an even unpadded ring (fp32 / low-precision): {rs} | "
               f"shard plan of the config (tools/plan_report.py)")
     print(f"  network {c.net_gbs} GB/s per GPU, intra-node {c.intra_gbs} GB/s, {c.gpus_per_node} GPU(s)/node, "
-          f"alpha {c.alpha_us} us | assumption (DESIGN.md section 5: NDR 400 Gb/s)")
+          f"alpha {c.alpha_us} us | assumption (docs/design.md section 6: NDR 400 Gb/s)")
     print(f"  peak {c.peak_tflops} TFLOP/s per GPU | assumption (H100/GH200 dense BF16)")
     print(f"  MFU {c.mfu:.3f} | {mfu_src}")
     print(f"  device copy {c.copy_gbs:.0f} GB/s | {copy_src}")

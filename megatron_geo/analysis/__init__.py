@@ -1,4 +1,4 @@
-"""Offline analysis of gradient communication: the fidelity simulation (DESIGN.md section 4), the GeoFP8
+"""Offline analysis of gradient communication: the fidelity simulation (metrics: docs/design.md section 4), the GeoFP8
 coordinate ablations, synthetic gradient scenarios, the paper's tables, the windowed error-feedback metric
 and the model captures behind ``tools/grad_fidelity.py`` and ``tools/profile_fp8_vulnerability.py``.
 

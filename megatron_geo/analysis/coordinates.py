@@ -1,4 +1,4 @@
-"""Coordinate transforms of one side of a linear layer's gradient for the offline ablations (DESIGN.md
+"""Coordinate transforms of one side of a linear layer's gradient for the offline ablations (docs/design.md
 section 1 and the paper's Table II): GeoFP8's low-rank transform
 (:func:`megatron_geo.geometry.transform.build_transform`) at any rank, full rank, diagonal and
 block-diagonal approximations of the K-FAC factor, the trainer's sketched factor, any exponent of D, and
@@ -141,7 +141,7 @@ def build_coordinate_transform(A: Tensor, kind: str = "lowrank", rank: int = 32,
             :func:`~megatron_geo.geometry.transform.build_transform_from_sketch`; Omega seeded by ``seed``).
         damping: relative to A's mean eigenvalue (:func:`relative_damping`), as ``geo.damping``.
         power: exponent of the eigenvalue ratio in D, ``D = ((lambda_ref + damping) / (lambda_i +
-            damping)) ** power``; 1/2 is GeoFP8's whitening (DESIGN.md section 1), other values are an
+            damping)) ** power``; 1/2 is GeoFP8's whitening (docs/design.md section 1), other values are an
             ablation (1/4: half-way whitening in log scale; see docs/geofp8_fidelity.md).
 
     Returns:

@@ -1,5 +1,5 @@
 """Offline gradient-fidelity measurement: what an N-rank low-precision reduce does to one parameter's
-gradient, and the metrics of DESIGN.md section 4 (RelL2, SQNR, cosine, MaxErr, bound hits,
+gradient, and the metrics of docs/design.md section 4 (RelL2, SQNR, cosine, MaxErr, bound hits,
 per-direction error).
 
 Codecs are the dicts / spec strings of :mod:`megatron_geo.comm.roundtrip` (``fp8_e4m3:tensor``,
@@ -8,7 +8,7 @@ Each rank rotates (optional) and quantizes its own gradient with its own scale(s
 decoded with that rank's scales, summed in FP32 and divided by N once, then rotated back. Stochastic
 rounding uses rank r's stream, so :func:`fidelity_metrics` sees the same codes as :func:`simulate_reduce`.
 
-Transformed coordinates (GeoFP8 and its ablations, DESIGN.md section 1): :func:`simulate_geo_reduce` sends
+Transformed coordinates (GeoFP8 and its ablations, docs/design.md section 1): :func:`simulate_geo_reduce` sends
 ``T_out^T G_r T_in`` instead of ``G_r`` through the same codec and maps the average back with the
 inverses; the transforms come from :mod:`.coordinates`; :func:`output_factor_from_grads` estimates the
 output-side factor.
@@ -110,7 +110,7 @@ def _median(t: Tensor) -> float:
 
 
 def direction_errors(g_hat: Tensor, g: Tensor) -> dict:
-    """Per-direction error of a 2-D estimate ``g_hat`` of ``g`` (DESIGN.md section 4).
+    """Per-direction error of a 2-D estimate ``g_hat`` of ``g`` (docs/design.md section 4).
 
     With ``g = U S V^T`` (FP64 thin SVD), ``e_i = |u_i^T (g_hat - g) v_i| / s_i`` over the numerically
     non-zero singular values (``s_i > s_1 * max(m, n) * eps_fp64``, torch.linalg.matrix_rank's
@@ -290,7 +290,7 @@ def _geo_reduce(rank_grads, c, t_in, t_out, fp64, collective: str = "fp32", pred
 
 def simulate_geo_reduce(rank_grads: list[Tensor], codec: dict | str, t_in=None, t_out=None, *,
                         fp64: bool = True) -> Tensor:
-    """An N-rank reduce of one linear weight's gradient in transformed coordinates (DESIGN.md section 1,
+    """An N-rank reduce of one linear weight's gradient in transformed coordinates (docs/design.md section 1,
     steps 3-4): every rank sends ``W_r = T_out^T G_r T_in`` (:func:`to_transformed`; both transforms must
     be the same on every rank, as the DP-all-reduced statistics make them in the trainer), the wires go
     through :func:`simulate_reduce` (float32 wire, per-rank scales, FP32 sum, one division by N), and the

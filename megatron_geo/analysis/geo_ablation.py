@@ -26,7 +26,7 @@ from .report_io import finite_mean
 
 GEO_FP8 = "fp8_e4m3:tensor"
 GEO_FP4 = "nvfp4"
-TARGET_REDUCTION_PCT = 15.0   # issue 16: the geofp8 default at least 15% below Euclidean FP8 on the tiny model
+TARGET_REDUCTION_PCT = 15.0   # the geofp8 default's target: at least 15% below Euclidean FP8 on the tiny model
 PAPER_REDUCTION_PCT = 67.4    # the paper's one-step figure at r = 32 (its own regime: dense spikes, E5M2)
 
 
@@ -322,7 +322,7 @@ def geo_diagnostics(cap: Capture, names: list[str], rank: int, damping: float,
 
 
 def _targets(rows: list[dict]) -> dict:
-    """Issue 16's targets on the selected layers: the preset default's RelL2 reduction vs Euclidean at t (>=
+    """The fidelity targets on the selected layers: the preset default's RelL2 reduction vs Euclidean at t (>=
     :data:`TARGET_REDUCTION_PCT`) and at each staleness capture (never below 0: never worse than Euclidean).
     Without a default row, the input-side r row (rows[1])."""
     default = [x for x in rows if x["group"] == "default"] or [rows[1]]

@@ -62,7 +62,7 @@ def format_diag_table(diag: list[dict], markdown: bool = False) -> str:
 
 def _targets_text(tg: dict, n_sel: int, codec: str = GEO_FP8) -> str:
     red = tg["rel_l2_reduction_pct"]
-    text = (f"targets (issue 16; {tg['row']} on the {n_sel} selected layers, {codec}; reduction = RelL2 below "
+    text = (f"targets ({tg['row']} on the {n_sel} selected layers, {codec}; reduction = RelL2 below "
             f"Euclidean, positive = better):\n"
             f"  RelL2 reduction vs Euclidean >= {TARGET_REDUCTION_PCT:.0f}% (the paper's {PAPER_REDUCTION_PCT}% is "
             f"its own regime): measured {fmt_value(red, '.1f')}% -> {'MET' if tg['reduction_met'] else 'NOT MET'}")

@@ -2,8 +2,8 @@
 
 Table I compares coordinate systems (Euclidean, output side, input side, two-sided), Table II
 approximations of the K-FAC input factor (full, diagonal, block-diagonal 32/64/128, low-rank 8/16/32), all
-with the paper's whitening ``D^(1/2)`` and one-step RelL2 against the FP32 average (DESIGN.md section 4).
-Published values known to this project (DESIGN.md section 1, issue 16): Euclidean 5.28e-2 (E5M2), input
+with the paper's whitening ``D^(1/2)`` and one-step RelL2 against the FP32 average (docs/design.md section 4).
+Published values known to this project (docs/design.md section 1): Euclidean 5.28e-2 (E5M2), input
 side 1.77e-2, two-sided 1.77e-2, full -66.5%, low-rank 32 -67.4%, diagonal -0.4%, block 32 -40%. Every
 other cell is ``None`` ("n/a" in the table): not sourced, never filled in.
 
@@ -32,7 +32,7 @@ PAPER_ROWS = (
     ("low-rank 16", "input low-rank 16", None, None),
     ("low-rank 32", "input low-rank 32", None, -67.4),
 )
-TOLERANCE_POINTS = 10.0      # issue 16: every row within 10 points of the paper's percentage
+TOLERANCE_POINTS = 10.0      # target: every row within 10 points of the paper's percentage
 EUCLIDEAN_TOLERANCE = 0.15   # ... and Euclidean within 15% of 5.28e-2
 
 

@@ -1,4 +1,4 @@
-"""Synthetic gradient scenarios for the fidelity tool (``tools/grad_fidelity.py --scenario NAME``, issue 16).
+"""Synthetic gradient scenarios for the fidelity tool (``tools/grad_fidelity.py --scenario NAME``).
 
 Each scenario builds, for R simulated DP ranks and one linear layer, the input activations ``X_r``
 (``[T, d_in]``, T tokens per rank) and output gradients ``dY_r`` (``[T, d_out]``), and from them exactly

@@ -1,4 +1,4 @@
-"""The ``summary`` object of ``tools/grad_fidelity.py --geo`` (issue 16): the headline numbers of one evaluated
+"""The ``summary`` object of ``tools/grad_fidelity.py --geo``: the headline numbers of one evaluated
 ablation, and their mean and spread over seeds.
 
 Changes are ``100 (RelL2(row) / RelL2(Euclidean) - 1)`` against the Euclidean row of the same capture and

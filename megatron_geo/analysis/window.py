@@ -1,4 +1,4 @@
-"""Windowed fidelity with error feedback (issue 16, item 4): RelL2 of the sum of K consecutive reduced steps.
+"""Windowed fidelity with error feedback (docs/design.md section 4, windowed RelL2): RelL2 of the sum of K consecutive reduced steps.
 
 For steps k = 1..K with rank gradients ``G_{k,r}`` and a coordinate transform ``T`` fixed over the window
 (GeoFP8 refreshes every 50 steps; ``T = I`` is Euclidean), each rank sends
@@ -11,7 +11,7 @@ and the reduce returns ``g^_k = (sum_r Q_{k,r} / N) T^-1`` (FP32 accumulation, o
 in FP64 as :func:`~megatron_geo.analysis.fidelity.simulate_geo_reduce` does). The metric is
 ``||sum_k g^_k - sum_k g_k|| / ||sum_k g_k||`` with ``g_k`` the FP64 average. With error feedback the sum
 telescopes: ``sum_k g^_k = sum_k g_k - (sum_r R_{K,r} / N) T^-1``, so the window's error is only the last
-residual (what DESIGN.md section 4b's "2-3x at 10 steps, 7-14x at 50" measures); without it the per-step
+residual (what the windowed RelL2 of docs/design.md section 4 measures); without it the per-step
 errors add up.
 
 Part of :mod:`megatron_geo.analysis`: the training path never imports it.

@@ -97,8 +97,8 @@ def maybe_compile(fn: Callable, enabled: bool, static: dict[int, tuple[int, ...]
         static: ``{argument index: dims}`` of sizes that are constant for a run (the DP size, the 16- or
             128-element block): marked static (``torch._dynamo.mark_static``) on every call, so the graph is
             specialised to them while the bucket length stays symbolic. With the block size known, inductor's
-            CPU code runs whole vectors per block instead of a loop with a symbolic tail (part of the change from
-            ``docs/bench/codec_cpu_session5.txt`` to ``docs/bench/codec_cpu.txt``).
+            CPU code runs whole vectors per block instead of a loop with a symbolic tail (a measurable part of the
+            codec speed in ``docs/bench/codec_cpu.txt``).
     """
     if not enabled:
         return fn

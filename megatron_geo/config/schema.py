@@ -2,7 +2,7 @@
 
 Every key a YAML file or a ``dotted.key=value`` override may set is a field here; the loader
 (:mod:`megatron_geo.config.loader`) rejects anything else. Sections mirror the architecture in
-DESIGN.md section 2. A YAML null (or a ``key=null`` override) sets a key to the default written here.
+docs/configuration.md. A YAML null (or a ``key=null`` override) sets a key to the default written here.
 
 Path-valued keys are declared with :func:`path_field`: the loader expands ``~`` and ``$VAR`` in them once,
 when the config is resolved, so every later reader (and the dumped ``config.yaml``) sees the final path.
@@ -112,7 +112,7 @@ class DataConfig:
 
 @dataclass
 class CommConfig:
-    """Gradient-reduction wire format and its options (DESIGN.md section 2, ``comm``; orthogonal keys)."""
+    """Gradient-reduction wire format and its options (docs/configuration.md, ``comm``; orthogonal keys)."""
 
     dtype: str = "fp32"            # a format registered in comm/formats.py: fp32, bf16, fp8_e4m3, fp8_e5m2, nvfp4
     scaling: str = "tensor"        # tensor (one FP32 scale per parameter) | block (one per block_size elements)

@@ -203,7 +203,7 @@ def output_file_problem(flag: str, path: str | None) -> str | None:
 
 
 def check_inputs(cfg: Config, devices: bool = True) -> None:
-    """Every file and device the config names, checked before any process group starts (DESIGN: bad input is
+    """Every file and device the config names, checked before any process group starts (bad input is
     one clear error, not a traceback on every rank).
 
     First :func:`reject_inert_keys` (a key that the other settings give no effect). Files: ``data.train_prefix`` /
