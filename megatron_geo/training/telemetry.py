@@ -30,8 +30,8 @@ from ..parallel import collectives as C
 
 def arm(reducer, step: int, interval: int) -> bool:
     """Start collecting for optimizer step ``step`` (0-based) when ``(step + 1) % interval == 0``; returns
-    whether it did (reducers without a low-precision codec have nothing to measure)."""
-    if interval <= 0 or (step + 1) % interval or not hasattr(reducer, "telemetry"):
+    whether it did (a reducer without a low-precision codec appends nothing, and :func:`collect` returns ``{}``)."""
+    if interval <= 0 or (step + 1) % interval:
         return False
     reducer.telemetry = []
     return True
