@@ -18,10 +18,15 @@ def synthetic_batches(cfg, dp_rank: int, dp_size: int, step: int) -> list[dict]:
     t = cfg.train
     data = torch.randint(0, cfg.model.vocab_size, (t.global_batch_size, cfg.model.seq_length + 1), generator=g)
     per = t.global_batch_size // dp_size
-    mine = data[dp_rank * per:(dp_rank + 1) * per]
-    return [{"tokens": mine[i:i + t.micro_batch_size, :-1], "labels": mine[i:i + t.micro_batch_size, 1:],
-             "loss_mask": torch.ones(t.micro_batch_size, cfg.model.seq_length)}
-            for i in range(0, per, t.micro_batch_size)]
+    mine = data[dp_rank * per : (dp_rank + 1) * per]
+    return [
+        {
+            "tokens": mine[i : i + t.micro_batch_size, :-1],
+            "labels": mine[i : i + t.micro_batch_size, 1:],
+            "loss_mask": torch.ones(t.micro_batch_size, cfg.model.seq_length),
+        }
+        for i in range(0, per, t.micro_batch_size)
+    ]
 
 
 def _entry(rank, world, port, fn, args, queue):
@@ -65,8 +70,11 @@ def run_gloo(fn, nproc: int, args, timeout: float = 7200):
             except queue_mod.Empty:
                 bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if bad:
-                    raise WorkerError("benchmark worker(s) failed: " + ", ".join(
-                        f"rank {r} exit code {c}" for r, c in bad) + " (see the traceback above)") from None
+                    raise WorkerError(
+                        "benchmark worker(s) failed: "
+                        + ", ".join(f"rank {r} exit code {c}" for r, c in bad)
+                        + " (see the traceback above)"
+                    ) from None
                 if time.monotonic() > deadline:
                     raise WorkerError(f"no result from the benchmark workers within {timeout:.0f} s") from None
         for p in procs:

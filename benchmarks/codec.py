@@ -82,19 +82,25 @@ def bucket_numels(numel: int) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--numel", type=int, default=16 * 2 ** 20)
+    ap.add_argument("--numel", type=int, default=16 * 2**20)
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--presets", nargs="+", default=PRESETS)
-    ap.add_argument("--compile", choices=["both", "eager", "compiled"], default="both",
-                    help="time the eager codecs, the compiled ones (comm.compile=true), or both (default)")
+    ap.add_argument(
+        "--compile",
+        choices=["both", "eager", "compiled"],
+        default="both",
+        help="time the eager codecs, the compiled ones (comm.compile=true), or both (default)",
+    )
     ap.add_argument("--json", default=None, metavar="OUT")
     a = ap.parse_args(argv)
-    bad = ([f"--dp {a.dp} must be >= 2"] if a.dp < 2 else []) + \
-        ([f"--repeats {a.repeats} must be >= 1"] if a.repeats < 1 else []) + \
-        ([f"--threads {a.threads} must be >= 1"] if a.threads < 1 else [])
+    bad = (
+        ([f"--dp {a.dp} must be >= 2"] if a.dp < 2 else [])
+        + ([f"--repeats {a.repeats} must be >= 1"] if a.repeats < 1 else [])
+        + ([f"--threads {a.threads} must be >= 1"] if a.threads < 1 else [])
+    )
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         bad.append(f"--device {a.device}: no CUDA device is visible; use --device cpu")
     if a.json and not os.path.isdir(os.path.dirname(os.path.abspath(a.json))):
@@ -115,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             bad.append(f"--compile {a.compile}: {problem}; install g++ (or set CXX) or use --compile eager")
     geo = [p for p in a.presets if p in comm_presets() and p not in PRESETS]
     if geo:
-        bad.append(f"--presets {geo[0]}: the geometry-aware presets are not timed here (their transform cost is "
-                   f"benchmarks/geo_overhead.py's); the codec itself is the fp8 / nvfp4 row")
+        bad.append(
+            f"--presets {geo[0]}: the geometry-aware presets are not timed here (their transform cost is "
+            f"benchmarks/geo_overhead.py's); the codec itself is the fp8 / nvfp4 row"
+        )
     if bad:
         print(f"error: {bad[0]}", file=sys.stderr)
         return 2
@@ -210,20 +218,30 @@ def main(argv: list[str] | None = None) -> int:
                 for k, fn in steps.items():
                     setattr(wire, k, fn)
             fused = rec.fused_traffic_bytes / a.numel
-            row.update({"ops_per_bucket": rec.work, "syncs_per_bucket": len(rec.bad),
-                        "traffic_bytes_per_element": rec.traffic_bytes / a.numel,
-                        "fused_traffic_bytes_per_element": fused,
-                        "traffic_bound_ratio_to_memcpy": fused / 8.0})
+            row.update(
+                {
+                    "ops_per_bucket": rec.work,
+                    "syncs_per_bucket": len(rec.bad),
+                    "traffic_bytes_per_element": rec.traffic_bytes / a.numel,
+                    "fused_traffic_bytes_per_element": fused,
+                    "traffic_bound_ratio_to_memcpy": fused / 8.0,
+                }
+            )
         if mode == "compiled" and (p, "eager") in shards:
             row["bitwise_equal_eager"] = bool(torch.equal(shards[(p, mode)], shards[(p, "eager")]))
         out[mode][p] = row
-    print(f"reducer encode + decode of one {a.numel:,}-element bucket, DP={a.dp} (rank 0, fake process group), "
-          f"{dev}, {a.threads} thread(s); memcpy {memcpy * 1e3:.2f} ms")
+    print(
+        f"reducer encode + decode of one {a.numel:,}-element bucket, DP={a.dp} (rank 0, fake process group), "
+        f"{dev}, {a.threads} thread(s); memcpy {memcpy * 1e3:.2f} ms"
+    )
     head = f"{'preset':<18}"
     for mode in modes:
         head += f" {mode + ' ms':>12} {'x memcpy':>9}"
-    print(head + f" {'ops':>5} {'syncs':>6} {'bytes/el':>9} {'fused':>6}" +
-          ("  compiled == eager" if len(modes) == 2 else ""))
+    print(
+        head
+        + f" {'ops':>5} {'syncs':>6} {'bytes/el':>9} {'fused':>6}"
+        + ("  compiled == eager" if len(modes) == 2 else "")
+    )
     for p in out[modes[0]]:
         line = f"{p:<18}"
         for mode in modes:
@@ -231,8 +249,10 @@ def main(argv: list[str] | None = None) -> int:
             line += f" {r['ms']:12.2f} {r['ratio_to_memcpy']:9.1f}"
         r = out[modes[0]][p]
         if "ops_per_bucket" in r:
-            line += (f" {r['ops_per_bucket']:5d} {r['syncs_per_bucket']:6d} {r['traffic_bytes_per_element']:9.1f}"
-                     f" {r['fused_traffic_bytes_per_element']:6.1f}")
+            line += (
+                f" {r['ops_per_bucket']:5d} {r['syncs_per_bucket']:6d} {r['traffic_bytes_per_element']:9.1f}"
+                f" {r['fused_traffic_bytes_per_element']:6.1f}"
+            )
         else:
             line += f" {'-':>5} {'-':>6} {'-':>9} {'-':>6}"
         if len(modes) == 2:
@@ -241,16 +261,30 @@ def main(argv: list[str] | None = None) -> int:
     if "eager" not in modes:
         print("ops, syncs, bytes/el, fused: traced on the eager path only; run with --compile both or eager")
     else:
-        print("ops, syncs, bytes/el: op trace of the eager path (torch.compile cannot run under the trace; the "
-              "compiled path runs the same Python code with each codec step fused into one fullgraph graph)")
+        print(
+            "ops, syncs, bytes/el: op trace of the eager path (torch.compile cannot run under the trace; the "
+            "compiled path runs the same Python code with each codec step fused into one fullgraph graph)"
+        )
     if "eager" in modes:
-        print("fused: bytes read + written per bucket element when each codec step is one pass (its tensor "
-              "arguments and results once) and the ops between steps run as they are, the collective left out; "
-              "/ 8 (a copy's bytes) it is the ratio to memcpy a bandwidth-bound device reaches at best")
+        print(
+            "fused: bytes read + written per bucket element when each codec step is one pass (its tensor "
+            "arguments and results once) and the ops between steps run as they are, the collective left out; "
+            "/ 8 (a copy's bytes) it is the ratio to memcpy a bandwidth-bound device reaches at best"
+        )
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"numel": a.numel, "dp": a.dp, "device": str(dev), "threads": a.threads,
-                       "presets": out[modes[0]], **{f"presets_{m}": out[m] for m in modes}}, f, indent=1)
+            json.dump(
+                {
+                    "numel": a.numel,
+                    "dp": a.dp,
+                    "device": str(dev),
+                    "threads": a.threads,
+                    "presets": out[modes[0]],
+                    **{f"presets_{m}": out[m] for m in modes},
+                },
+                f,
+                indent=1,
+            )
             f.write("\n")
     dist.destroy_process_group()
     return 0

@@ -53,6 +53,7 @@ def wire_roundtrip(x: torch.Tensor, codec: dict | str):
     def run():
         codes, scales, _ = wire.encode_ranges(x, layout)
         return wire.decode_own([p for p, _ in codes], scales, layout, 0, out)
+
     return run
 
 
@@ -124,8 +125,10 @@ def main(argv=None) -> int:
     times = bench(args.numel, args.repeats, args.device)
     nbytes = 4 * args.numel
     dev = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
-    print(f"codec round trip (quantize + dequantize), {args.numel:,} FP32 elements ({nbytes / 2**20:.0f} MiB), "
-          f"median of {args.repeats}, {dev}, torch {torch.__version__}")
+    print(
+        f"codec round trip (quantize + dequantize), {args.numel:,} FP32 elements ({nbytes / 2**20:.0f} MiB), "
+        f"median of {args.repeats}, {dev}, torch {torch.__version__}"
+    )
     print(f"{'operation':<22} {'median ms':>10} {'GB/s':>9} {'ratio to copy':>14}")
     copy_gbs = nbytes / statistics.median(times["copy"]) / 1e9
     for name, ts in times.items():

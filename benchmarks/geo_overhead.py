@@ -39,14 +39,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_common import WorkerError, run_gloo, synthetic_batches  # noqa: E402
-from megatron_geo.config import ConfigError, load_config  # noqa: E402
-from megatron_geo.training.validate import validate_config  # noqa: E402
-from megatron_geo.parallel import build_groups  # noqa: E402
-from megatron_geo.training.step import train_step  # noqa: E402
-from megatron_geo.training.setup import build_model_and_optimizer  # noqa: E402
 
-MODES = {"fp8": ["comm.dtype=fp8_e4m3", "comm.error_feedback=true"],
-         "geofp8": ["comm.dtype=fp8_e4m3", "comm.error_feedback=true", "comm.transform=geo"]}
+from megatron_geo.config import ConfigError, load_config  # noqa: E402
+from megatron_geo.parallel import build_groups  # noqa: E402
+from megatron_geo.training.setup import build_model_and_optimizer  # noqa: E402
+from megatron_geo.training.step import train_step  # noqa: E402
+from megatron_geo.training.validate import validate_config  # noqa: E402
+
+MODES = {
+    "fp8": ["comm.dtype=fp8_e4m3", "comm.error_feedback=true"],
+    "geofp8": ["comm.dtype=fp8_e4m3", "comm.error_feedback=true", "comm.transform=geo"],
+}
 
 
 class _Clock:
@@ -62,6 +65,7 @@ class _Clock:
                 return fn(*a, **k)
             finally:
                 self.total += time.perf_counter() - t0
+
         return timed
 
 
@@ -77,7 +81,8 @@ def _instrument(reducer, geo, dp_group) -> dict:
 
         def refresh(step):
             dist.barrier(group=dp_group)  # off the clock: ranks arrive unevenly from backward, and that
-            return timed(step)                # wait would otherwise be booked to the refresh's first collective
+            return timed(step)  # wait would otherwise be booked to the refresh's first collective
+
         geo.refresh = refresh
         make = geo.stats._hook
         geo.stats._hook = lambda name: clocks["hooks"].wrap(make(name))
@@ -94,8 +99,10 @@ def _transform_flops(model, geo, rank: int, dp: int) -> float:
 
 def _mode_config(args, mode):
     """The resolved config of ``mode``: the mode's comm keys first, so the user's overrides win."""
-    return load_config(args.config, ["logging.wandb=disabled", f"geo.refresh_interval={args.refresh_interval}"]
-                       + MODES[mode] + args.overrides)
+    return load_config(
+        args.config,
+        ["logging.wandb=disabled", f"geo.refresh_interval={args.refresh_interval}"] + MODES[mode] + args.overrides,
+    )
 
 
 def _label(cfg) -> str:
@@ -127,9 +134,18 @@ def _run_mode(args, mode, pctx):
     sync.remove_hooks()
     tokens = cfg.train.global_batch_size // pctx.dp_size * cfg.model.seq_length
     from megatron_geo.model import count_parameters
+
     model_flops = 6.0 * count_parameters(cfg.model) * tokens
-    return times, refresh_times, parts, {"transform_flops": _transform_flops(model, geo, cfg.geo.rank, pctx.dp_size),
-                                         "model_flops": model_flops, "tokens_per_rank": tokens}
+    return (
+        times,
+        refresh_times,
+        parts,
+        {
+            "transform_flops": _transform_flops(model, geo, cfg.geo.rank, pctx.dp_size),
+            "model_flops": model_flops,
+            "tokens_per_rank": tokens,
+        },
+    )
 
 
 def _worker(rank, world, args):
@@ -154,18 +170,23 @@ def _worker(rank, world, args):
 
 def geo_memory(cfg) -> dict:
     """GeoFP8 state bytes vs training memory for the selected layers of ``cfg`` (TP=1, DP=1 worst case)."""
-    from megatron_geo.model import count_parameters
     import fnmatch
+
+    from megatron_geo.model import count_parameters
 
     h, f, L = cfg.model.hidden_size, cfg.model.ffn_hidden_size, cfg.model.num_layers
     shapes = {}
     for i in range(L):
         hd = h // cfg.model.num_attention_heads
-        for name, shape in (("attn.q_proj", (cfg.model.num_attention_heads * hd, h)),
-                            ("attn.k_proj", (cfg.model.num_kv_heads * hd, h)),
-                            ("attn.v_proj", (cfg.model.num_kv_heads * hd, h)),
-                            ("attn.o_proj", (h, cfg.model.num_attention_heads * hd)),
-                            ("mlp.gate_proj", (f, h)), ("mlp.up_proj", (f, h)), ("mlp.down_proj", (h, f))):
+        for name, shape in (
+            ("attn.q_proj", (cfg.model.num_attention_heads * hd, h)),
+            ("attn.k_proj", (cfg.model.num_kv_heads * hd, h)),
+            ("attn.v_proj", (cfg.model.num_kv_heads * hd, h)),
+            ("attn.o_proj", (h, cfg.model.num_attention_heads * hd)),
+            ("mlp.gate_proj", (f, h)),
+            ("mlp.up_proj", (f, h)),
+            ("mlp.down_proj", (h, f)),
+        ):
             shapes[f"layers.{i}.{name}.weight"] = shape
     pats = [p.strip() for p in cfg.geo.layers.split(",")]
     sel = {n: s for n, s in shapes.items() if any(fnmatch.fnmatchcase(n, p) for p in pats)}
@@ -180,8 +201,13 @@ def geo_memory(cfg) -> dict:
     transient = sum(factor_bytes(s[1]) for s in sel.values())
     n = count_parameters(cfg.model)
     training = 4 * n * 5  # params, main grads, main params, two optimizer moments (FP32)
-    return {"layers": len(sel), "persistent_bytes": persistent, "refresh_transient_bytes": transient,
-            "training_bytes_excl_activations": training, "parameters": n}
+    return {
+        "layers": len(sel),
+        "persistent_bytes": persistent,
+        "refresh_transient_bytes": transient,
+        "training_bytes_excl_activations": training,
+        "parameters": n,
+    }
 
 
 def main() -> None:
@@ -214,42 +240,58 @@ def main() -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     fp8, geo = statistics.mean(res["fp8"][0]), statistics.mean(res["geofp8"][0])
-    print(f"config: {' '.join(args.config)} {' '.join(args.overrides)} | {args.nproc} DP processes (gloo, CPU) | "
-          f"{args.rounds} rounds x {args.steps} steps, geo.refresh_interval={args.refresh_interval}")
+    print(
+        f"config: {' '.join(args.config)} {' '.join(args.overrides)} | {args.nproc} DP processes (gloo, CPU) | "
+        f"{args.rounds} rounds x {args.steps} steps, geo.refresh_interval={args.refresh_interval}"
+    )
     print(f"fp8    ({_label(cfgs['fp8'])})".ljust(32) + f" mean step {fp8 * 1e3:8.1f} ms")
-    print(f"geofp8 ({_label(cfgs['geofp8'])})".ljust(32) + f" mean step {geo * 1e3:8.1f} ms   added "
-          f"{100 * (geo - fp8) / fp8:+.2f}% of the fp8 step (target <= 1%)")
+    print(
+        f"geofp8 ({_label(cfgs['geofp8'])})".ljust(32) + f" mean step {geo * 1e3:8.1f} ms   added "
+        f"{100 * (geo - fp8) / fp8:+.2f}% of the fp8 step (target <= 1%)"
+    )
     if res["geofp8"][1]:
-        print(f"  refresh steps alone: mean {statistics.mean(res['geofp8'][1]) * 1e3:.1f} ms "
-              f"({len(res['geofp8'][1])} refreshes)")
+        print(
+            f"  refresh steps alone: mean {statistics.mean(res['geofp8'][1]) * 1e3:.1f} ms "
+            f"({len(res['geofp8'][1])} refreshes)"
+        )
     gp, fp = res["geofp8"][2], res["fp8"][2]
     wire = statistics.mean(gp["wire"]) - statistics.mean(fp["wire"])
     refresh, hooks = statistics.mean(gp["refresh"]), statistics.mean(gp["hooks"])
     own = wire + refresh + hooks
-    print(f"GeoFP8's own work per step, timed inside the geofp8 steps (max over ranks, mean over steps): "
-          f"{own * 1e3:.2f} ms = {100 * own / fp8:+.2f}% of the fp8 step (target <= 1%)")
-    print(f"  transforms in the reducer {wire * 1e3:.2f} ms ({100 * wire / fp8:.2f}%), refresh {refresh * 1e3:.2f} ms "
-          f"({100 * refresh / fp8:.2f}%; {max(gp['refresh']) * 1e3:.1f} ms per refresh), statistics hooks "
-          f"{hooks * 1e3:.2f} ms ({100 * hooks / fp8:.2f}%)")
+    print(
+        f"GeoFP8's own work per step, timed inside the geofp8 steps (max over ranks, mean over steps): "
+        f"{own * 1e3:.2f} ms = {100 * own / fp8:+.2f}% of the fp8 step (target <= 1%)"
+    )
+    print(
+        f"  transforms in the reducer {wire * 1e3:.2f} ms ({100 * wire / fp8:.2f}%), refresh {refresh * 1e3:.2f} ms "
+        f"({100 * refresh / fp8:.2f}%; {max(gp['refresh']) * 1e3:.1f} ms per refresh), statistics hooks "
+        f"{hooks * 1e3:.2f} ms ({100 * hooks / fp8:.2f}%)"
+    )
     n_ref = max(len(res["geofp8"][1]), 1)
     per_refresh = (sum(gp["refresh"]) + sum(gp["hooks"])) / n_ref
     for k in sorted({args.refresh_interval, 50}):
         proj = wire + per_refresh / k
-        print(f"  at geo.refresh_interval={k}: transforms + (refresh + hooks) / {k} = {proj * 1e3:.2f} ms = "
-              f"{100 * proj / fp8:+.2f}% of the fp8 step")
+        print(
+            f"  at geo.refresh_interval={k}: transforms + (refresh + hooks) / {k} = {proj * 1e3:.2f} ms = "
+            f"{100 * proj / fp8:+.2f}% of the fp8 step"
+        )
     fl = res["geofp8"][3]
-    print(f"  transform FLOPs per step {fl['transform_flops'] / 1e9:.3f} GFLOP vs model {fl['model_flops'] / 1e9:.1f} "
-          f"GFLOP ({fl['tokens_per_rank']} tokens per rank): {100 * fl['transform_flops'] / fl['model_flops']:.2f}% "
-          f"(falls as 1 / tokens per rank)")
+    print(
+        f"  transform FLOPs per step {fl['transform_flops'] / 1e9:.3f} GFLOP vs model {fl['model_flops'] / 1e9:.1f} "
+        f"GFLOP ({fl['tokens_per_rank']} tokens per rank): {100 * fl['transform_flops'] / fl['model_flops']:.2f}% "
+        f"(falls as 1 / tokens per rank)"
+    )
     cfg = mem_cfg
     mem = geo_memory(cfg)
-    print(f"memory ({args.memory_config}, {mem['parameters']:,} parameters, {mem['layers']} GeoFP8 layers, "
-          f"rank {cfg.geo.rank}, geo.statistics={cfg.geo.statistics}): persistent state {mem['persistent_bytes'] / 2**20:.1f} MiB = "
-          f"{100 * mem['persistent_bytes'] / mem['training_bytes_excl_activations']:.3f}% of "
-          f"{mem['training_bytes_excl_activations'] / 2**30:.2f} GiB training state (FP32 params, grads, main params, "
-          f"2 moments; activations excluded, so the true share is lower); K-FAC factors during a refresh "
-          f"{mem['refresh_transient_bytes'] / 2**20:.1f} MiB = "
-          f"{100 * mem['refresh_transient_bytes'] / mem['training_bytes_excl_activations']:.2f}% (transient)")
+    print(
+        f"memory ({args.memory_config}, {mem['parameters']:,} parameters, {mem['layers']} GeoFP8 layers, "
+        f"rank {cfg.geo.rank}, geo.statistics={cfg.geo.statistics}): persistent state {mem['persistent_bytes'] / 2**20:.1f} MiB = "
+        f"{100 * mem['persistent_bytes'] / mem['training_bytes_excl_activations']:.3f}% of "
+        f"{mem['training_bytes_excl_activations'] / 2**30:.2f} GiB training state (FP32 params, grads, main params, "
+        f"2 moments; activations excluded, so the true share is lower); K-FAC factors during a refresh "
+        f"{mem['refresh_transient_bytes'] / 2**20:.1f} MiB = "
+        f"{100 * mem['refresh_transient_bytes'] / mem['training_bytes_excl_activations']:.2f}% (transient)"
+    )
 
 
 if __name__ == "__main__":

@@ -60,10 +60,10 @@ PHASES: list[tuple[str, int, str]] = [
 ]
 NAMES = [p[0] for p in PHASES]
 OPTIONAL_PACKAGES = ("wandb", "datasets", "lm_eval")
-KILL_GRACE_S = 5.0      # SIGTERM -> SIGKILL of a phase at its limit
-MIN_PHASE_S = 5.0       # a phase with less time left than this is skipped
-REFRESH_S = 15.0        # how often the two files are rebuilt while a phase runs
-LOG_TAIL = 20           # log lines kept in the JSON entry of a phase that did not pass
+KILL_GRACE_S = 5.0  # SIGTERM -> SIGKILL of a phase at its limit
+MIN_PHASE_S = 5.0  # a phase with less time left than this is skipped
+REFRESH_S = 15.0  # how often the two files are rebuilt while a phase runs
+LOG_TAIL = 20  # log lines kept in the JSON entry of a phase that did not pass
 
 
 class SettingError(ValueError):
@@ -81,8 +81,9 @@ def parse_pairs(var: str, positive: bool = True) -> dict[str, float]:
         except ValueError:
             secs = float("nan")
         if not sep or name not in NAMES or not secs > 0:
-            raise SettingError(f"{var}={text!r}: {item!r} must be PHASE=SECONDS with SECONDS > 0 and PHASE one of "
-                               f"{', '.join(NAMES)}")
+            raise SettingError(
+                f"{var}={text!r}: {item!r} must be PHASE=SECONDS with SECONDS > 0 and PHASE one of {', '.join(NAMES)}"
+            )
         out[name] = secs
     return out
 
@@ -173,6 +174,7 @@ def preload() -> str | None:
         block_optional()
         sys.path.insert(0, str(HERE))
         import gpu_check_phases  # noqa: F401 -- imports torch
+
         import megatron_geo.training.trainer  # noqa: F401
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {e}"
@@ -190,8 +192,16 @@ def _raise_stopped(signum, _frame):
 
 
 class Runner:
-    def __init__(self, out_dir: Path, dry_run: bool, python: str, overall_s: float, only: list[str] | None,
-                 limits: dict[str, float], launch: str):
+    def __init__(
+        self,
+        out_dir: Path,
+        dry_run: bool,
+        python: str,
+        overall_s: float,
+        only: list[str] | None,
+        limits: dict[str, float],
+        launch: str,
+    ):
         self.t0 = time.monotonic()
         self.overall_s = overall_s
         # leave time inside the overall limit to stop the last phase and write both files
@@ -208,11 +218,17 @@ class Runner:
         self.parts.mkdir()
         self.runlog = open(self.logs / "gpu_check.log", "w")
         self.state: dict = {
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "dry_run": dry_run, "python": python,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "dry_run": dry_run,
+            "python": python,
             # finished: the run got to its end (not stopped by a signal, not refused for want of CUDA); failed: the
             # phases that did not pass (failed, timed out, stopped, or skipped for lack of time)
-            "overall_limit_s": overall_s, "phase_order": NAMES, "finished": False, "failed": [],
-            "budgets_s": {n: b for n, b, _ in PHASES}, "launch": "fork" if self.fork else "exec",
+            "overall_limit_s": overall_s,
+            "phase_order": NAMES,
+            "finished": False,
+            "failed": [],
+            "budgets_s": {n: b for n, b, _ in PHASES},
+            "launch": "fork" if self.fork else "exec",
         }
         for name, budget, what in PHASES:
             self.state[name] = {"status": "pending", "what": what, "budget_s": limits.get(name, budget)}
@@ -249,25 +265,45 @@ class Runner:
         log = self.logs / f"{name}.log"
         left = self.deadline - time.monotonic()
         if left < MIN_PHASE_S:
-            self.state[name].update(status="skipped", reason=f"no time left in the overall limit of "
-                                                             f"{self.overall_s:.0f} s (GPU_CHECK_TIMEOUT)")
+            self.state[name].update(
+                status="skipped",
+                reason=f"no time left in the overall limit of {self.overall_s:.0f} s (GPU_CHECK_TIMEOUT)",
+            )
             self.state["failed"].append(name)
             self.say(f"{name}: skipped (no time left)")
             return
         limit = min(budget, left)
         by_overall = limit < budget
-        cmd = [self.python, str(HERE / "gpu_check.py"), "phase", name, "--out", str(self.parts / f"{name}.json"),
-               "--work", str(self.work)] + (["--dry-run"] if self.dry_run else [])
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "GPU_CHECK_PARENT": str(os.getpid()),
-               "GPU_CHECK_INSTALLED": json.dumps(self.installed),
-               "GPU_CHECK_PHASE_END": str(time.time() + limit),  # the phase drops optional pieces near its limit
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
+        cmd = [
+            self.python,
+            str(HERE / "gpu_check.py"),
+            "phase",
+            name,
+            "--out",
+            str(self.parts / f"{name}.json"),
+            "--work",
+            str(self.work),
+        ] + (["--dry-run"] if self.dry_run else [])
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "WANDB_MODE": "disabled",
+            "GPU_CHECK_PARENT": str(os.getpid()),
+            "GPU_CHECK_INSTALLED": json.dumps(self.installed),
+            "GPU_CHECK_PHASE_END": str(time.time() + limit),  # the phase drops optional pieces near its limit
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])),
+        }
         if name == "compile":
             env.setdefault("TORCH_LOGS", "recompiles,graph_breaks")  # the reasons, in its log
         if name == "checkpoint":
             env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS for the bitwise resume comparison
-        base = {"status": "running", "what": self.state[name]["what"], "budget_s": budget, "limit_s": round(limit, 1),
-                "log": f"gpu_check_logs/{name}.log"}
+        base = {
+            "status": "running",
+            "what": self.state[name]["what"],
+            "budget_s": budget,
+            "limit_s": round(limit, 1),
+            "log": f"gpu_check_logs/{name}.log",
+        }
         self.state[name] = dict(base)
         cut = ", cut to what is left of the overall limit" if by_overall else ""
         self.say(f"{name} (limit {limit:.0f} s{cut}) ...")
@@ -278,8 +314,9 @@ class Runner:
             if self.fork:
                 proc = Forked(cmd[2:], env, log)
             else:
-                proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+                proc = subprocess.Popen(
+                    cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+                )
         self.write()
         timed_out, last_refresh = False, time.monotonic()
         try:
@@ -302,18 +339,27 @@ class Runner:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             self._kill(proc)
-            self.state[name] = self._merge_part(name, {
-                **base, "status": "stopped", "seconds": round(time.monotonic() - t0, 1),
-                "error": f"the run was stopped by {s} while this phase ran (the overall limit of gpu_check.sh, "
-                         f"GPU_CHECK_TIMEOUT={self.overall_s:.0f} s, or the machine's command limit)",
-                "log_tail": _tail(log)})
+            self.state[name] = self._merge_part(
+                name,
+                {
+                    **base,
+                    "status": "stopped",
+                    "seconds": round(time.monotonic() - t0, 1),
+                    "error": f"the run was stopped by {s} while this phase ran (the overall limit of gpu_check.sh, "
+                    f"GPU_CHECK_TIMEOUT={self.overall_s:.0f} s, or the machine's command limit)",
+                    "log_tail": _tail(log),
+                },
+            )
             raise
         secs = round(time.monotonic() - t0, 1)
         entry = {**base, "seconds": secs, "exit_code": rc}
         if timed_out:
             which = "what was left of the overall limit" if by_overall else "its budget"
-            entry.update(status="timed_out", error=f"time limit {limit:.0f} s reached ({which}); the phase was "
-                                                   f"killed; the figures it had saved are kept")
+            entry.update(
+                status="timed_out",
+                error=f"time limit {limit:.0f} s reached ({which}); the phase was "
+                f"killed; the figures it had saved are kept",
+            )
         elif rc == 0:
             entry["status"] = "ok"
         else:
@@ -356,8 +402,10 @@ class Runner:
                 shutil.rmtree(self.work, ignore_errors=True)
 
     def _run(self) -> int:
-        self.say(f"{'dry run (CPU, small sizes)' if self.dry_run else 'GPU run'} with {self.python}; overall limit "
-                 f"{self.overall_s:.0f} s; output {self.out_dir}")
+        self.say(
+            f"{'dry run (CPU, small sizes)' if self.dry_run else 'GPU run'} with {self.python}; overall limit "
+            f"{self.overall_s:.0f} s; output {self.out_dir}"
+        )
         self.write()
         code = 0
         try:
@@ -365,8 +413,10 @@ class Runner:
             if problem:
                 self.fork = False
                 self.state["launch"] = "exec"
-                self.state["launch_note"] = (f"fork was asked for but the runner could not import the phases "
-                                             f"({problem}); each phase started a new interpreter")
+                self.state["launch_note"] = (
+                    f"fork was asked for but the runner could not import the phases "
+                    f"({problem}); each phase started a new interpreter"
+                )
             for name, budget, _ in PHASES:
                 budget = self.limits.get(name, budget)
                 if self.only is not None and name not in self.only and not (name == "env" and not self.dry_run):
@@ -377,20 +427,28 @@ class Runner:
                 except (Stopped, KeyboardInterrupt):
                     raise
                 except Exception as e:  # noqa: BLE001 -- a runner bug must not lose the other phases
-                    self.state[name].update(status="failed", error=f"the runner failed on this phase: "
-                                                                   f"{type(e).__name__}: {e}")
+                    self.state[name].update(
+                        status="failed", error=f"the runner failed on this phase: {type(e).__name__}: {e}"
+                    )
                     self.state["failed"].append(name)
                     self.say(f"{name}: the runner failed: {traceback.format_exc()}")
                 self.write()
                 # no CUDA (or no torch) is a refusal; an env phase cut by its limit (a cold first import of torch)
                 # tells nothing, and the device phases say for themselves
-                if name == "env" and not self.dry_run and self.state["env"].get("cuda_available") is not True \
-                        and self.state["env"]["status"] != "timed_out":
+                if (
+                    name == "env"
+                    and not self.dry_run
+                    and self.state["env"].get("cuda_available") is not True
+                    and self.state["env"]["status"] != "timed_out"
+                ):
                     env = self.state["env"]
-                    why = env.get("error") or (f"torch {env.get('torch')} (CUDA build {env.get('torch_cuda_build')}) "
-                                               f"sees no CUDA device")
-                    msg = (f"no CUDA device visible to {self.python}: {why}; run on a GPU machine, set MG_PYTHON to "
-                           f"a CUDA build's python, or use --dry-run")
+                    why = env.get("error") or (
+                        f"torch {env.get('torch')} (CUDA build {env.get('torch_cuda_build')}) sees no CUDA device"
+                    )
+                    msg = (
+                        f"no CUDA device visible to {self.python}: {why}; run on a GPU machine, set MG_PYTHON to "
+                        f"a CUDA build's python, or use --dry-run"
+                    )
                     print(f"error: {msg}", file=sys.stderr)
                     for n in NAMES[1:]:
                         self.state[n].update(status="skipped", reason="no CUDA device (see env)")
@@ -402,8 +460,10 @@ class Runner:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 signal.signal(sig, signal.SIG_IGN)  # finish writing both files
             self.say(f"stopped by {s}: the phases not run are left as pending")
-            self.state["error"] = (f"stopped by {s} (the overall limit of gpu_check.sh, GPU_CHECK_TIMEOUT="
-                                   f"{self.overall_s:.0f} s, or the machine's command limit)")
+            self.state["error"] = (
+                f"stopped by {s} (the overall limit of gpu_check.sh, GPU_CHECK_TIMEOUT="
+                f"{self.overall_s:.0f} s, or the machine's command limit)"
+            )
             self.state["failed"] += [n for n in NAMES if self.state[n]["status"] in ("stopped", "running")]
             for n in NAMES:
                 if self.state[n]["status"] == "running":
@@ -433,25 +493,35 @@ def headline(name: str, e: dict) -> str:
             for k, v in e.items():
                 if isinstance(v, dict) and "resumed_steps" in v:
                     devs = sorted({d for x in v["state_devices_after_resume"].values() for d in x})
-                    rows.append(f"{k}: resumed at {v['resumed_start_step']} -> {v['resumed_steps']}, loss diff "
-                                f"{v['max_rel_loss_diff_after_the_resume']}, state on {devs}")
+                    rows.append(
+                        f"{k}: resumed at {v['resumed_start_step']} -> {v['resumed_steps']}, loss diff "
+                        f"{v['max_rel_loss_diff_after_the_resume']}, state on {devs}"
+                    )
             return "; ".join(rows)
         if name == "geo":
-            return (f"factors {e['factor_dtypes']}, transforms {e['transform_dtypes']}, refreshes "
-                    f"{e['refreshes_in_metrics']}/{e['expected_refreshes']}, autocast in hook {e['autocast_in_hook']}")
+            return (
+                f"factors {e['factor_dtypes']}, transforms {e['transform_dtypes']}, refreshes "
+                f"{e['refreshes_in_metrics']}/{e['expected_refreshes']}, autocast in hook {e['autocast_in_hook']}"
+            )
         if name == "overlap":
             on, off = e["overlap_on"]["median"], e["overlap_off"]["median"]
             nan = float("nan")
-            return (f"overlap on: publish -> first wait {on.get('publish_to_first_wait_ms', nan):.2f} ms, wait "
-                    f"{on.get('first_wait_ms', nan):.3f} ms; off: wait in publish "
-                    f"{off.get('wait_in_publish_ms', nan):.3f} ms")
+            return (
+                f"overlap on: publish -> first wait {on.get('publish_to_first_wait_ms', nan):.2f} ms, wait "
+                f"{on.get('first_wait_ms', nan):.3f} ms; off: wait in publish "
+                f"{off.get('wait_in_publish_ms', nan):.3f} ms"
+            )
         if name == "compile":
-            return (f"{e['compiled_blocks']} blocks, unique graphs {e['unique_graphs']}, graph breaks "
-                    f"{e['graph_breaks']}, recompiles {e['recompiles']}, "
-                    f"loss diff vs eager {e.get('max_rel_loss_diff_vs_eager')}")
+            return (
+                f"{e['compiled_blocks']} blocks, unique graphs {e['unique_graphs']}, graph breaks "
+                f"{e['graph_breaks']}, recompiles {e['recompiles']}, "
+                f"loss diff vs eager {e.get('max_rel_loss_diff_vs_eager')}"
+            )
         if name == "cuda_tests":
-            return f"{e['tests']} tests: {e['passed']} passed, {e['failed']} failed, {e['errors']} errors, " \
-                   f"{e['skipped']} skipped"
+            return (
+                f"{e['tests']} tests: {e['passed']} passed, {e['failed']} failed, {e['errors']} errors, "
+                f"{e['skipped']} skipped"
+            )
         if name == "train_600m":
             mfu = f"{100 * e['mfu']:.1f}%" if e.get("mfu") is not None else f"n/a ({e['peak_source']})"
             mem = f", peak {e['peak_memory_gib']:.1f} GiB" if "peak_memory_gib" in e else ""
@@ -472,6 +542,7 @@ def headline(name: str, e: dict) -> str:
 
 # -- the phase process ---------------------------------------------------------------------------------------------
 
+
 def block_optional() -> None:
     """Make the optional packages absent in this process, as on a machine without them: ``import wandb`` raises
     ModuleNotFoundError and ``importlib.util.find_spec("wandb")`` is None (a None entry in ``sys.modules``)."""
@@ -490,8 +561,9 @@ def phase_main(a) -> int:
         print(f"[gpu_check] {a.name}: sleeping {stall:.0f} s first (GPU_CHECK_STALL)", flush=True)
         time.sleep(stall)
     installed = os.environ.get("GPU_CHECK_INSTALLED")
-    a.installed = json.loads(installed) if installed else {p: importlib.util.find_spec(p) is not None
-                                                         for p in OPTIONAL_PACKAGES}
+    a.installed = (
+        json.loads(installed) if installed else {p: importlib.util.find_spec(p) is not None for p in OPTIONAL_PACKAGES}
+    )
     block_optional()
     if str(HERE) not in sys.path:
         sys.path.insert(0, str(HERE))
@@ -542,8 +614,10 @@ def main(argv: list[str] | None = None) -> int:
         parse_pairs("GPU_CHECK_STALL")
         launch = os.environ.get("GPU_CHECK_LAUNCH", "fork" if a.dry_run else "exec")
         if launch not in ("fork", "exec"):
-            raise SettingError(f"GPU_CHECK_LAUNCH={launch!r}: use exec (a new interpreter per phase, the GPU run's "
-                               f"default) or fork (from the runner, the dry run's default)")
+            raise SettingError(
+                f"GPU_CHECK_LAUNCH={launch!r}: use exec (a new interpreter per phase, the GPU run's "
+                f"default) or fork (from the runner, the dry run's default)"
+            )
     except SettingError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -554,8 +628,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        print(f"error: cannot create the output folder {a.dir!r} ({e.strerror or e}); choose a writable one",
-              file=sys.stderr)
+        print(
+            f"error: cannot create the output folder {a.dir!r} ({e.strerror or e}); choose a writable one",
+            file=sys.stderr,
+        )
         return 2
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, _raise_stopped)

@@ -34,7 +34,7 @@ import torch.distributed as dist  # noqa: E402
 NO_CUDA = "CUDA is not available on this machine"
 MIN_TORCH = (2, 9)
 OPTIONAL_PACKAGES = ("wandb", "datasets", "lm_eval")
-GiB = 2 ** 30
+GiB = 2**30
 
 
 def clean(obj):
@@ -81,8 +81,10 @@ class Ctx:
     def __init__(self, dry_run: bool, work: str):
         self.dry_run, self.work = dry_run, Path(work)
         if not dry_run and not torch.cuda.is_available():
-            raise SystemExit(f"error: {NO_CUDA} (torch {torch.__version__}, CUDA build {torch.version.cuda}); run on "
-                             f"a GPU machine or use --dry-run")
+            raise SystemExit(
+                f"error: {NO_CUDA} (torch {torch.__version__}, CUDA build {torch.version.cuda}); run on "
+                f"a GPU machine or use --dry-run"
+            )
         if dry_run:
             if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # a forked phase: torch read it in the runner
                 torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
@@ -116,6 +118,7 @@ class Ctx:
 
 # -- shared pieces of the training phases ----------------------------------------------------------------------------
 
+
 def corpus_overrides(ctx: Ctx, vocab: int = 256) -> list[str]:
     """A small synthetic corpus (SentencePiece tokenizer + train/valid indexed datasets) in the work folder, built
     once per run; returns the ``data.*`` / ``model.vocab_size`` overrides that use it (the embedded Shakespeare
@@ -142,8 +145,13 @@ def corpus_overrides(ctx: Ctx, vocab: int = 256) -> list[str]:
                     b.add_document(tok.encode(line) + [tok.eod_id])
         (root / "DONE").write_text("")
     tok = Tokenizer(str(model))
-    return ["data.source=indexed", f"data.train_prefix={root}/train", f"data.valid_prefix={root}/valid",
-            f"data.tokenizer_model={model}", f"model.vocab_size={tok.vocab_size}"]
+    return [
+        "data.source=indexed",
+        f"data.train_prefix={root}/train",
+        f"data.valid_prefix={root}/valid",
+        f"data.tokenizer_model={model}",
+        f"model.vocab_size={tok.vocab_size}",
+    ]
 
 
 def fake_dp(dp: int, device: torch.device):
@@ -166,15 +174,29 @@ def train_config(ctx: Ctx, name: str, *extra: str, comm: str | None = None, worl
 
     files = [str(ROOT / "configs" / "tiny.yaml")] + ([str(ROOT / "configs" / "comm" / f"{comm}.yaml")] if comm else [])
     over = corpus_overrides(ctx) + [
-        "logging.wandb=disabled", "train.progress=false", "train.log_interval=1", "train.eval_interval=100000",
-        "train.eval_batches=1", "train.warmup_steps=2", f"train.run_dir={ctx.work / 'runs' / name}",
+        "logging.wandb=disabled",
+        "train.progress=false",
+        "train.log_interval=1",
+        "train.eval_interval=100000",
+        "train.eval_batches=1",
+        "train.warmup_steps=2",
+        f"train.run_dir={ctx.work / 'runs' / name}",
         f"train.device={ctx.device.type}",
         # a sharded checkpoint needs every rank's shard: none on the fake process group (the checkpoint phase
         # saves in a one-process job)
-        "checkpoint.interval=0", "checkpoint.save_at_end=false"]
+        "checkpoint.interval=0",
+        "checkpoint.save_at_end=false",
+    ]
     if ctx.dry_run:
-        over += ["model.hidden_size=32", "model.num_layers=2", "model.ffn_hidden_size=96", "model.seq_length=16",
-                 "train.global_batch_size=4", "train.micro_batch_size=2", "parallel.bucket_size=4000"]
+        over += [
+            "model.hidden_size=32",
+            "model.num_layers=2",
+            "model.ffn_hidden_size=96",
+            "model.seq_length=16",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=2",
+            "parallel.bucket_size=4000",
+        ]
     cfg = load_config(files, over + list(extra))
     validate_config(cfg, world)
     return cfg
@@ -192,8 +214,7 @@ def capture_build(*callbacks):
     def wrapped(cfg, pctx):
         out = orig(cfg, pctx)
         built.clear()
-        built.update(model=out[0], buckets=out[1], reducer=out[2], sync=out[3], optimizer=out[4],
-                     geo=out[2].geo)
+        built.update(model=out[0], buckets=out[1], reducer=out[2], sync=out[3], optimizer=out[4], geo=out[2].geo)
         for cb in callbacks:
             cb(built)
         return out
@@ -225,8 +246,11 @@ def losses_by_step(records: list[dict]) -> dict[int, float]:
 
 
 def max_rel_diff(a: dict[int, float], b: dict[int, float], steps) -> float | None:
-    vals = [abs(a[s] - b[s]) / max(abs(b[s]), 1e-12) for s in steps if s in a and s in b
-            and a[s] is not None and b[s] is not None]
+    vals = [
+        abs(a[s] - b[s]) / max(abs(b[s]), 1e-12)
+        for s in steps
+        if s in a and s in b and a[s] is not None and b[s] is not None
+    ]
     return max(vals) if vals else None
 
 
@@ -266,6 +290,7 @@ def expected_refreshes(steps: int, interval: int, start: int = 0) -> int:
 
 # -- phases ---------------------------------------------------------------------------------------------------------
 
+
 def phase_env(ctx_args, rec: Record) -> None:
     """Interpreter, torch and the device; the optional packages are not needed: every megatron_geo module imports
     with them blocked, except the ones whose purpose is an optional package (reported)."""
@@ -273,20 +298,33 @@ def phase_env(ctx_args, rec: Record) -> None:
     import pkgutil
     import platform
 
-    rec.update(python=platform.python_version(), executable=sys.executable, machine=platform.machine(),
-               torch=torch.__version__, torch_cuda_build=torch.version.cuda, cuda_available=torch.cuda.is_available())
+    rec.update(
+        python=platform.python_version(),
+        executable=sys.executable,
+        machine=platform.machine(),
+        torch=torch.__version__,
+        torch_cuda_build=torch.version.cuda,
+        cuda_available=torch.cuda.is_available(),
+    )
     ver = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     rec.check("torch_at_least_2_9", ver >= MIN_TORCH, f"torch {torch.__version__}; megatron_geo needs >= 2.9")
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
-        rec.update(gpu=torch.cuda.get_device_name(0), gpu_count=torch.cuda.device_count(),
-                   gpu_memory_gib=p.total_memory / GiB, capability=f"{p.major}.{p.minor}",
-                   nccl=".".join(map(str, torch.cuda.nccl.version())))
+        rec.update(
+            gpu=torch.cuda.get_device_name(0),
+            gpu_count=torch.cuda.device_count(),
+            gpu_memory_gib=p.total_memory / GiB,
+            capability=f"{p.major}.{p.minor}",
+            nccl=".".join(map(str, torch.cuda.nccl.version())),
+        )
         from megatron_geo.training.mfu import peak_bf16_flops
 
         found = peak_bf16_flops(torch.cuda.get_device_name(0))
-        rec["mfu_table_entry"] = (f"{found[0]}: {found[1] / 1e12:.1f} TFLOP/s dense BF16" if found else
-                                  "not in megatron_geo.training.mfu.PEAK_BF16_FLOPS: no MFU is reported")
+        rec["mfu_table_entry"] = (
+            f"{found[0]}: {found[1] / 1e12:.1f} TFLOP/s dense BF16"
+            if found
+            else "not in megatron_geo.training.mfu.PEAK_BF16_FLOPS: no MFU is reported"
+        )
     rec["optional_packages_installed"] = ctx_args.installed
     rec["optional_packages_blocked"] = list(OPTIONAL_PACKAGES)
     import megatron_geo
@@ -303,10 +341,19 @@ def phase_env(ctx_args, rec: Record) -> None:
                 needs_optional[m.name] = f"needs {missing}"
     rec["modules_imported"] = n - len(failures)
     rec["modules_needing_an_optional_package"] = needs_optional
-    rec.check("every_module_imports_without_the_optional_packages", len(failures) == len(needs_optional),
-              {k: v for k, v in failures.items() if k not in needs_optional} or None)
-    training = {"megatron_geo.training.trainer", "megatron_geo.training.step", "megatron_geo.model.llama",
-                "megatron_geo.checkpoint.manager", "megatron_geo.comm.reducer", "megatron_geo.geometry.geo"}
+    rec.check(
+        "every_module_imports_without_the_optional_packages",
+        len(failures) == len(needs_optional),
+        {k: v for k, v in failures.items() if k not in needs_optional} or None,
+    )
+    training = {
+        "megatron_geo.training.trainer",
+        "megatron_geo.training.step",
+        "megatron_geo.model.llama",
+        "megatron_geo.checkpoint.manager",
+        "megatron_geo.comm.reducer",
+        "megatron_geo.geometry.geo",
+    }
     rec.check("training_path_imports", not training & failures.keys(), sorted(training & failures.keys()) or None)
     rec.save()
 
@@ -344,35 +391,57 @@ def phase_checkpoint(ctx: Ctx, rec: Record) -> None:
         out: dict = {"comm": comm or "fp32", "optimizer": "muon" if "muon" in name else "adamw", "steps": n}
         rec[name] = out
         common = [f"train.steps={n}", *extra]
-        ref = train_config(ctx, f"ckpt_{name}_ref", *common, "checkpoint.interval=0", "checkpoint.save_at_end=false",
-                           comm=comm, world=1)
-        split = train_config(ctx, f"ckpt_{name}", *common, "checkpoint.interval=1", f"train.exit_interval={half}",
-                             comm=comm, world=1)
+        ref = train_config(
+            ctx,
+            f"ckpt_{name}_ref",
+            *common,
+            "checkpoint.interval=0",
+            "checkpoint.save_at_end=false",
+            comm=comm,
+            world=1,
+        )
+        split = train_config(
+            ctx, f"ckpt_{name}", *common, "checkpoint.interval=1", f"train.exit_interval={half}", comm=comm, world=1
+        )
         s_ref, _, r_ref, t_ref = run_train(ref, pctx)
         s_a, _, r_a, t_a = run_train(split, pctx)
         ckpts = sorted(p.name for p in (Path(split.train.run_dir) / "checkpoints").glob("step_*"))
         s_b, built_b, r_b, t_b = run_train(split, pctx)
         la, lb, lr_ = losses_by_step(r_a), losses_by_step(r_b), losses_by_step(r_ref)
-        out.update(seconds={"reference": t_ref, "first_launch": t_a, "resumed_launch": t_b},
-                   first_launch_steps=s_a["steps"], checkpoints_after_first_launch=ckpts,
-                   resumed_start_step=s_b.get("start_step"), resumed_steps=s_b["steps"],
-                   reference_losses=lr_, resumed_losses={k: v for k, v in lb.items() if k > half},
-                   state_devices_after_resume=state_devices(built_b))
+        out.update(
+            seconds={"reference": t_ref, "first_launch": t_a, "resumed_launch": t_b},
+            first_launch_steps=s_a["steps"],
+            checkpoints_after_first_launch=ckpts,
+            resumed_start_step=s_b.get("start_step"),
+            resumed_steps=s_b["steps"],
+            reference_losses=lr_,
+            resumed_losses={k: v for k, v in lb.items() if k > half},
+            state_devices_after_resume=state_devices(built_b),
+        )
         before = max_rel_diff(la, lr_, range(1, half + 1))
         after = max_rel_diff(lb, lr_, range(half + 1, n + 1))
         out["max_rel_loss_diff_before_the_stop"], out["max_rel_loss_diff_after_the_resume"] = before, after
         out["bitwise_equal_to_reference"] = all(lb.get(s) == lr_.get(s) for s in range(half + 1, n + 1))
-        rec.check(f"{name}: first launch stopped at step {half} with a checkpoint there",
-                  s_a["steps"] == half and step_dir_name(half) in ckpts, {"steps": s_a["steps"], "checkpoints": ckpts})
-        rec.check(f"{name}: resumed at step {half} and ran to step {n}",
-                  s_b.get("start_step") == half and s_b["steps"] == n,
-                  {"start_step": s_b.get("start_step"), "steps": s_b["steps"]})
+        rec.check(
+            f"{name}: first launch stopped at step {half} with a checkpoint there",
+            s_a["steps"] == half and step_dir_name(half) in ckpts,
+            {"steps": s_a["steps"], "checkpoints": ckpts},
+        )
+        rec.check(
+            f"{name}: resumed at step {half} and ran to step {n}",
+            s_b.get("start_step") == half and s_b["steps"] == n,
+            {"start_step": s_b.get("start_step"), "steps": s_b["steps"]},
+        )
         resumed = sorted(k for k in lb if k > half)
-        rec.check(f"{name}: resumed losses continue the uninterrupted run (rel. diff <= 1e-3)",
-                  after is not None and after <= 1e-3 and resumed == list(range(half + 1, n + 1)), after)
+        rec.check(
+            f"{name}: resumed losses continue the uninterrupted run (rel. diff <= 1e-3)",
+            after is not None and after <= 1e-3 and resumed == list(range(half + 1, n + 1)),
+            after,
+        )
         want, devs = str(ctx.device), out["state_devices_after_resume"]
-        rec.check(f"{name}: every state tensor on {want} after the resume", all(v == [want] for v in devs.values()),
-                  devs)
+        rec.check(
+            f"{name}: every state tensor on {want} after the resume", all(v == [want] for v in devs.values()), devs
+        )
         rec.save()
     dist.destroy_process_group()
 
@@ -389,7 +458,7 @@ def _wrap_stats(log: dict):
     def reduce(self, *a, **k):
         out = orig_reduce(self, *a, **k)
         for v in out.values():
-            for t in (v if isinstance(v, tuple) else (v,)):
+            for t in v if isinstance(v, tuple) else (v,):
                 if isinstance(t, torch.Tensor):
                     log.setdefault("factor_dtypes", set()).add(str(t.dtype))
         for s in self.sums.values():
@@ -400,6 +469,7 @@ def _wrap_stats(log: dict):
     undo.append(lambda: setattr(cls, "reduce", orig_reduce))
     orig_hook = getattr(cls, "_hook", None)
     if orig_hook is not None:
+
         def _hook(self, name):
             inner = orig_hook(self, name)
 
@@ -412,6 +482,7 @@ def _wrap_stats(log: dict):
                     on = torch.is_autocast_enabled()
                 log.setdefault("autocast_in_hook", set()).add(bool(on))
                 return inner(module, args)
+
             return hook
 
         cls._hook = _hook
@@ -442,8 +513,14 @@ def phase_geo(ctx: Ctx, rec: Record) -> None:
     must be FP32 and every refresh step must refresh. Then the per-layer cost of the transform on the device."""
     pctx = fake_dp(2, ctx.device)
     steps, interval = 6, 2
-    cfg = train_config(ctx, "geo", f"train.steps={steps}", f"geo.refresh_interval={interval}",
-                       "train.autocast_dtype=bf16", comm="geofp8")
+    cfg = train_config(
+        ctx,
+        "geo",
+        f"train.steps={steps}",
+        f"geo.refresh_interval={interval}",
+        "train.autocast_dtype=bf16",
+        comm="geofp8",
+    )
     log: dict = {}
     undo = _wrap_stats(log)
     try:
@@ -454,13 +531,25 @@ def phase_geo(ctx: Ctx, rec: Record) -> None:
     from_metrics = sum(1 for r in records if r.get("geo_refresh"))
     want = expected_refreshes(steps, interval)
     autocast = sorted(log.get("autocast_in_hook", ()))
-    rec.update(seconds=secs, steps=summary["steps"], refresh_interval=interval, autocast_dtype="bf16",
-               autocast_applies=ctx.cuda, selected_layers=sorted(geo.selected), active_layers=sorted(geo.active),
-               refreshes_in_metrics=from_metrics, refresh_steps=log.get("refresh_steps", []),
-               expected_refreshes=want, factor_dtypes=sorted(log.get("factor_dtypes", ())),
-               sum_dtypes=sorted(log.get("sum_dtypes", ())), transform_dtypes=sorted(log.get("transform_dtypes", ())),
-               hook_input_dtypes=sorted(log.get("hook_input_dtypes", ())), autocast_in_hook=autocast,
-               losses=losses_by_step(records), final_loss=summary["final_loss"])
+    rec.update(
+        seconds=secs,
+        steps=summary["steps"],
+        refresh_interval=interval,
+        autocast_dtype="bf16",
+        autocast_applies=ctx.cuda,
+        selected_layers=sorted(geo.selected),
+        active_layers=sorted(geo.active),
+        refreshes_in_metrics=from_metrics,
+        refresh_steps=log.get("refresh_steps", []),
+        expected_refreshes=want,
+        factor_dtypes=sorted(log.get("factor_dtypes", ())),
+        sum_dtypes=sorted(log.get("sum_dtypes", ())),
+        transform_dtypes=sorted(log.get("transform_dtypes", ())),
+        hook_input_dtypes=sorted(log.get("hook_input_dtypes", ())),
+        autocast_in_hook=autocast,
+        losses=losses_by_step(records),
+        final_loss=summary["final_loss"],
+    )
     if "note" in log:
         rec["note"] = log["note"]
     if not ctx.cuda:
@@ -470,9 +559,11 @@ def phase_geo(ctx: Ctx, rec: Record) -> None:
     rec.check("factors are FP32", rec["factor_dtypes"] == ["torch.float32"], rec["factor_dtypes"])
     rec.check("accumulated statistics are FP32", rec["sum_dtypes"] == ["torch.float32"], rec["sum_dtypes"])
     rec.check("transforms are FP32", rec["transform_dtypes"] == ["torch.float32"], rec["transform_dtypes"])
-    rec.check(f"{want} refreshes in {steps} steps (metrics.jsonl and GeoState)",
-              from_metrics == want and len(rec["refresh_steps"]) == want, {"metrics": from_metrics,
-                                                                           "calls": rec["refresh_steps"]})
+    rec.check(
+        f"{want} refreshes in {steps} steps (metrics.jsonl and GeoState)",
+        from_metrics == want and len(rec["refresh_steps"]) == want,
+        {"metrics": from_metrics, "calls": rec["refresh_steps"]},
+    )
     rec.check("losses finite", all(v is not None and math.isfinite(v) for v in rec["losses"].values()))
     rec.save()
     rec["layers"] = _geo_layer_cost(ctx)
@@ -505,7 +596,7 @@ def _geo_layer_cost(ctx: Ctx) -> dict:
     codec = {"dtype": geo.dtype, "scaling": geo.scaling, "block_size": geo.block_size}
 
     out = {}
-    for cfg_path in (["configs/tiny.yaml"] if ctx.dry_run else ["configs/llama_300m.yaml", "configs/llama_600m.yaml"]):
+    for cfg_path in ["configs/tiny.yaml"] if ctx.dry_run else ["configs/llama_300m.yaml", "configs/llama_600m.yaml"]:
         cfg = load_config([str(ROOT / cfg_path)])
         d_out, d_in, r = cfg.model.hidden_size, cfg.model.ffn_hidden_size, cfg.geo.rank
         gen = torch.Generator().manual_seed(1)
@@ -522,17 +613,26 @@ def _geo_layer_cost(ctx: Ctx) -> dict:
             gt = T.apply(g)
             return T.apply_inverse(quantize_roundtrip(gt, codec))
 
-        ops = {"copy": lambda: dst.copy_(g), "fp8_e4m3 round trip": fp8_rt, "transform G T": lambda: T.apply(g),
-               "inverse G T^-1": lambda: T.apply_inverse(g), "geofp8 round trip": geo_rt}
+        ops = {
+            "copy": lambda: dst.copy_(g),
+            "fp8_e4m3 round trip": fp8_rt,
+            "transform G T": lambda: T.apply(g),
+            "inverse G T^-1": lambda: T.apply_inverse(g),
+            "geofp8 round trip": geo_rt,
+        }
         med = _time_ops(ctx, ops, 2 if ctx.dry_run else 10)
         nbytes = 4 * g.numel()
         copy = nbytes / med["copy"] / 1e9
         out[os.path.basename(cfg_path)] = {
-            "shape": [d_out, d_in], "rank": r,
-            "ops": {k: {"ms": v * 1e3, "gbps": nbytes / v / 1e9, "ratio_to_copy": nbytes / v / 1e9 / copy}
-                    for k, v in med.items()},
+            "shape": [d_out, d_in],
+            "rank": r,
+            "ops": {
+                k: {"ms": v * 1e3, "gbps": nbytes / v / 1e9, "ratio_to_copy": nbytes / v / 1e9 / copy}
+                for k, v in med.items()
+            },
             "geo_added_ms_per_layer": (med["geofp8 round trip"] - med["fp8_e4m3 round trip"]) * 1e3,
-            "geofp8_rel_l2": float((geo_rt() - g).norm() / g.norm())}
+            "geofp8_rel_l2": float((geo_rt() - g).norm() / g.norm()),
+        }
     return out
 
 
@@ -565,8 +665,9 @@ class GatherTimer:
             t0, e0 = time.perf_counter(), self._event()
             out = wait(bucket_indices, *a, **k)
             if self.publishes:
-                self.publishes[-1]["waits"].append({"in_publish": self._in_publish, "t0": t0, "t1": time.perf_counter(),
-                                                    "e0": e0, "e1": self._event()})
+                self.publishes[-1]["waits"].append(
+                    {"in_publish": self._in_publish, "t0": t0, "t1": time.perf_counter(), "e0": e0, "e1": self._event()}
+                )
             return out
 
         opt.publish, opt.wait_param_gather = publish, wait_param_gather
@@ -587,16 +688,23 @@ class GatherTimer:
         for p in self.publishes[:-1]:
             fw = [w for w in p["waits"] if not w["in_publish"]]
             inp = [w for w in p["waits"] if w["in_publish"]]
-            row = {"publish_ms": (p["t1"] - p["t0"]) * 1e3, "publish_gpu_ms": gpu(p["e0"], p["e1"]),
-                   "gathers_in_flight_after_publish": p.get("in_flight_after"), "waits_in_publish": len(inp),
-                   "wait_in_publish_ms": sum(w["t1"] - w["t0"] for w in inp) * 1e3,
-                   "waits_in_forward": len(fw), "wait_in_forward_ms": sum(w["t1"] - w["t0"] for w in fw) * 1e3}
+            row = {
+                "publish_ms": (p["t1"] - p["t0"]) * 1e3,
+                "publish_gpu_ms": gpu(p["e0"], p["e1"]),
+                "gathers_in_flight_after_publish": p.get("in_flight_after"),
+                "waits_in_publish": len(inp),
+                "wait_in_publish_ms": sum(w["t1"] - w["t0"] for w in inp) * 1e3,
+                "waits_in_forward": len(fw),
+                "wait_in_forward_ms": sum(w["t1"] - w["t0"] for w in fw) * 1e3,
+            }
             if fw:
                 first = fw[0]
-                row.update(publish_to_first_wait_ms=(first["t0"] - p["t1"]) * 1e3,
-                           first_wait_ms=(first["t1"] - first["t0"]) * 1e3,
-                           publish_to_first_wait_gpu_ms=gpu(p["e1"], first["e0"]),
-                           first_wait_gpu_ms=gpu(first["e0"], first["e1"]))
+                row.update(
+                    publish_to_first_wait_ms=(first["t0"] - p["t1"]) * 1e3,
+                    first_wait_ms=(first["t1"] - first["t0"]) * 1e3,
+                    publish_to_first_wait_gpu_ms=gpu(p["e1"], first["e0"]),
+                    first_wait_gpu_ms=gpu(first["e0"], first["e1"]),
+                )
             rows.append(row)
         keys = sorted({k for r in rows for k in r})
         med = {}
@@ -617,26 +725,47 @@ def phase_overlap(ctx: Ctx, rec: Record) -> None:
     for on in (True, False):
         name = "overlap_on" if on else "overlap_off"
         timers = []
-        cfg = train_config(ctx, name, f"train.steps={steps}", f"parallel.overlap_param_gather={str(on).lower()}",
-                           *([] if ctx.dry_run else ["parallel.bucket_size=100000"]))
+        cfg = train_config(
+            ctx,
+            name,
+            f"train.steps={steps}",
+            f"parallel.overlap_param_gather={str(on).lower()}",
+            *([] if ctx.dry_run else ["parallel.bucket_size=100000"]),
+        )
         summary, built, records, secs = run_train(
-            cfg, pctx, lambda b: timers.append(GatherTimer(b["optimizer"], ctx.cuda)))
+            cfg, pctx, lambda b: timers.append(GatherTimer(b["optimizer"], ctx.cuda))
+        )
         t = timers[0]
         losses[on] = losses_by_step(records)
-        rec[name] = {"seconds": secs, "buckets": len(built["buckets"]),
-                     "overlap_param_gather": built["optimizer"].overlap_param_gather, **t.summary()}
+        rec[name] = {
+            "seconds": secs,
+            "buckets": len(built["buckets"]),
+            "overlap_param_gather": built["optimizer"].overlap_param_gather,
+            **t.summary(),
+        }
         rec.save()
     on, off = rec["overlap_on"], rec["overlap_off"]
-    rec["note"] = ("fake process group: the gathers move no data, so these are this rank's launch and wait costs on "
-                   "the gather path; the network time of a real DP job is not in them")
-    rec.check("overlap on: gathers still in flight when publish() returns",
-              on["overlap_param_gather"] and on["median"].get("gathers_in_flight_after_publish", 0) > 0,
-              on["median"].get("gathers_in_flight_after_publish"))
-    rec.check("overlap on: the forward waits for them", on["median"].get("waits_in_forward", 0) >= 1,
-              on["median"].get("waits_in_forward"))
-    rec.check("overlap off: publish() waits for every gather itself",
-              not off["overlap_param_gather"] and off["median"].get("gathers_in_flight_after_publish", 1) == 0
-              and off["median"].get("waits_in_forward", 1) == 0, off["median"])
+    rec["note"] = (
+        "fake process group: the gathers move no data, so these are this rank's launch and wait costs on "
+        "the gather path; the network time of a real DP job is not in them"
+    )
+    rec.check(
+        "overlap on: gathers still in flight when publish() returns",
+        on["overlap_param_gather"] and on["median"].get("gathers_in_flight_after_publish", 0) > 0,
+        on["median"].get("gathers_in_flight_after_publish"),
+    )
+    rec.check(
+        "overlap on: the forward waits for them",
+        on["median"].get("waits_in_forward", 0) >= 1,
+        on["median"].get("waits_in_forward"),
+    )
+    rec.check(
+        "overlap off: publish() waits for every gather itself",
+        not off["overlap_param_gather"]
+        and off["median"].get("gathers_in_flight_after_publish", 1) == 0
+        and off["median"].get("waits_in_forward", 1) == 0,
+        off["median"],
+    )
     d = max_rel_diff(losses[True], losses[False], range(1, steps + 1))
     rec["max_rel_loss_diff_on_vs_off"] = d
     rec.check("same losses with and without overlap (rel. diff <= 1e-3)", d is not None and d <= 1e-3, d)
@@ -666,8 +795,12 @@ def phase_compile(ctx: Ctx, rec: Record) -> None:
 
     pctx = fake_dp(2, ctx.device)
     steps, interval = 4, 2  # refresh (hooked) steps 0 and 2, plain steps 1 and 3: both graphs, then reuse
-    common = [f"train.steps={steps}", f"geo.refresh_interval={interval}", "parallel.overlap_param_gather=true",
-              "model.num_layers=2"]  # every block compiles on its own: two keep the compile time short
+    common = [
+        f"train.steps={steps}",
+        f"geo.refresh_interval={interval}",
+        "parallel.overlap_param_gather=true",
+        "model.num_layers=2",
+    ]  # every block compiles on its own: two keep the compile time short
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
 
@@ -678,18 +811,29 @@ def phase_compile(ctx: Ctx, rec: Record) -> None:
     c, reasons = _dynamo_counters(), _recompile_reasons()
     stats = c.get("stats", {})
     blocks = sum(1 for b in built["model"].layers if is_compiled(b))
-    rec.update(seconds=secs, backend="inductor" if ctx.cuda else "eager", compiled_blocks=blocks,
-               num_layers=len(built["model"].layers), overlap_param_gather=built["optimizer"].overlap_param_gather,
-               refresh_steps=log.get("refresh_steps", []), expected_refreshes=expected_refreshes(steps, interval),
-               unique_graphs=stats.get("unique_graphs"), calls_captured=stats.get("calls_captured"),
-               frames=c.get("frames", {}), graph_breaks=sum(c.get("graph_break", {}).values()),
-               graph_break_reasons=sorted(c.get("graph_break", {}))[:20], recompiles=len(reasons),
-               recompile_reasons=reasons[:20], dynamo_counters=c,
-               step_time_s={int(r["step"]): r.get("step_time_s") for r in records if "step" in r},
-               losses=losses_by_step(records))
+    rec.update(
+        seconds=secs,
+        backend="inductor" if ctx.cuda else "eager",
+        compiled_blocks=blocks,
+        num_layers=len(built["model"].layers),
+        overlap_param_gather=built["optimizer"].overlap_param_gather,
+        refresh_steps=log.get("refresh_steps", []),
+        expected_refreshes=expected_refreshes(steps, interval),
+        unique_graphs=stats.get("unique_graphs"),
+        calls_captured=stats.get("calls_captured"),
+        frames=c.get("frames", {}),
+        graph_breaks=sum(c.get("graph_break", {}).values()),
+        graph_break_reasons=sorted(c.get("graph_break", {}))[:20],
+        recompiles=len(reasons),
+        recompile_reasons=reasons[:20],
+        dynamo_counters=c,
+        step_time_s={int(r["step"]): r.get("step_time_s") for r in records if "step" in r},
+        losses=losses_by_step(records),
+    )
     try:
-        rec["recompile_limit"] = getattr(torch._dynamo.config, "recompile_limit",
-                                         getattr(torch._dynamo.config, "cache_size_limit", None))
+        rec["recompile_limit"] = getattr(
+            torch._dynamo.config, "recompile_limit", getattr(torch._dynamo.config, "cache_size_limit", None)
+        )
     except Exception:  # noqa: BLE001
         pass
     if not ctx.cuda:
@@ -697,8 +841,11 @@ def phase_compile(ctx: Ctx, rec: Record) -> None:
     rec.check("every block compiled", blocks == len(built["model"].layers) > 0, blocks)
     rec.check("overlap_param_gather on", built["optimizer"].overlap_param_gather)
     rec.check("dynamo captured graphs", (stats.get("unique_graphs") or 0) > 0, stats.get("unique_graphs"))
-    rec.check(f"{rec['expected_refreshes']} GeoFP8 refreshes", len(rec["refresh_steps"]) == rec["expected_refreshes"],
-              rec["refresh_steps"])
+    rec.check(
+        f"{rec['expected_refreshes']} GeoFP8 refreshes",
+        len(rec["refresh_steps"]) == rec["expected_refreshes"],
+        rec["refresh_steps"],
+    )
     rec.check("losses finite", all(v is not None and math.isfinite(v) for v in rec["losses"].values()))
     rec.save()
     if ctx.dry_run:
@@ -721,7 +868,7 @@ def cuda_test_files() -> list[str]:
     out = []
     for p in sorted((ROOT / "tests").glob("test_*.py")):
         text = p.read_text(errors="replace")
-        marks = [text[m.start():m.start() + 400].lower() for m in re.finditer(r"skipif\(", text)]
+        marks = [text[m.start() : m.start() + 400].lower() for m in re.finditer(r"skipif\(", text)]
         if p.name != "test_gpu_check.py" and any("reason" in m and "cuda" in m for m in marks):
             out.append(str(p.relative_to(ROOT)))
     return out
@@ -733,15 +880,17 @@ def phase_cuda_tests(ctx_args, rec: Record) -> None:
     optional packages are not blocked for the tests (they see the machine as it is)."""
     import xml.etree.ElementTree as ET
 
-    import pytest
-
     import gpu_check_pytest
+    import pytest
 
     files = cuda_test_files()
     xml = Path(ctx_args.work) / "cuda_tests.xml"
     args = ["-q", "-rs", "-p", "no:cacheprovider", "--junitxml", str(xml), *files]
-    rec.update(command=" ".join(["python3 -m pytest -p gpu_check_pytest", *args]), files=files,
-               cuda_available=torch.cuda.is_available())
+    rec.update(
+        command=" ".join(["python3 -m pytest -p gpu_check_pytest", *args]),
+        files=files,
+        cuda_available=torch.cuda.is_available(),
+    )
     rec.save()
     blocked = [p for p in OPTIONAL_PACKAGES if p in sys.modules and sys.modules[p] is None]
     for p in blocked:
@@ -766,19 +915,36 @@ def phase_cuda_tests(ctx_args, rec: Record) -> None:
                 if el is not None:
                     outcome, msg = {"failure": "failed"}.get(kind, kind), (el.get("message") or "")[:300]
                     break
-            cases.append({"test": f"{c.get('classname')}::{c.get('name')}", "outcome": outcome,
-                          **({"message": msg} if msg else {})})
+            cases.append(
+                {
+                    "test": f"{c.get('classname')}::{c.get('name')}",
+                    "outcome": outcome,
+                    **({"message": msg} if msg else {}),
+                }
+            )
     counts = {k: sum(1 for c in cases if c["outcome"] == k) for k in ("passed", "failed", "error", "skipped")}
-    rec.update(tests=len(cases), passed=counts["passed"], failed=counts["failed"], errors=counts["error"],
-               skipped=counts["skipped"], cases=cases)
+    rec.update(
+        tests=len(cases),
+        passed=counts["passed"],
+        failed=counts["failed"],
+        errors=counts["error"],
+        skipped=counts["skipped"],
+        cases=cases,
+    )
     if not torch.cuda.is_available():
         rec["cuda_skipped"] = f"{NO_CUDA}: the selected tests skipped themselves"
     rec.check("CUDA tests were selected", len(cases) > 0, len(cases))
-    rec.check("no failures or errors", code == 0 and counts["failed"] == counts["error"] == 0,
-              [c["test"] for c in cases if c["outcome"] in ("failed", "error")] or code)
+    rec.check(
+        "no failures or errors",
+        code == 0 and counts["failed"] == counts["error"] == 0,
+        [c["test"] for c in cases if c["outcome"] in ("failed", "error")] or code,
+    )
     if torch.cuda.is_available():
-        rec.check("the CUDA tests ran (none skipped)", counts["skipped"] == 0,
-                  [c for c in cases if c["outcome"] == "skipped"] or None)
+        rec.check(
+            "the CUDA tests ran (none skipped)",
+            counts["skipped"] == 0,
+            [c for c in cases if c["outcome"] == "skipped"] or None,
+        )
     rec.save()
 
 
@@ -787,20 +953,32 @@ def phase_train_600m(ctx: Ctx, rec: Record) -> None:
     seq 2048): tokens/s, step time, peak memory, TFLOP/s and MFU against the device's entry in
     megatron_geo.training.mfu's table (no entry: no MFU, and the JSON says so)."""
     from bench_common import synthetic_batches
+
     from megatron_geo.config import load_config
     from megatron_geo.model import count_parameters, flops_per_token
     from megatron_geo.parallel import init_parallel
     from megatron_geo.parallel.launch_env import LaunchEnv
     from megatron_geo.training.mfu import gpu_flops_metrics, peak_bf16_flops
-    from megatron_geo.training.step import train_step
     from megatron_geo.training.setup import build_model_and_optimizer
+    from megatron_geo.training.step import train_step
 
-    over = ["logging.wandb=disabled", "train.global_batch_size=8", "train.micro_batch_size=4",
-            f"train.device={ctx.device.type}"]
+    over = [
+        "logging.wandb=disabled",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=4",
+        f"train.device={ctx.device.type}",
+    ]
     if ctx.dry_run:  # the same code path with a model the CPU runs in seconds
-        over += ["model.hidden_size=64", "model.num_layers=2", "model.ffn_hidden_size=128", "model.seq_length=64",
-                 "model.vocab_size=512", "train.global_batch_size=4", "train.micro_batch_size=2",
-                 "optimizer.muon_ns_dtype=fp32"]
+        over += [
+            "model.hidden_size=64",
+            "model.num_layers=2",
+            "model.ffn_hidden_size=128",
+            "model.seq_length=64",
+            "model.vocab_size=512",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=2",
+            "optimizer.muon_ns_dtype=fp32",
+        ]
     cfg = load_config([str(ROOT / "configs" / "llama_600m.yaml")], over)
     pctx = init_parallel(1, ctx.device.type, "auto", env=LaunchEnv(0, 1, 0, "127.0.0.1", 0, "single"))
     t0 = time.perf_counter()
@@ -808,10 +986,18 @@ def phase_train_600m(ctx: Ctx, rec: Record) -> None:
     model, _, _, sync, opt = build_model_and_optimizer(cfg, pctx)
     build_s = time.perf_counter() - t0
     warmup, timed = (1, 2) if ctx.dry_run else (2, 5)
-    rec.update(config="configs/llama_600m.yaml", parameters=count_parameters(cfg.model),
-               seq_length=cfg.model.seq_length, global_batch=cfg.train.global_batch_size,
-               micro_batch=cfg.train.micro_batch_size, optimizer=cfg.optimizer.name, param_dtype=cfg.train.param_dtype,
-               autocast="bf16" if ctx.cuda else "none (CPU)", build_s=build_s, warmup_steps=warmup)
+    rec.update(
+        config="configs/llama_600m.yaml",
+        parameters=count_parameters(cfg.model),
+        seq_length=cfg.model.seq_length,
+        global_batch=cfg.train.global_batch_size,
+        micro_batch=cfg.train.micro_batch_size,
+        optimizer=cfg.optimizer.name,
+        param_dtype=cfg.train.param_dtype,
+        autocast="bf16" if ctx.cuda else "none (CPU)",
+        build_s=build_s,
+        warmup_steps=warmup,
+    )
     if ctx.cuda:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     times, losses = [], []
@@ -820,8 +1006,18 @@ def phase_train_600m(ctx: Ctx, rec: Record) -> None:
         mbs = synthetic_batches(cfg, 0, 1, s)
         ctx.sync()
         t = time.perf_counter()
-        res = train_step(model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad, cfg.train.autocast_dtype,
-                         step=s, global_tokens=tokens)
+        res = train_step(
+            model,
+            mbs,
+            sync,
+            opt,
+            pctx,
+            1.0,
+            cfg.optimizer.clip_grad,
+            cfg.train.autocast_dtype,
+            step=s,
+            global_tokens=tokens,
+        )
         ctx.sync()
         if s >= warmup:
             times.append(time.perf_counter() - t)
@@ -832,12 +1028,24 @@ def phase_train_600m(ctx: Ctx, rec: Record) -> None:
     name = torch.cuda.get_device_name(ctx.device) if ctx.cuda else "cpu"
     found = peak_bf16_flops(name)
     m = gpu_flops_metrics(tps, 1, flops_per_token(cfg.model), name)
-    rec.update(timed_steps=len(times), step_time_s=times, step_time_s_median=med, tokens_per_sec=tps,
-               flops_per_token=flops_per_token(cfg.model), tflops_per_gpu=m["tflops_per_gpu"], mfu=m["mfu"],
-               peak_tflops=m["peak_tflops"],
-               peak_source=(f"megatron_geo.training.mfu.PEAK_BF16_FLOPS: {found[0]}" if found else
-                            f"{name!r} is not in megatron_geo.training.mfu.PEAK_BF16_FLOPS: no MFU reported"),
-               first_loss=losses[0], last_loss=losses[-1], losses=losses)
+    rec.update(
+        timed_steps=len(times),
+        step_time_s=times,
+        step_time_s_median=med,
+        tokens_per_sec=tps,
+        flops_per_token=flops_per_token(cfg.model),
+        tflops_per_gpu=m["tflops_per_gpu"],
+        mfu=m["mfu"],
+        peak_tflops=m["peak_tflops"],
+        peak_source=(
+            f"megatron_geo.training.mfu.PEAK_BF16_FLOPS: {found[0]}"
+            if found
+            else f"{name!r} is not in megatron_geo.training.mfu.PEAK_BF16_FLOPS: no MFU reported"
+        ),
+        first_loss=losses[0],
+        last_loss=losses[-1],
+        losses=losses,
+    )
     if ctx.cuda:
         rec["peak_memory_gib"] = torch.cuda.max_memory_allocated(ctx.device) / GiB
     rec.check("losses finite", all(math.isfinite(v) for v in losses), losses)
@@ -878,27 +1086,34 @@ def phase_codec(ctx: Ctx, rec: Record) -> None:
     import codec as reducer_bench
     from codec_kernels import make_ops
 
-    numel = 1 << 18 if ctx.dry_run else 64 * 2 ** 20
+    numel = 1 << 18 if ctx.dry_run else 64 * 2**20
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(ctx.device)
     med = _time_ops(ctx, make_ops(x, torch.empty_like(x)), 2 if ctx.dry_run else 10)
     nbytes = 4 * numel
     copy = nbytes / med["copy"] / 1e9
-    rec.update(numel=numel, ops={k: {"ms": v * 1e3, "gbps": nbytes / v / 1e9, "ratio_to_copy": nbytes / v / 1e9 / copy}
-                                 for k, v in med.items()})
+    rec.update(
+        numel=numel,
+        ops={
+            k: {"ms": v * 1e3, "gbps": nbytes / v / 1e9, "ratio_to_copy": nbytes / v / 1e9 / copy}
+            for k, v in med.items()
+        },
+    )
     del x
     rec.save()
     from megatron_geo.comm.compiled import compiler_problem
 
     problem = compiler_problem(str(ctx.device))
     if ctx.dry_run:
-        mode, rec["compiled_skipped"] = "eager", ("the dry run times the eager codecs only (torch.compile on the CPU "
-                                                  "needs a C++ compiler and minutes)")
+        mode, rec["compiled_skipped"] = (
+            "eager",
+            ("the dry run times the eager codecs only (torch.compile on the CPU needs a C++ compiler and minutes)"),
+        )
     elif problem:
         mode, rec["compiled_skipped"] = "eager", problem
     else:
         mode = "both"
     presets = dry_codec_presets() if ctx.dry_run else codec_presets()
-    rnumel = 1 << 20 if ctx.dry_run else 64 * 2 ** 20
+    rnumel = 1 << 20 if ctx.dry_run else 64 * 2**20
     rec["reducer"] = {"numel": rnumel, "dp": 2, "modes": mode, "presets": {}}
     for p in presets:  # one run per preset, each with its own copy reference: a time limit keeps the finished ones
         if ctx.time_left() < (5 if ctx.dry_run else 25):
@@ -908,9 +1123,22 @@ def phase_codec(ctx: Ctx, rec: Record) -> None:
         out = ctx.work / f"codec_{p}.json"
         t0 = time.perf_counter()
         try:
-            rc = reducer_bench.main(["--device", str(ctx.device), "--numel", str(rnumel), "--repeats",
-                                     "1" if ctx.dry_run else "10", "--compile", mode, "--presets", p, "--json",
-                                     str(out)])
+            rc = reducer_bench.main(
+                [
+                    "--device",
+                    str(ctx.device),
+                    "--numel",
+                    str(rnumel),
+                    "--repeats",
+                    "1" if ctx.dry_run else "10",
+                    "--compile",
+                    mode,
+                    "--presets",
+                    p,
+                    "--json",
+                    str(out),
+                ]
+            )
         except Exception as e:  # noqa: BLE001 -- one preset's failure (a compile error) leaves the others to run
             import traceback
 
@@ -930,18 +1158,31 @@ def phase_codec(ctx: Ctx, rec: Record) -> None:
         for m in ("eager", "compiled"):
             r = d.get(f"presets_{m}", {}).get(p)
             if r is not None:
-                row[m] = {**r, "gbps": 4 * rnumel / (r["ms"] / 1e3) / 1e9,
-                          "memcpy_gbps": 4 * rnumel / (r["memcpy_ms"] / 1e3) / 1e9}
+                row[m] = {
+                    **r,
+                    "gbps": 4 * rnumel / (r["ms"] / 1e3) / 1e9,
+                    "memcpy_gbps": 4 * rnumel / (r["memcpy_ms"] / 1e3) / 1e9,
+                }
         rec["reducer"]["presets"][p] = row
         if "compiled" in row:
-            rec.check(f"{p}: compiled = eager bitwise", row["compiled"].get("bitwise_equal_eager") is True,
-                      row["compiled"].get("bitwise_equal_eager"))
+            rec.check(
+                f"{p}: compiled = eager bitwise",
+                row["compiled"].get("bitwise_equal_eager") is True,
+                row["compiled"].get("bitwise_equal_eager"),
+            )
         rec.save()
 
 
-PHASES = {"env": phase_env, "checkpoint": phase_checkpoint, "geo": phase_geo, "overlap": phase_overlap,
-          "compile": phase_compile, "cuda_tests": phase_cuda_tests, "train_600m": phase_train_600m,
-          "codec": phase_codec}
+PHASES = {
+    "env": phase_env,
+    "checkpoint": phase_checkpoint,
+    "geo": phase_geo,
+    "overlap": phase_overlap,
+    "compile": phase_compile,
+    "cuda_tests": phase_cuda_tests,
+    "train_600m": phase_train_600m,
+    "codec": phase_codec,
+}
 NEEDS_CTX = {"checkpoint", "geo", "overlap", "compile", "train_600m", "codec"}
 
 

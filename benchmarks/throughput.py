@@ -25,11 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_common import run_gloo, synthetic_batches  # noqa: E402
+
 from megatron_geo.config import load_config  # noqa: E402
 from megatron_geo.model import Llama  # noqa: E402
 from megatron_geo.parallel import build_groups  # noqa: E402
-from megatron_geo.training.step import train_step  # noqa: E402
 from megatron_geo.training.setup import build_model_and_optimizer  # noqa: E402
+from megatron_geo.training.step import train_step  # noqa: E402
 
 
 def _ours(cfg, pctx, steps):
@@ -92,12 +93,18 @@ def main() -> None:
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     ours, ref, sent = run_gloo(_worker, args.nproc, args)
     mo, mr = statistics.median(ours), statistics.median(ref)
-    print(f"config: {' '.join(args.config)} {' '.join(args.overrides)} | {args.nproc} DP processes (gloo, CPU), "
-          f"global batch {cfg.train.global_batch_size} x seq {cfg.model.seq_length} = {tokens} tokens/step, "
-          f"{args.rounds} rounds x {args.steps} steps each")
-    print(f"megatron-geo ({cfg.comm.dtype} reducer, distributed_optimizer={cfg.parallel.distributed_optimizer}): "
-          f"median step {mo * 1e3:8.1f} ms  {tokens / mo:10,.0f} tokens/s  ({sent:,.0f} grad bytes sent/step/rank)")
-    print(f"plain PyTorch DDP (fp32 all-reduce, AdamW):          median step {mr * 1e3:8.1f} ms  {tokens / mr:10,.0f} tokens/s")
+    print(
+        f"config: {' '.join(args.config)} {' '.join(args.overrides)} | {args.nproc} DP processes (gloo, CPU), "
+        f"global batch {cfg.train.global_batch_size} x seq {cfg.model.seq_length} = {tokens} tokens/step, "
+        f"{args.rounds} rounds x {args.steps} steps each"
+    )
+    print(
+        f"megatron-geo ({cfg.comm.dtype} reducer, distributed_optimizer={cfg.parallel.distributed_optimizer}): "
+        f"median step {mo * 1e3:8.1f} ms  {tokens / mo:10,.0f} tokens/s  ({sent:,.0f} grad bytes sent/step/rank)"
+    )
+    print(
+        f"plain PyTorch DDP (fp32 all-reduce, AdamW):          median step {mr * 1e3:8.1f} ms  {tokens / mr:10,.0f} tokens/s"
+    )
     print(f"ratio megatron-geo / DDP tokens/s: {mr / mo:.3f}  (target >= 0.9)")
 
 

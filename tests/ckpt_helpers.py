@@ -23,25 +23,44 @@ def make_corpus(root: Path, vocab_size: int = 96) -> list[str]:
         with IndexedDatasetBuilder(str(root / split), vocab_size=tok.vocab_size) as b:
             for line in part:
                 b.add_document(tok.encode(line) + [tok.eod_id])
-    return ["data.source=indexed", f"data.train_prefix={root}/train", f"data.valid_prefix={root}/valid",
-            f"data.tokenizer_model={model}", f"model.vocab_size={tok.vocab_size}"]
+    return [
+        "data.source=indexed",
+        f"data.train_prefix={root}/train",
+        f"data.valid_prefix={root}/valid",
+        f"data.tokenizer_model={model}",
+        f"model.vocab_size={tok.vocab_size}",
+    ]
 
 
 def tiny_train_overrides(run_dir: Path, data: list[str], *extra: str) -> list[str]:
-    return ["model.hidden_size=32", "model.num_layers=2", "model.num_attention_heads=4", "model.num_kv_heads=2",
-            "model.ffn_hidden_size=64", "model.seq_length=16", "model.make_vocab_size_divisible_by=1",
-            "parallel.bucket_size=3000", "train.global_batch_size=8", "train.micro_batch_size=2",
-            "train.warmup_steps=2", "train.eval_interval=4", "train.eval_batches=1", "train.progress=false",
-            "logging.wandb=disabled", f"train.run_dir={run_dir}", *data, *extra]
+    return [
+        "model.hidden_size=32",
+        "model.num_layers=2",
+        "model.num_attention_heads=4",
+        "model.num_kv_heads=2",
+        "model.ffn_hidden_size=64",
+        "model.seq_length=16",
+        "model.make_vocab_size_divisible_by=1",
+        "parallel.bucket_size=3000",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+        "train.warmup_steps=2",
+        "train.eval_interval=4",
+        "train.eval_batches=1",
+        "train.progress=false",
+        "logging.wandb=disabled",
+        f"train.run_dir={run_dir}",
+        *data,
+        *extra,
+    ]
 
 
 def train_jobs(rank, world, jobs):
     """``run_distributed`` worker: train each override list of ``jobs`` in turn; returns the train results."""
-    from megatron_geo.config import load_config
-    from megatron_geo.training.validate import validate_config
-    from megatron_geo.training.trainer import train
-
     from helpers import pctx_for
+    from megatron_geo.config import load_config
+    from megatron_geo.training.trainer import train
+    from megatron_geo.training.validate import validate_config
 
     out = []
     for overrides in jobs:
@@ -56,12 +75,21 @@ def local_state(optimizer) -> list[dict]:
     out = []
     for m in optimizer.mains:
         st = optimizer.optimizer_of(m).state.get(m.main, {})
-        out.append({"name": m.name, "start": m.param_start, "shape": tuple(m.param.shape),
-                    "partition_dim": getattr(m.param, "partition_dim", None)
-                    if getattr(m.param, "tensor_model_parallel", False) else None,
-                    "main": m.main.detach().reshape(-1).clone(),
-                    "state": {k: (v.detach().reshape(-1).clone() if v.numel() == m.main.numel() else v.clone())
-                              for k, v in st.items()}})
+        out.append(
+            {
+                "name": m.name,
+                "start": m.param_start,
+                "shape": tuple(m.param.shape),
+                "partition_dim": getattr(m.param, "partition_dim", None)
+                if getattr(m.param, "tensor_model_parallel", False)
+                else None,
+                "main": m.main.detach().reshape(-1).clone(),
+                "state": {
+                    k: (v.detach().reshape(-1).clone() if v.numel() == m.main.numel() else v.clone())
+                    for k, v in st.items()
+                },
+            }
+        )
     return out
 
 
@@ -83,7 +111,7 @@ def assemble(per_rank: list[list[dict]], tp_size: int, vocab_rows: int | None = 
             meta[pc["name"]] = (pc["shape"], pc["partition_dim"])
             for key, val in [("main", pc["main"])] + [(k, v) for k, v in pc["state"].items() if v.dim() > 0]:
                 flat = entry.setdefault(key, torch.full((numel,), float("nan"), dtype=val.dtype))
-                flat[pc["start"]:pc["start"] + val.numel()] = val
+                flat[pc["start"] : pc["start"] + val.numel()] = val
             for k, v in pc["state"].items():
                 if v.dim() == 0:
                     entry["scalar_" + k] = v.item()
@@ -108,6 +136,7 @@ def assemble(per_rank: list[list[dict]], tp_size: int, vocab_rows: int | None = 
 
 # ---------------------------------------------------------------------------------------------------
 # fake CUDA on a CPU-only torch: FakeTensorMode tensors on ``cuda:0`` (shapes, dtypes and devices, no data)
+
 
 def _names_cuda(v) -> bool:
     return (isinstance(v, torch.device) and v.type == "cuda") or (isinstance(v, str) and v.startswith("cuda"))
@@ -198,14 +227,15 @@ def install_fake_cuda_runtime() -> None:
     For a subprocess of its own: nothing is restored."""
     import importlib
 
-    import megatron_geo.model.llama as llama
     from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    import megatron_geo.model.llama as llama
 
     torch.cuda.Stream = _NoStream
     rng = {}
     torch.cuda.get_rng_state = lambda device="cuda": rng.get(str(device), torch.zeros(16, dtype=torch.uint8)).clone()
     torch.cuda.set_rng_state = lambda s, device="cuda": rng.__setitem__(str(device), s.clone())
-    llama._init = lambda seed, name, kind, std: (lambda t: t.normal_(0.0, std))
+    llama._init = lambda seed, name, kind, std: lambda t: t.normal_(0.0, std)
     try:
         agreement = importlib.import_module("megatron_geo.checkpoint.agreement")
     except ImportError:  # a package without rank agreement: nothing to route
@@ -221,8 +251,11 @@ def install_fake_cuda_runtime() -> None:
             with unset_fake_temporarily():
                 return real_text(text, group, group_src, torch.device("cpu"))
 
-        for name in ("megatron_geo.checkpoint.agreement", "megatron_geo.checkpoint.state",
-                     "megatron_geo.training.checkpointing"):
+        for name in (
+            "megatron_geo.checkpoint.agreement",
+            "megatron_geo.checkpoint.state",
+            "megatron_geo.training.checkpointing",
+        ):
             mod = importlib.import_module(name)
             if hasattr(mod, "all_gather_ints"):
                 mod.all_gather_ints = host_gather

@@ -93,13 +93,18 @@ def fake_tensors():
 
 def no_weight_init(monkey_module) -> None:
     """Skip the model's random initialisation (fake tensors hold no values; random ops on them are slow)."""
-    monkey_module._init = lambda *a, **k: (lambda t: None)
+    monkey_module._init = lambda *a, **k: lambda t: None
 
 
 def run_in_subprocess(module: str, *args: str, timeout: float = 600) -> dict:
     """Run ``python tests/<module>.py args...`` and return the JSON its last stdout line holds."""
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / f"{module}.py"), *args], capture_output=True,
-                       text=True, timeout=timeout, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / f"{module}.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
     if r.returncode != 0:
         raise AssertionError(f"tests/{module}.py {' '.join(args)} failed:\n{r.stderr[-4000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])

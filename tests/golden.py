@@ -42,14 +42,33 @@ RUN_TOKEN = "@RUN@"
 
 
 def overrides(corpus: Path, run_dir: Path, preset: str, extra: list[str]) -> list[str]:
-    return ["model.hidden_size=32", "model.num_layers=2", "model.num_attention_heads=4", "model.num_kv_heads=2",
-            "model.ffn_hidden_size=64", "model.seq_length=16", "model.make_vocab_size_divisible_by=1",
-            "parallel.bucket_size=3000", "train.global_batch_size=8", "train.micro_batch_size=2",
-            "train.warmup_steps=2", "train.eval_batches=0", "train.progress=false", "logging.wandb=disabled",
-            f"train.steps={STEPS}", "geo.refresh_interval=2", f"train.run_dir={run_dir}",
-            "data.source=indexed", f"data.train_prefix={corpus}/train", f"data.valid_prefix={corpus}/valid",
-            f"data.tokenizer_model={corpus}/tok.model", "model.vocab_size=96",
-            "--config", str(ROOT / "configs" / "comm" / preset), *extra]
+    return [
+        "model.hidden_size=32",
+        "model.num_layers=2",
+        "model.num_attention_heads=4",
+        "model.num_kv_heads=2",
+        "model.ffn_hidden_size=64",
+        "model.seq_length=16",
+        "model.make_vocab_size_divisible_by=1",
+        "parallel.bucket_size=3000",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+        "train.warmup_steps=2",
+        "train.eval_batches=0",
+        "train.progress=false",
+        "logging.wandb=disabled",
+        f"train.steps={STEPS}",
+        "geo.refresh_interval=2",
+        f"train.run_dir={run_dir}",
+        "data.source=indexed",
+        f"data.train_prefix={corpus}/train",
+        f"data.valid_prefix={corpus}/valid",
+        f"data.tokenizer_model={corpus}/tok.model",
+        "model.vocab_size=96",
+        "--config",
+        str(ROOT / "configs" / "comm" / preset),
+        *extra,
+    ]
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -68,21 +87,28 @@ def _install_recorder(log: list) -> None:
                 t = pick(*args)
                 log.append([name, str(t.dtype).replace("torch.", ""), t.numel(), _digest(t)])
             return fn(*args, **kwargs)
+
         return inner
 
     first, second = (lambda t, *a: t), (lambda out, inp, *a: inp)
-    for name, pick in (("all_reduce", first), ("broadcast", first), ("reduce", first),
-                       ("all_gather_into", second), ("reduce_scatter_into", second),
-                       ("all_gather_list", second), ("all_to_all_single", second),
-                       ("reduce_ranges", first), ("all_gather_ranges", first)):
+    for name, pick in (
+        ("all_reduce", first),
+        ("broadcast", first),
+        ("reduce", first),
+        ("all_gather_into", second),
+        ("reduce_scatter_into", second),
+        ("all_gather_list", second),
+        ("all_to_all_single", second),
+        ("reduce_ranges", first),
+        ("all_gather_ranges", first),
+    ):
         setattr(C, name, wrap(name, getattr(C, name), pick))
 
 
 def record_wire(rank, world, corpus, run_dir, preset, extra):
-    from megatron_geo.training.validate import validate_config
-    from megatron_geo.training.trainer import train
-
     from helpers import pctx_for
+    from megatron_geo.training.trainer import train
+    from megatron_geo.training.validate import validate_config
 
     log: list = []
     _install_recorder(log)
@@ -134,8 +160,9 @@ def main() -> None:
     resumes = {}
     for name, (preset, extra) in CHECKPOINTS.items():
         run = work / f"ckpt_{name}"
-        res = run_distributed(record_wire, 2, str(corpus), str(run), preset,
-                              [*extra, "checkpoint.interval=2", "checkpoint.keep_latest=0"])
+        res = run_distributed(
+            record_wire, 2, str(corpus), str(run), preset, [*extra, "checkpoint.interval=2", "checkpoint.keep_latest=0"]
+        )
         dst = out / "ckpt" / name
         shutil.rmtree(dst, ignore_errors=True)
         shutil.copytree(run / "checkpoints" / "step_00000002", dst / "step_00000002")

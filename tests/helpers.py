@@ -3,18 +3,30 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from megatron_geo.config import load_config
 from megatron_geo.parallel import build_groups
-import torch.distributed as dist
 
 
 def tiny_cfg(*overrides: str):
-    base = ["model.hidden_size=32", "model.num_layers=2", "model.num_attention_heads=4", "model.num_kv_heads=2",
-            "model.ffn_hidden_size=64", "model.seq_length=16", "model.vocab_size=131",
-            "model.make_vocab_size_divisible_by=1", "parallel.bucket_size=3000", "train.global_batch_size=8",
-            "train.micro_batch_size=2", "optimizer.lr=1e-2", "optimizer.min_lr=1e-2", "train.warmup_steps=0",
-            "logging.wandb=disabled"]
+    base = [
+        "model.hidden_size=32",
+        "model.num_layers=2",
+        "model.num_attention_heads=4",
+        "model.num_kv_heads=2",
+        "model.ffn_hidden_size=64",
+        "model.seq_length=16",
+        "model.vocab_size=131",
+        "model.make_vocab_size_divisible_by=1",
+        "parallel.bucket_size=3000",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+        "optimizer.lr=1e-2",
+        "optimizer.min_lr=1e-2",
+        "train.warmup_steps=0",
+        "logging.wandb=disabled",
+    ]
     return load_config([], base + list(overrides))
 
 
@@ -35,4 +47,4 @@ def rank_micro_batches(batch: dict, micro: int, dp_rank: int, dp_size: int) -> l
     G = batch["tokens"].shape[0]
     per = G // dp_size
     lo = dp_rank * per
-    return [{k: v[lo + i:lo + i + micro] for k, v in batch.items()} for i in range(0, per, micro)]
+    return [{k: v[lo + i : lo + i + micro] for k, v in batch.items()} for i in range(0, per, micro)]

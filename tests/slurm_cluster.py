@@ -32,8 +32,10 @@ def missing_reason() -> str | None:
     """Why a local cluster cannot be started here (None when it can)."""
     missing = [b for b in BINARIES if shutil.which(b) is None and not os.path.exists(f"/usr/sbin/{b}")]
     if missing:
-        return (f"Slurm is not installed (missing {', '.join(missing)}); install it with: apt-get install -y "
-                f"--no-install-recommends slurmctld slurmd slurm-client munge (as .ci/run does)")
+        return (
+            f"Slurm is not installed (missing {', '.join(missing)}); install it with: apt-get install -y "
+            f"--no-install-recommends slurmctld slurmd slurm-client munge (as .ci/run does)"
+        )
     if os.geteuid() != 0:
         return "the local Slurm cluster needs root (SlurmUser=root and an /etc/hosts entry for the virtual nodes)"
     if not os.access(HOSTS, os.W_OK):
@@ -84,20 +86,40 @@ class SlurmCluster:
         for sub in ("state", "spool", "log", "run"):
             (d / sub).mkdir(exist_ok=True)
         lines = [
-            "ClusterName=mgtest", "SlurmctldHost=localhost", f"SlurmctldPort={ctl_port}",
-            "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/none", "CredType=cred/none",
-            f"StateSaveLocation={d}/state", f"SlurmdSpoolDir={d}/spool/%n",
-            f"SlurmctldPidFile={d}/run/slurmctld.pid", f"SlurmdPidFile={d}/run/slurmd-%n.pid",
-            f"SlurmctldLogFile={d}/log/slurmctld.log", f"SlurmdLogFile={d}/log/slurmd-%n.log",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_Core", "AccountingStorageType=accounting_storage/none",
-            "JobAcctGatherType=jobacct_gather/none", "MpiDefault=none", "MinJobAge=4",
-            "SlurmdParameters=config_overrides", "ReturnToService=2", "SchedulerType=sched/builtin",
-            "SlurmctldTimeout=30", "SlurmdTimeout=30", "InactiveLimit=0", "KillWait=5",
+            "ClusterName=mgtest",
+            "SlurmctldHost=localhost",
+            f"SlurmctldPort={ctl_port}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/none",
+            "CredType=cred/none",
+            f"StateSaveLocation={d}/state",
+            f"SlurmdSpoolDir={d}/spool/%n",
+            f"SlurmctldPidFile={d}/run/slurmctld.pid",
+            f"SlurmdPidFile={d}/run/slurmd-%n.pid",
+            f"SlurmctldLogFile={d}/log/slurmctld.log",
+            f"SlurmdLogFile={d}/log/slurmd-%n.log",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "AccountingStorageType=accounting_storage/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "MpiDefault=none",
+            "MinJobAge=4",
+            "SlurmdParameters=config_overrides",
+            "ReturnToService=2",
+            "SchedulerType=sched/builtin",
+            "SlurmctldTimeout=30",
+            "SlurmdTimeout=30",
+            "InactiveLimit=0",
+            "KillWait=5",
         ]
         for name, port in zip(self.node_names, node_ports):
-            lines.append(f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} "
-                         f"CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN")
+            lines.append(
+                f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} "
+                f"CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN"
+            )
         lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
         self.conf.write_text("\n".join(lines) + "\n")
         for n in self.node_names:
@@ -136,7 +158,7 @@ class SlurmCluster:
                 time.sleep(0.1)
         raise RuntimeError(f"{path} did not appear; see the logs in {self.dir / 'log'}")
 
-    def start(self, timeout: float = 30) -> "SlurmCluster":
+    def start(self, timeout: float = 30) -> SlurmCluster:
         """Write slurm.conf, add the host names, start slurmctld and the slurmd daemons, wait until idle."""
         self.write_conf()
         self._add_hosts()
@@ -219,7 +241,7 @@ class SlurmCluster:
     def cleanup(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def __enter__(self) -> "SlurmCluster":
+    def __enter__(self) -> SlurmCluster:
         try:
             return self.start()
         except BaseException:
@@ -230,11 +252,18 @@ class SlurmCluster:
         self.stop()
 
     # -- jobs ----------------------------------------------------------------------------------------------------
-    def sbatch(self, args: list[str], cwd: str, env: dict | None = None, timeout: float = 120) \
-            -> subprocess.CompletedProcess:
+    def sbatch(
+        self, args: list[str], cwd: str, env: dict | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess:
         """``sbatch --wait ARGS`` from ``cwd``; its return code is the job's exit code."""
-        return subprocess.run([_which("sbatch"), "--wait", *args], cwd=cwd, env=self.env(env), capture_output=True,
-                              text=True, timeout=timeout)
+        return subprocess.run(
+            [_which("sbatch"), "--wait", *args],
+            cwd=cwd,
+            env=self.env(env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def logs(self) -> str:
         """The daemons' log files (for failure messages)."""

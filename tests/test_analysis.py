@@ -25,9 +25,11 @@ def _eig(A):
 
 
 def test_training_path_never_imports_the_analysis_package():
-    code = ("import sys, megatron_geo.training.trainer, megatron_geo.comm.lowp, megatron_geo.geometry.geo; "
-            "bad = sorted(m for m in sys.modules if m.startswith('megatron_geo.analysis')); "
-            "assert not bad, bad; print('ok')")
+    code = (
+        "import sys, megatron_geo.training.trainer, megatron_geo.comm.lowp, megatron_geo.geometry.geo; "
+        "bad = sorted(m for m in sys.modules if m.startswith('megatron_geo.analysis')); "
+        "assert not bad, bad; print('ok')"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
 
@@ -42,7 +44,7 @@ def test_gradients_are_dY_T_X_and_the_factor_pools_all_ranks():
         torch.testing.assert_close(cap.grads[SC.LAYER][r], (dY.T @ X / p.tokens).float())
         A += X.T @ X
     torch.testing.assert_close(cap.A[SC.LAYER], (A / (p.ranks * p.tokens)).float())
-    again = SC.generate(p)                                        # seeded: the same draw again
+    again = SC.generate(p)  # seeded: the same draw again
     assert all(torch.equal(a, b) for a, b in zip(cap.grads[SC.LAYER], again.grads[SC.LAYER]))
 
 
@@ -50,7 +52,7 @@ def test_iid_and_channel_spikes_factor_match_their_expectation():
     n = SMALL["ranks"] * SMALL["tokens"]
     A = SC.generate(SC.ScenarioParams(name="iid", **SMALL)).A[SC.LAYER].double()
     off = A - torch.diag(A.diagonal())
-    assert abs(A.diagonal().mean().item() - 1) < 4 * math.sqrt(2 / n / SMALL["d_in"])     # E[A] = I
+    assert abs(A.diagonal().mean().item() - 1) < 4 * math.sqrt(2 / n / SMALL["d_in"])  # E[A] = I
     assert abs(off.pow(2).mean().sqrt().item() - 1 / math.sqrt(n)) < 0.2 / math.sqrt(n)  # sampling noise only
     p = SC.ScenarioParams(name="channel-spikes", spike=30.0, **SMALL)
     A = SC.generate(p).A[SC.LAYER].double()
@@ -60,9 +62,9 @@ def test_iid_and_channel_spikes_factor_match_their_expectation():
     torch.testing.assert_close(A.diagonal()[ch], torch.full((p.k,), 900.0, dtype=torch.float64), rtol=0.1, atol=0)
     assert abs(A.diagonal()[rest].mean().item() - 1) < 0.05
     ev, V = _eig(A)
-    assert V[ch, : p.k].norm().item() ** 2 == pytest.approx(p.k, rel=1e-3)   # the outliers span the spiking axes
+    assert V[ch, : p.k].norm().item() ** 2 == pytest.approx(p.k, rel=1e-3)  # the outliers span the spiking axes
     one = SC.generate(SC.ScenarioParams(name="channel-spikes", spike=30.0, **{**SMALL, "k": 1})).A[SC.LAYER]
-    assert RS.eigvec_ipr(_eig(one)[1][:, :1].float(), torch.tensor([0.01])).item() > 0.99   # one channel: IPR 1
+    assert RS.eigvec_ipr(_eig(one)[1][:, :1].float(), torch.tensor([0.01])).item() > 0.99  # one channel: IPR 1
 
 
 def test_token_spikes_outlier_direction_is_spread_over_k_channels():
@@ -73,7 +75,7 @@ def test_token_spikes_outlier_direction_is_spread_over_k_channels():
     u[ch] = 1 / math.sqrt(p.k)
     ev, V = _eig(A)
     f = max(1, round(p.spike_tokens * p.tokens)) / p.tokens
-    assert ev[0].item() == pytest.approx(1 + f * p.k * p.spike ** 2, rel=0.1)          # 1 + f k spike^2
+    assert ev[0].item() == pytest.approx(1 + f * p.k * p.spike**2, rel=0.1)  # 1 + f k spike^2
     assert abs(V[:, 0] @ u).item() > 0.99
     assert RS.eigvec_ipr(V[:, :1].float(), torch.tensor([0.01])).item() == pytest.approx(1 / p.k, rel=0.05)
 
@@ -83,9 +85,9 @@ def test_dense_spikes_and_coherent_slopes_and_cancellation():
     cap = SC.generate(p)
     V = SC.structure(p)["V"]
     ev, U = _eig(cap.A[SC.LAYER])
-    assert ev[: p.k].mean().item() == pytest.approx(1 + p.spike ** 2, rel=0.1)        # 1 + spike^2
-    assert (U[:, : p.k].T @ V).norm().item() ** 2 == pytest.approx(p.k, rel=0.01)       # the span of V
-    assert RS.eigvec_ipr(U[:, : p.k].float(), torch.full((p.k,), 0.01)).item() < 0.2   # dense (~3 / d_in)
+    assert ev[: p.k].mean().item() == pytest.approx(1 + p.spike**2, rel=0.1)  # 1 + spike^2
+    assert (U[:, : p.k].T @ V).norm().item() ** 2 == pytest.approx(p.k, rel=0.01)  # the span of V
+    assert RS.eigvec_ipr(U[:, : p.k].float(), torch.full((p.k,), 0.01)).item() < 0.2  # dense (~3 / d_in)
 
     def slope_and_cancel(cap):
         from megatron_geo.analysis.coordinates import build_coordinate_transform
@@ -97,7 +99,7 @@ def test_dense_spikes_and_coherent_slopes_and_cancellation():
 
     s_noise, c_noise = slope_and_cancel(cap)
     s_coh, c_coh = slope_and_cancel(SC.generate(SC.ScenarioParams(name="coherent", spike=10.0, noise=0.1, **SMALL)))
-    assert 0.8 < s_noise < 1.2 and 1.7 < s_coh < 2.2        # energy ~ lambda (noise), ~ lambda^2 (coherent)
+    assert 0.8 < s_noise < 1.2 and 1.7 < s_coh < 2.2  # energy ~ lambda (noise), ~ lambda^2 (coherent)
     assert c_noise > 0.7 * math.sqrt(p.ranks) and c_coh < 1.1  # independent ranks vs one shared gradient
 
 
@@ -134,46 +136,91 @@ def test_windowed_error_feedback_on_a_case_computed_by_hand():
     got, want = window_sum(steps, "fp8_e4m3:tensor")
     torch.testing.assert_close(got, torch.tensor([[2.0, 2 * 128 / 448]], dtype=torch.float64), rtol=0, atol=1e-7)
     got_ef, _ = window_sum(steps, "fp8_e4m3:tensor", error_feedback=True)
-    torch.testing.assert_close(got_ef, torch.tensor([[2.0, 128 / 448 + 144 / 448]], dtype=torch.float64),
-                               rtol=0, atol=1e-7)
+    torch.testing.assert_close(
+        got_ef, torch.tensor([[2.0, 128 / 448 + 144 / 448]], dtype=torch.float64), rtol=0, atol=1e-7
+    )
     rel = windowed_rel_l2([(steps, None)], "fp8_e4m3:tensor")
     assert rel["euclidean"] == pytest.approx(2 * (0.3 - 128 / 448) / norm, rel=1e-5)
     assert rel["euclidean_ef"] == pytest.approx(abs(0.6 - 128 / 448 - 144 / 448) / norm, rel=1e-5)
-    assert rel["geo"] == rel["euclidean"] and rel["geo_ef"] == rel["euclidean_ef"]   # no transform: Euclidean
+    assert rel["geo"] == rel["euclidean"] and rel["geo_ef"] == rel["euclidean_ef"]  # no transform: Euclidean
     assert window_sum([[g]], "fp8_e4m3:tensor", error_feedback=True)[0].equal(got[:1] / 2)  # K = 1: EF changes nothing
 
 
 def test_paper_rows_compare_only_sourced_values():
     labels = [lab.format(rank=32) for _, lab, _, _ in PAPER_ROWS]
-    rows = [{"label": lab, "selected": {"rel_l2": 5e-2 * (0.3 if "low-rank" in lab or "input-side" in lab else 1.0)}}
-            for lab in labels]
+    rows = [
+        {"label": lab, "selected": {"rel_l2": 5e-2 * (0.3 if "low-rank" in lab or "input-side" in lab else 1.0)}}
+        for lab in labels
+    ]
     rows[0]["selected"]["rel_l2"] = 5.0e-2
     out = {x["row"]: x for x in paper_rows(rows, 32)}
-    assert out["Euclidean"]["within"] is True                       # 5.0e-2 is within 15% of 5.28e-2
+    assert out["Euclidean"]["within"] is True  # 5.0e-2 is within 15% of 5.28e-2
     assert out["low-rank 32"]["measured_change_pct"] == pytest.approx(-70.0)
     assert out["low-rank 32"]["diff_points"] == pytest.approx(-70.0 + 67.4) and out["low-rank 32"]["within"]
     assert out["full"]["diff_points"] == pytest.approx(0.0 + 66.5) and out["full"]["within"] is False
-    assert out["block 64"]["paper_change_pct"] is None and out["block 64"]["within"] is None   # n/a, not invented
+    assert out["block 64"]["paper_change_pct"] is None and out["block 64"]["within"] is None  # n/a, not invented
 
 
 def test_grad_fidelity_scenario_cli_writes_the_summary(tmp_path):
     out = tmp_path / "s.json"
-    r = subprocess.run([sys.executable, "tools/grad_fidelity.py", "--geo", "--scenario", "dense-spikes", "--d-in", "32",
-                        "--d-out", "16", "--tokens", "128", "--ranks", "2", "--k", "2", "--spike", "100",
-                        "--seeds", "0,1", "--paper", "--window", "2", "--geo-rank", "4", "--no-directions",
-                        "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "tools/grad_fidelity.py",
+            "--geo",
+            "--scenario",
+            "dense-spikes",
+            "--d-in",
+            "32",
+            "--d-out",
+            "16",
+            "--tokens",
+            "128",
+            "--ranks",
+            "2",
+            "--k",
+            "2",
+            "--spike",
+            "100",
+            "--seeds",
+            "0,1",
+            "--paper",
+            "--window",
+            "2",
+            "--geo-rank",
+            "4",
+            "--no-directions",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "paper Tables I-II" in r.stdout and "n/a" in r.stdout
     s = json.loads(out.read_text())["summary"]
-    for key in ("euclidean_rel_l2", "geo_default_rel_l2", "geo_default_change_pct", "power_auto_change_pct",
-                "power_search_change_pct"):
+    for key in (
+        "euclidean_rel_l2",
+        "geo_default_rel_l2",
+        "geo_default_change_pct",
+        "power_auto_change_pct",
+        "power_search_change_pct",
+    ):
         assert isinstance(s[key], float), key
-    assert s["geo_default_change_pct"] == pytest.approx(100 * (s["geo_default_rel_l2"] / s["euclidean_rel_l2"] - 1),
-                                                        abs=2.0)   # means over 2 seeds: ratio of means ~ mean ratio
+    assert s["geo_default_change_pct"] == pytest.approx(
+        100 * (s["geo_default_rel_l2"] / s["euclidean_rel_l2"] - 1), abs=2.0
+    )  # means over 2 seeds: ratio of means ~ mean ratio
     assert s["scenario"] == "dense-spikes" and s["d_in"] == 32 and s["seeds"] == [0, 1] and s["spike"] == 100.0
-    assert len(s["paper_rows"]) == len(PAPER_ROWS) and set(s["window"]) == {"K", "euclidean", "euclidean_ef", "geo",
-                                                                             "geo_ef"}
+    assert len(s["paper_rows"]) == len(PAPER_ROWS) and set(s["window"]) == {
+        "K",
+        "euclidean",
+        "euclidean_ef",
+        "geo",
+        "geo_ef",
+    }
     assert set(s["spread"]["euclidean_rel_l2"]) == {"mean", "min", "max", "sd", "n"}
 
 
@@ -188,7 +235,7 @@ def test_wire_sum_collective_is_the_ring_simulation_in_euclidean_coordinates():
         ref, hits = simulate_wire_sum(grads, "fp8_e4m3", prediv)
         assert torch.equal(hat, ref) and m["wire_sum_saturated"] == hits["saturated"]
     fp32 = geo_reduce_and_metrics(grads, "fp8_e4m3:tensor")[1]
-    assert "wire_sum_saturated" not in fp32 and fp32["rel_l2"] < m["rel_l2"]   # per-rank scales + FP32 sum win
+    assert "wire_sum_saturated" not in fp32 and fp32["rel_l2"] < m["rel_l2"]  # per-rank scales + FP32 sum win
     with pytest.raises(ValueError, match="tensor scaling"):
         geo_reduce_and_metrics(grads, "fp8_e4m3:block8", collective="wire_sum")
 
@@ -199,8 +246,23 @@ def test_grad_fidelity_bad_options_are_one_error_line_before_any_work(tmp_path, 
     spec = importlib.util.spec_from_file_location("grad_fidelity_cli", os.path.join(REPO, "tools/grad_fidelity.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    base = ["--geo", "--scenario", "iid", "--d-in", "16", "--d-out", "8", "--tokens", "32", "--ranks", "2", "--geo-rank", "4",
-            "--out", str(tmp_path / "s.json")]
+    base = [
+        "--geo",
+        "--scenario",
+        "iid",
+        "--d-in",
+        "16",
+        "--d-out",
+        "8",
+        "--tokens",
+        "32",
+        "--ranks",
+        "2",
+        "--geo-rank",
+        "4",
+        "--out",
+        str(tmp_path / "s.json"),
+    ]
     cases = [
         (["--geo-rank", "0"], "--geo-rank=0 must be >= 1"),
         (["--geo-rank", "64"], "--geo-rank=64 is above --d-in=16"),
@@ -218,4 +280,4 @@ def test_grad_fidelity_bad_options_are_one_error_line_before_any_work(tmp_path, 
         assert tool.main(base + extra) == 2, extra
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and want in err[0], (extra, err)
-    assert not (tmp_path / "s.json").exists()   # nothing was computed or written
+    assert not (tmp_path / "s.json").exists()  # nothing was computed or written

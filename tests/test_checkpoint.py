@@ -34,19 +34,48 @@ def corpus(tmp_path_factory) -> list[str]:
 MODES = {
     "bf16": ["comm.dtype=bf16"],
     "fp8_ef": ["comm.dtype=fp8_e4m3", "comm.error_feedback=true"],
-    "geofp8": ["comm.dtype=fp8_e4m3", "comm.transform=geo", "geo.rank=8", "geo.refresh_interval=3",
-               "comm.error_feedback=true", "comm.rounding=stochastic"],
+    "geofp8": [
+        "comm.dtype=fp8_e4m3",
+        "comm.transform=geo",
+        "geo.rank=8",
+        "geo.refresh_interval=3",
+        "comm.error_feedback=true",
+        "comm.rounding=stochastic",
+    ],
     # sketched statistics, resumed just after a refresh (3), at one (exit at 6: refresh at 6 right after
     # the resume) and before one (5), with geo.select=auto and geo.power_search
-    "geofp8_sketch": ["comm.dtype=fp8_e4m3", "comm.transform=geo", "geo.rank=4", "geo.refresh_interval=3",
-                      "comm.error_feedback=true", "geo.statistics=sketch", "geo.sketch_size=16"],
-    "geofp8_sketch_at_refresh": ["comm.dtype=fp8_e4m3", "comm.transform=geo", "geo.rank=4", "geo.refresh_interval=3",
-                                 "comm.error_feedback=true", "geo.statistics=sketch", "geo.sketch_size=16",
-                                 "train.exit_interval=6"],
+    "geofp8_sketch": [
+        "comm.dtype=fp8_e4m3",
+        "comm.transform=geo",
+        "geo.rank=4",
+        "geo.refresh_interval=3",
+        "comm.error_feedback=true",
+        "geo.statistics=sketch",
+        "geo.sketch_size=16",
+    ],
+    "geofp8_sketch_at_refresh": [
+        "comm.dtype=fp8_e4m3",
+        "comm.transform=geo",
+        "geo.rank=4",
+        "geo.refresh_interval=3",
+        "comm.error_feedback=true",
+        "geo.statistics=sketch",
+        "geo.sketch_size=16",
+        "train.exit_interval=6",
+    ],
     "geofp8_auto_search_before_refresh": [
-        "comm.dtype=fp8_e4m3", "comm.transform=geo", "geo.rank=4", "geo.refresh_interval=3", "geo.select=auto",
-        "geo.num_layers=1", "geo.profile_steps=1", "geo.statistics=sketch", "geo.sketch_size=16",
-        "geo.power_search=[0.5,0.25,0]", "train.exit_interval=5"],
+        "comm.dtype=fp8_e4m3",
+        "comm.transform=geo",
+        "geo.rank=4",
+        "geo.refresh_interval=3",
+        "geo.select=auto",
+        "geo.num_layers=1",
+        "geo.profile_steps=1",
+        "geo.statistics=sketch",
+        "geo.sketch_size=16",
+        "geo.power_search=[0.5,0.25,0]",
+        "train.exit_interval=5",
+    ],
 }
 
 
@@ -55,13 +84,18 @@ def _preset_overrides(name: str) -> list[str]:
     import yaml
 
     data = yaml.safe_load((ROOT / "configs" / "comm" / f"{name}.yaml").read_text())
-    out = [f"{sec}.{k}={'[' + ','.join(map(str, v)) + ']' if isinstance(v, list) else v}"
-           for sec, body in data.items() for k, v in body.items()]
+    out = [
+        f"{sec}.{k}={'[' + ','.join(map(str, v)) + ']' if isinstance(v, list) else v}"
+        for sec, body in data.items()
+        for k, v in body.items()
+    ]
     return out + (["geo.refresh_interval=3", "geo.rank=8"] if "geo" in data else [])
 
 
 # every preset, resumed just after a refresh (exit at 4; GeoFP8 refreshes at 0, 3, 6)
-MODES.update({f"preset_{p.stem}": _preset_overrides(p.stem) for p in sorted((ROOT / "configs" / "comm").glob("*.yaml"))})
+MODES.update(
+    {f"preset_{p.stem}": _preset_overrides(p.stem) for p in sorted((ROOT / "configs" / "comm").glob("*.yaml"))}
+)
 # geo.power_search resumed at a refresh (3) and before one (5)
 MODES["preset_geofp8_search_at_refresh"] = _preset_overrides("geofp8_search") + ["train.exit_interval=3"]
 MODES["preset_geofp8_search_before_refresh"] = _preset_overrides("geofp8_search") + ["train.exit_interval=5"]
@@ -98,7 +132,7 @@ def test_resume_is_bitwise_identical(tmp_path, corpus):
         meta = json.loads((ckdir / "step_00000004/meta.json").read_text())
         assert meta["step"] == 4 and meta["consumed_samples"] == 32
         if mode == "geofp8":
-            assert meta["geo"]["last_refresh"] == 3   # refreshes at steps 0, 3 (before the save) and 6 (after)
+            assert meta["geo"]["last_refresh"] == 3  # refreshes at steps 0, 3 (before the save) and 6 (after)
             assert [r.get("geo_refresh") for r in _records(tmp_path / f"{mode}-resumed")][6] is True
 
 
@@ -116,8 +150,13 @@ def _build(overrides, tp, ckpt_dir):
     from megatron_geo.training.checkpointing import Checkpointer
     from megatron_geo.training.setup import build_model_and_optimizer
 
-    cfg = tiny_cfg(f"parallel.tensor={tp}", f"checkpoint.dir={ckpt_dir}", "train.run_dir=" + str(ckpt_dir),
-                   "train.global_batch_size=12", *overrides)  # 12: whole micro-batches at DP 1, 2 and 3
+    cfg = tiny_cfg(
+        f"parallel.tensor={tp}",
+        f"checkpoint.dir={ckpt_dir}",
+        "train.run_dir=" + str(ckpt_dir),
+        "train.global_batch_size=12",
+        *overrides,
+    )  # 12: whole micro-batches at DP 1, 2 and 3
     pctx = pctx_for(tp)
     model, buckets, reducer, grad_sync, opt = build_model_and_optimizer(cfg, pctx)
     ck = Checkpointer(cfg, pctx, model, opt, reducer, None, lambda m: None)
@@ -140,8 +179,7 @@ def _save_worker(rank, world, root):
         cfg, pctx, model, buckets, grad_sync, opt, ck = _build(overrides, tp, Path(root) / name)
         _steps(cfg, pctx, model, grad_sync, opt, 0, 2)
         ck.save(2, 24)
-        out[name] = {"state": local_state(opt), "buckets": len(buckets),
-                     "split": any(not m.whole for m in opt.mains)}
+        out[name] = {"state": local_state(opt), "buckets": len(buckets), "split": any(not m.whole for m in opt.mains)}
     return out
 
 
@@ -152,11 +190,21 @@ def _load_worker(rank, world, root, jobs):
         cfg, pctx, model, buckets, grad_sync, opt, ck = _build(overrides, tp, Path(root) / name)
         step, consumed, _ = ck.resume()
         state = local_state(opt)
-        params_match = all(torch.equal(m.param.detach().reshape(-1)[m.param_start:m.param_start + m.main.numel()],
-                                       m.main.detach().reshape(-1)) for m in opt.mains)
+        params_match = all(
+            torch.equal(
+                m.param.detach().reshape(-1)[m.param_start : m.param_start + m.main.numel()],
+                m.main.detach().reshape(-1),
+            )
+            for m in opt.mains
+        )
         loss = _steps(cfg, pctx, model, grad_sync, opt, step, 1)[0]
-        out[(name, tp)] = {"state": state, "step": step, "consumed": consumed, "params_match": params_match,
-                           "loss": loss}
+        out[(name, tp)] = {
+            "state": state,
+            "step": step,
+            "consumed": consumed,
+            "params_match": params_match,
+            "loss": loss,
+        }
     return out
 
 
@@ -181,8 +229,11 @@ def test_resharding_dp2_to_dp3_and_dp1_and_tp2_to_tp1(tmp_path):
     dp3 = run_distributed(_load_worker, 3, str(tmp_path), [("adamw", 1), ("muon", 1), ("adamw_nodistopt", 1)])
     dp1 = run_distributed(_load_worker, 1, str(tmp_path), [(n, 1) for n in RESHARD_CASES])
     w2 = run_distributed(_load_worker, 2, str(tmp_path), [("adamw", 2), ("adamw_tp2", 2), ("adamw_nodistopt", 1)])
-    checks = [(n, 1, dp3) for n in ("adamw", "muon", "adamw_nodistopt")] + [(n, 1, dp1) for n in RESHARD_CASES] + \
-        [("adamw", 2, w2), ("adamw_tp2", 2, w2), ("adamw_nodistopt", 1, w2)]
+    checks = (
+        [(n, 1, dp3) for n in ("adamw", "muon", "adamw_nodistopt")]
+        + [(n, 1, dp1) for n in RESHARD_CASES]
+        + [("adamw", 2, w2), ("adamw_tp2", 2, w2), ("adamw_nodistopt", 1, w2)]
+    )
     for name, tp, ranks in checks:
         key = (name, tp)
         loaded = assemble([r[key]["state"] for r in ranks], tp, vocab)
@@ -193,8 +244,18 @@ def test_resharding_dp2_to_dp3_and_dp1_and_tp2_to_tp1(tmp_path):
         assert len({r[key]["loss"] for r in ranks}) == 1, key
     # export the TP=2 checkpoint to one consolidated file: it holds exactly the saved main params
     out = tmp_path / "tp2.pt"
-    r = subprocess.run([sys.executable, str(ROOT / "tools/convert_checkpoint.py"), str(tmp_path / "adamw_tp2"),
-                        str(out), "--no-tokenizer"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools/convert_checkpoint.py"),
+            str(tmp_path / "adamw_tp2"),
+            str(out),
+            "--no-tokenizer",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     exported = torch.load(out, weights_only=True)["model"]
     assert exported.keys() == saved["adamw_tp2"].keys()
@@ -243,6 +304,7 @@ def test_save_killed_midway_leaves_previous_checkpoint(tmp_path):
     assert (root / "latest").read_text().strip() == "step_00000001"
     assert (root / ".tmp-step_00000002").is_dir() and not (root / "step_00000002").exists()
     from megatron_geo.checkpoint.manager import latest_checkpoint
+
     assert latest_checkpoint(root).name == "step_00000001"
     r = subprocess.run([sys.executable, str(script), "load"], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -253,8 +315,8 @@ def test_save_killed_midway_leaves_previous_checkpoint(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------
 def _nan_worker(rank, world):
-    from megatron_geo.training.step import train_step
     from megatron_geo.training.setup import build_model_and_optimizer
+    from megatron_geo.training.step import train_step
 
     cfg = tiny_cfg("comm.dtype=fp8_e4m3", "comm.error_feedback=true")
     pctx = pctx_for(1)
@@ -270,8 +332,12 @@ def _nan_worker(rank, world):
         hook.remove()
     unchanged = all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
     after = _steps(cfg, pctx, model, grad_sync, opt, 2, 1)[0]
-    return {"skipped": res.skipped, "unchanged": unchanged, "after": after,
-            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+    return {
+        "skipped": res.skipped,
+        "unchanged": unchanged,
+        "after": after,
+        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+    }
 
 
 def test_nan_on_one_rank_is_skipped_on_all_ranks():
@@ -312,8 +378,14 @@ def _wait_for_records(path: Path, n: int, procs, timeout: float = 120.0) -> None
 
 def _launch(run_dir: Path, corpus: list[str], *extra: str, env=None):
     args = tiny_train_overrides(run_dir, corpus, "train.steps=100000", "train.eval_interval=100000", *extra)
-    return subprocess.Popen([sys.executable, str(ROOT / "pretrain_llama.py"), *args], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env or dict(os.environ))
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "pretrain_llama.py"), *args],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env or dict(os.environ),
+    )
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT-ctrl-c"])
@@ -337,8 +409,14 @@ def test_killed_rank_makes_the_other_exit(tmp_path, corpus):
     port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
         procs.append(_launch(run, corpus, "parallel.timeout_minutes=0.5", "checkpoint.save_at_end=false", env=env))
     _wait_for_records(run / "metrics.jsonl", 2, procs)
     procs[1].kill()
@@ -371,6 +449,7 @@ def _mismatch_worker(rank, world, root):
     m2, b2, r2, g2, o2 = build_model_and_optimizer(cfg2, pctx)
     step = Checkpointer(cfg2, pctx, m2, o2, r2, None, logs.append).resume()[0]
     import torch.distributed as dist
+
     if rank == 0:  # truncate one data file of the checkpoint
         data = sorted((Path(root) / "step_00000001").glob("*.distcp"))[0]
         data.write_bytes(data.read_bytes()[:100])
@@ -394,21 +473,29 @@ def test_mismatched_checkpoint_is_a_clear_error(tmp_path):
 def test_piece_rectangles_tile_the_global_tensor():
     from megatron_geo.checkpoint.layout import global_shape, piece_rects
 
-    for shape, pdim, tp, rows in (((6, 5), 0, 2, None), ((6, 5), 1, 3, None), ((7, 4), 0, 2, 13), ((9,), None, 2, None)):
+    for shape, pdim, tp, rows in (
+        ((6, 5), 0, 2, None),
+        ((6, 5), 1, 3, None),
+        ((7, 4), 0, 2, 13),
+        ((9,), None, 2, None),
+    ):
         g = global_shape(shape, pdim, tp, rows)
         cover = torch.zeros(g, dtype=torch.int64)
         numel = int(torch.tensor(shape).prod())
         for t in range(tp if pdim is not None else 1):
             local = torch.arange(numel).view(shape) + 1000 * t
-            full = torch.cat([torch.arange(numel).view(shape) + 1000 * k for k in range(tp)], dim=pdim) \
-                if pdim is not None else local
+            full = (
+                torch.cat([torch.arange(numel).view(shape) + 1000 * k for k in range(tp)], dim=pdim)
+                if pdim is not None
+                else local
+            )
             if rows is not None:
                 full = full[:rows]
             cuts = [0, 3, 4, numel // 2, numel - 1, numel]
             for lo, hi in zip(cuts, cuts[1:]):
                 for r in piece_rects(shape, pdim, t, lo, hi, rows):
                     sl = tuple(slice(o, o + s) for o, s in zip(r.offsets, r.sizes))
-                    assert torch.equal(local.reshape(-1)[r.flat_lo:r.flat_hi].view(r.sizes), full[sl])
+                    assert torch.equal(local.reshape(-1)[r.flat_lo : r.flat_hi].view(r.sizes), full[sl])
                     cover[sl] += 1
         assert torch.equal(cover, torch.ones_like(cover)), (shape, pdim, tp)
 
@@ -426,12 +513,12 @@ def test_bad_checkpoint_load_values(tmp_path):
     damaged.mkdir()
     (damaged / "meta.json").write_text(json.dumps({"format": "megatron-geo-dcp-v1", "step": 2}))
     from megatron_geo.checkpoint.manager import read_meta
+
     with pytest.raises(ConfigError, match="meta.json lacks consumed_samples, dp_size, tp_size, config"):
         read_meta(damaged)
     with pytest.raises(ConfigError, match="checkpoint.load=latest but .* holds no complete checkpoint"):
         resolve_load(load_config([], ["checkpoint.load=latest", f"train.run_dir={tmp_path}"]))
     assert resolve_load(load_config([], [f"train.run_dir={tmp_path}"])) is None
-
 
 
 class _Evil:
@@ -449,12 +536,26 @@ def test_checkpoint_metadata_is_never_unpickled_freely(tmp_path):
     (ck / ".metadata").write_bytes(pickle.dumps(_Evil()))
     from megatron_geo.config import config_to_dict, load_config
 
-    (ck / "meta.json").write_text(json.dumps({"format": "megatron-geo-dcp-v1", "step": 1, "consumed_samples": 8,
-                                              "dp_size": 1, "tp_size": 1, "config": config_to_dict(load_config())}))
+    (ck / "meta.json").write_text(
+        json.dumps(
+            {
+                "format": "megatron-geo-dcp-v1",
+                "step": 1,
+                "consumed_samples": 8,
+                "dp_size": 1,
+                "tp_size": 1,
+                "config": config_to_dict(load_config()),
+            }
+        )
+    )
     with pytest.raises(UnsafeCheckpointError, match="posix.system, which is not part of"):
         SafeFileSystemReader(str(ck)).read_metadata()
-    r = subprocess.run([sys.executable, str(ROOT / "tools/convert_checkpoint.py"), str(ck), str(tmp_path / "o.pt")],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tools/convert_checkpoint.py"), str(ck), str(tmp_path / "o.pt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "refusing to load it" in r.stderr, r.stderr
 
 
@@ -479,13 +580,22 @@ def test_truncated_data_file_and_damaged_meta_and_latest_are_clear_errors(tmp_pa
     good = (ck / ".metadata").read_bytes()
     for garbage in (b"garbage\n", b"\x80\x04K\x07.", b"(lp0\nI1\naI2\na."):  # text, an int pickle, protocol 0
         (ck / ".metadata").write_bytes(garbage)
-        with pytest.raises(UnsafeCheckpointError, match=r"(unreadable checkpoint metadata .*damaged.*checkpoint\.load"
-                                                        r"|does not hold DCP metadata)"):
+        with pytest.raises(
+            UnsafeCheckpointError,
+            match=r"(unreadable checkpoint metadata .*damaged.*checkpoint\.load"
+            r"|does not hold DCP metadata)",
+        ):
             SafeFileSystemReader(str(ck)).read_metadata()
     (ck / ".metadata").write_bytes(good)
 
-    meta = {"format": "megatron-geo-dcp-v1", "step": 4, "consumed_samples": 32, "dp_size": "two", "tp_size": 1,
-            "config": config_to_dict(load_config())}
+    meta = {
+        "format": "megatron-geo-dcp-v1",
+        "step": 4,
+        "consumed_samples": 32,
+        "dp_size": "two",
+        "tp_size": 1,
+        "config": config_to_dict(load_config()),
+    }
     (ck / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ConfigError, match="dp_size='two', not a valid count"):
         read_meta(ck)
@@ -498,8 +608,11 @@ def test_truncated_data_file_and_damaged_meta_and_latest_are_clear_errors(tmp_pa
     # the only checkpoint damaged (its .metadata gone): auto never starts the run over from step 0 on top of it
     (tmp_path / "checkpoints" / "latest").write_text("step_00000004\n")
     (ck / ".metadata").unlink()
-    with pytest.raises(ConfigError, match=r"checkpoint.load=auto but .* names step_00000004, which is not a complete "
-                                          r"checkpoint, and .* no other complete checkpoint.*checkpoint.load=none"):
+    with pytest.raises(
+        ConfigError,
+        match=r"checkpoint.load=auto but .* names step_00000004, which is not a complete "
+        r"checkpoint, and .* no other complete checkpoint.*checkpoint.load=none",
+    ):
         resolve_load(load_config([], [f"train.run_dir={tmp_path}"]))
     assert resolve_load(load_config([], [f"train.run_dir={tmp_path}", "checkpoint.load=none"])) is None
 
@@ -507,24 +620,31 @@ def test_truncated_data_file_and_damaged_meta_and_latest_are_clear_errors(tmp_pa
 # ---------------------------------------------------------------------------------------------------
 # c07: resuming from step N starts a new timeline; later checkpoints of the old one are moved aside
 
+
 def test_resuming_from_an_earlier_step_moves_the_abandoned_timeline_aside(tmp_path, corpus):
     run = tmp_path / "run"
     ck = run / "checkpoints"
     first = tiny_train_overrides(run, corpus, "train.steps=6", "checkpoint.interval=2", "checkpoint.keep_latest=0")
-    second = tiny_train_overrides(run, corpus, "train.steps=4", "checkpoint.interval=2", "checkpoint.keep_latest=1",
-                                  f"checkpoint.load={ck / 'step_00000002'}")
+    second = tiny_train_overrides(
+        run,
+        corpus,
+        "train.steps=4",
+        "checkpoint.interval=2",
+        "checkpoint.keep_latest=1",
+        f"checkpoint.load={ck / 'step_00000002'}",
+    )
     run_distributed(_train_jobs, 1, [first])
     assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000002", "step_00000004", "step_00000006"]
     old4 = json.loads((ck / "step_00000004/meta.json").read_text())["saved_at"]
     run_distributed(_train_jobs, 1, [second])
-    assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000004"]            # keep_latest=1 of the new one
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000004"]  # keep_latest=1 of the new one
     assert json.loads((ck / "step_00000004/meta.json").read_text())["step"] == 4
     aside = sorted(p.name.split("-")[0] for p in (ck / "abandoned").iterdir())
-    assert aside == ["step_00000004", "step_00000006"]                             # the old 4 and 6, kept aside
+    assert aside == ["step_00000004", "step_00000006"]  # the old 4 and 6, kept aside
     assert (ck / "latest").read_text().strip() == "step_00000004"
-    (ck / "latest").unlink()                                                       # a crash before the pointer ...
+    (ck / "latest").unlink()  # a crash before the pointer ...
     auto = tiny_train_overrides(run, corpus, "train.steps=5", "checkpoint.interval=0", "checkpoint.save_at_end=false")
-    out = run_distributed(_train_jobs, 1, [auto])[0][0]                            # ... auto resumes the new 4
+    out = run_distributed(_train_jobs, 1, [auto])[0][0]  # ... auto resumes the new 4
     assert out["steps"] == 5
     recs = _records(run)
     assert [r["step"] for r in recs][-1] == 5 and old4
@@ -550,15 +670,22 @@ _ENOSPC_SCRIPT = textwrap.dedent("""
 
 def test_a_save_that_runs_out_of_disk_space_is_one_clear_error(tmp_path, corpus):
     run = tmp_path / "run"
-    args = tiny_train_overrides(run, corpus, "train.steps=4", "checkpoint.interval=2", "checkpoint.keep_latest=1",
-                                "checkpoint.save_at_end=false")
-    r = subprocess.run([sys.executable, "-c", _ENOSPC_SCRIPT, *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=180)
+    args = tiny_train_overrides(
+        run,
+        corpus,
+        "train.steps=4",
+        "checkpoint.interval=2",
+        "checkpoint.keep_latest=1",
+        "checkpoint.save_at_end=false",
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", _ENOSPC_SCRIPT, *args], cwd=ROOT, capture_output=True, text=True, timeout=180
+    )
     assert r.returncode == 6, r.stderr[-3000:]
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "no space left on device" in errors[0] and str(run / "checkpoints") in errors[0]
     assert "Traceback" not in r.stderr
     ck = run / "checkpoints"
-    assert not list(ck.glob(".tmp-*"))                                            # the partial folder is gone
-    assert (ck / "latest").read_text().strip() == "step_00000002"                 # the previous one is intact
+    assert not list(ck.glob(".tmp-*"))  # the partial folder is gone
+    assert (ck / "latest").read_text().strip() == "step_00000002"  # the previous one is intact
     assert json.loads((ck / "step_00000002/meta.json").read_text())["step"] == 2

@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _build(root: Path, *extra: str, train: bool = True):
     from helpers import global_batch, pctx_for, rank_micro_batches, tiny_cfg
     from megatron_geo.training.checkpointing import Checkpointer
-    from megatron_geo.training.step import train_step
     from megatron_geo.training.setup import build_model_and_optimizer
+    from megatron_geo.training.step import train_step
 
     cfg = tiny_cfg(f"checkpoint.dir={root}", f"train.run_dir={root}", "checkpoint.keep_latest=1", *extra)
     pctx = pctx_for(1)
@@ -57,11 +57,11 @@ def _needed_bytes(folder: Path) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------------
 # (faulty rank, what goes wrong after DCP wrote the files)
 SAVE_FAULTS = {
-    "rank1_writes_elsewhere": 1,   # rank 1's checkpoint.dir is another disk: its shard never reaches rank 0's folder
-    "rank1_file_truncated": 1,     # rank 1's data file ends early
-    "rank0_file_truncated": 0,     # rank 0's own data file ends early
-    "metadata_lost": 0,            # DCP's .metadata is gone
-    "meta_json_lost": 0,           # rank 0's meta.json write is lost
+    "rank1_writes_elsewhere": 1,  # rank 1's checkpoint.dir is another disk: its shard never reaches rank 0's folder
+    "rank1_file_truncated": 1,  # rank 1's data file ends early
+    "rank0_file_truncated": 0,  # rank 0's own data file ends early
+    "metadata_lost": 0,  # DCP's .metadata is gone
+    "meta_json_lost": 0,  # rank 0's meta.json write is lost
 }
 
 
@@ -106,6 +106,7 @@ def _inject(name: str, rank: int, elsewhere: Path, seen: dict):
 
     def undo():
         dcp.save, manager._write_atomic = real_save, real_write
+
     return undo
 
 
@@ -124,24 +125,34 @@ def _save_fault_worker(rank, world, root):
         finally:
             undo()
         dist.barrier()
-        out[name] = {"save": failed, "seen": seen, "latest": (d / "latest").read_text().strip(),
-                     "folders": sorted(p.name for p in d.iterdir()), "resume": _outcome(_build(d, train=False).resume)}
+        out[name] = {
+            "save": failed,
+            "seen": seen,
+            "latest": (d / "latest").read_text().strip(),
+            "folders": sorted(p.name for p in d.iterdir()),
+            "resume": _outcome(_build(d, train=False).resume),
+        }
     # the same run saves again without a fault: the check passes and keep_latest=1 prunes step 1
     d = Path(root) / "rank1_writes_elsewhere"
     ck = _build(d)
     ok = _outcome(lambda: ck.save(2, 16).name)
     dist.barrier()
-    out["after"] = {"save": ok, "folders": sorted(p.name for p in d.iterdir()),
-                    "resume": _outcome(_build(d, train=False).resume)}
+    out["after"] = {
+        "save": ok,
+        "folders": sorted(p.name for p in d.iterdir()),
+        "resume": _outcome(_build(d, train=False).resume),
+    }
     return out
 
 
 def _all_worker(rank, world, root):
     """The save, load and start-up scenarios in one pair of processes (each in a folder of its own)."""
     base = Path(root)
-    return {"save": _save_fault_worker(rank, world, str(base / "save")),
-            "load": _load_fault_worker(rank, world, str(base / "load")),
-            "probe": _probe_worker(rank, world, str(base / "probe"))}
+    return {
+        "save": _save_fault_worker(rank, world, str(base / "save")),
+        "load": _load_fault_worker(rank, world, str(base / "load")),
+        "probe": _probe_worker(rank, world, str(base / "probe")),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +168,7 @@ def test_a_save_missing_or_short_where_rank_0_reads_it_is_refused_before_publica
         seen = ranks[bad][name]["seen"]
         for r, res in enumerate(ranks):
             case = res[name]
-            assert case["save"]["type"] == "CheckpointSaveError", (name, r, case["save"])   # trainer: exit 6
+            assert case["save"]["type"] == "CheckpointSaveError", (name, r, case["save"])  # trainer: exit 6
             msg = case["save"]["msg"]
             assert "\n" not in msg and str(tmp_path / name) in msg and "incomplete where rank 0 reads it" in msg, msg
             assert "nothing was published" in msg and "shared file system" in msg, msg
@@ -185,6 +196,7 @@ def test_a_save_missing_or_short_where_rank_0_reads_it_is_refused_before_publica
 # ---------------------------------------------------------------------------------------------------
 # the load side: a published checkpoint that lost a file is refused with a clear error on every rank
 
+
 def _load_fault_worker(rank, world, root):
     import torch.distributed as dist
 
@@ -208,7 +220,7 @@ def test_a_published_checkpoint_with_a_missing_or_short_file_is_refused_at_load(
     ranks = [r["load"] for r in two_ranks[1]]
     for r, res in enumerate(ranks):
         for fault, what in (("rank1_file_missing", "is missing"), ("rank1_file_short", "bytes but its entries end")):
-            assert res[fault]["type"] == "ConfigError", (r, fault, res[fault])               # trainer: exit 2
+            assert res[fault]["type"] == "ConfigError", (r, fault, res[fault])  # trainer: exit 2
             msg = res[fault]["msg"]
             assert "__1_0.distcp" in msg and what in msg and "incomplete" in msg, msg
             assert "checkpoint.load=none" in msg, msg
@@ -216,6 +228,7 @@ def test_a_published_checkpoint_with_a_missing_or_short_file_is_refused_at_load(
 
 # ---------------------------------------------------------------------------------------------------
 # start-up: a checkpoint.dir that is not one folder for every rank
+
 
 def _probe_worker(rank, world, root):
     base = Path(root)
@@ -226,16 +239,20 @@ def _probe_worker(rank, world, root):
         "own_folder_per_rank": (base / f"local-{rank}", ()),
         "shared": (base / "shared", ()),
         "symlinked_to_the_same_folder": (base / ("shared" if rank == 0 else "link"), ()),
-        "own_folder_checkpointing_off": (base / f"off-{rank}", ("checkpoint.interval=0", "checkpoint.save_at_end=false",
-                                                                 "checkpoint.load=none")),
-        "own_folder_periodic_saves": (base / f"periodic-{rank}", ("checkpoint.interval=100",
-                                                                   "checkpoint.save_at_end=false",
-                                                                   "checkpoint.load=none")),
+        "own_folder_checkpointing_off": (
+            base / f"off-{rank}",
+            ("checkpoint.interval=0", "checkpoint.save_at_end=false", "checkpoint.load=none"),
+        ),
+        "own_folder_periodic_saves": (
+            base / f"periodic-{rank}",
+            ("checkpoint.interval=100", "checkpoint.save_at_end=false", "checkpoint.load=none"),
+        ),
     }
     if rank == 1:
         (base / "shared").mkdir(exist_ok=True)
         os.symlink(base / "shared", base / "link")
     import torch.distributed as dist
+
     dist.barrier()
     for name, (d, extra) in cases.items():
         out[name] = _outcome(lambda: type(_build(d, *extra, train=False)).__name__)
@@ -249,7 +266,7 @@ def test_a_checkpoint_dir_not_shared_by_every_rank_is_refused_at_start_up(two_ra
     for r, res in enumerate(ranks):
         for name in ("own_folder_per_rank", "own_folder_periodic_saves"):
             case = res[name]
-            assert case["type"] == "ConfigError", (r, name, case)                              # trainer: exit 2
+            assert case["type"] == "ConfigError", (r, name, case)  # trainer: exit 2
             msg = case["msg"]
             folder = tmp_path / (f"local-{r}" if name == "own_folder_per_rank" else f"periodic-{r}")
             assert f"checkpoint.dir '{folder}' (as rank {r} sees it) is not one folder that every rank sees" in msg
@@ -258,7 +275,7 @@ def test_a_checkpoint_dir_not_shared_by_every_rank_is_refused_at_start_up(two_ra
         for name in ("shared", "symlinked_to_the_same_folder", "own_folder_checkpointing_off"):
             assert res[name]["type"] is None, (r, name, res[name])
         for name, case in res.items():
-            assert case["leftovers"] == [], (name, case["leftovers"])   # rank 0 removed its probe file
+            assert case["leftovers"] == [], (name, case["leftovers"])  # rank 0 removed its probe file
 
 
 @pytest.fixture(scope="module")
@@ -270,12 +287,31 @@ def test_pretrain_with_a_node_local_checkpoint_dir_exits_2_before_training(tmp_p
     port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port))
-        args = tiny_train_overrides(tmp_path / "run", corpus, "train.steps=4", "checkpoint.interval=2",
-                                    f"checkpoint.dir={tmp_path / f'node{rank}-scratch'}")
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / "pretrain_llama.py"), *args], cwd=ROOT, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        args = tiny_train_overrides(
+            tmp_path / "run",
+            corpus,
+            "train.steps=4",
+            "checkpoint.interval=2",
+            f"checkpoint.dir={tmp_path / f'node{rank}-scratch'}",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(ROOT / "pretrain_llama.py"), *args],
+                cwd=ROOT,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+            )
+        )
     for rank, p in enumerate(procs):
         _, err = p.communicate(timeout=180)
         assert p.returncode == 2, err[-3000:]
@@ -283,12 +319,13 @@ def test_pretrain_with_a_node_local_checkpoint_dir_exits_2_before_training(tmp_p
         assert len(errors) == 1 and "is not one folder that every rank sees" in errors[0], err[-3000:]
         assert str(tmp_path / f"node{rank}-scratch") in errors[0] and "rank(s) 1" in errors[0], errors[0]
         assert "Traceback" not in err
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()                       # nothing trained
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing trained
     assert not list(tmp_path.rglob(".shared-dir-probe-*"))
 
 
 # ---------------------------------------------------------------------------------------------------
 # the check itself, on a folder written by DCP in this process
+
 
 def test_the_check_names_every_missing_short_or_unreadable_file(tmp_path):
     import warnings
@@ -302,19 +339,22 @@ def test_the_check_names_every_missing_short_or_unreadable_file(tmp_path):
     ck = tmp_path / "step_00000001"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save({f"w{i}": torch.arange(100.0 + i) for i in range(3)}, no_dist=True,
-                 storage_writer=FileSystemWriter(str(ck), thread_count=3))  # three data files
+        dcp.save(
+            {f"w{i}": torch.arange(100.0 + i) for i in range(3)},
+            no_dist=True,
+            storage_writer=FileSystemWriter(str(ck), thread_count=3),
+        )  # three data files
     (ck / "meta.json").write_text("{}")
     need = _needed_bytes(ck)
     files = sorted(need)
     assert len(files) == 3
-    verify_written(ck, {"meta.json": 2})                                     # complete: no error
-    verify_written(ck, {"meta.json": 1})                                     # a longer own file is fine
+    verify_written(ck, {"meta.json": 2})  # complete: no error
+    verify_written(ck, {"meta.json": 1})  # a longer own file is fine
 
-    with open(ck / files[0], "r+b") as f:                                    # short by one byte
+    with open(ck / files[0], "r+b") as f:  # short by one byte
         f.truncate(need[files[0]] - 1)
     (ck / files[1]).unlink()
-    (ck / files[1]).mkdir()                                                  # not a regular file
+    (ck / files[1]).mkdir()  # not a regular file
     with pytest.raises(IncompleteCheckpointError) as e:
         verify_written(ck, {"meta.json": 3, "other.json": 1})
     msg = str(e.value)

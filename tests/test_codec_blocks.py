@@ -25,8 +25,8 @@ PRESETS = sorted(p.stem for p in (ROOT / "configs" / "comm").glob("*.yaml"))
 
 def _tp_replicas(rank, world, presets):
     from megatron_geo.config import load_config
-    from megatron_geo.training.step import train_step
     from megatron_geo.training.setup import build_model_and_optimizer
+    from megatron_geo.training.step import train_step
 
     out = {}
     for preset in presets:
@@ -42,13 +42,14 @@ def _tp_replicas(rank, world, presets):
         for step in range(3):
             mbs = rank_micro_batches(global_batch(cfg, step), 2, pctx.dp_rank, pctx.dp_size)
             train_step(model, mbs, sync, opt, pctx, 1.0, 1.0, geo=reducer.geo, step=step)
-        out[preset] = {n: p.detach().clone() for n, p in model.named_parameters()
-                       if not getattr(p, "tensor_model_parallel", False)}
+        out[preset] = {
+            n: p.detach().clone() for n, p in model.named_parameters() if not getattr(p, "tensor_model_parallel", False)
+        }
     return out
 
 
 def test_tp_replicated_parameters_stay_bitwise_identical_in_every_preset():
-    ranks = run_distributed(_tp_replicas, 4, PRESETS)   # rank = dp_rank * 2 + tp_rank
+    ranks = run_distributed(_tp_replicas, 4, PRESETS)  # rank = dp_rank * 2 + tp_rank
     for preset in PRESETS:
         names = list(ranks[0][preset])
         assert any("norm" in n for n in names)
@@ -58,13 +59,15 @@ def test_tp_replicated_parameters_stay_bitwise_identical_in_every_preset():
                 assert torch.equal(a[n], b[n]), (preset, dp, n, (a[n] - b[n]).abs().max().item())
 
 
-NUMELS = [40, 7, 61]   # the middle parameter is 100x smaller than its neighbours
+NUMELS = [40, 7, 61]  # the middle parameter is 100x smaller than its neighbours
 
 
 def _grads(world):
     g = torch.Generator().manual_seed(5)
-    return [[torch.randn(n, generator=g, dtype=torch.float64) * (0.01 if i == 1 else 1.0) for i, n in enumerate(NUMELS)]
-            for _ in range(world)]
+    return [
+        [torch.randn(n, generator=g, dtype=torch.float64) * (0.01 if i == 1 else 1.0) for i, n in enumerate(NUMELS)]
+        for _ in range(world)
+    ]
 
 
 def _small_param(rank, world, kw):
@@ -73,23 +76,26 @@ def _small_param(rank, world, kw):
 
     pctx = pctx_for(1)
     out = []
-    for numels, idx in ((NUMELS, [0, 1, 2]), ([NUMELS[1]], [1])):   # the bucket, then the small one alone
-        red = LowPrecisionReducer(pctx.dp_group, world, rank, kw.get("dtype", "fp8_e4m3"),
-                                  **{k: v for k, v in kw.items() if k != "dtype"})
+    for numels, idx in ((NUMELS, [0, 1, 2]), ([NUMELS[1]], [1])):  # the bucket, then the small one alone
+        red = LowPrecisionReducer(
+            pctx.dp_group, world, rank, kw.get("dtype", "fp8_e4m3"), **{k: v for k, v in kw.items() if k != "dtype"}
+        )
         plan = plan_shards(numels, [False] * len(numels), world, red.alignment())
         red.register_bucket(0, plan.offsets, numels, plan.bounds, "cpu")
         buf = torch.zeros(plan.buffer_numel)
         for j, i in enumerate(idx):
-            buf[plan.offsets[j]:plan.offsets[j] + numels[j]] = _grads(world)[rank][i].float()
+            buf[plan.offsets[j] : plan.offsets[j] + numels[j]] = _grads(world)[rank][i].float()
         red.all_reduce(buf, key=0).wait()
         j = idx.index(1)
-        out.append(buf[plan.offsets[j]:plan.offsets[j] + NUMELS[1]].clone())
+        out.append(buf[plan.offsets[j] : plan.offsets[j] + NUMELS[1]].clone())
     return out
 
 
-@pytest.mark.parametrize("kw", [{"transform": "hadamard", "hadamard_block": 16},
-                                {"scaling": "block", "block_size": 16}, {"dtype": "nvfp4"}],
-                         ids=["hadamard16", "block16", "nvfp4"])
+@pytest.mark.parametrize(
+    "kw",
+    [{"transform": "hadamard", "hadamard_block": 16}, {"scaling": "block", "block_size": 16}, {"dtype": "nvfp4"}],
+    ids=["hadamard16", "block16", "nvfp4"],
+)
 def test_a_small_parameter_is_reduced_as_accurately_as_alone(kw):
     out = run_distributed(_small_param, 2, kw)
     ref = (_grads(2)[0][1] + _grads(2)[1][1]) / 2

@@ -56,11 +56,10 @@ def _compiled_graphs(counters) -> int:
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_wire_functions_compile_to_one_graph_each_and_match_eager_bitwise(fmt):
     from megatron_geo.comm import wire_fp8 as W
-    from megatron_geo.comm.compiled import maybe_compile
 
     counters = _fresh()
     fmax = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}[fmt]
-    for granule, nb in ((16, 64), (128, 40)):   # the second shape reuses the dynamic-shape graphs
+    for granule, nb in ((16, 64), (128, 40)):  # the second shape reuses the dynamic-shape graphs
         x = _inputs(nb, granule, 0)
         s = _scales(x, fmax)
         eager, comp = W.FP8Wire(fmt, "nearest", None, False), W.FP8Wire(fmt, "nearest", None, True)
@@ -77,12 +76,14 @@ def test_fp8_wire_functions_compile_to_one_graph_each_and_match_eager_bitwise(fm
         # the compiled decode writes into a range of a larger buffer (the bucket), as the reducer calls it
         big = torch.full((3 * nb * granule,), 7.0)
         d_e = eager.decode_sum(recv, s2, torch.empty(nb * granule))
-        d_c = comp.decode_sum(recv, s2, big[nb * granule:2 * nb * granule])
-        assert d_c.data_ptr() == big[nb * granule:].data_ptr()
-        assert (big[:nb * granule] == 7).all() and (big[2 * nb * granule:] == 7).all()
+        d_c = comp.decode_sum(recv, s2, big[nb * granule : 2 * nb * granule])
+        assert d_c.data_ptr() == big[nb * granule :].data_ptr()
+        assert (big[: nb * granule] == 7).all() and (big[2 * nb * granule :] == 7).all()
         assert torch.equal(d_c.nan_to_num(), d_e.nan_to_num()) and torch.equal(d_c.isnan(), d_e.isnan())
         # reference: torch's FP8 upcast times the scale per source, added in FP32 in source order, halved
-        ref = ((recv[0].view(dt).float() * s.unsqueeze(1)) + (recv[1].view(dt).float() * s.unsqueeze(1))).div(2).view(-1)
+        ref = (
+            ((recv[0].view(dt).float() * s.unsqueeze(1)) + (recv[1].view(dt).float() * s.unsqueeze(1))).div(2).view(-1)
+        )
         assert torch.equal(d_e.nan_to_num(), ref.nan_to_num())
         # the codes are torch's own casts of x / scale (independent reference)
         want = (x / s.unsqueeze(1)).clamp(-fmax, fmax).to(dt).view(torch.uint8)
@@ -103,7 +104,7 @@ def test_nvfp4_wire_functions_compile_to_one_graph_each_and_match_eager_bitwise(
         assert torch.equal(comp.amax(x).nan_to_num(), bamax.nan_to_num())
         p_e, b_e = eager._encode(x, bamax, g, None)
         p_c, b_c = comp._encode(x, bamax, g, None)
-        p_ref, b_ref = nvfp4_encode(x, g.unsqueeze(1))          # the reference codec, one call
+        p_ref, b_ref = nvfp4_encode(x, g.unsqueeze(1))  # the reference codec, one call
         assert torch.equal(p_c, p_e) and torch.equal(b_c, b_e)
         assert torch.equal(p_e, p_ref) and torch.equal(b_e, b_ref)
         r_e, r_c = torch.empty_like(x), torch.empty_like(x)
@@ -118,9 +119,13 @@ def test_nvfp4_wire_functions_compile_to_one_graph_each_and_match_eager_bitwise(
         # the one-graph form GPUs use (unpacking inside the sum), the same values
         for w in (eager, comp):
             d_p = w.sum_packed(pk, bk, gk, torch.empty(nb * 16))
-            assert torch.equal(d_p.nan_to_num(), ref.view(-1).nan_to_num()) and torch.equal(d_p.isnan(), ref.view(-1).isnan())
+            assert torch.equal(d_p.nan_to_num(), ref.view(-1).nan_to_num()) and torch.equal(
+                d_p.isnan(), ref.view(-1).isnan()
+            )
         assert torch.equal(d_c.nan_to_num(), d_e.nan_to_num()) and torch.equal(d_c.isnan(), d_e.isnan())
-        assert torch.equal(d_e.nan_to_num(), ref.view(-1).nan_to_num()) and torch.equal(d_e.isnan(), ref.view(-1).isnan())
+        assert torch.equal(d_e.nan_to_num(), ref.view(-1).nan_to_num()) and torch.equal(
+            d_e.isnan(), ref.view(-1).isnan()
+        )
     assert _compiled_graphs(counters) >= 5 and not counters["graph_break"]
 
 
@@ -132,11 +137,11 @@ def test_nibble_packing_matches_the_pair_layout_for_every_code_pair():
 
     _fresh()
     lo, hi = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
-    codes = torch.stack((lo.reshape(-1), hi.reshape(-1)), dim=1).reshape(-1, 16).to(torch.uint8)   # [32, 16]
-    want = (codes[:, 0::2].int() | (codes[:, 1::2].int() << 4)).to(torch.uint8)                     # [32, 8]
+    codes = torch.stack((lo.reshape(-1), hi.reshape(-1)), dim=1).reshape(-1, 16).to(torch.uint8)  # [32, 16]
+    want = (codes[:, 0::2].int() | (codes[:, 1::2].int() << 4)).to(torch.uint8)  # [32, 8]
     assert torch.equal(pack_nibbles(codes), want)
     assert torch.equal(maybe_compile(pack_nibbles, True)(codes), want)
-    assert torch.equal(want.view(-1).sort().values, torch.arange(256, dtype=torch.uint8))           # every byte
+    assert torch.equal(want.view(-1).sort().values, torch.arange(256, dtype=torch.uint8))  # every byte
     assert torch.equal(unpack_nibbles(want), codes)
     assert torch.equal(maybe_compile(unpack_nibbles, True)(want), codes)
 
@@ -160,10 +165,10 @@ NUMELS = [3000, 37, 1, 0, 2500, 130, 16, 700]
 
 
 def _eager_vs_compiled(rank, world):
+    from helpers import pctx_for
     from megatron_geo.comm import build_reducer
     from megatron_geo.config import load_config
     from megatron_geo.distributed.shard_plan import plan_shards
-    from helpers import pctx_for
 
     pctx = pctx_for(1)
     out = {}
@@ -179,7 +184,7 @@ def _eager_vs_compiled(rank, world):
             for step in range(2):  # two steps: the error-feedback residual feeds the second
                 buf = torch.randn(plan.buffer_numel, generator=g) * (10.0 ** (rank * 3))
                 (red.reduce_scatter if step == 0 else red.all_reduce)(buf, key=0).wait()
-                steps.append(buf[:plan.chunk].clone() if step == 0 else buf.clone())
+                steps.append(buf[: plan.chunk].clone() if step == 0 else buf.clone())
             res[mode] = steps
         out[preset] = res
     return out
@@ -201,7 +206,7 @@ def test_compiled_nvfp4_decode_equals_the_table_for_every_byte():
 
     codes = torch.arange(16, dtype=torch.int32)
     grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-    want = torch.cat([grid, -grid])                       # OCP E2M1: sign bit 3, magnitude bits 0-2
+    want = torch.cat([grid, -grid])  # OCP E2M1: sign bit 3, magnitude bits 0-2
     got = _e2m1_values(codes)
     assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
     _fresh()
@@ -242,15 +247,23 @@ def test_fp8_codes_from_integer_arithmetic_equal_torchs_casts_on_every_rounding_
     grid = grid[grid.isfinite()].unique()
     pts = torch.cat([grid, (grid[1:] + grid[:-1]) / 2])
     g = torch.Generator().manual_seed(0)
-    y = torch.cat([pts, torch.nextafter(pts, torch.tensor(float("inf"))), torch.nextafter(pts, torch.tensor(-float("inf"))),
-                   torch.randn(20000, generator=g) * m / 4, torch.rand(20000, generator=g) * 2.0 ** -5,
-                   torch.tensor([0.0, -0.0, float("nan"), -float("nan"), m, -m, 1e-45, -1e-45])]).clamp(-m, m)
+    y = torch.cat(
+        [
+            pts,
+            torch.nextafter(pts, torch.tensor(float("inf"))),
+            torch.nextafter(pts, torch.tensor(-float("inf"))),
+            torch.randn(20000, generator=g) * m / 4,
+            torch.rand(20000, generator=g) * 2.0**-5,
+            torch.tensor([0.0, -0.0, float("nan"), -float("nan"), m, -m, 1e-45, -1e-45]),
+        ]
+    ).clamp(-m, m)
     want = y.to(dt).view(torch.uint8)
     assert torch.equal(fp8_codes(y, fmt), want)
     assert torch.equal(maybe_compile(fp8_codes, True)(y, fmt), want)
 
 
 # -- eager numerics on every backend -------------------------------------------------------------------------------
+
 
 def test_every_codec_graph_is_compiled_with_the_eager_numerics_options(monkeypatch):
     """Each codec graph reaches ``torch.compile`` with ``fullgraph=True`` and Inductor's eager-numerics options

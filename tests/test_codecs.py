@@ -11,8 +11,14 @@ import pytest
 import torch
 
 from megatron_geo.comm.codecs import (
-    NVFP4_BLOCK, fp8_decode, fp8_encode, fp8_max, fp8_scale_from_amax,
-    nvfp4_decode, nvfp4_encode, nvfp4_global_scale,
+    NVFP4_BLOCK,
+    fp8_decode,
+    fp8_encode,
+    fp8_max,
+    fp8_scale_from_amax,
+    nvfp4_decode,
+    nvfp4_encode,
+    nvfp4_global_scale,
 )
 from megatron_geo.comm.formats import comm_view, get_format
 from megatron_geo.comm.hadamard import block_hadamard, block_hadamard_inverse, hadamard_signs
@@ -43,9 +49,9 @@ def _nearest(v, table, codes, chunk=4096):
     out = torch.empty_like(v)
     weight = 2.0 - (codes % 2).double()  # among equally near candidates, even codes win
     for i in range(0, v.numel(), chunk):
-        d = (v[i:i + chunk, None] - table[None, :]).abs()
+        d = (v[i : i + chunk, None] - table[None, :]).abs()
         cand = d == d.min(dim=1, keepdim=True).values
-        out[i:i + chunk] = table[(cand.double() * weight).argmax(dim=1)]
+        out[i : i + chunk] = table[(cand.double() * weight).argmax(dim=1)]
     return out
 
 
@@ -68,7 +74,7 @@ def _nvfp4_ref(x, g):
     bamax = x.abs().amax(dim=1, keepdim=True)
     e4_table, e4_codes = _fp8_table("fp8_e4m3")
     s = _nearest((bamax / (6 * g)).clamp(max=448.0).flatten(), e4_table, e4_codes).view(-1, 1)
-    s = torch.where((s == 0) & (bamax > 0), 2.0 ** -9, s)
+    s = torch.where((s == 0) & (bamax > 0), 2.0**-9, s)
     denom = s * g
     y = (x / torch.where(denom == 0, 1.0, denom)).clamp(-6, 6)
     e2_table, e2_codes = _e2m1_table()
@@ -83,8 +89,7 @@ def _fp8_sweep(fmt):
     pos = torch.unique(table[table >= 0]).float()  # sorted, exactly representable in FP32
     lo, hi = pos[:-1], pos[1:]
     mid = (lo + hi) / 2  # exact in FP32 (one more mantissa bit)
-    parts = [pos, mid, torch.nextafter(mid, hi), torch.nextafter(mid, lo), lo + (hi - lo) / 4,
-             lo + 3 * (hi - lo) / 4]
+    parts = [pos, mid, torch.nextafter(mid, hi), torch.nextafter(mid, lo), lo + (hi - lo) / 4, lo + 3 * (hi - lo) / 4]
     m = _MAX[fmt]
     parts.append(torch.tensor([m * 1.0001, m * 1.03, m * 1.5, m * 4, 1e30, 3e38, 0.0]))
     g = torch.Generator().manual_seed(0)
@@ -106,7 +111,7 @@ def test_fp8_max_and_unknown_format():
 
 
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("scale", [1.0, 2.0 ** -7, 2.0 ** 5])
+@pytest.mark.parametrize("scale", [1.0, 2.0**-7, 2.0**5])
 def test_fp8_nearest_matches_fp64_bruteforce(fmt, scale):
     x = _fp8_sweep(fmt) * scale  # power-of-two scale: x / scale is exact
     s = torch.tensor(scale)
@@ -184,8 +189,8 @@ def _neighbours(y, fmt):
 
 
 _SR_POINTS = {
-    "fp8_e4m3": [0.3, 1.1, -5.3, 300.0, 440.0, 2.0 ** -9 * 1.3, -(2.0 ** -9) * 6.75, 2.0 ** -10],
-    "fp8_e5m2": [0.3, 1.1, -5.3, 50000.0, 2.0 ** -16 * 1.3, -(2.0 ** -16) * 2.75, 2.0 ** -17],
+    "fp8_e4m3": [0.3, 1.1, -5.3, 300.0, 440.0, 2.0**-9 * 1.3, -(2.0**-9) * 6.75, 2.0**-10],
+    "fp8_e5m2": [0.3, 1.1, -5.3, 50000.0, 2.0**-16 * 1.3, -(2.0**-16) * 2.75, 2.0**-17],
 }
 
 
@@ -236,25 +241,30 @@ def test_nvfp4_packing_layout():
     assert packed[0].tolist() == [codes[2 * i] | (codes[2 * i + 1] << 4) for i in range(8)]
     assert sc.tolist() == [0x38]  # E4M3 1.0 = 0 0111 000
     # hand-made bytes: 0x21 -> low nibble 1 (0.5) first, high nibble 2 (1.0) second; 0xF8 -> -0, -6
-    out = nvfp4_decode(torch.tensor([[0x21, 0xF8, 0x00, 0x00, 0x00, 0x00, 0x00, 0x7A]], dtype=torch.uint8),
-                       torch.tensor([0x40], dtype=torch.uint8), torch.tensor(0.5))  # 0x40 = 2.0
+    out = nvfp4_decode(
+        torch.tensor([[0x21, 0xF8, 0x00, 0x00, 0x00, 0x00, 0x00, 0x7A]], dtype=torch.uint8),
+        torch.tensor([0x40], dtype=torch.uint8),
+        torch.tensor(0.5),
+    )  # 0x40 = 2.0
     assert out[0].tolist()[:4] == [0.5, 1.0, 0.0, -6.0]
     assert out[0].tolist()[-2:] == [-1.0, 6.0]  # 0x7A: low 0xA = -1.0, high 0x7 = 6.0 (x 2 x 0.5)
 
 
 def test_nvfp4_handmade_ties_and_scale_edge_cases():
     one = torch.tensor(1.0)
-    rows = torch.tensor([
-        # block scale exactly 1: every E2M1 tie (0.25, 0.75, ..., 5) goes to the even code
-        [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, 0.1],
-        # amax/6 = 1.0625 is an E4M3 tie -> scale 1.0 (even), so 6.375 clamps to 6
-        [6.375, 1.0, -2.0, 3.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4.6],
-        # amax/6 = 2**-12 rounds to 0 in E4M3 -> smallest positive 2**-9 instead
-        [6 * 2.0 ** -12, -3 * 2.0 ** -12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2.0 ** -12],
-        # amax/6 = 1e4 saturates the block scale at 448; elements clamp to +-6
-        [6e4, -3e4, 2e3, 1.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
-        [0.0] * 16,
-    ])
+    rows = torch.tensor(
+        [
+            # block scale exactly 1: every E2M1 tie (0.25, 0.75, ..., 5) goes to the even code
+            [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, 0.1],
+            # amax/6 = 1.0625 is an E4M3 tie -> scale 1.0 (even), so 6.375 clamps to 6
+            [6.375, 1.0, -2.0, 3.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4.6],
+            # amax/6 = 2**-12 rounds to 0 in E4M3 -> smallest positive 2**-9 instead
+            [6 * 2.0**-12, -3 * 2.0**-12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2.0**-12],
+            # amax/6 = 1e4 saturates the block scale at 448; elements clamp to +-6
+            [6e4, -3e4, 2e3, 1.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+            [0.0] * 16,
+        ]
+    )
     packed, sc = nvfp4_encode(rows, one)
     out = nvfp4_decode(packed, sc, one)
     ref = _nvfp4_ref(rows, 1.0)
@@ -281,9 +291,9 @@ def test_nvfp4_matches_fp64_reference(rows_global):
     ref = _nvfp4_ref(x, gs.double())
     assert torch.equal(out.double(), ref.float().double())
     # power-of-two global scale: every step is exact in FP32, so results are bit-identical too
-    gp = torch.tensor(2.0 ** -10)
+    gp = torch.tensor(2.0**-10)
     out = nvfp4_decode(*nvfp4_encode(x, gp), gp)
-    assert torch.equal(out.double(), _nvfp4_ref(x, 2.0 ** -10))
+    assert torch.equal(out.double(), _nvfp4_ref(x, 2.0**-10))
 
 
 def test_nvfp4_gaussian_error_bound():
@@ -294,7 +304,7 @@ def test_nvfp4_gaussian_error_bound():
     err = (out - x).abs()
     bamax = x.abs().amax(dim=1, keepdim=True)
     # per element: at most one unit (half the 4..6 gap) of size (amax/6)(1 + 2**-4) (E4M3 scale rounding)
-    assert (err <= bamax / 6 * (1 + 2.0 ** -4) * (1 + 1e-6)).all()
+    assert (err <= bamax / 6 * (1 + 2.0**-4) * (1 + 1e-6)).all()
     # aggregate relative error (empirical bound; measured 0.095 for this seed)
     assert torch.linalg.norm(err) / torch.linalg.norm(x) < 0.11
 
@@ -352,9 +362,13 @@ def test_nvfp4_global_scale_and_shape_errors():
 
 
 def test_bytes_per_element_comes_from_the_registry_entries():
-    for dtype, settings, want in (("fp32", {}, 4.0), ("bf16", {}, 2.0), ("fp8_e4m3", {}, 1.0),
-                                  ("fp8_e5m2", {"scaling": "block", "block_size": 128}, 1.0 + 4 / 128),
-                                  ("nvfp4", {}, 0.5 + 1 / 16)):
+    for dtype, settings, want in (
+        ("fp32", {}, 4.0),
+        ("bf16", {}, 2.0),
+        ("fp8_e4m3", {}, 1.0),
+        ("fp8_e5m2", {"scaling": "block", "block_size": 128}, 1.0 + 4 / 128),
+        ("nvfp4", {}, 0.5 + 1 / 16),
+    ):
         assert get_format(dtype).bytes_per_element(comm_view(dtype=dtype, **settings)) == want
     with pytest.raises(ValueError, match="choose one of fp32, bf16, fp8_e4m3, fp8_e5m2, nvfp4"):
         get_format("int8")
@@ -407,7 +421,7 @@ def test_cuda_matches_cpu_nearest():
         assert torch.equal(c_cpu, c_gpu.cpu())
         gen = torch.Generator(device="cuda").manual_seed(1)
         out = fp8_decode(fp8_encode(x.cuda(), s.cuda(), fmt, "stochastic", gen), s.cuda(), fmt)
-        assert ((out.cpu() - x).abs() <= s * 2 ** 5).all()
+        assert ((out.cpu() - x).abs() <= s * 2**5).all()
     gs = nvfp4_global_scale(x.abs().amax())
     p, sc = nvfp4_encode(x, gs)
     pg, scg = nvfp4_encode(x.cuda(), gs.cuda())

@@ -19,7 +19,7 @@ _spec.loader.exec_module(cr)
 
 # final validation losses per (mode, seed); bf16: mean 4.1, sample std 0.1; fp8: mean 4.3, std 0.1
 FINAL_VAL = {"bf16": {1: 4.0, 2: 4.2, 3: 4.1}, "fp8": {1: 4.3, 2: 4.4, 3: 4.2}}
-BYTES = {"bf16": [2000, 2000, 2000, 2000], "fp8": [1000, 1000, 1000, 1400]}   # means 2000 and 1100
+BYTES = {"bf16": [2000, 2000, 2000, 2000], "fp8": [1000, 1000, 1000, 1400]}  # means 2000 and 1100
 TOKS = {"bf16": [1.0, 100.0, 200.0, 300.0], "fp8": [5.0, 50.0, 50.0, 50.0]}  # first step left out: 200, 50
 
 
@@ -28,8 +28,13 @@ def _write_run(d: Path, mode: str, seed: int, n_steps: int = 4, extra_val_shift:
     (d / "config.yaml").write_text(f"train:\n  seed: {seed}\n  steps: {n_steps}\ncomm:\n  dtype: {mode}\n")
     with open(d / "metrics.jsonl", "w") as f:
         for i in range(n_steps):
-            rec = {"step": i + 1, "loss": 8.0 - i - (seed / 10), "comm_bytes": BYTES[mode][i],
-                   "tokens_per_sec": TOKS[mode][i], "skipped": False}
+            rec = {
+                "step": i + 1,
+                "loss": 8.0 - i - (seed / 10),
+                "comm_bytes": BYTES[mode][i],
+                "tokens_per_sec": TOKS[mode][i],
+                "skipped": False,
+            }
             if i + 1 == 2:
                 rec["val_loss"] = 6.0 + seed  # an earlier evaluation: must not count as final
             if i + 1 == n_steps:
@@ -79,8 +84,11 @@ def test_moving_average():
 
 def test_cli_writes_tables_and_plots(sweep, tmp_path):
     out = tmp_path / "out"
-    res = subprocess.run([sys.executable, str(REPO / "tools" / "compare_runs.py"), str(sweep), "--out", str(out),
-                          "--smooth", "2"], capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "compare_runs.py"), str(sweep), "--out", str(out), "--smooth", "2"],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr
     rows = list(csv.DictReader(open(out / "results.csv")))
     assert [r["mode"] for r in rows] == ["bf16", "fp8"]
@@ -139,7 +147,8 @@ def test_offline_wandb_run_is_read(tmp_path, sweep):
         "    if s == 4:\n"
         "        rec['val_loss'] = 4.25\n"
         "    r.log(rec, step=s)\n"
-        "r.finish()\n")
+        "r.finish()\n"
+    )
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -170,24 +179,31 @@ def test_verdicts_known_answers(sweep, tmp_path):
     assert f["ci_lo"] == pytest.approx(0.2 - half, abs=1e-6) and f["ci_hi"] == pytest.approx(0.2 + half, abs=1e-6)
     assert f["verdict"] == "not distinguishable at 3 seeds" and f["seeds_needed"] == 4 and f["ci_method"] == "t"
     assert rows["bf16"]["verdict"] == "reference"
-    res = subprocess.run([sys.executable, str(REPO / "tools" / "compare_runs.py"), str(sweep), "--no-plots"],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "compare_runs.py"), str(sweep), "--no-plots"],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr
     md = (sweep / "results.md").read_text()
-    assert f"| fp8 | 3 | +0.2000 | [{0.2 - half:+.4f}, {0.2 + half:+.4f}] (t) | **not distinguishable at 3 seeds** | 4 |" in md
+    assert (
+        f"| fp8 | 3 | +0.2000 | [{0.2 - half:+.4f}, {0.2 + half:+.4f}] (t) | **not distinguishable at 3 seeds** | 4 |"
+        in md
+    )
 
 
 def test_rows_sorted_by_gap_and_modes_grouped_by_comm_label(tmp_path):
     root = tmp_path / "sw"
     for seed in (1, 2, 3):
         _write_run(root / f"bf16-seed{seed}", "bf16", seed)
-        _write_run(root / f"a-seed{seed}", "fp8", seed, extra_val_shift=0.5)       # worst
-        _write_run(root / f"b-seed{seed}", "fp8", seed, extra_val_shift=-0.6)      # best: d = -0.3, -0.4, -0.5
+        _write_run(root / f"a-seed{seed}", "fp8", seed, extra_val_shift=0.5)  # worst
+        _write_run(root / f"b-seed{seed}", "fp8", seed, extra_val_shift=-0.6)  # best: d = -0.3, -0.4, -0.5
         # a folder name that is not the mode: its config's comm.label decides
         d = root / f"run{seed}"
         _write_run(d, "fp8", seed)
-        (d / "config.yaml").write_text(f"train:\n  seed: {seed}\n  steps: 4\ncomm:\n  dtype: fp8_e4m3\n"
-                                       f"  label: fp8_e4m3+ef\n")
+        (d / "config.yaml").write_text(
+            f"train:\n  seed: {seed}\n  steps: 4\ncomm:\n  dtype: fp8_e4m3\n  label: fp8_e4m3+ef\n"
+        )
     rows = cr.summarize(cr.group_modes(cr.load_sweep(root)), "bf16")
     assert [r["mode"] for r in rows] == ["bf16", "b", "fp8_e4m3+ef", "a"]
     assert [r["seeds"] for r in rows] == [3, 3, 3, 3]
@@ -200,8 +216,14 @@ def test_rel_err_plot_from_telemetry_records(tmp_path):
         _write_run(root / f"fp8-seed{seed}", "fp8", seed)
         m = root / f"fp8-seed{seed}" / "metrics.jsonl"
         recs = [json.loads(x) for x in m.read_text().splitlines()]
-        recs[1].update({"comm/rel_err/bucket0": 0.02, "comm/rel_err/bucket1": 0.04,
-                        "comm/rel_err/geo/l0": 0.01, "comm/rel_err/euclid/l0": 0.03})
+        recs[1].update(
+            {
+                "comm/rel_err/bucket0": 0.02,
+                "comm/rel_err/bucket1": 0.04,
+                "comm/rel_err/geo/l0": 0.01,
+                "comm/rel_err/euclid/l0": 0.03,
+            }
+        )
         m.write_text("".join(json.dumps(r) + "\n" for r in recs))
     runs = cr.group_modes(cr.load_sweep(root))
     assert runs["fp8"][0].mean_series("comm/rel_err/bucket") == ([2], [pytest.approx(0.03)])
@@ -211,21 +233,36 @@ def test_rel_err_plot_from_telemetry_records(tmp_path):
 
 
 def test_replaced_runs_are_ignored_and_unequal_lengths_are_flagged(sweep, tmp_path):
-    old = sweep / ".replaced" / "bf16-seed1-20260101-000000"   # moved aside by run_comparison --force
+    old = sweep / ".replaced" / "bf16-seed1-20260101-000000"  # moved aside by run_comparison --force
     _write_run(old, "bf16", 1)
     runs = cr.load_sweep(sweep)
     assert len(runs) == 6 and all(".replaced" not in str(r.path) for r in runs)
     _write_run(sweep / "fp8_long-seed1", "fp8", 1, n_steps=4)
     m = sweep / "fp8_long-seed1" / "metrics.jsonl"
-    m.write_text(m.read_text() + json.dumps({"step": 5, "loss": 1.0, "val_loss": 4.0, "comm_bytes": 1,
-                                             "tokens_per_sec": 1.0}) + "\n")
+    m.write_text(
+        m.read_text()
+        + json.dumps({"step": 5, "loss": 1.0, "val_loss": 4.0, "comm_bytes": 1, "tokens_per_sec": 1.0})
+        + "\n"
+    )
     (sweep / "fp8_long-seed1" / "config.yaml").write_text("train:\n  seed: 1\n  steps: 5\n")
-    res = subprocess.run([sys.executable, str(REPO / "tools" / "compare_runs.py"), str(sweep), "--no-plots"],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "compare_runs.py"), str(sweep), "--no-plots"],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0 and "different lengths (4, 5 steps)" in res.stderr
     assert "different lengths" in (sweep / "results.md").read_text()
-    res = subprocess.run([sys.executable, str(REPO / "tools" / "compare_runs.py"), str(sweep), "--out",
-                          str(sweep / "bf16-seed1" / "config.yaml")], capture_output=True, text=True)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "compare_runs.py"),
+            str(sweep),
+            "--out",
+            str(sweep / "bf16-seed1" / "config.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 2 and "is a file" in res.stderr
 
 
@@ -233,6 +270,9 @@ def test_a_one_mode_sweep_has_no_verdict_table(tmp_path):
     root = tmp_path / "sw"
     for seed in (1, 2):
         _write_run(root / f"bf16-seed{seed}", "bf16", seed)
-    res = subprocess.run([sys.executable, str(REPO / "tools" / "compare_runs.py"), str(root), "--no-plots"],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "compare_runs.py"), str(root), "--no-plots"],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0 and "Verdicts" not in (root / "results.md").read_text()

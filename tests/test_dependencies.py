@@ -47,7 +47,7 @@ def declared():
 
 def _first_party() -> set[str]:
     names = {"megatron_geo", "__future__"}
-    names |= {p.stem for p in (ROOT / "tools").glob("*.py")}     # tools import their siblings (tools/verdict.py)
+    names |= {p.stem for p in (ROOT / "tools").glob("*.py")}  # tools import their siblings (tools/verdict.py)
     return names
 
 
@@ -91,7 +91,7 @@ def _source_file(module: str) -> Path | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _packages() -> dict[str, list[str]]:
     return md.packages_distributions()
 
@@ -101,7 +101,7 @@ def _distributions_of(top: str) -> set[str]:
     return {_norm(d) for d in _packages().get(top, [])} or {_norm(top)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _files_of(dist: str) -> frozenset[str]:
     """The files a distribution installed, relative to its site-packages folder."""
     return frozenset(str(f) for f in md.distribution(dist).files or ())
@@ -117,7 +117,7 @@ def _distribution_of_file(path: Path, top: str) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _requirement_closure(dist: str) -> frozenset[str]:
     """``dist`` and everything it installs unconditionally (its requirements without an ``extra`` marker, and
     theirs, as far as they are installed)."""
@@ -206,7 +206,6 @@ def test_the_hf_extra_declares_protobuf_new_enough_for_sentencepieces_generated_
     gen = re.search(r"ValidateProtobufRuntimeVersion\(\s*[\w.]+,\s*(\d+),\s*(\d+),\s*(\d+)", pb2.read_text())
     if gen is None:
         pytest.skip("this sentencepiece's generated code does not check the protobuf version")
-    assert tuple(int(x) for x in low.group(1).split(".")) >= tuple(int(x) for x in gen.groups()), \
+    assert tuple(int(x) for x in low.group(1).split(".")) >= tuple(int(x) for x in gen.groups()), (
         f"{bounds[0]} is older than the protobuf {'.'.join(gen.groups())} sentencepiece's model code was generated with"
-
-
+    )

@@ -23,16 +23,15 @@ def test_guard_rejects_wrong_device_and_names_the_fix(world):
     with pytest.raises(C.CollectiveDeviceError, match=r"all_reduce: tensor 0 .* is on meta .*device=pctx.device"):
         C.all_reduce(torch.zeros(3, device="meta"), world)
     with C.strict_devices():
-        made_here = torch.zeros(2)                      # this test module is not the package: real CPU tensor
+        made_here = torch.zeros(2)  # this test module is not the package: real CPU tensor
     assert made_here.device.type == "cpu"
     t = torch.ones(4)
-    C.all_reduce(t, world)                              # a CPU tensor with gloo is fine
+    C.all_reduce(t, world)  # a CPU tensor with gloo is fine
     assert t.tolist() == [1.0] * 4
 
 
 def test_strict_mode_turns_implicit_factories_of_the_package_into_meta():
     from megatron_geo.comm.hadamard import hadamard_signs
-
     from megatron_geo.geometry.transform import identity_transform
 
     with C.strict_devices():
@@ -58,15 +57,32 @@ def _train_strict(rank, world, overrides):
 
 
 # the reduction and control path (the model and data packages build on the host on purpose, then move)
-STRICT_PACKAGES = ("megatron_geo.comm", "megatron_geo.geometry", "megatron_geo.checkpoint", "megatron_geo.distributed",
-                   "megatron_geo.training.step", "megatron_geo.training.signals", "megatron_geo.training.trainer",
-                   "megatron_geo.parallel", "megatron_geo.tensor_parallel", "megatron_geo.optim")
+STRICT_PACKAGES = (
+    "megatron_geo.comm",
+    "megatron_geo.geometry",
+    "megatron_geo.checkpoint",
+    "megatron_geo.distributed",
+    "megatron_geo.training.step",
+    "megatron_geo.training.signals",
+    "megatron_geo.training.trainer",
+    "megatron_geo.parallel",
+    "megatron_geo.tensor_parallel",
+    "megatron_geo.optim",
+)
 
 CASES = {
-    "geofp8-auto-search": ["comm.dtype=fp8_e4m3", "comm.transform=geo", "comm.error_feedback=true",
-                           "geo.layers=layers.*.mlp.*_proj.weight", "geo.select=auto", "geo.num_layers=2",
-                           "geo.profile_steps=2", "geo.refresh_interval=2", "geo.rank=4",
-                           "geo.power_search=[0.5,0.25,0]"],
+    "geofp8-auto-search": [
+        "comm.dtype=fp8_e4m3",
+        "comm.transform=geo",
+        "comm.error_feedback=true",
+        "geo.layers=layers.*.mlp.*_proj.weight",
+        "geo.select=auto",
+        "geo.num_layers=2",
+        "geo.profile_steps=2",
+        "geo.refresh_interval=2",
+        "geo.rank=4",
+        "geo.power_search=[0.5,0.25,0]",
+    ],
     "fp8-hadamard": ["comm.dtype=fp8_e4m3", "comm.transform=hadamard", "comm.hadamard_block=16"],
     "nvfp4-muon": ["comm.dtype=nvfp4", "optimizer.name=muon"],
 }

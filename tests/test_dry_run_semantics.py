@@ -19,11 +19,25 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DP = 4
-TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_attention_heads=4", "model.num_kv_heads=2",
-        "model.ffn_hidden_size=64", "model.seq_length=16", "model.vocab_size=131",
-        "model.make_vocab_size_divisible_by=1", "parallel.bucket_size=3000", "train.global_batch_size=16",
-        "train.micro_batch_size=2", "optimizer.lr=1e-2", "optimizer.min_lr=1e-2", "train.warmup_steps=0",
-        "optimizer.clip_grad=0", "logging.wandb=disabled", "train.device=cpu"]
+TINY = [
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_attention_heads=4",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=64",
+    "model.seq_length=16",
+    "model.vocab_size=131",
+    "model.make_vocab_size_divisible_by=1",
+    "parallel.bucket_size=3000",
+    "train.global_batch_size=16",
+    "train.micro_batch_size=2",
+    "optimizer.lr=1e-2",
+    "optimizer.min_lr=1e-2",
+    "train.warmup_steps=0",
+    "optimizer.clip_grad=0",
+    "logging.wandb=disabled",
+    "train.device=cpu",
+]
 
 
 def _params(model) -> dict[str, np.ndarray]:
@@ -41,8 +55,8 @@ def _both(opt_name: str, json_path: str) -> dict:
 
     from megatron_geo.config import load_config
     from megatron_geo.parallel import build_groups
-    from megatron_geo.training.step import train_step
     from megatron_geo.training.setup import build_model_and_optimizer
+    from megatron_geo.training.step import train_step
 
     torch.set_num_threads(1)
     over = TINY + [f"optimizer.name={opt_name}"]
@@ -51,8 +65,20 @@ def _both(opt_name: str, json_path: str) -> dict:
     # 1. the command line, two steps (it sets up and tears down its own fake process group)
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
-        rc = dry_run.main(["--config", str(ROOT / "configs/tiny.yaml"), "--dp", str(DP), "--steps", "2",
-                           "--exact-init", "--json", json_path, *over])
+        rc = dry_run.main(
+            [
+                "--config",
+                str(ROOT / "configs/tiny.yaml"),
+                "--dp",
+                str(DP),
+                "--steps",
+                "2",
+                "--exact-init",
+                "--json",
+                json_path,
+                *over,
+            ]
+        )
     out.update(rc=rc, stdout=text.getvalue())
     # 2. the dry run's own steps (one step), on the fake process group
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=DP)
@@ -60,9 +86,13 @@ def _both(opt_name: str, json_path: str) -> dict:
         recs, state = dry_run.run_steps(cfg, build_groups(0, DP, 1, torch.device("cpu"), "fake"), DP, 1)
         owned = {n: np.zeros(p.numel(), dtype=bool) for n, p in state["model"].named_parameters()}
         for m in state["optimizer"].mains:
-            owned[m.name][m.param_start:m.param_start + m.main.numel()] = True
-        out.update(dry_loss=recs[0]["loss"], dry_params=_params(state["model"]), owned=owned,
-                   uneven=sum(1 for b in state["buckets"] if not b.plan.even))
+            owned[m.name][m.param_start : m.param_start + m.main.numel()] = True
+        out.update(
+            dry_loss=recs[0]["loss"],
+            dry_params=_params(state["model"]),
+            owned=owned,
+            uneven=sum(1 for b in state["buckets"] if not b.plan.even),
+        )
     except Exception as e:  # noqa: BLE001 - reported by the test that needs it
         out["steps_error"] = repr(e)
     finally:
@@ -121,7 +151,7 @@ def test_after_a_step_own_ranges_hold_the_update_and_other_ranges_are_untouched(
     r = runs[opt_name]
     assert "steps_error" not in r, r.get("steps_error")
     if opt_name == "muon":
-        assert r["uneven"] > 0   # Muon matrices are owned whole: the whole-parameter plan
+        assert r["uneven"] > 0  # Muon matrices are owned whole: the whole-parameter plan
     n_own = n_other = 0
     for name, own in r["owned"].items():
         got, init, ref = r["dry_params"][name], r["init_params"][name], r["ref_params"][name]

@@ -41,9 +41,18 @@ def trainer_schedule(start, total, eval_interval, ckpt_interval, save_at_end):
     return evals, saves
 
 
-@pytest.mark.parametrize("start,total,ev,ck,end", [(0, 10, 2, 5, True), (0, 10, 3, 4, False), (3, 10, 3, 0, True),
-                                                   (0, 7, 50, 0, True), (0, 8, 4, 4, True), (8, 8, 2, 2, True),
-                                                   (0, 5, 0, 2, False)])
+@pytest.mark.parametrize(
+    "start,total,ev,ck,end",
+    [
+        (0, 10, 2, 5, True),
+        (0, 10, 3, 4, False),
+        (3, 10, 3, 0, True),
+        (0, 7, 50, 0, True),
+        (0, 8, 4, 4, True),
+        (8, 8, 2, 2, True),
+        (0, 5, 0, 2, False),
+    ],
+)
 def test_planned_counts_follow_the_trainers_rules(start, total, ev, ck, end):
     evals, saves = trainer_schedule(start, total, ev, ck, end)
     assert E.planned_evals(start, total, ev) == len(evals)
@@ -57,7 +66,7 @@ def test_eta_with_eval_every_2_steps_and_a_save_every_5():
     timer = E.RunTimer(10, 0, eval_interval=2, checkpoint_interval=5, save_at_end=True, clock=clock)
     lines = {}
     for step in range(1, 6):
-        clock.advance(1.0)                       # the step itself (the trainer measures it apart)
+        clock.advance(1.0)  # the step itself (the trainer measures it apart)
         if step == 2:
             with timer.timing("eval"):
                 clock.advance(2.0)
@@ -91,7 +100,7 @@ def test_eta_from_hours_long_evaluations_is_not_the_step_time_alone():
     with timer.timing("eval"):
         clock.advance(10.0)
     left_steps = 998 * 10.0
-    left_evals = 499 * 10.0                       # evaluations after steps 4, 6, ..., 1000
+    left_evals = 499 * 10.0  # evaluations after steps 4, 6, ..., 1000
     line = eta_line(2, 1000, [10.0], 1.0, now=0.0, phases=timer.phases())
     assert f"ETA {format_duration(left_steps + left_evals)} (" in line
     assert format_duration(left_steps + left_evals) != format_duration(left_steps)
@@ -102,8 +111,16 @@ def test_the_trainers_log_line_uses_the_same_eta():
     timer = E.RunTimer(20, 0, eval_interval=5, checkpoint_interval=10, save_at_end=True, clock=clock)
     with timer.timing("eval"):
         clock.advance(30.0)
-    rec = {"step": 5, "loss": 3.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_sec": 10.0, "step_time_s": 2.0,
-           "comm_bytes": 0, "val_loss": 3.1}
+    rec = {
+        "step": 5,
+        "loss": 3.0,
+        "lr": 1e-3,
+        "grad_norm": 1.0,
+        "tokens_per_sec": 10.0,
+        "step_time_s": 2.0,
+        "comm_bytes": 0,
+        "val_loss": 3.1,
+    }
     line = log_line(rec, 20, [2.0, 2.0], 0, timer.phases())
     # 15 steps x 2 s + 3 evaluations (10, 15, 20) x 30 s = 120 s; saves (10, 20) untimed
     assert line.endswith("ETA 2m00s+saves")
@@ -118,21 +135,30 @@ def test_the_metrics_watcher_adds_logged_eval_and_save_times(tmp_path):
         if step % 3 == 0:
             r.update(val_loss=3.0, eval_time_s={3: 5.0, 6: 7.0}[step])
         if step == 5:
-            r.update(checkpoint_time_s=9.0, checkpoints_saved=1)   # the save after step 4
+            r.update(checkpoint_time_s=9.0, checkpoints_saved=1)  # the save after step 4
         recs.append(r)
     # the config of the run folder gives the schedule; before any evaluation the line says it leaves them out
-    (tmp_path / "config.yaml").write_text("train:\n  steps: 12\n  eval_interval: 3\n  eval_batches: 1\n"
-                                          "checkpoint:\n  interval: 4\n  save_at_end: true\n")
+    (tmp_path / "config.yaml").write_text(
+        "train:\n  steps: 12\n  eval_interval: 3\n  eval_batches: 1\ncheckpoint:\n  interval: 4\n  save_at_end: true\n"
+    )
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs[:2]))
-    out = subprocess.run([sys.executable, str(ROOT / "megatron_geo/training/eta.py"), "--run-dir", str(tmp_path),
-                          "--once"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "megatron_geo/training/eta.py"), "--run-dir", str(tmp_path), "--once"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     # 10 steps x 2 s; evaluations and saves still to come, none timed
     assert "ETA 20s (finish" in out.stdout and "excludes evaluations and checkpoint saves, none timed yet" in out.stdout
     # all six records: the measured durations are added
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    out = subprocess.run([sys.executable, str(ROOT / "megatron_geo/training/eta.py"), "--run-dir", str(tmp_path),
-                          "--once"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "megatron_geo/training/eta.py"), "--run-dir", str(tmp_path), "--once"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     # 6 steps x 2 s + 2 evaluations (9, 12) x 6 s + 2 saves (8, 12) x 9 s = 42 s
     assert f"ETA {format_duration(6 * 2.0 + 2 * 6.0 + 2 * 9.0)} (finish" in out.stdout, out.stdout
     line = metrics_eta_line(recs, 12, now=0.0, schedule=E.Schedule(3, 4, True))
@@ -144,16 +170,32 @@ def test_training_logs_eval_and_save_times_and_its_eta_names_what_is_untimed(tmp
     the log lines name what the ETA leaves out until each kind has been timed once."""
     data = make_corpus(tmp_path / "corpus")
     run = tmp_path / "run"
-    args = tiny_train_overrides(run, data, "train.steps=6", "train.eval_interval=2", "checkpoint.interval=3",
-                                "checkpoint.save_at_end=false", "train.device=cpu")
-    r = subprocess.run([sys.executable, str(ROOT / "pretrain_llama.py"), *args], capture_output=True, text=True,
-                       timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    args = tiny_train_overrides(
+        run,
+        data,
+        "train.steps=6",
+        "train.eval_interval=2",
+        "checkpoint.interval=3",
+        "checkpoint.save_at_end=false",
+        "train.device=cpu",
+    )
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "pretrain_llama.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    eta = {int(ln.split()[1].split("/")[0]): ln.split("| ETA ")[1] for ln in r.stdout.splitlines()
-           if ln.startswith("step ") and "| ETA " in ln}
+    eta = {
+        int(ln.split()[1].split("/")[0]): ln.split("| ETA ")[1]
+        for ln in r.stdout.splitlines()
+        if ln.startswith("step ") and "| ETA " in ln
+    }
     assert eta[1].endswith("+evals+saves")
     assert eta[2].endswith("s+saves")
-    assert eta[3].endswith("s+saves")                     # the step-3 save comes after its line
+    assert eta[3].endswith("s+saves")  # the step-3 save comes after its line
     assert "+" not in eta[4] and "+" not in eta[5]
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     by = {x["step"]: x for x in recs}

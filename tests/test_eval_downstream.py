@@ -20,22 +20,74 @@ from megatron_geo.data.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 from megatron_geo.model.llama import Llama  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-WORDS = ("the king is dead long live the queen a horse my kingdom for a horse to be or not to be that is the "
-         "question all the world is a stage and all the men and women merely players").split()
+WORDS = [
+    "the",
+    "king",
+    "is",
+    "dead",
+    "long",
+    "live",
+    "the",
+    "queen",
+    "a",
+    "horse",
+    "my",
+    "kingdom",
+    "for",
+    "a",
+    "horse",
+    "to",
+    "be",
+    "or",
+    "not",
+    "to",
+    "be",
+    "that",
+    "is",
+    "the",
+    "question",
+    "all",
+    "the",
+    "world",
+    "is",
+    "a",
+    "stage",
+    "and",
+    "all",
+    "the",
+    "men",
+    "and",
+    "women",
+    "merely",
+    "players",
+]
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("evalck")
     g = torch.Generator().manual_seed(0)
-    lines = [" ".join(WORDS[i] for i in torch.randint(len(WORDS), (12,), generator=g).tolist()).capitalize() + "."
-             for _ in range(300)]
+    lines = [
+        " ".join(WORDS[i] for i in torch.randint(len(WORDS), (12,), generator=g).tolist()).capitalize() + "."
+        for _ in range(300)
+    ]
     (d / "text.txt").write_text("\n".join(lines) + "\n")
     tok_path = train_tokenizer([str(d / "text.txt")], str(d / "tok"), vocab_size=120)
     tok = Tokenizer(tok_path)
-    cfg = load_config([], [f"model.vocab_size={tok.vocab_size}", "model.hidden_size=32", "model.num_layers=2",
-                           "model.num_attention_heads=4", "model.num_kv_heads=2", "model.ffn_hidden_size=64",
-                           "model.seq_length=32", "model.make_vocab_size_divisible_by=64", "train.seed=7"])
+    cfg = load_config(
+        [],
+        [
+            f"model.vocab_size={tok.vocab_size}",
+            "model.hidden_size=32",
+            "model.num_layers=2",
+            "model.num_attention_heads=4",
+            "model.num_kv_heads=2",
+            "model.ffn_hidden_size=64",
+            "model.seq_length=32",
+            "model.make_vocab_size_divisible_by=64",
+            "train.seed=7",
+        ],
+    )
     model = Llama(cfg.model, _tp1_group(), 7)
     with torch.no_grad():  # a sharper-than-init model so that choices differ clearly
         for p in model.parameters():
@@ -52,7 +104,7 @@ def direct_logprob(model, tok, context: str, continuation: str) -> float:
     ids = torch.tensor([[tok.eod_id] + whole])
     with torch.no_grad():
         loss = model(ids[:, :-1], ids[:, 1:])[0]
-    return -float(loss[len(ctx):].sum())
+    return -float(loss[len(ctx) :].sum())
 
 
 # -- consolidated checkpoint ---------------------------------------------------------------------------
@@ -77,8 +129,10 @@ def test_round_trip_and_tokenizer(setup, tmp_path):
 
 def test_unpadded_vocab_rows_are_padded(setup, tmp_path):
     v = setup["cfg"].model.vocab_size
-    state = {k: (t[:v].clone() if k in ("embed.weight", "output.weight") else t)
-             for k, t in setup["model"].state_dict().items()}
+    state = {
+        k: (t[:v].clone() if k in ("embed.weight", "output.weight") else t)
+        for k, t in setup["model"].state_dict().items()
+    }
     save_consolidated(tmp_path / "u.pt", setup["cfg"], state)
     _, m = load_consolidated(tmp_path / "u.pt")
     e = m.state_dict()["embed.weight"]
@@ -120,8 +174,14 @@ def lm(setup):
     return MegatronGeoLM(setup["model"], setup["tok"], batch_size=3)
 
 
-PAIRS = [("The king is", " dead."), ("To be or not", " to be"), ("A horse", " my kingdom for a horse."),
-         ("All the world is a", " stage"), ("The queen", " is dead long live the king."), ("That", " is")]
+PAIRS = [
+    ("The king is", " dead."),
+    ("To be or not", " to be"),
+    ("A horse", " my kingdom for a horse."),
+    ("All the world is a", " stage"),
+    ("The queen", " is dead long live the king."),
+    ("That", " is"),
+]
 
 
 def test_loglikelihood_matches_direct_computation(setup, lm):
@@ -129,7 +189,7 @@ def test_loglikelihood_matches_direct_computation(setup, lm):
     for (c, x), (lp, _) in zip(PAIRS, got):
         assert lp == pytest.approx(direct_logprob(setup["model"], setup["tok"], c, x), abs=2e-4)
     # a trailing space of the context moves to the continuation: same text, same score
-    (lp2, _), = lm.loglikelihood([_Req("The king is ", "dead.")])
+    ((lp2, _),) = lm.loglikelihood([_Req("The king is ", "dead.")])
     assert lp2 == pytest.approx(got[0][0], abs=2e-4)
 
 
@@ -140,7 +200,7 @@ def test_is_greedy_against_argmin_of_the_loss(setup, lm):
     with torch.no_grad():  # loss of every candidate next token at the last position
         losses = torch.stack([model(inp, torch.full_like(inp, v))[0, -1] for v in range(tok.vocab_size)])
     best = int(losses.argmin())
-    cont_text = tok.decode(tok.encode("The king is") + [best])[len(tok.decode(tok.encode("The king is"))):]
+    cont_text = tok.decode(tok.encode("The king is") + [best])[len(tok.decode(tok.encode("The king is"))) :]
     pairs = [(ids, [best]), (ids, [(best + 1) % tok.vocab_size])]
     (lp, greedy), (lp_other, greedy_other) = lm.score_tokens(pairs)
     assert greedy and not greedy_other
@@ -153,7 +213,7 @@ def test_is_greedy_against_argmin_of_the_loss(setup, lm):
 def test_generate_until_cuts_at_stop_string(lm):
     full = lm.generate_until([_Req("The king", {"until": [], "max_gen_toks": 8})])[0]
     assert len(full) > 0
-    stop = full[len(full) // 2:len(full) // 2 + 2]
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
     cut = lm.generate_until([_Req("The king", {"until": [stop], "max_gen_toks": 8})])[0]
     assert cut == full[: full.find(stop)]
 
@@ -199,15 +259,28 @@ def test_eval_tool_end_to_end(setup, tmp_path):
         f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
         "test_split: test\n"
         "output_type: multiple_choice\n"
-        "doc_to_text: \"{{question}}\"\n"
-        "doc_to_choice: \"{{choices}}\"\n"
+        'doc_to_text: "{{question}}"\n'
+        'doc_to_choice: "{{choices}}"\n'
         "doc_to_target: label\n"
-        "metric_list:\n  - metric: acc\n")
+        "metric_list:\n  - metric: acc\n"
+    )
     # a second checkpoint: another seed's weights under another label
-    cfg2 = load_config([], [f"{k}={v}" for k, v in (
-        ("model.vocab_size", setup["cfg"].model.vocab_size), ("model.hidden_size", 32), ("model.num_layers", 2),
-        ("model.num_attention_heads", 4), ("model.num_kv_heads", 2), ("model.ffn_hidden_size", 64),
-        ("model.seq_length", 32), ("train.seed", 8))])
+    cfg2 = load_config(
+        [],
+        [
+            f"{k}={v}"
+            for k, v in (
+                ("model.vocab_size", setup["cfg"].model.vocab_size),
+                ("model.hidden_size", 32),
+                ("model.num_layers", 2),
+                ("model.num_attention_heads", 4),
+                ("model.num_kv_heads", 2),
+                ("model.ffn_hidden_size", 64),
+                ("model.seq_length", 32),
+                ("train.seed", 8),
+            )
+        ],
+    )
     m2 = Llama(cfg2.model, _tp1_group(), 8)
     with torch.no_grad():
         for p in m2.parameters():
@@ -221,13 +294,37 @@ def test_eval_tool_end_to_end(setup, tmp_path):
             hits += int(max(range(len(scores)), key=scores.__getitem__) == it["label"])
         return hits / len(ITEMS)
 
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_CACHE": str(tmp_path / "hf"), "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(tmp_path / "hf"),
+        "PYTHONPATH": str(REPO),
+    }
     out = tmp_path / "out"
-    res = subprocess.run([sys.executable, str(REPO / "tools" / "eval_downstream.py"), str(setup["ckpt"]), str(ck2),
-                          "--tasks", "local_mc", "--include-path", str(tasks), "--no-default-tasks",
-                          "--labels", "a,b", "--baseline", "a", "--out", str(out)],
-                         capture_output=True, text=True, env=env, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "eval_downstream.py"),
+            str(setup["ckpt"]),
+            str(ck2),
+            "--tasks",
+            "local_mc",
+            "--include-path",
+            str(tasks),
+            "--no-default-tasks",
+            "--labels",
+            "a,b",
+            "--baseline",
+            "a",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     j = json.loads((out / "eval.json").read_text())
     acc_a, acc_b = direct_acc(setup["model"]), direct_acc(m2)
@@ -240,15 +337,21 @@ def test_eval_tool_end_to_end(setup, tmp_path):
     assert "local_mc (acc)" in md and f"{acc_a:.4f}" in md
 
     # bad input: a missing checkpoint and an unknown task are one error line each
-    res = subprocess.run([sys.executable, str(REPO / "tools" / "eval_downstream.py"), str(tmp_path / "no.pt")],
-                         capture_output=True, text=True, env=env)
+    res = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "eval_downstream.py"), str(tmp_path / "no.pt")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert res.returncode == 2 and "no.pt' not found" in res.stderr
 
 
 def test_summary_mean_std_delta():
     from megatron_geo.eval.downstream import summarize
 
-    ev = [{"label": "bf16", "seed": s, "metrics": {"t": {"acc": v, "acc_stderr": 0.1}}} for s, v in ((1, 0.5), (2, 0.7))]
+    ev = [
+        {"label": "bf16", "seed": s, "metrics": {"t": {"acc": v, "acc_stderr": 0.1}}} for s, v in ((1, 0.5), (2, 0.7))
+    ]
     ev += [{"label": "fp8", "seed": s, "metrics": {"t": {"acc": v}}} for s, v in ((1, 0.4), (2, 0.6), (3, 0.8))]
     s = summarize(ev)
     assert s["baseline"] == "bf16" and s["metric"]["t"] == "acc"

@@ -26,6 +26,7 @@ SCENARIOS = ("full_dp1", "layout_dp2", "layout_dp64")
 # ---------------------------------------------------------------------------------------------------
 # the fake-CUDA scenarios (run in a subprocess of their own: they patch torch.cuda and init the fake group)
 
+
 def _describe(sd: dict) -> dict:
     """Every ShardedTensor of a DCP state dict: global size, local shards (placement, device, tensor device,
     offsets, sizes) and the global metadata (rank, offsets, sizes of every shard)."""
@@ -40,14 +41,22 @@ def _describe(sd: dict) -> dict:
             if not isinstance(v, ShardedTensor):
                 continue
             md = v.metadata()
-            out[k] = {"size": list(md.size),
-                      "local": [{"placement": str(s.metadata.placement), "rank": s.metadata.placement.rank(),
-                                 "placement_device": str(s.metadata.placement.device()),
-                                 "tensor_device": str(s.tensor.device), "offsets": list(s.metadata.shard_offsets),
-                                 "sizes": list(s.metadata.shard_sizes), "tensor_shape": list(s.tensor.shape)}
-                                for s in v.local_shards()],
-                      "all": [[m.placement.rank(), list(m.shard_offsets), list(m.shard_sizes)]
-                              for m in md.shards_metadata]}
+            out[k] = {
+                "size": list(md.size),
+                "local": [
+                    {
+                        "placement": str(s.metadata.placement),
+                        "rank": s.metadata.placement.rank(),
+                        "placement_device": str(s.metadata.placement.device()),
+                        "tensor_device": str(s.tensor.device),
+                        "offsets": list(s.metadata.shard_offsets),
+                        "sizes": list(s.metadata.shard_sizes),
+                        "tensor_shape": list(s.tensor.shape),
+                    }
+                    for s in v.local_shards()
+                ],
+                "all": [[m.placement.rank(), list(m.shard_offsets), list(m.shard_sizes)] for m in md.shards_metadata],
+            }
     return out
 
 
@@ -70,9 +79,12 @@ def _build_fake(world: int, ckpt_dir: str):
         model, buckets, reducer, grad_sync, opt = build_model_and_optimizer(cfg, pctx)
         layout = StateLayout(model, opt, pctx, cfg.model.vocab_size, cfg.optimizer.name)
         _ensure_optimizer_state(layout)  # AdamW's state as after a step (zeros)
-    ref = {"device": str(pctx.device), "param_device": str(next(model.parameters()).device),
-           "shapes": {n: list(p.shape) for n, p in model.named_parameters()},
-           "owned": {}}
+    ref = {
+        "device": str(pctx.device),
+        "param_device": str(next(model.parameters()).device),
+        "shapes": {n: list(p.shape) for n, p in model.named_parameters()},
+        "owned": {},
+    }
     for m in opt.mains:  # the flat ranges of each parameter rank 0's optimizer holds
         ref["owned"].setdefault(m.name, []).append([m.param_start, m.param_start + m.main.numel()])
     return cfg, pctx, model, opt, reducer, layout, cuda, ref
@@ -107,10 +119,20 @@ def _full_dp1(tmp: Path) -> dict:
         dcp.save, dcp.load = real_save, real_load
         dist.destroy_process_group()
     keys = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
-    chunks = {k: {"size": list(v.size), "chunks": [[list(c.offsets), list(c.sizes)] for c in v.chunks]}
-              for k, v in keys.items() if k.startswith(("model/", "optim/")) and hasattr(v, "chunks")}
-    return {"ref": ref, "save": seen["save"], "load": seen["load"], "chunks": chunks, "resumed": list(resumed),
-            "latest": (path.parent / "latest").read_text().strip(), "path": path.name}
+    chunks = {
+        k: {"size": list(v.size), "chunks": [[list(c.offsets), list(c.sizes)] for c in v.chunks]}
+        for k, v in keys.items()
+        if k.startswith(("model/", "optim/")) and hasattr(v, "chunks")
+    }
+    return {
+        "ref": ref,
+        "save": seen["save"],
+        "load": seen["load"],
+        "chunks": chunks,
+        "resumed": list(resumed),
+        "latest": (path.parent / "latest").read_text().strip(),
+        "path": path.name,
+    }
 
 
 def _layout(world: int, tmp: Path) -> dict:
@@ -165,10 +187,13 @@ def _main(out_dir: str) -> None:
     for name in SCENARIOS:
         tmp = Path(tempfile.mkdtemp(dir=out_dir))
         try:
-            results[name] = {"ok": _full_dp1(tmp) if name == "full_dp1" else _layout(int(name[len("layout_dp"):]), tmp)}
+            results[name] = {
+                "ok": _full_dp1(tmp) if name == "full_dp1" else _layout(int(name[len("layout_dp") :]), tmp)
+            }
         except BaseException:  # noqa: BLE001 - reported per scenario to the test
             results[name] = {"error": traceback.format_exc()[-4000:]}
             import torch.distributed as dist
+
             if dist.is_initialized():
                 dist.destroy_process_group()
     print(json.dumps(results))
@@ -248,14 +273,14 @@ def test_fake_cuda_state_dicts_at_dp2_and_dp64(fake_runs, world):
 # ---------------------------------------------------------------------------------------------------
 # one rank failing inside the save or the load: every rank raises the documented error, no rank waits
 
+
 def _build_real(root: Path, train: bool = True):
     from helpers import global_batch, pctx_for, rank_micro_batches, tiny_cfg
     from megatron_geo.training.checkpointing import Checkpointer
-    from megatron_geo.training.step import train_step
     from megatron_geo.training.setup import build_model_and_optimizer
+    from megatron_geo.training.step import train_step
 
-    cfg = tiny_cfg(f"checkpoint.dir={root}", f"train.run_dir={root}", "comm.dtype=fp8_e4m3",
-                   "comm.error_feedback=true")
+    cfg = tiny_cfg(f"checkpoint.dir={root}", f"train.run_dir={root}", "comm.dtype=fp8_e4m3", "comm.error_feedback=true")
     pctx = pctx_for(1)
     model, buckets, reducer, grad_sync, opt = build_model_and_optimizer(cfg, pctx)
     if train:  # one step: the checkpoint holds optimizer state and error-feedback residuals
@@ -298,9 +323,13 @@ def _save_fault_worker(rank, world, root):
         finally:
             setattr(mod, attr, real)
         cfg2, pctx2, model2, opt2, reducer2, ck2 = _build_real(d, train=False)
-        out[name] = {"save": failed, "resume": _outcome(ck2.resume),
-                     "latest": (d / "latest").read_text().strip(), "folders": sorted(p.name for p in d.iterdir()),
-                     "same_params": all(torch.equal(a.main, b.main) for a, b in zip(opt.mains, opt2.mains))}
+        out[name] = {
+            "save": failed,
+            "resume": _outcome(ck2.resume),
+            "latest": (d / "latest").read_text().strip(),
+            "folders": sorted(p.name for p in d.iterdir()),
+            "same_params": all(torch.equal(a.main, b.main) for a, b in zip(opt.mains, opt2.mains)),
+        }
     return out
 
 
@@ -308,7 +337,7 @@ def test_a_rank_failing_inside_the_save_fails_every_rank_and_keeps_the_previous_
     ranks = run_distributed(_save_fault_worker, 2, str(tmp_path), timeout=120)
     for r, res in enumerate(ranks):
         st = res["state"]
-        assert st["save"]["type"] == "CheckpointSaveError", (r, st["save"])   # trainer: exit code 6
+        assert st["save"]["type"] == "CheckpointSaveError", (r, st["save"])  # trainer: exit code 6
         assert "rank 1" in st["save"]["msg"] and "injected fault in the state dict" in st["save"]["msg"], st["save"]
         pub = res["publish"]
         assert pub["save"]["type"] == "CheckpointSaveError", (r, pub["save"])
@@ -334,8 +363,10 @@ def _load_fault_worker(rank, world, root):
     def bad_rng(state):
         raise RuntimeError("injected fault restoring the RNG")
 
-    faults = {"read": (safe_reader.SafeFileSystemReader, "read_metadata", unreadable),
-              "restore": (torch, "set_rng_state", bad_rng)}
+    faults = {
+        "read": (safe_reader.SafeFileSystemReader, "read_metadata", unreadable),
+        "restore": (torch, "set_rng_state", bad_rng),
+    }
     for name, (owner, attr, fn) in faults.items():
         ck2 = _build_real(d, train=False)[-1]
         real = getattr(owner, attr)
@@ -352,9 +383,11 @@ def _load_fault_worker(rank, world, root):
 def test_a_rank_failing_inside_the_load_fails_every_rank(tmp_path):
     ranks = run_distributed(_load_fault_worker, 2, str(tmp_path), timeout=120)
     for r, res in enumerate(ranks):
-        assert res["read"]["type"] == "ConfigError", (r, res["read"])           # trainer: exit code 2
-        assert "could not be read on rank 1" in res["read"]["msg"] and "Input/output error" in res["read"]["msg"], \
-            (r, res["read"])
+        assert res["read"]["type"] == "ConfigError", (r, res["read"])  # trainer: exit code 2
+        assert "could not be read on rank 1" in res["read"]["msg"] and "Input/output error" in res["read"]["msg"], (
+            r,
+            res["read"],
+        )
         assert res["restore"]["type"] == "ConfigError", (r, res["restore"])
         msg = res["restore"]["msg"]
         assert "rank 1" in msg and "injected fault restoring the RNG" in msg and "damaged" not in msg, (r, msg)

@@ -23,20 +23,26 @@ def fake_run(world: int) -> dict:
     import torch
 
     import fake_device as fd
-    from helpers import tiny_cfg
     import megatron_geo.model.llama as llama
-    from megatron_geo.parallel.context import build_groups
-    from megatron_geo.training.step import train_step
-    from megatron_geo.training.setup import build_model_and_optimizer
-
+    from helpers import tiny_cfg
     from megatron_geo.geometry import transform
+    from megatron_geo.parallel.context import build_groups
+    from megatron_geo.training.setup import build_model_and_optimizer
+    from megatron_geo.training.step import train_step
 
     dev = fd.register()
     fd.no_weight_init(llama)
     transform.LowRankTransform.checksum = lambda self: "0" * 16  # fake tensors hold no bytes to hash
-    cfg = tiny_cfg("optimizer.name=muon", "comm.dtype=fp8_e4m3", "comm.transform=geo", "geo.rank=4",
-                   "geo.layers=layers.*.mlp.down_proj.weight", "geo.refresh_interval=1",
-                   "parallel.overlap_param_gather=true", f"train.global_batch_size={2 * world}")
+    cfg = tiny_cfg(
+        "optimizer.name=muon",
+        "comm.dtype=fp8_e4m3",
+        "comm.transform=geo",
+        "geo.rank=4",
+        "geo.layers=layers.*.mlp.down_proj.weight",
+        "geo.refresh_interval=1",
+        "parallel.overlap_param_gather=true",
+        f"train.global_batch_size={2 * world}",
+    )
     out = {"wrong_device": [], "wrong_dtype": [], "steps": 0}
     with fd.fake_world(world), fd.fake_tensors() as reads:
         pctx = build_groups(0, world, 1, dev, "fake")
@@ -44,8 +50,13 @@ def fake_run(world: int) -> dict:
         geo = reducer.geo
         s, v = cfg.model.seq_length, cfg.model.vocab_size
         for step in range(2):
-            mbs = [{"tokens": torch.randint(0, v, (2, s)), "labels": torch.randint(0, v, (2, s)),
-                    "loss_mask": torch.ones(2, s)}]
+            mbs = [
+                {
+                    "tokens": torch.randint(0, v, (2, s)),
+                    "labels": torch.randint(0, v, (2, s)),
+                    "loss_mask": torch.ones(2, s),
+                }
+            ]
             train_step(model, mbs, sync, opt, pctx, 1.0, 1.0, geo=geo, step=step, global_tokens=2 * s * world)
             out["steps"] += 1
         opt.wait_param_gather()

@@ -61,16 +61,24 @@ def test_fp8_e4m3_block_scaling_matches_torch_cast_reference():
     ref = torch.zeros(300)
     for g in grads:
         for lo in range(0, 300, 128):
-            blk = g[lo:lo + 128]
-            ref[lo:lo + 128] += _torch_fp8(blk, blk.abs().max() / 448.0)
+            blk = g[lo : lo + 128]
+            ref[lo : lo + 128] += _torch_fp8(blk, blk.abs().max() / 448.0)
     ref /= 3
     out = simulate_reduce(grads, "fp8_e4m3:block128")
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=0.0)
 
 
 def test_codec_spec_round_trip():
-    for spec in ["fp8_e4m3:tensor", "fp8_e4m3:block128", "fp8_e5m2:tensor", "fp8_e4m3:tensor+hadamard128",
-                 "nvfp4", "bf16", "fp32", "fp8_e4m3:block64+hadamard256:stochastic"]:
+    for spec in [
+        "fp8_e4m3:tensor",
+        "fp8_e4m3:block128",
+        "fp8_e5m2:tensor",
+        "fp8_e4m3:tensor+hadamard128",
+        "nvfp4",
+        "bf16",
+        "fp32",
+        "fp8_e4m3:block64+hadamard256:stochastic",
+    ]:
         assert codec_label(parse_codec(spec)) == spec
     with pytest.raises(ValueError):
         parse_codec("fp8_e4m3:blocky")
@@ -81,8 +89,12 @@ def test_codec_spec_round_trip():
 def test_lossy_codecs_run_on_awkward_shapes():
     grads = _rank_grads((7, 9), 3)  # 63 elements: not a multiple of 16 or 128
     exact = torch.stack([g.double() for g in grads]).mean(0)
-    for spec, tol in [("nvfp4", 0.3), ("fp8_e4m3:tensor+hadamard128", 0.1), ("fp8_e5m2:block16:stochastic", 0.2),
-                      ("bf16", 0.01)]:
+    for spec, tol in [
+        ("nvfp4", 0.3),
+        ("fp8_e4m3:tensor+hadamard128", 0.1),
+        ("fp8_e5m2:block16:stochastic", 0.2),
+        ("bf16", 0.01),
+    ]:
         out = simulate_reduce(grads, spec)
         assert out.shape == (7, 9) and torch.isfinite(out).all()
         assert (out.double() - exact).norm() / exact.norm() < tol, spec
@@ -117,7 +129,9 @@ def test_direction_errors_rank2():
     g = 3 * torch.outer(u1, v1) + torch.outer(u2, v2)  # float32, exact
     u1, u2, v1, v2 = (t.double() for t in (u1, u2, v1, v2))
     a, b = 0.03, 0.2
-    g_hat = g.double() + a * torch.outer(u1, v1) + b * torch.outer(u2, v2) + 0.5 * torch.outer(u1, v2)  # cross term: no effect
+    g_hat = (
+        g.double() + a * torch.outer(u1, v1) + b * torch.outer(u2, v2) + 0.5 * torch.outer(u1, v2)
+    )  # cross term: no effect
     m = fidelity_metrics(g_hat, [g, g])
     assert m["n_directions"] == 2  # the two zero singular values are excluded
     assert m["dir_err_top"] == pytest.approx(a / 3, rel=1e-9)
@@ -146,8 +160,9 @@ def test_bound_hits_known_counts():
     assert h["saturation"] == pytest.approx(0.2) and h["underflow_fraction"] == pytest.approx(3 / 8)
     assert h["bound_hits"] == pytest.approx(0.2 + 3 / 8)
     # the same counts through fidelity_metrics over two ranks: rank 1 (all ones) adds no underflow
-    m = fidelity_metrics(simulate_reduce([x, torch.ones(10)], "fp8_e4m3:tensor"), [x, torch.ones(10)],
-                         "fp8_e4m3:tensor")
+    m = fidelity_metrics(
+        simulate_reduce([x, torch.ones(10)], "fp8_e4m3:tensor"), [x, torch.ones(10)], "fp8_e4m3:tensor"
+    )
     assert m["underflow_count"] == 3 and m["nonzero"] == 18 and m["underflow"] == pytest.approx(3 / 18)
     assert m["saturated"] == 10  # every element of rank 1 is its amax: saturates on some rank everywhere
 
@@ -165,22 +180,55 @@ def _run(args, tmp_path):
 
 def test_grad_fidelity_cli(tmp_path):
     out = tmp_path / "gf.json"
-    stdout = _run(["tools/grad_fidelity.py", "--warmup-steps", "3", "--ranks", "2", "--codecs", "fp8_e4m3:tensor",
-                   "nvfp4", "--out", str(out), *_SMALL], tmp_path)
+    stdout = _run(
+        [
+            "tools/grad_fidelity.py",
+            "--warmup-steps",
+            "3",
+            "--ranks",
+            "2",
+            "--codecs",
+            "fp8_e4m3:tensor",
+            "nvfp4",
+            "--out",
+            str(out),
+            *_SMALL,
+        ],
+        tmp_path,
+    )
     assert "fp8_e4m3:tensor" in stdout and "RelL2" in stdout
     d = json.loads(out.read_text())
     assert d["warmup_steps"] == 3 and d["ranks"] == 2 and len(d["layers"]) == 2 * 7 + 1
     assert [c["codec"] for c in d["codecs"]] == ["fp8_e4m3:tensor", "nvfp4"]
     for c in d["codecs"]:
         o = c["overall"]
-        for k in ("rel_l2", "mean_layer_rel_l2", "sqnr_db", "cosine", "max_err", "saturation", "underflow",
-                  "mean_layer_dir_err_top", "mean_layer_dir_err_tail"):
+        for k in (
+            "rel_l2",
+            "mean_layer_rel_l2",
+            "sqnr_db",
+            "cosine",
+            "max_err",
+            "saturation",
+            "underflow",
+            "mean_layer_dir_err_top",
+            "mean_layer_dir_err_tail",
+        ):
             assert isinstance(o[k], float), k
         assert 0 < o["rel_l2"] < 0.5 and o["cosine"] > 0.9
         assert len(c["layers"]) == len(d["layers"])
         for layer in c["layers"]:
-            assert {"name", "shape", "rel_l2", "sqnr_db", "cosine", "max_err", "saturation", "underflow",
-                    "dir_err_top", "dir_err_tail"} <= set(layer)
+            assert {
+                "name",
+                "shape",
+                "rel_l2",
+                "sqnr_db",
+                "cosine",
+                "max_err",
+                "saturation",
+                "underflow",
+                "dir_err_top",
+                "dir_err_tail",
+            } <= set(layer)
     fp8, nv = (c["overall"]["rel_l2"] for c in d["codecs"])
     assert nv > fp8  # 4-bit elements lose more than 8-bit
 
@@ -201,10 +249,19 @@ def test_profile_fp8_vulnerability_cli(tmp_path):
 
 
 # -- GeoFP8 coordinate systems (simulate_geo_reduce and the --geo ablation) ------------------------------
-from megatron_geo.analysis.coordinates import (BlockDiagonalTransform, DiagonalTransform,  # noqa: E402
-                                               build_coordinate_transform, relative_damping)
-from megatron_geo.analysis.fidelity import (geo_fidelity_metrics, input_gram_from_grads,  # noqa: E402
-                                            output_factor_from_grads, simulate_geo_reduce, to_transformed)
+from megatron_geo.analysis.coordinates import (  # noqa: E402
+    BlockDiagonalTransform,
+    DiagonalTransform,
+    build_coordinate_transform,
+    relative_damping,
+)
+from megatron_geo.analysis.fidelity import (  # noqa: E402
+    geo_fidelity_metrics,
+    input_gram_from_grads,
+    output_factor_from_grads,
+    simulate_geo_reduce,
+    to_transformed,
+)
 from megatron_geo.geometry.transform import build_transform  # noqa: E402
 
 
@@ -225,13 +282,20 @@ def test_exact_wire_every_coordinate_system_returns_the_fp64_average():
     S = output_factor_from_grads(grads)
     ref = torch.stack([x.double() for x in grads]).mean(0)
     ins = [build_coordinate_transform(A, "lowrank", r, dmp) for r in (8, 32) for dmp in (1e-4, 1e-1)]
-    ins += [build_coordinate_transform(A, "full", damping=1e-4), build_coordinate_transform(A, "diag"),
-            build_coordinate_transform(A, "block", block=32), build_coordinate_transform(A, "block", block=128)]
-    ins += [build_coordinate_transform(A, "lowrank", 32, power=0.25),
-            build_coordinate_transform(input_gram_from_grads(grads), "full", power=0.25)]
+    ins += [
+        build_coordinate_transform(A, "full", damping=1e-4),
+        build_coordinate_transform(A, "diag"),
+        build_coordinate_transform(A, "block", block=32),
+        build_coordinate_transform(A, "block", block=128),
+    ]
+    ins += [
+        build_coordinate_transform(A, "lowrank", 32, power=0.25),
+        build_coordinate_transform(input_gram_from_grads(grads), "full", power=0.25),
+    ]
     outs = [build_coordinate_transform(S, "lowrank", 8), build_coordinate_transform(S, "full", damping=1e-4)]
-    combos = [(None, None)] + [(t, None) for t in ins] + [(None, t) for t in outs] + [(ins[1], outs[0]),
-                                                                                       (ins[4], outs[1])]
+    combos = (
+        [(None, None)] + [(t, None) for t in ins] + [(None, t) for t in outs] + [(ins[1], outs[0]), (ins[4], outs[1])]
+    )
     for t_in, t_out in combos:
         out = simulate_geo_reduce(grads, "fp32", t_in, t_out)
         assert out.dtype == torch.float32 and out.shape == ref.shape
@@ -292,31 +356,79 @@ def test_diagonal_and_block_diagonal_transforms_invert_exactly():
 
 def test_grad_fidelity_geo_cli(tmp_path):
     out, md = tmp_path / "geo.json", tmp_path / "geo.md"
-    stdout = _run(["tools/grad_fidelity.py", "--geo", "--warmup-steps", "2", "--ranks", "2", "--geo-staleness", "1",
-                   "--geo-lowranks", "8", "--geo-dampings", "1e-2", "--geo-blocks", "32", "--out", str(out),
-                   "--geo-power-search", "0.5,0.25,0",
-                   "--markdown", str(md), "model.num_layers=1", "model.seq_length=32", "model.vocab_size=512",
-                   "train.global_batch_size=4", "train.micro_batch_size=2"], tmp_path)
+    stdout = _run(
+        [
+            "tools/grad_fidelity.py",
+            "--geo",
+            "--warmup-steps",
+            "2",
+            "--ranks",
+            "2",
+            "--geo-staleness",
+            "1",
+            "--geo-lowranks",
+            "8",
+            "--geo-dampings",
+            "1e-2",
+            "--geo-blocks",
+            "32",
+            "--out",
+            str(out),
+            "--geo-power-search",
+            "0.5,0.25,0",
+            "--markdown",
+            str(md),
+            "model.num_layers=1",
+            "model.seq_length=32",
+            "model.vocab_size=512",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=2",
+        ],
+        tmp_path,
+    )
     assert "input-side geo r32" in stdout and "RelL2 reduction vs Euclidean >= 15%" in stdout
     assert "never worse than Euclidean when applied later (t+1: " in stdout
-    assert "selected layers, fp8_e4m3:tensor; reduction" in stdout            # the codec the rows used
-    assert "powers chosen by the power search (A at t; selected layers): fp8_e4m3:tensor: layers.0.mlp.down_proj=" \
+    assert "selected layers, fp8_e4m3:tensor; reduction" in stdout  # the codec the rows used
+    assert (
+        "powers chosen by the power search (A at t; selected layers): fp8_e4m3:tensor: layers.0.mlp.down_proj="
         in stdout
+    )
     d = json.loads(out.read_text())
     g = d["geo"]
     assert d["mode"] == "geo" and g["selected_layers"] == ["layers.0.mlp.down_proj.weight"]
     labels = [r["label"] for r in g["rows"]]
-    for want in ("Euclidean (baseline)", "input-side geo r32", "output-side geo r32", "two-sided geo r32",
-                 "input full (r = d_in)", "input diagonal", "input block-diag 32", "input low-rank 8",
-                 "input r32 damping 0.01", "input r32 from a sketch (k = 64)", "Euclidean @ t+1", "input r32, A stale (t) @ t+1", "NVFP4 Euclidean",
-                 "NVFP4 input-side geo r32", "input r32, D power 1/4", "input r32, grad Gram, power 1/4"):
+    for want in (
+        "Euclidean (baseline)",
+        "input-side geo r32",
+        "output-side geo r32",
+        "two-sided geo r32",
+        "input full (r = d_in)",
+        "input diagonal",
+        "input block-diag 32",
+        "input low-rank 8",
+        "input r32 damping 0.01",
+        "input r32 from a sketch (k = 64)",
+        "Euclidean @ t+1",
+        "input r32, A stale (t) @ t+1",
+        "NVFP4 Euclidean",
+        "NVFP4 input-side geo r32",
+        "input r32, D power 1/4",
+        "input r32, grad Gram, power 1/4",
+    ):
         assert want in labels, want
     for r in g["rows"]:
         assert len(r["layers"]) == 7 + 1
         for scope in ("selected", "all_linear"):
             o = r[scope]
-            for k in ("rel_l2", "rel_l2_reduction_pct", "sqnr_db", "cosine", "mean_layer_dir_err_top",
-                      "mean_layer_dir_err_tail", "tail_ratio"):
+            for k in (
+                "rel_l2",
+                "rel_l2_reduction_pct",
+                "sqnr_db",
+                "cosine",
+                "mean_layer_dir_err_top",
+                "mean_layer_dir_err_tail",
+                "tail_ratio",
+            ):
                 assert isinstance(o[k], float), (r["label"], scope, k)
             assert 0 < o["rel_l2"] < 0.5
     assert g["rows"][0]["selected"]["rel_l2_reduction_pct"] == 0.0
@@ -342,15 +454,23 @@ def test_grad_fidelity_geo_cli(tmp_path):
         assert lay["rel_l2"] == pytest.approx(ref["rel_l2"], rel=1e-3), lay["name"]
 
 
-@pytest.mark.parametrize("flag,value,message", [
-    ("--geo-power-search", "2", "--geo-power-search='2': '2' is not a power in [0, 1]"),
-    ("--geo-power-search", "0.5,,0", "an empty element"),
-    ("--geo-fp8-codec", "nvfp4", "--geo-fp8-codec='nvfp4': the FP8 rows need fp8_e4m3 or fp8_e5m2"),
-    ("--geo-fp8-codec", "fp8_e4m3:block100", "power-of-two block"),
-])
+@pytest.mark.parametrize(
+    "flag,value,message",
+    [
+        ("--geo-power-search", "2", "--geo-power-search='2': '2' is not a power in [0, 1]"),
+        ("--geo-power-search", "0.5,,0", "an empty element"),
+        ("--geo-fp8-codec", "nvfp4", "--geo-fp8-codec='nvfp4': the FP8 rows need fp8_e4m3 or fp8_e5m2"),
+        ("--geo-fp8-codec", "fp8_e4m3:block100", "power-of-two block"),
+    ],
+)
 def test_grad_fidelity_geo_options_are_checked_before_training(flag, value, message):
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "tools/grad_fidelity.py", "--geo", "--warmup-steps", "100", f"{flag}={value}"],
-                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "tools/grad_fidelity.py", "--geo", "--warmup-steps", "100", f"{flag}={value}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
-    assert "warmup step" not in r.stdout and time.monotonic() - t0 < 60      # no training happened
+    assert "warmup step" not in r.stdout and time.monotonic() - t0 < 60  # no training happened

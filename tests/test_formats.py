@@ -22,16 +22,23 @@ from dist_harness import run_distributed
 from helpers import pctx_for
 from megatron_geo.analysis.codec_table import bytes_per_element_of, evaluate_codec, format_table
 from megatron_geo.analysis.fidelity import simulate_reduce
-from megatron_geo.comm.formats import (FORMATS, Wire, WireFormat, build_reducer, comm_alignment, get_format,
-                                       register_format)
+from megatron_geo.comm.formats import (
+    FORMATS,
+    Wire,
+    WireFormat,
+    build_reducer,
+    comm_alignment,
+    get_format,
+    register_format,
+)
 from megatron_geo.comm.lowp import LowPrecisionReducer
 from megatron_geo.comm.roundtrip import codec_label, normalize_codec, parse_codec, quantize_roundtrip, quantize_wire
 from megatron_geo.comm.scale_layout import ScaleLayout
 from megatron_geo.config import ConfigError, load_config
-from megatron_geo.training.validate import validate_config
 from megatron_geo.config.label import derive_label
 from megatron_geo.config.presets import codec_presets, comm_presets, preset_config
 from megatron_geo.distributed.shard_plan import plan_shards
+from megatron_geo.training.validate import validate_config
 
 # -- a toy wire format: the whole of what adding one takes (besides docs) -----------------------------------------
 
@@ -89,13 +96,14 @@ class Int8Wire:
         return self._decode(out[:, :c].reshape(-1, layout.granule), layout.block_values(seg))
 
     def saturated(self, x, payload, layout):
-        return payload[0, :x.numel()].view(torch.int8).abs() == INT8_MAX
+        return payload[0, : x.numel()].view(torch.int8).abs() == INT8_MAX
 
 
 def register_int8() -> WireFormat:
     """The toy format's one registry entry (a spawned DP rank calls it again: registration is per process)."""
-    return register_format(WireFormat(name="int8", make_wire=Int8Wire, alignment=lambda comm: 16,
-                                      bytes_per_element=lambda comm: 1.0))
+    return register_format(
+        WireFormat(name="int8", make_wire=Int8Wire, alignment=lambda comm: 16, bytes_per_element=lambda comm: 1.0)
+    )
 
 
 @pytest.fixture
@@ -118,7 +126,7 @@ def _rank_grads(world: int) -> list[Tensor]:
     for r in range(world):
         x = torch.randn(sum(NUMELS), generator=g, dtype=torch.float64)
         x[:3] *= 40  # a few large entries set the first parameter's scale
-        out.append(x * (10.0 ** r))
+        out.append(x * (10.0**r))
     return out
 
 
@@ -131,7 +139,7 @@ def _toy_reduce_scatter(rank, world, preset):
     buf = torch.zeros(plan.buffer_numel)
     grads = _rank_grads(world)
     for off, n, lo in zip(plan.offsets, NUMELS, itertools.accumulate([0] + NUMELS)):
-        buf[off:off + n] = grads[rank][lo:lo + n].float()
+        buf[off : off + n] = grads[rank][lo : lo + n].float()
     red.reduce_scatter(buf, key=0).wait()
     lo, hi = plan.chunk * rank, plan.chunk * (rank + 1)
     return type(red).__name__, red.alignment(), plan.offsets, lo, buf[lo:hi].clone()
@@ -146,9 +154,11 @@ def test_a_format_added_with_a_wire_class_an_entry_and_a_preset_works_end_to_end
     validate_config(cfg, 2)
     assert cfg.comm.dtype == "int8" and cfg.comm.label == "int8"  # the preset's name
     assert derive_label(cfg) == "int8"
-    for bad, match in ((["comm.scaling=block"], "comm.scaling=block does not apply to comm.dtype=int8"),
-                       (["comm.reduce_op=wire_sum"], "wire_sum .* got comm.dtype=int8"),
-                       (["comm.scale_sync=max"], "comm.scale_sync=max is supported for fp8_e4m3, fp8_e5m2 only")):
+    for bad, match in (
+        (["comm.scaling=block"], "comm.scaling=block does not apply to comm.dtype=int8"),
+        (["comm.reduce_op=wire_sum"], "wire_sum .* got comm.dtype=int8"),
+        (["comm.scale_sync=max"], "comm.scale_sync=max is supported for fp8_e4m3, fp8_e5m2 only"),
+    ):
         with pytest.raises(ConfigError, match=match):
             validate_config(load_config([str(int8)], bad), 2)
     with pytest.raises(ConfigError, match="choose one of fp32, bf16, fp8_e4m3, fp8_e5m2, nvfp4, int8"):
@@ -169,7 +179,7 @@ def test_a_format_added_with_a_wire_class_an_entry_and_a_preset_works_end_to_end
     for n in NUMELS:
         for g in grads:
             if n:
-                bound[pos:pos + n] += g[pos:pos + n].float().abs().max().double() / INT8_MAX / 2 / 2
+                bound[pos : pos + n] += g[pos : pos + n].float().abs().max().double() / INT8_MAX / 2 / 2
         pos += n
     errs = []
     for name, align, offsets, lo, shard in out:
@@ -196,23 +206,45 @@ def test_a_format_added_with_a_wire_class_an_entry_and_a_preset_works_end_to_end
     assert codec_label(parse_codec("int8")) == "int8"
     grads2 = {"w": [torch.randn(8, 16, generator=torch.Generator().manual_seed(r)) for r in range(2)]}
     res = evaluate_codec(normalize_codec("int8"), ["w"], grads2, directions=False)
-    table = format_table([{"codec": "int8", "bytes_per_element": bytes_per_element_of(normalize_codec("int8")),
-                           **res}])
+    table = format_table([{"codec": "int8", "bytes_per_element": bytes_per_element_of(normalize_codec("int8")), **res}])
     assert any(line.startswith("int8") and " 1.000 " in line for line in table.splitlines())
 
 
 def test_every_preset_format_is_registered_with_the_reducers_alignment():
     presets = comm_presets()
     assert len(presets) >= 13
-    want = {"fp8": 16, "fp8_ef": 16, "fp8_shared_scale": 16, "fp8_e5m2": 16, "geofp8": 16, "fp8_block": 128,
-            "nvfp4": 16, "geonvfp4": 16, "fp8_hadamard": 128, "fp32": 1, "bf16": 1}
+    want = {
+        "fp8": 16,
+        "fp8_ef": 16,
+        "fp8_shared_scale": 16,
+        "fp8_e5m2": 16,
+        "geofp8": 16,
+        "fp8_block": 128,
+        "nvfp4": 16,
+        "geonvfp4": 16,
+        "fp8_hadamard": 128,
+        "fp32": 1,
+        "bf16": 1,
+    }
     for name in presets:
         c = preset_config(name).comm
         assert c.dtype in FORMATS, name
-        red = LowPrecisionReducer(None, 2, 0, c.dtype, scaling=c.scaling, block_size=c.block_size,
-                                  rounding=c.rounding, error_feedback=c.error_feedback, transform=c.transform,
-                                  hadamard_block=c.hadamard_block, scale_sync=c.scale_sync, compile=False,
-                                  reduce_op=c.reduce_op, wire_sum_prediv=c.wire_sum_prediv)
+        red = LowPrecisionReducer(
+            None,
+            2,
+            0,
+            c.dtype,
+            scaling=c.scaling,
+            block_size=c.block_size,
+            rounding=c.rounding,
+            error_feedback=c.error_feedback,
+            transform=c.transform,
+            hadamard_block=c.hadamard_block,
+            scale_sync=c.scale_sync,
+            compile=False,
+            reduce_op=c.reduce_op,
+            wire_sum_prediv=c.wire_sum_prediv,
+        )
         assert comm_alignment(c) == red.alignment(), name
         if name in want:
             assert comm_alignment(c) == want[name], name
@@ -220,7 +252,7 @@ def test_every_preset_format_is_registered_with_the_reducers_alignment():
 
 def test_fp8_entries_carry_their_limits_and_unknown_names_list_the_choices():
     e4, e5 = get_format("fp8_e4m3"), get_format("fp8_e5m2")
-    assert (e4.fp8_max, e4.underflow_below, e5.fp8_max, e5.underflow_below) == (448.0, 2.0 ** -10, 57344.0, 2.0 ** -17)
+    assert (e4.fp8_max, e4.underflow_below, e5.fp8_max, e5.underflow_below) == (448.0, 2.0**-10, 57344.0, 2.0**-17)
     # half the smallest subnormal, from torch's own casts: it flushes to zero, the next value up does not
     for fmt, dt in ((e4, torch.float8_e4m3fn), (e5, torch.float8_e5m2)):
         u = torch.tensor([fmt.underflow_below, fmt.underflow_below * 1.0001])
@@ -232,8 +264,14 @@ def test_fp8_entries_carry_their_limits_and_unknown_names_list_the_choices():
 
 
 def _codec_of(comm) -> dict:
-    return {"dtype": comm.dtype, "scaling": comm.scaling, "block_size": comm.block_size,
-            "transform": comm.transform, "hadamard_block": comm.hadamard_block, "rounding": comm.rounding}
+    return {
+        "dtype": comm.dtype,
+        "scaling": comm.scaling,
+        "block_size": comm.block_size,
+        "transform": comm.transform,
+        "hadamard_block": comm.hadamard_block,
+        "rounding": comm.rounding,
+    }
 
 
 def _same_gradient_reduce(rank, world, names):
@@ -248,7 +286,7 @@ def _same_gradient_reduce(rank, world, names):
         buf = torch.zeros(plan.buffer_numel)
         buf[:n] = g
         red.reduce_scatter(buf, key=0).wait()
-        out[name] = (plan.chunk * rank, buf[plan.chunk * rank:plan.chunk * (rank + 1)].clone(), g)
+        out[name] = (plan.chunk * rank, buf[plan.chunk * rank : plan.chunk * (rank + 1)].clone(), g)
     return out
 
 
@@ -259,6 +297,8 @@ def test_per_tensor_round_trip_is_the_bucket_path_for_every_preset_codec():
         codec = _codec_of(preset_config(name).comm)
         g = ranks[0][name][2]
         ref = simulate_reduce([g, g], codec)  # to_wire, quantize_wire, sum over ranks / 2, from_wire
-        got = torch.cat([ranks[r][name][1] for r in range(2)])[:g.numel()]
+        got = torch.cat([ranks[r][name][1] for r in range(2)])[: g.numel()]
         assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (
-            name, int((got.view(torch.int32) != ref.view(torch.int32)).sum()))
+            name,
+            int((got.view(torch.int32) != ref.view(torch.int32)).sum()),
+        )

@@ -13,11 +13,11 @@ from megatron_geo.geometry import TransformMismatchError, build_transform
 def _factors():
     g = torch.Generator().manual_seed(0)
     X = torch.randn(400, 48, generator=g, dtype=torch.float64)
-    X[:, :4] *= 40                                     # anisotropic
+    X[:, :4] *= 40  # anisotropic
     full = X.T @ X / 400
     low = X[:, :5] @ torch.randn(5, 48, generator=g, dtype=torch.float64)
-    deficient = low.T @ low / 400                      # rank 5
-    dup = torch.cat([X[:, :24], X[:, :24]], dim=1)     # duplicated features
+    deficient = low.T @ low / 400  # rank 5
+    dup = torch.cat([X[:, :24], X[:, :24]], dim=1)  # duplicated features
     duplicated = dup.T @ dup / 400
     return {"full": full, "rank-deficient": deficient, "duplicated": duplicated}
 
@@ -60,8 +60,8 @@ def test_transform_matches_formula_in_fp64(power):
 
 
 def _build_geo(rank, world, overrides, corrupt=False):
-    from megatron_geo.training.step import train_step
     from megatron_geo.training.setup import build_model_and_optimizer
+    from megatron_geo.training.step import train_step
 
     cfg = tiny_cfg("comm.transform=geo", "geo.rank=8", "geo.refresh_interval=2", *overrides)
     pctx = pctx_for(1)
@@ -72,7 +72,7 @@ def _build_geo(rank, world, overrides, corrupt=False):
 def _consistency(rank, world):
     cfg, pctx, model, reducer, sync, opt, train_step = _build_geo(rank, world, ["comm.dtype=fp8_e4m3"])
     geo = reducer.geo
-    mb = rank_micro_batches(global_batch(cfg, 0), 2, rank, world)   # different data on each rank
+    mb = rank_micro_batches(global_batch(cfg, 0), 2, rank, world)  # different data on each rank
     train_step(model, mb, sync, opt, pctx, 1.0, 1.0, geo=geo, step=0)
     sums = {n: t.checksum() for n, t in geo.transforms.items()}
     # now corrupt one rank's transform and check again
@@ -91,16 +91,17 @@ def _consistency(rank, world):
 
 def test_rank_consistent_transform_and_mismatch_detection():
     out = run_distributed(_consistency, 2)
-    assert out[0][0] == out[1][0] and len(out[0][0]) == 2        # tiny model: 2 down projections
-    for sums, err, name, last in out:
+    assert out[0][0] == out[1][0] and len(out[0][0]) == 2  # tiny model: 2 down projections
+    for _sums, err, name, last in out:
         assert last == 0
         assert err is not None and name in err and "differs across DP ranks" in err
 
 
 def _exact_wire(rank, world):
     """fp32 wire + geo: the transform alone must not change the reduced gradient."""
-    cfg, pctx, model, reducer, sync, opt, _ = _build_geo(rank, world, ["comm.dtype=fp32",
-                                                                      "parallel.distributed_optimizer=false"])
+    cfg, pctx, model, reducer, sync, opt, _ = _build_geo(
+        rank, world, ["comm.dtype=fp32", "parallel.distributed_optimizer=false"]
+    )
     geo = reducer.geo
     mb = rank_micro_batches(global_batch(cfg, 0), 8 // world, rank, world)[0]
     geo.arm()
@@ -128,7 +129,8 @@ def test_geo_with_exact_wire_equals_fp64_average():
 
 def _rebase(rank, world):
     cfg, pctx, model, reducer, sync, opt, train_step = _build_geo(
-        rank, world, ["comm.dtype=fp8_e4m3", "comm.error_feedback=true"])
+        rank, world, ["comm.dtype=fp8_e4m3", "comm.error_feedback=true"]
+    )
     geo = reducer.geo
     for step in range(2):  # refresh at step 0; builds a residual at steps 0 and 1
         mb = rank_micro_batches(global_batch(cfg, step), 2, rank, world)
@@ -136,7 +138,7 @@ def _rebase(rank, world):
     key, slots = next(iter(reducer.transform.slots.items()))
     name, off, rows, cols = slots[0]
     residual = reducer.state_dict()["residuals"][key]
-    before = residual[off:off + rows * cols].view(rows, cols).clone().double()
+    before = residual[off : off + rows * cols].view(rows, cols).clone().double()
     old = geo.transforms[name]
     other = residual.clone()
     mb = rank_micro_batches(global_batch(cfg, 2), 2, rank, world)
@@ -145,22 +147,22 @@ def _rebase(rank, world):
     geo.disarm()
     geo.refresh(2)
     new = geo.transforms[name]
-    after = residual[off:off + rows * cols].view(rows, cols).double()
+    after = residual[off : off + rows * cols].view(rows, cols).double()
     # R T_old^-1 (the residual in gradient coordinates) is unchanged by the re-basing
     grad_coords_before = old.apply_inverse(before.float()).double()
     grad_coords_after = new.apply_inverse(after.float()).double()
     mask = torch.ones_like(other, dtype=torch.bool)
     for _, o, r_, c_ in slots:
-        mask[o:o + r_ * c_] = False
+        mask[o : o + r_ * c_] = False
     untouched = torch.equal(residual[mask], other[mask])
     return before.abs().max().item(), (grad_coords_after - grad_coords_before).abs().max().item(), untouched
 
 
 def test_error_feedback_rebase_is_exact():
     for size, diff, untouched in run_distributed(_rebase, 2):
-        assert size > 0                       # there was a residual to re-base
-        assert diff <= 1e-5 * size + 1e-12    # nothing spurious injected
-        assert untouched                      # non-geo parameters' residuals are left alone
+        assert size > 0  # there was a residual to re-base
+        assert diff <= 1e-5 * size + 1e-12  # nothing spurious injected
+        assert untouched  # non-geo parameters' residuals are left alone
 
 
 def _factors_tp(rank, world, tp):
@@ -184,12 +186,12 @@ def _factors_tp(rank, world, tp):
 def test_tp2_geo_is_block_diagonal_of_the_full_factor():
     """TP=2 x DP=2: each row-parallel slice's factor is the matching diagonal block of the TP=1 factor
     (statistics reduced over DP only), and its transform is the one built from that block."""
-    (_, full, _), = run_distributed(_factors_tp, 1, 1)
+    ((_, full, _),) = run_distributed(_factors_tp, 1, 1)
     out = run_distributed(_factors_tp, 4, 2)
     for tp_rank, factors, dense in out:
         for name, A in factors.items():
             n = A.shape[0]
-            block = full[name][tp_rank * n:(tp_rank + 1) * n, tp_rank * n:(tp_rank + 1) * n]
+            block = full[name][tp_rank * n : (tp_rank + 1) * n, tp_rank * n : (tp_rank + 1) * n]
             torch.testing.assert_close(A, block, rtol=1e-4, atol=1e-6)
             ref = build_transform(block, 4, 1e-3 * block.diagonal().mean().item()).dense()
             torch.testing.assert_close(dense[name], ref, rtol=0, atol=2e-3)
@@ -203,20 +205,21 @@ def _auto(rank, world):
     pctx = pctx_for(1)
     model = Llama(cfg.model, pctx.tp_group, 0)
     logs = []
-    geo = GeoState(model, "layers.*.weight", 4, 1e-3, 5, "rebase", pctx.dp_group, auto_layers=3, profile_steps=2,
-                   log=logs.append)
+    geo = GeoState(
+        model, "layers.*.weight", 4, 1e-3, 5, "rebase", pctx.dp_group, auto_layers=3, profile_steps=2, log=logs.append
+    )
     names = sorted(geo.candidates)
     # rank-dependent profiles: rank 0 alone would pick names[0..2], the DP sum picks names[-3:]
     for step in range(2):
         assert not geo.is_refresh_step(step)
         for i, n in enumerate(names):
             g = torch.zeros(100)
-            hits = (3 - i) if rank == 0 else 3 * i        # number of underflowing non-zero entries
+            hits = (3 - i) if rank == 0 else 3 * i  # number of underflowing non-zero entries
             g[:50] = 1.0
-            g[50:50 + hits] = 1e-9
+            g[50 : 50 + hits] = 1e-9
             geo.record_bound_hits(n, g)
         geo.end_profiled_step()
-    assert geo.is_refresh_step(2)                          # choosing happens here, then the first refresh
+    assert geo.is_refresh_step(2)  # choosing happens here, then the first refresh
     return sorted(geo.selected), logs, names
 
 
@@ -225,7 +228,7 @@ def test_auto_selection_is_rank_consistent():
     although rank 0's own profile ranks the first three highest."""
     out = run_distributed(_auto, 2)
     names = out[0][2]
-    for selected, logs, _ in out:
+    for selected, _logs, _ in out:
         assert selected == sorted(names[-3:])
     assert "after 2 profiled steps" in out[0][1][0]
 
@@ -234,7 +237,7 @@ def test_sketch_transform_is_exact_for_low_rank_factors():
     """Nystrom from Y = A Omega recovers A exactly when rank(A) <= k: same transform as the full factor."""
     from megatron_geo.geometry.transform import build_transform_from_sketch, sketch_matrix
 
-    A = _factors()["rank-deficient"]                   # rank 5, d_in 48
+    A = _factors()["rank-deficient"]  # rank 5, d_in 48
     om = sketch_matrix(48, 16, seed=3)
     damp = 1e-3 * A.diagonal().mean().item()
     full = build_transform(A, 4, damp)
@@ -244,7 +247,8 @@ def test_sketch_transform_is_exact_for_low_rank_factors():
 
 def _sketch_train(rank, world):
     cfg, pctx, model, reducer, sync, opt, train_step = _build_geo(
-        rank, world, ["comm.dtype=fp8_e4m3", "geo.statistics=sketch", "geo.sketch_size=16"])
+        rank, world, ["comm.dtype=fp8_e4m3", "geo.statistics=sketch", "geo.sketch_size=16"]
+    )
     geo = reducer.geo
     for step in range(3):
         mb = rank_micro_batches(global_batch(cfg, step), 2, rank, world)
@@ -288,14 +292,14 @@ def test_roundtrip_errors_match_an_fp64_reference_with_torch_casts():
     A = _factors()["full"]
     base = build_transform(A, 8, 1e-3 * A.diagonal().mean().item(), power=1.0)
     g = torch.Generator().manual_seed(3)
-    G = torch.randn(20, 48, generator=g) @ A.float()                # energy along A's dominant directions
+    G = torch.randn(20, 48, generator=g) @ A.float()  # energy along A's dominant directions
     powers = [0.5, 0.25, 0.0]
     got = roundtrip_errors(G, base, powers, lambda x: quantize_roundtrip(x, "fp8_e4m3:tensor"))
     U, d = base.U.double(), base.d.double()
     eye = torch.eye(48, dtype=torch.float64)
     for j, p in enumerate(powers):
-        T = eye + U @ torch.diag(d ** p - 1) @ U.T
-        Tinv = eye + U @ torch.diag(d ** -p - 1) @ U.T
+        T = eye + U @ torch.diag(d**p - 1) @ U.T
+        Tinv = eye + U @ torch.diag(d**-p - 1) @ U.T
         ref = ((_torch_fp8_roundtrip(G.double() @ T) @ Tinv) - G.double()).pow(2).sum().item()
         assert got[j].item() == pytest.approx(ref, rel=1e-3), (p, got[j].item(), ref)
     # Euclidean (p = 0) is exactly one tensor-scaled E4M3 round trip
@@ -314,22 +318,25 @@ def _power_search(rank, world):
     import torch.distributed as dist
 
     cfg, pctx, model, reducer, sync, opt, train_step = _build_geo(
-        rank, world, ["comm.dtype=fp8_e4m3", "geo.power_search=0.5,0.25,0"])
+        rank, world, ["comm.dtype=fp8_e4m3", "geo.power_search=0.5,0.25,0"]
+    )
     geo = reducer.geo
     seen, logs = {}, []
     geo.log = logs.append
     orig = geo._search_powers
 
     def spy(transforms, step):
-        seen[step] = ({n: (t.U.clone(), t.d.clone()) for n, t in transforms.items()},
-                      {n: geo.grad_of(n).clone() for n in geo.selected})
+        seen[step] = (
+            {n: (t.U.clone(), t.d.clone()) for n, t in transforms.items()},
+            {n: geo.grad_of(n).clone() for n in geo.selected},
+        )
         orig(transforms, step)
         seen[step] += (dict(geo.powers),)
 
     geo._search_powers = spy
     losses = []
-    for step in range(4):   # refreshes at steps 0 and 2
-        mb = rank_micro_batches(global_batch(cfg, step), 2, rank, world)   # different data on each rank
+    for step in range(4):  # refreshes at steps 0 and 2
+        mb = rank_micro_batches(global_batch(cfg, step), 2, rank, world)  # different data on each rank
         losses.append(train_step(model, mb, sync, opt, pctx, 1.0, 1.0, geo=geo, step=step).loss)
     out = {}
     for step, (bases, grads, chosen) in seen.items():
@@ -346,24 +353,28 @@ def test_power_search_picks_the_dp_summed_best_power_on_every_rank():
     (o0, c0, l0, logs0), (o1, c1, l1, logs1) = run_distributed(_power_search, 2)
     assert sorted(o0) == [0, 2] and c0 == c1 and l0 == l1
     assert all(torch.isfinite(torch.tensor(l0)))
-    assert any(m.startswith("step 3: geo.power_search") for m in logs0)   # the refresh of step index 2, 1-based
+    assert any(m.startswith("step 3: geo.power_search") for m in logs0)  # the refresh of step index 2, 1-based
     powers = [0.5, 0.25, 0.0]
     decided = 0
     for step in (0, 2):
         bases, grads, chosen = o0[step]
-        assert chosen == o1[step][2]                           # the same choice on both ranks
+        assert chosen == o1[step][2]  # the same choice on both ranks
         for n, (U, d) in bases.items():
             U, d = U.double(), d.double()
             eye = torch.eye(U.shape[0], dtype=torch.float64)
             errs = []
             for p in powers:
-                T = eye + U @ torch.diag(d ** p - 1) @ U.T
-                Tinv = eye + U @ torch.diag(d ** -p - 1) @ U.T
-                errs.append(sum(((_torch_fp8_roundtrip(G.double() @ T) @ Tinv) - G.double()).pow(2).sum().item()
-                                for G in grads[n]))
+                T = eye + U @ torch.diag(d**p - 1) @ U.T
+                Tinv = eye + U @ torch.diag(d**-p - 1) @ U.T
+                errs.append(
+                    sum(
+                        ((_torch_fp8_roundtrip(G.double() @ T) @ Tinv) - G.double()).pow(2).sum().item()
+                        for G in grads[n]
+                    )
+                )
             best = min(range(3), key=lambda j: errs[j])
             second = sorted(errs)[1]
-            if second > errs[best] * (1 + 1e-3):               # a clear winner: the trainer must pick it
+            if second > errs[best] * (1 + 1e-3):  # a clear winner: the trainer must pick it
                 assert chosen[n] == powers[best], (step, n, errs, chosen[n])
                 decided += 1
     assert decided >= 2
@@ -374,7 +385,7 @@ def _owner_refresh(rank, world):
 
     cfg, pctx, model, reducer, sync, opt, _ = _build_geo(rank, world, ["comm.dtype=fp8_e4m3"])
     geo = reducer.geo
-    mb = rank_micro_batches(global_batch(cfg, 0), 1, rank, world)[0]    # different data on each rank
+    mb = rank_micro_batches(global_batch(cfg, 0), 1, rank, world)[0]  # different data on each rank
     geo.arm()
     model(mb["tokens"], mb["labels"]).mean()
     geo.disarm()
@@ -388,15 +399,19 @@ def _owner_refresh(rank, world):
         dist.all_reduce(cnt)
         A = s / cnt
         ref[n] = build_transform(A, cfg.geo.rank, cfg.geo.damping * A.diagonal().mean().item()).dense()
-    return geo.owners(), {n: t.dense() for n, t in geo.transforms.items()}, ref, \
-        {n: t.checksum() for n, t in geo.transforms.items()}
+    return (
+        geo.owners(),
+        {n: t.dense() for n, t in geo.transforms.items()},
+        ref,
+        {n: t.checksum() for n, t in geo.transforms.items()},
+    )
 
 
 def test_owner_decomposes_and_broadcasts_the_transform_of_the_dp_summed_factor():
     out = run_distributed(_owner_refresh, 3)
     owners = out[0][0]
-    assert sorted(owners.values()) == [0, 1]           # 2 layers over 3 ranks: round robin, rank 2 owns none
-    assert out[0][3] == out[1][3] == out[2][3]          # the owner's exact bytes everywhere
+    assert sorted(owners.values()) == [0, 1]  # 2 layers over 3 ranks: round robin, rank 2 owns none
+    assert out[0][3] == out[1][3] == out[2][3]  # the owner's exact bytes everywhere
     for _, dense, ref, _ in out:
         for n in ref:
             torch.testing.assert_close(dense[n].double(), ref[n].double(), rtol=0, atol=1e-5)
@@ -406,19 +421,29 @@ def _power_auto_gain(rank, world):
     import torch.distributed as dist
 
     cfg, pctx, model, reducer, sync, opt, train_step = _build_geo(
-        rank, world, ["comm.dtype=fp8_e4m3", "geo.power=auto", "geo.select=gain", "geo.num_layers=1",
-                      "geo.layers=layers.*.mlp.down_proj.weight,layers.*.mlp.up_proj.weight"])
+        rank,
+        world,
+        [
+            "comm.dtype=fp8_e4m3",
+            "geo.power=auto",
+            "geo.select=gain",
+            "geo.num_layers=1",
+            "geo.layers=layers.*.mlp.down_proj.weight,layers.*.mlp.up_proj.weight",
+        ],
+    )
     geo = reducer.geo
     seen, orig = {}, geo._auto_powers
 
     def spy(transforms, moments, d1, step):
-        seen[step] = ({n: (t.U.clone(), t.d.clone()) for n, t in transforms.items()},
-                      {n: geo.grad_of(n).clone() for n in geo.selected})
+        seen[step] = (
+            {n: (t.U.clone(), t.d.clone()) for n, t in transforms.items()},
+            {n: geo.grad_of(n).clone() for n in geo.selected},
+        )
         orig(transforms, moments, d1, step)
 
     geo._auto_powers = spy
-    for step in range(3):   # refreshes at steps 0 and 2
-        mb = rank_micro_batches(global_batch(cfg, step), 2, rank, world)   # different data on each rank
+    for step in range(3):  # refreshes at steps 0 and 2
+        mb = rank_micro_batches(global_batch(cfg, step), 2, rank, world)  # different data on each rank
         train_step(model, mb, sync, opt, pctx, 1.0, 1.0, geo=geo, step=step)
     bases, grads = seen[2]
     gathered = {}
@@ -426,8 +451,14 @@ def _power_auto_gain(rank, world):
         parts = [torch.empty_like(G) for _ in range(world)]
         dist.all_gather(parts, G.contiguous())
         gathered[n] = parts
-    return (bases, gathered, dict(geo.powers), dict(geo.diagnostics), sorted(geo.active),
-            {n: (t.U.shape[1], t.checksum()) for n, t in geo.transforms.items()})
+    return (
+        bases,
+        gathered,
+        dict(geo.powers),
+        dict(geo.diagnostics),
+        sorted(geo.active),
+        {n: (t.U.shape[1], t.checksum()) for n, t in geo.transforms.items()},
+    )
 
 
 def test_power_auto_and_select_gain_follow_the_slope_rule_on_every_rank():
@@ -440,21 +471,21 @@ def test_power_auto_and_select_gain_follow_the_slope_rule_on_every_rank():
     gains = {}
     for n, (U, d) in b0.items():
         U, d = U.double(), d.double()
-        e = sum((G.double() @ U).pow(2).sum(0) for G in g0[n])          # DP-summed energy along u_i
+        e = sum((G.double() @ U).pow(2).sum(0) for G in g0[n])  # DP-summed energy along u_i
         E = sum(G.double().pow(2).sum() for G in g0[n])
         d_in, r = U.shape
-        x = np.concatenate([-np.log(d.numpy()), [0.0]])                   # log((lambda + damping) / (ref + damping))
+        x = np.concatenate([-np.log(d.numpy()), [0.0]])  # log((lambda + damping) / (ref + damping))
         y = np.concatenate([np.log(e.numpy()), [np.log(float(E - e.sum()) / (d_in - r))]])
-        s = np.polyfit(x, y, 1)[0]                                        # independent least-squares slope
+        s = np.polyfit(x, y, 1)[0]  # independent least-squares slope
         assert diag0[n]["slope"] == pytest.approx(s, abs=1e-6)
         p_rule = min(max(s / 4, 0.0), 0.5)
-        dp = d ** p_rule
+        dp = d**p_rule
         T = torch.eye(d_in, dtype=torch.float64) + U @ torch.diag(dp - 1) @ U.T
         Tinv = torch.linalg.inv(T)
-        col = sum((G.double() @ T).pow(2).sum(0) for G in g0[n])       # wire column energies
+        col = sum((G.double() @ T).pow(2).sum(0) for G in g0[n])  # wire column energies
         ratio = math.sqrt(float((col * Tinv.pow(2).sum(1)).sum() / E))  # relative-precision model
         gain = 1 - ratio if p_rule > 0 else 0.0
-        assert diag0[n]["pred_gain"] == pytest.approx(gain, abs=1e-6)     # of the slope rule's transform
+        assert diag0[n]["pred_gain"] == pytest.approx(gain, abs=1e-6)  # of the slope rule's transform
         # kept Euclidean (p = 0) when the predicted gain is below the floor
         want_p = p_rule if gain >= MIN_AUTO_GAIN else 0.0
         assert p0[n] == pytest.approx(want_p, abs=1e-6) and diag0[n]["power"] == pytest.approx(want_p, abs=1e-6)
@@ -462,5 +493,5 @@ def test_power_auto_and_select_gain_follow_the_slope_rule_on_every_rank():
         assert {"ipr", "cancel", "sat", "flush", "sat_euclid", "flush_euclid", "power", "active"} <= set(diag0[n])
     best = max(gains, key=gains.get)
     want = [best] if gains[best] > 0 else []
-    assert act0 == want                                                   # select=gain keeps the best positive one
-    assert all((tr0[n][0] > 0) == (n in want) for n in tr0)               # the others stay Euclidean (identity)
+    assert act0 == want  # select=gain keeps the best positive one
+    assert all((tr0[n][0] > 0) == (n in want) for n in tr0)  # the others stay Euclidean (identity)

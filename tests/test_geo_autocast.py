@@ -11,7 +11,7 @@ from torch.overrides import TorchFunctionMode
 
 from megatron_geo.geometry import GeoState, LowRankTransform
 
-D_FULL, D_SKETCH, K, RANK, TOKENS = 16, 64, 8, 3, 257   # 257 tokens: a count BF16 cannot hold (it rounds to 256)
+D_FULL, D_SKETCH, K, RANK, TOKENS = 16, 64, 8, 3, 257  # 257 tokens: a count BF16 cannot hold (it rounds to 256)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -41,10 +41,20 @@ def _inputs():
 def _geo(world, seed=1):
     torch.manual_seed(seed)
     model = TwoLayers()
-    geo = GeoState(model, "full.weight,sk.weight", RANK, 1e-3, 1, "rebase", world, statistics="auto", sketch_size=K,
-                   log=lambda m: None)
+    geo = GeoState(
+        model,
+        "full.weight,sk.weight",
+        RANK,
+        1e-3,
+        1,
+        "rebase",
+        world,
+        statistics="auto",
+        sketch_size=K,
+        log=lambda m: None,
+    )
     g = torch.Generator().manual_seed(2)
-    for p in geo.params.values():   # the local gradient a refresh reads (the reducer's main_grad in training)
+    for p in geo.params.values():  # the local gradient a refresh reads (the reducer's main_grad in training)
         p.main_grad = torch.randn(p.shape, generator=g)
     return model, geo
 
@@ -55,7 +65,7 @@ def _collect(model, geo, autocast: bool):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         model(a, b)
         geo.disarm()
-        geo.refresh(0)   # under the caller's autocast too: the refresh must not care
+        geo.refresh(0)  # under the caller's autocast too: the refresh must not care
     return a, b
 
 
@@ -70,13 +80,13 @@ def _ref_transform(A, rank, damping, power=0.5):
 def _ref_sketch_transform(Y, omega, trace, rank, damping, power=0.5):
     """FP64 reference of the Nystrom transform (Tropp et al. 2017, Alg. 3) with FP32's eps for the shift."""
     d_in = Y.shape[0]
-    nu = torch.finfo(torch.float32).eps * Y.norm().item() * d_in ** 0.5
+    nu = torch.finfo(torch.float32).eps * Y.norm().item() * d_in**0.5
     Yn = Y + nu * omega
     B = omega.T @ Yn
     C = torch.linalg.cholesky(0.5 * (B + B.T))
     F = torch.linalg.solve_triangular(C, Yn.T, upper=False).T
     U, S, _ = torch.linalg.svd(F, full_matrices=False)
-    lam = (S ** 2 - nu).clamp(min=0)
+    lam = (S**2 - nu).clamp(min=0)
     top = lam[:rank]
     lam_ref = max(trace - top.sum().item(), 0.0) / (d_in - rank)
     d = ((lam_ref + damping) / (top + damping)) ** power
@@ -108,12 +118,14 @@ def test_refresh_under_bf16_autocast_is_fp32_and_matches_fp64(world):
     for t in (T_full, T_sk):
         assert t.U.dtype == torch.float32 and t.d.dtype == torch.float32 and t.U.shape[1] == RANK
     damping_full = 1e-3 * A_ref.diagonal().mean().item()
-    torch.testing.assert_close(T_full.dense().double(), _ref_transform(A_ref, RANK, damping_full),
-                               rtol=0, atol=2e-5)
+    torch.testing.assert_close(T_full.dense().double(), _ref_transform(A_ref, RANK, damping_full), rtol=0, atol=2e-5)
     damping_sk = 1e-3 * trace_ref / D_SKETCH
-    torch.testing.assert_close(T_sk.dense().double(),
-                               _ref_sketch_transform(Y_ref, omega.double(), trace_ref, RANK, damping_sk),
-                               rtol=0, atol=2e-5)
+    torch.testing.assert_close(
+        T_sk.dense().double(),
+        _ref_sketch_transform(Y_ref, omega.double(), trace_ref, RANK, damping_sk),
+        rtol=0,
+        atol=2e-5,
+    )
 
 
 def test_refresh_under_autocast_equals_refresh_without(world):
@@ -144,19 +156,32 @@ def test_sketch_shift_uses_fp32_eps_for_any_dtype():
     Y = torch.randn(4096, 8, generator=g, dtype=torch.float64)
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         Yd = Y.to(dtype)
-        want = torch.finfo(torch.float32).eps * Yd.double().norm().item() * 4096 ** 0.5
+        want = torch.finfo(torch.float32).eps * Yd.double().norm().item() * 4096**0.5
         assert sketch_shift(Yd) == pytest.approx(want, rel=1e-12), dtype
 
 
 # -- TF32 / matmul precision ---------------------------------------------------------------------------------------
 
-_MATMULS = {torch.matmul, torch.mm, torch.addmm, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
-            torch.Tensor.matmul, torch.Tensor.mm, torch.Tensor.addmm, torch.Tensor.addmm_}
+_MATMULS = {
+    torch.matmul,
+    torch.mm,
+    torch.addmm,
+    torch.Tensor.__matmul__,
+    torch.Tensor.__rmatmul__,
+    torch.Tensor.matmul,
+    torch.Tensor.mm,
+    torch.Tensor.addmm,
+    torch.Tensor.addmm_,
+}
 
 
 def _flags():
-    return (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
-            torch.backends.cudnn.allow_tf32, torch.is_autocast_enabled("cpu"))
+    return (
+        torch.get_float32_matmul_precision(),
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.is_autocast_enabled("cpu"),
+    )
 
 
 class RecordMatmulFlags(TorchFunctionMode):
@@ -199,9 +224,12 @@ def test_transform_and_hadamard_force_highest_precision_and_restore(tf32_on):
     T = LowRankTransform(U.contiguous(), torch.tensor([0.1, 0.2, 0.5, 0.9]))
     G = torch.randn(6, 32, generator=g)
     assert _flags() == tf32_on
-    for name, fn in [("G T", lambda: T.apply(G)), ("G T^-1", lambda: T.apply_inverse(G)),
-                     ("G T in place", lambda: T.apply_(G.clone())),
-                     ("G T^-1 in place", lambda: T.apply_inverse_(G.clone()))]:
+    for name, fn in [
+        ("G T", lambda: T.apply(G)),
+        ("G T^-1", lambda: T.apply_inverse(G)),
+        ("G T in place", lambda: T.apply_(G.clone())),
+        ("G T^-1 in place", lambda: T.apply_inverse_(G.clone())),
+    ]:
         rec = RecordMatmulFlags()
         with rec:
             fn()
@@ -209,10 +237,11 @@ def test_transform_and_hadamard_force_highest_precision_and_restore(tf32_on):
     # the reducer's Hadamard rotation (to the wire, back into the bucket, and back as a new tensor)
     red = LowPrecisionReducer(None, 1, 0, "fp8_e4m3", transform="hadamard", hadamard_block=16, compile=False)
     x = torch.randn(64, generator=g)
-    for name, fn in [("rotation", lambda: red.transform.to_wire(x.clone(), None)),
-                     ("inverse rotation", lambda: red.transform.from_wire(x.clone(), None, 0)),
-                     ("inverse rotation into the bucket",
-                      lambda: red.transform.write_back(x.clone(), 0, x.clone(), None))]:
+    for name, fn in [
+        ("rotation", lambda: red.transform.to_wire(x.clone(), None)),
+        ("inverse rotation", lambda: red.transform.from_wire(x.clone(), None, 0)),
+        ("inverse rotation into the bucket", lambda: red.transform.write_back(x.clone(), 0, x.clone(), None)),
+    ]:
         rec = RecordMatmulFlags()
         with rec:
             fn()
@@ -222,12 +251,12 @@ def test_transform_and_hadamard_force_highest_precision_and_restore(tf32_on):
 def test_geo_hooks_and_refresh_force_highest_precision_and_restore(world, tf32_on):
     model, geo = _geo(world)
     a, b = _inputs()
-    rec = RecordMatmulFlags()   # the model's own linears are F.linear, not recorded: only the hooks' matmuls
+    rec = RecordMatmulFlags()  # the model's own linears are F.linear, not recorded: only the hooks' matmuls
     geo.arm()
     with torch.autocast("cpu", dtype=torch.bfloat16), rec:
         model(a, b)
     geo.disarm()
-    assert len(rec.seen) >= 3, rec.seen     # a^T a and a^T (a Omega)
+    assert len(rec.seen) >= 3, rec.seen  # a^T a and a^T (a Omega)
     _check(rec, tf32_on, "statistics hooks")
     rec = RecordMatmulFlags()
     with rec:
@@ -242,12 +271,10 @@ def test_exact_fp32_restores_every_setting_also_on_error():
     torch.backends.cudnn.allow_tf32 = False
     try:
         before = _flags()
-        with pytest.raises(KeyError):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                with exact_fp32():
-                    assert _flags() == EXACT
-                    assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32  # no autocast inside
-                    raise KeyError("boom")
+        with pytest.raises(KeyError), torch.autocast("cpu", dtype=torch.bfloat16), exact_fp32():
+            assert _flags() == EXACT
+            assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32  # no autocast inside
+            raise KeyError("boom")
         assert _flags() == before
     finally:
         torch.set_float32_matmul_precision("highest")
@@ -255,6 +282,7 @@ def test_exact_fp32_restores_every_setting_also_on_error():
 
 
 # -- a refresh on fake tensors (FakeTensorMode) with the fake process group ----------------------------------------
+
 
 def _fake_scalars_mode():
     """FakeTensorMode that answers host reads of a value (``float()``, ``.item()``, ``.tolist()``) with 1: the
@@ -285,13 +313,13 @@ def _fake_refresh(device: str, dp: int) -> dict:
         try:
             with mode:
                 torch.empty(4, device=device)[:1]
-        except RuntimeError as e:   # a CPU-only build has no CUDA device guard for FakeTensor's indexing
+        except RuntimeError as e:  # a CPU-only build has no CUDA device guard for FakeTensor's indexing
             return {"skip": f"FakeTensorMode cannot index {device} tensors on this build: {e}"}
         # the fake backend's broadcast asks the (absent) GPU for its compute capability
         torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
     seen = []
 
-    def checksum(self):   # the real one hashes the bytes, which a fake tensor does not have
+    def checksum(self):  # the real one hashes the bytes, which a fake tensor does not have
         seen.append((str(self.U.dtype), str(self.U.device), str(self.d.dtype), str(self.d.device)))
         return "0" * 64
 
@@ -300,8 +328,18 @@ def _fake_refresh(device: str, dp: int) -> dict:
     try:
         with mode:
             model = TwoLayers(device)
-            geo = GeoState(model, "full.weight,sk.weight", RANK, 1e-3, 1, "rebase", dist.group.WORLD,
-                           statistics="auto", sketch_size=K, log=lambda m: None)
+            geo = GeoState(
+                model,
+                "full.weight,sk.weight",
+                RANK,
+                1e-3,
+                1,
+                "rebase",
+                dist.group.WORLD,
+                statistics="auto",
+                sketch_size=K,
+                log=lambda m: None,
+            )
             for p in geo.params.values():
                 p.main_grad = torch.randn(p.shape, device=device)
             a = torch.randn(TOKENS, D_FULL, device=device)
@@ -312,8 +350,10 @@ def _fake_refresh(device: str, dp: int) -> dict:
             geo.disarm()
             sums = {n: (str(s.dtype), str(s.device), tuple(s.shape)) for n, s in geo.stats.sums.items()}
             geo.refresh(0)
-            built = {n: (str(t.U.dtype), str(t.U.device), tuple(t.U.shape), str(t.d.dtype), str(t.d.device))
-                     for n, t in geo.transforms.items()}
+            built = {
+                n: (str(t.U.dtype), str(t.U.device), tuple(t.U.shape), str(t.d.dtype), str(t.d.device))
+                for n, t in geo.transforms.items()
+            }
             owners = geo.owners()
     finally:
         dist.destroy_process_group()
@@ -353,8 +393,10 @@ def test_refresh_on_fake_tensors_with_fake_process_group():
         ran += 1
         want_owner = {"full.weight": 0, "sk.weight": 1 % dp}
         assert res["owners"] == want_owner
-        assert res["sums"] == {"full.weight": ("torch.float32", dev, (D_FULL, D_FULL)),
-                               "sk.weight": ("torch.float32", dev, (D_SKETCH, K))}, (dev, dp)
+        assert res["sums"] == {
+            "full.weight": ("torch.float32", dev, (D_FULL, D_FULL)),
+            "sk.weight": ("torch.float32", dev, (D_SKETCH, K)),
+        }, (dev, dp)
         for n, d_in in (("full.weight", D_FULL), ("sk.weight", D_SKETCH)):
             assert res["built"][n] == ("torch.float32", dev, (d_in, RANK), "torch.float32", dev), (dev, dp, n)
         assert res["checksummed"] and all(c == ("torch.float32", dev) * 2 for c in res["checksummed"]), (dev, dp)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -60,8 +59,14 @@ def test_a_checkpoint_written_by_the_recorded_version_resumes_bitwise(tmp_path, 
     corpus = (GOLDEN / "corpus").resolve()
     for f in (run / "checkpoints" / "step_00000002").glob("*.json"):
         f.write_text(f.read_text().replace(CORPUS_TOKEN, str(corpus)).replace(RUN_TOKEN, str(run)))
-    out = run_distributed(_resume, 2, str(corpus), str(run), recorded["preset"],
-                          [*recorded["extra"], "checkpoint.interval=2", "checkpoint.keep_latest=0"])
+    out = run_distributed(
+        _resume,
+        2,
+        str(corpus),
+        str(run),
+        recorded["preset"],
+        [*recorded["extra"], "checkpoint.interval=2", "checkpoint.keep_latest=0"],
+    )
     resumed = out[0]["losses"]
     assert [s for s, *_ in resumed] == [3, 4]  # it resumed from step 2
     assert resumed == [r for r in recorded["losses"] if r[0] > 2]

@@ -162,8 +162,14 @@ def test_dry_run_figures(dry_run):
 def test_phase_past_its_budget_is_timed_out_and_the_json_stays_valid(tmp_path):
     exe, calls = _python3_on_path(tmp_path, "mypython")
     out = tmp_path / "out"
-    env = _env(tmp_path, MG_PYTHON=str(exe), GPU_CHECK_LAUNCH="exec", GPU_CHECK_ONLY="checkpoint,geo",
-               GPU_CHECK_STALL="checkpoint=120,geo=120", GPU_CHECK_LIMITS="checkpoint=2,geo=3")
+    env = _env(
+        tmp_path,
+        MG_PYTHON=str(exe),
+        GPU_CHECK_LAUNCH="exec",
+        GPU_CHECK_ONLY="checkpoint,geo",
+        GPU_CHECK_STALL="checkpoint=120,geo=120",
+        GPU_CHECK_LIMITS="checkpoint=2,geo=3",
+    )
     r, secs = _run(["--dry-run", str(out)], env, timeout=120)
     assert r.returncode == 1, r.stdout + r.stderr
     assert secs < 60  # both phases cut at their limits, not after their 120 s sleeps
@@ -181,8 +187,14 @@ def test_phase_past_its_budget_is_timed_out_and_the_json_stays_valid(tmp_path):
 
 def test_overall_limit_cuts_the_running_phase(tmp_path):
     out = tmp_path / "out"
-    env = _env(tmp_path, MG_PYTHON=sys.executable, GPU_CHECK_LAUNCH="exec", GPU_CHECK_TIMEOUT="12",
-               GPU_CHECK_ONLY="checkpoint,geo", GPU_CHECK_STALL="checkpoint=120")
+    env = _env(
+        tmp_path,
+        MG_PYTHON=sys.executable,
+        GPU_CHECK_LAUNCH="exec",
+        GPU_CHECK_TIMEOUT="12",
+        GPU_CHECK_ONLY="checkpoint,geo",
+        GPU_CHECK_STALL="checkpoint=120",
+    )
     r, secs = _run(["--dry-run", str(out)], env, timeout=120)
     assert r.returncode == 1, r.stdout + r.stderr
     assert secs < 12 + 10  # the overall limit and the kill margin
@@ -196,10 +208,21 @@ def test_overall_limit_cuts_the_running_phase(tmp_path):
 
 def test_a_stop_signal_records_the_running_phase(tmp_path):
     out = tmp_path / "out"
-    env = _env(tmp_path, MG_PYTHON=sys.executable, GPU_CHECK_LAUNCH="exec", GPU_CHECK_ONLY="checkpoint,geo",
-               GPU_CHECK_STALL="checkpoint=120")
-    p = subprocess.Popen([str(SCRIPT), "--dry-run", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+    env = _env(
+        tmp_path,
+        MG_PYTHON=sys.executable,
+        GPU_CHECK_LAUNCH="exec",
+        GPU_CHECK_ONLY="checkpoint,geo",
+        GPU_CHECK_STALL="checkpoint=120",
+    )
+    p = subprocess.Popen(
+        [str(SCRIPT), "--dry-run", str(out)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # the JSON is there and valid while the phase runs
@@ -236,14 +259,17 @@ def test_without_a_gpu_the_run_is_refused(tmp_path):
     assert len(_runs(calls)) == 2  # the runner, then the env phase: each a new python3
 
 
-@pytest.mark.parametrize("var, value, message", [
-    ("GPU_CHECK_ONLY", "env,nope", "unknown phase 'nope'"),
-    ("GPU_CHECK_LIMITS", "geo=-1", "must be PHASE=SECONDS with SECONDS > 0"),
-    ("GPU_CHECK_TIMEOUT", "soon", "GPU_CHECK_TIMEOUT=soon must be a whole number"),
-    ("GPU_CHECK_LAUNCH", "spawn", "GPU_CHECK_LAUNCH='spawn'"),
-    ("MG_PYTHON", "/nonexistent/python", "interpreter '/nonexistent/python' not found"),
-    ("MG_PYTHON", "/bin/true", "is not a Python that can import torch; set MG_PYTHON"),
-])
+@pytest.mark.parametrize(
+    "var, value, message",
+    [
+        ("GPU_CHECK_ONLY", "env,nope", "unknown phase 'nope'"),
+        ("GPU_CHECK_LIMITS", "geo=-1", "must be PHASE=SECONDS with SECONDS > 0"),
+        ("GPU_CHECK_TIMEOUT", "soon", "GPU_CHECK_TIMEOUT=soon must be a whole number"),
+        ("GPU_CHECK_LAUNCH", "spawn", "GPU_CHECK_LAUNCH='spawn'"),
+        ("MG_PYTHON", "/nonexistent/python", "interpreter '/nonexistent/python' not found"),
+        ("MG_PYTHON", "/bin/true", "is not a Python that can import torch; set MG_PYTHON"),
+    ],
+)
 def test_bad_settings_are_refused(tmp_path, var, value, message):
     env = _env(tmp_path, MG_PYTHON=sys.executable)
     env[var] = value

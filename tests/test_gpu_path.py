@@ -16,16 +16,17 @@ from torch import nn
 
 from helpers import tiny_cfg
 from megatron_geo.config import ConfigError, load_config
-from megatron_geo.training.validate import validate_config
 from megatron_geo.model import Llama, flops_per_token
 from megatron_geo.model.compile import compile_blocks, is_compiled
 from megatron_geo.model.te import use_transformer_engine
 from megatron_geo.training.mfu import gpu_flops_metrics, mfu, peak_bf16_flops, tflops_per_gpu
+from megatron_geo.training.validate import validate_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 # -- MFU ---------------------------------------------------------------------------------------------------------
+
 
 def test_peak_table_matches_device_names():
     assert peak_bf16_flops("NVIDIA GH200 480GB") == ("GH200 (H100/H200 die)", 989.4e12)
@@ -64,6 +65,7 @@ def test_mfu_rejects_bad_input():
 
 # -- per-block compile -------------------------------------------------------------------------------------------
 
+
 def test_compile_blocks_keeps_names_outputs_and_gradients(world):
     cfg = tiny_cfg()
     ref, comp = Llama(cfg.model, world, 3), Llama(cfg.model, world, 3)
@@ -88,6 +90,7 @@ def test_compile_blocks_rejects_other_models():
 
 
 # -- Transformer Engine switch -----------------------------------------------------------------------------------
+
 
 def _fake_te():
     """A stand-in for transformer_engine.pytorch with the same constructor arguments (CPU, plain torch)."""
@@ -147,18 +150,28 @@ def test_local_impl_never_imports_transformer_engine(tmp_path):
     pkg = tmp_path / "transformer_engine"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("raise RuntimeError('transformer_engine was imported')\n")
-    code = ("import sys, torch, torch.distributed as dist\n"
-            "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
-            "from megatron_geo.config import load_config\nfrom megatron_geo.model import Llama\n"
-            "m = Llama(load_config([], ['model.num_layers=1']).model, dist.group.WORLD, 0)\n"
-            "assert 'transformer_engine' not in sys.modules\n"
-            "cfg = load_config([], ['model.num_layers=1', 'model.transformer_impl=transformer_engine'])\n"
-            "try:\n    Llama(cfg.model, dist.group.WORLD, 0)\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"})
+    code = (
+        "import sys, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "from megatron_geo.config import load_config\nfrom megatron_geo.model import Llama\n"
+        "m = Llama(load_config([], ['model.num_layers=1']).model, dist.group.WORLD, 0)\n"
+        "assert 'transformer_engine' not in sys.modules\n"
+        "cfg = load_config([], ['model.num_layers=1', 'model.transformer_impl=transformer_engine'])\n"
+        "try:\n    Llama(cfg.model, dist.group.WORLD, 0)\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"},
+    )
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("ConfigError model.transformer_impl=transformer_engine but Transformer Engine cannot "
-                               "be imported (RuntimeError: transformer_engine was imported)"), r.stdout
+    assert r.stdout.startswith(
+        "ConfigError model.transformer_impl=transformer_engine but Transformer Engine cannot "
+        "be imported (RuntimeError: transformer_engine was imported)"
+    ), r.stdout
     assert "model.transformer_impl=local" in r.stdout
 
 
@@ -167,13 +180,19 @@ def test_local_impl_never_imports_transformer_engine(tmp_path):
 # The CUDA tests run their bodies in a Python process of their own: this module's ``world`` fixture leaves a
 # gloo default process group in the test process, and init_parallel refuses to build NCCL groups over it.
 
+
 def _run_alone(body: str) -> str:
     """Run ``body()``, a function of this module, in a fresh Python process (no process group yet); returns its
     stdout. Fails the test with the child's output when it exits non-zero."""
     path = os.pathsep.join(p for p in (str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    r = subprocess.run([sys.executable, "-c", f"import test_gpu_path as t; t.{body}()"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "PYTHONPATH": path, "WANDB_MODE": "disabled"})
+    r = subprocess.run(
+        [sys.executable, "-c", f"import test_gpu_path as t; t.{body}()"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONPATH": path, "WANDB_MODE": "disabled"},
+    )
     assert r.returncode == 0, f"{body} failed (exit {r.returncode}):\n{r.stdout}\n{r.stderr}"
     return r.stdout
 
@@ -202,11 +221,11 @@ def test_cuda_bodies_run_without_the_modules_gloo_world(world):
 def _cuda_step_body() -> None:
     import torch.distributed as dist
 
+    from helpers import global_batch, rank_micro_batches
     from megatron_geo.parallel import destroy_parallel, init_parallel
     from megatron_geo.parallel.launch_env import LaunchEnv
-    from megatron_geo.training.step import train_step
     from megatron_geo.training.setup import build_model_and_optimizer
-    from helpers import global_batch, rank_micro_batches
+    from megatron_geo.training.step import train_step
 
     pctx = init_parallel(1, "cuda", "auto", env=LaunchEnv(0, 1, 0, "127.0.0.1", 0, "single"))
     assert pctx.device.type == "cuda" and pctx.backend == "nccl" and dist.get_backend(pctx.dp_group) == "nccl"
@@ -231,6 +250,7 @@ def test_cuda_step_on_one_gpu_bf16_autocast():
 
 # -- GradSync side stream ----------------------------------------------------------------------------------------
 
+
 def _sync_for(world, device, comm_stream, dp: int = 1):
     from megatron_geo.comm import build_reducer
     from megatron_geo.distributed import GradSync, build_buckets
@@ -238,8 +258,9 @@ def _sync_for(world, device, comm_stream, dp: int = 1):
     cfg = tiny_cfg("comm.dtype=fp8_e4m3")
     model = Llama(cfg.model, world, 0, device=device)
     reducer = build_reducer(cfg.comm, world, dp, 0, seed=0, device=device)
-    buckets = build_buckets(list(model.named_parameters()), 3000, dp, atomic_fn=lambda p: False,
-                            align=reducer.alignment())
+    buckets = build_buckets(
+        list(model.named_parameters()), 3000, dp, atomic_fn=lambda p: False, align=reducer.alignment()
+    )
     for b in buckets:
         reducer.register_bucket(b.index, b.plan.offsets, [p.numel() for p in b.params], b.plan.chunk, device)
     return cfg, model, buckets, GradSync(buckets, reducer, sharded=True, comm_stream=comm_stream)

@@ -55,7 +55,7 @@ def _run(rank, world, dtype, sharded, skip):
 def test_unused_parameter_on_one_rank_gives_the_right_averages(dtype, sharded, skip):
     out = run_distributed(_run, 2, dtype, sharded, skip)
     ref = {n: (out[0][0][n].double() + out[1][0][n].double()) / 2 for n in out[0][0]}
-    tol = 1e-6 if dtype == "fp32" else 2.0 ** -7
+    tol = 1e-6 if dtype == "fp32" else 2.0**-7
     seen = 0
     for _, owned in out:
         for (name, s, e), got in owned.items():

@@ -41,8 +41,11 @@ def ckpt(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf")
     corpus = make_corpus(d / "corpus")
     run = d / "orig"
-    run_distributed(train_jobs, 4, [tiny_train_overrides(run, corpus, "train.steps=3", "checkpoint.interval=2",
-                                                         "parallel.tensor=2", *EXTRA)])
+    run_distributed(
+        train_jobs,
+        4,
+        [tiny_train_overrides(run, corpus, "train.steps=3", "checkpoint.interval=2", "parallel.tensor=2", *EXTRA)],
+    )
     step2 = run / "checkpoints" / "step_00000002"
     assert json.loads((step2 / "meta.json").read_text())["tp_size"] == 2
     hf = d / "hf"
@@ -91,16 +94,25 @@ def test_export_loads_in_transformers_with_our_losses_and_token_ids(ckpt, tmp_pa
     hf_tok = AutoTokenizer.from_pretrained(ckpt["hf"])
     assert (hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.unk_token_id) == (1, 2, 0)
     lines = (Path(cfg.data.tokenizer_model).parent / "text.txt").read_text().splitlines()[500:540]
-    odd = [" leading space", "two  spaces\n\nand lines", "unseen chars: üñ ☃", "", "x\n", "alpha12345",
-           "<s> </s> <unk> as text"]  # ordinary pieces to SentencePiece, so not the special tokens here either
+    odd = [
+        " leading space",
+        "two  spaces\n\nand lines",
+        "unseen chars: üñ ☃",
+        "",
+        "x\n",
+        "alpha12345",
+        "<s> </s> <unk> as text",
+    ]  # ordinary pieces to SentencePiece, so not the special tokens here either
     for text in lines + odd:
         assert hf_tok(text)["input_ids"] == ours_tok.encode(text), text
     stream = [t for line in lines for t in [ours_tok.eod_id] + ours_tok.encode(line)]
     n = cfg.model.seq_length + 1
     corpus = torch.tensor(stream[: len(stream) // n * n]).view(-1, n)
     text = _per_token(ours, hf, corpus)
-    print(f"\nmax |per-token loss difference| vs transformers: random tokens {rand:.2e}, corpus text {text:.2e} "
-          f"({corpus.shape[0]} x {n - 1} tokens)")
+    print(
+        f"\nmax |per-token loss difference| vs transformers: random tokens {rand:.2e}, corpus text {text:.2e} "
+        f"({corpus.shape[0]} x {n - 1} tokens)"
+    )
     assert rand <= 1e-5 and text <= 1e-5
 
 
@@ -142,13 +154,23 @@ def test_run_resumed_from_the_imported_checkpoint_continues_with_the_same_loss(c
     meta.update(step=orig["step"], consumed_samples=orig["consumed_samples"])
     (imported / "meta.json").write_text(json.dumps(meta))
     common = ("train.steps=3", "checkpoint.save_at_end=false", *EXTRA)
-    run_distributed(train_jobs, 1, [
-        tiny_train_overrides(tmp_path / "from_hf", ckpt["corpus"], f"checkpoint.load={imported}", *common),
-        tiny_train_overrides(tmp_path / "from_orig", ckpt["corpus"], f"checkpoint.load={ckpt['step2']}", *common)])
-    from_hf, from_orig, straight = (_losses(tmp_path / "from_hf"), _losses(tmp_path / "from_orig"),
-                                    _losses(ckpt["run"]))
-    print(f"\nstep 3 loss: resumed from the HF import {from_hf[3]!r}, from the original checkpoint {from_orig[3]!r}, "
-          f"the original TP=2 x DP=2 run {straight[3]!r}")
+    run_distributed(
+        train_jobs,
+        1,
+        [
+            tiny_train_overrides(tmp_path / "from_hf", ckpt["corpus"], f"checkpoint.load={imported}", *common),
+            tiny_train_overrides(tmp_path / "from_orig", ckpt["corpus"], f"checkpoint.load={ckpt['step2']}", *common),
+        ],
+    )
+    from_hf, from_orig, straight = (
+        _losses(tmp_path / "from_hf"),
+        _losses(tmp_path / "from_orig"),
+        _losses(ckpt["run"]),
+    )
+    print(
+        f"\nstep 3 loss: resumed from the HF import {from_hf[3]!r}, from the original checkpoint {from_orig[3]!r}, "
+        f"the original TP=2 x DP=2 run {straight[3]!r}"
+    )
     assert list(from_hf) == [3] and from_hf[3] == from_orig[3]  # same layout (DP=1): bitwise
     assert from_hf[3] == pytest.approx(straight[3], rel=1e-6)  # the TP=2 x DP=2 run: fp32 reduction order aside
 
@@ -193,8 +215,9 @@ def test_error_paths_name_the_value_and_the_fix(ckpt, tmp_path, capsys):
     for name, edit, want in cases:
         msg = err(_hf_folder(tmp_path, ckpt, name, edit), out, "--from", "hf")
         assert want in msg and "megatron_geo's Llama needs" in msg, msg
-    assert "'lm_head.weight' is missing" in err(_hf_folder(tmp_path, ckpt, "nohead", drop=("lm_head.weight",)), out,
-                                                "--from", "hf")
+    assert "'lm_head.weight' is missing" in err(
+        _hf_folder(tmp_path, ckpt, "nohead", drop=("lm_head.weight",)), out, "--from", "hf"
+    )
     biased = _hf_folder(tmp_path, ckpt, "bias_t", add={"model.layers.0.self_attn.q_proj.bias": torch.zeros(32)})
     assert "biases (model.layers.0.self_attn.q_proj.bias" in err(biased, out, "--from", "hf")
     noweights = _hf_folder(tmp_path, ckpt, "noweights")
@@ -207,8 +230,9 @@ def test_error_paths_name_the_value_and_the_fix(ckpt, tmp_path, capsys):
     nan = _hf_folder(tmp_path, ckpt, "nan", add={"model.norm.weight": torch.full((32,), float("nan"))})
     assert "'model.norm.weight' holds NaN or inf" in err(nan, out, "--from", "hf")
     assert "--dtype apply to an export" in err(ckpt["hf"], out, "--from", "hf", "--dtype", "fp32")
-    assert "--tokenizer and --no-tokenizer" in err(ckpt["step2"], out, "--to", "hf", "--tokenizer", "t.model",
-                                                   "--no-tokenizer")
+    assert "--tokenizer and --no-tokenizer" in err(
+        ckpt["step2"], out, "--to", "hf", "--tokenizer", "t.model", "--no-tokenizer"
+    )
     assert "the current folder or above it" in err(ckpt["step2"], ".", "--to", "hf")
     assert "where checkpoint pruning would delete it" in err(ckpt["step2"], ckpt["step2"].parent / "x", "--to", "hf")
     assert not out.exists()  # nothing was written by the failures
@@ -223,8 +247,14 @@ def test_error_paths_name_the_value_and_the_fix(ckpt, tmp_path, capsys):
     assert (ckpt["hf"] / "model.safetensors").is_file() and ckpt["step2"].is_dir()
     assert "--from hf and --to hf" in err(ckpt["hf"], out, "--from", "hf", "--to", "hf")
     other = tmp_path / "other_tok"
-    msg = err(ckpt["step2"], tmp_path / "o4", "--to", "hf", "--tokenizer",
-              make_corpus(other, vocab_size=100)[3].split("=", 1)[1])
+    msg = err(
+        ckpt["step2"],
+        tmp_path / "o4",
+        "--to",
+        "hf",
+        "--tokenizer",
+        make_corpus(other, vocab_size=100)[3].split("=", 1)[1],
+    )
     assert "has 100 pieces but the model has model.vocab_size=96" in msg and not (tmp_path / "o4").exists()
     assert "--config applies to --from hf" in err(ckpt["step2"], tmp_path / "o3", "--to", "hf", "--config", "x.yaml")
     assert "holds no complete checkpoint" in err(tmp_path / "empty", tmp_path / "o2", "--to", "hf")
@@ -268,13 +298,14 @@ def test_eval_downstream_scores_the_hf_folder_like_the_consolidated_checkpoint(c
     tasks.mkdir()
     (tasks / "corpus_mc.yaml").write_text(
         f"task: corpus_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
-        "output_type: multiple_choice\ndoc_to_text: \"{{question}}\"\ndoc_to_choice: \"{{choices}}\"\n"
-        "target_delimiter: \"\"\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n")
+        'output_type: multiple_choice\ndoc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\n'
+        'target_delimiter: ""\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n'
+    )
     kw = dict(tasks=["corpus_mc"], include_path=str(tasks), include_defaults=False, batch_size=4)
     e_hf = evaluate_checkpoint(str(ckpt["hf"]), **kw)
     scores, i = [], 0  # our wrapper's accuracy from its loglikelihoods above (the requests lm-eval makes)
     for it in MC_ITEMS:
-        s = [x[0] for x in a[i:i + len(it["choices"])]]
+        s = [x[0] for x in a[i : i + len(it["choices"])]]
         scores.append(float(s.index(max(s)) == it["label"]))
         i += len(it["choices"])
     assert e_hf["metrics"]["corpus_mc"]["acc"] == pytest.approx(sum(scores) / len(scores))
@@ -292,9 +323,18 @@ def test_import_of_a_model_written_by_transformers_gives_its_losses(tmp_path):
     from megatron_geo.checkpoint.consolidated import config_from_dict
 
     torch.manual_seed(0)
-    hc = LlamaConfig(vocab_size=77, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
-                     num_key_value_heads=2, max_position_embeddings=24, rms_norm_eps=1e-6, rope_theta=500000.0,
-                     tie_word_embeddings=False)
+    hc = LlamaConfig(
+        vocab_size=77,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=24,
+        rms_norm_eps=1e-6,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    )
     hf = LlamaForCausalLM(hc).eval()
     hf.save_pretrained(tmp_path / "theirs")
     assert TOOL.main([str(tmp_path / "theirs"), str(tmp_path / "ck"), "--from", "hf"]) == 0
@@ -339,8 +379,10 @@ def test_training_and_eval_paths_never_import_transformers():
     import subprocess
     import sys
 
-    code = ("import sys, megatron_geo.training.trainer, megatron_geo.checkpoint, megatron_geo.checkpoint.hf, "
-            "megatron_geo.eval.downstream, megatron_geo.eval.hf_lm; "
-            "print(sorted({'transformers', 'safetensors', 'tokenizers'} & set(sys.modules)))")
+    code = (
+        "import sys, megatron_geo.training.trainer, megatron_geo.checkpoint, megatron_geo.checkpoint.hf, "
+        "megatron_geo.eval.downstream, megatron_geo.eval.hf_lm; "
+        "print(sorted({'transformers', 'safetensors', 'tokenizers'} & set(sys.modules)))"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr[-2000:]

@@ -30,7 +30,7 @@ def _reference_with_prefix(prefix: str, suffix_values: list[str]) -> list[str]:
     if open_at < 0:
         return [prefix + v for v in suffix_values]
     close_at = prefix.index("]", open_at)
-    before, body, after = prefix[:open_at], prefix[open_at + 1:close_at], prefix[close_at + 1:]
+    before, body, after = prefix[:open_at], prefix[open_at + 1 : close_at], prefix[close_at + 1 :]
     out = []
     for value in _reference_values(body):
         out += _reference_with_prefix(before + value + after, suffix_values)
@@ -45,8 +45,11 @@ def reference_hostnames(nodelist: str) -> list[str]:
         if ch == "," and depth == 0:
             if token:
                 last = token.rfind("[")
-                hosts += ([token] if last < 0 else
-                          _reference_with_prefix(token[:last], _reference_values(token[last + 1:-1])))
+                hosts += (
+                    [token]
+                    if last < 0
+                    else _reference_with_prefix(token[:last], _reference_values(token[last + 1 : -1]))
+                )
             token = ""
         else:
             token += ch
@@ -57,7 +60,7 @@ def reference_hostnames(nodelist: str) -> list[str]:
 SCONTROL_22_05 = {
     "a[1-2]b[1-2]c[1-2]": "a1b1c1 a1b1c2 a2b1c1 a2b1c2 a1b2c1 a1b2c2 a2b2c1 a2b2c2",
     "x[1-2]y[1-2]z[1-2]w[1-2]": "x1y1z1w1 x1y1z1w2 x2y1z1w1 x2y1z1w2 x1y2z1w1 x1y2z1w2 x2y2z1w1 x2y2z1w2 "
-                                "x1y1z2w1 x1y1z2w2 x2y1z2w1 x2y1z2w2 x1y2z2w1 x1y2z2w2 x2y2z2w1 x2y2z2w2",
+    "x1y1z2w1 x1y1z2w2 x2y1z2w1 x2y1z2w2 x1y2z2w1 x1y2z2w2 x2y2z2w1 x2y2z2w2",
     "r[1-2]n[09-10]": "r1n09 r1n10 r2n09 r2n10",
     "n[1-2]-x[3]": "n1-x3 n2-x3",
     "gh[001-003,070],login1": "gh001 gh002 gh003 gh070 login1",
@@ -71,16 +74,30 @@ SCONTROL_22_05 = {
 }
 
 # Refused by that scontrol ("Invalid hostlist"): text after the last bracket group, bad ranges, stray brackets.
-SCONTROL_REFUSES = ["rack[1-2]-ib", "n[1-2]x", "a-[7]-b,c[2]", "ab[1-2]c[3-4]d", "n[3-1]", "n[-1]", "n[1-2,]",
-                    "n[,1]", "n[]", "n[1-a]", "n[0x1]", "n[[1-2]]", "n[1-2]]", "n[1-65537]"]
+SCONTROL_REFUSES = [
+    "rack[1-2]-ib",
+    "n[1-2]x",
+    "a-[7]-b,c[2]",
+    "ab[1-2]c[3-4]d",
+    "n[3-1]",
+    "n[-1]",
+    "n[1-2,]",
+    "n[,1]",
+    "n[]",
+    "n[1-a]",
+    "n[0x1]",
+    "n[[1-2]]",
+    "n[1-2]]",
+    "n[1-65537]",
+]
 
 
 def test_recorded_scontrol_order():
     for nodelist, hosts in SCONTROL_22_05.items():
         expected = hosts.split()
-        assert reference_hostnames(nodelist) == expected, nodelist      # the reference states Slurm's rule
+        assert reference_hostnames(nodelist) == expected, nodelist  # the reference states Slurm's rule
         assert expand_hostlist(nodelist) == expected, nodelist
-        assert _expand_first_host(nodelist) == expected[0], nodelist   # MASTER_ADDR
+        assert _expand_first_host(nodelist) == expected[0], nodelist  # MASTER_ADDR
 
 
 def test_lists_slurm_refuses_are_refused():
@@ -118,7 +135,7 @@ def _generated_lists(count: int, seed: int = 2205) -> list[str]:
 
 def test_generated_lists_follow_slurms_rule():
     lists = _generated_lists(400)
-    assert sum(s.count("[") >= 3 for s in lists) > 50                 # many lists with three or more groups
+    assert sum(s.count("[") >= 3 for s in lists) > 50  # many lists with three or more groups
     for nodelist in lists:
         assert expand_hostlist(nodelist) == reference_hostnames(nodelist), nodelist
 
@@ -130,8 +147,10 @@ def scontrol(tmp_path_factory):
     if exe is None:
         pytest.skip("no Slurm client (scontrol) installed")
     conf = tmp_path_factory.mktemp("slurm") / "slurm.conf"
-    conf.write_text("ClusterName=hostlist\nSlurmctldHost=localhost\nAuthType=auth/none\nCredType=cred/none\n"
-                    "NodeName=localhost CPUs=1\nPartitionName=debug Nodes=ALL Default=YES\n")
+    conf.write_text(
+        "ClusterName=hostlist\nSlurmctldHost=localhost\nAuthType=auth/none\nCredType=cred/none\n"
+        "NodeName=localhost CPUs=1\nPartitionName=debug Nodes=ALL Default=YES\n"
+    )
     env = {"PATH": "/usr/bin:/bin", "SLURM_CONF": str(conf)}
 
     def show(nodelist: str) -> list[str] | None:

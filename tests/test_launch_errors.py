@@ -16,10 +16,24 @@ from dist_harness import free_port
 from megatron_geo.parallel.launch_env import LaunchEnv, LaunchError, detect_launch_env
 
 ROOT = Path(__file__).resolve().parent.parent
-LAUNCH_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
-               "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_JOB_ID", "SLURM_STEP_ID",
-               "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MG_RENDEZVOUS_TIMEOUT"]
-COLLECTIVES = datetime.timedelta(minutes=30)   # parallel.timeout_minutes' default: never what a failure waits for
+LAUNCH_VARS = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NODELIST",
+    "SLURM_JOB_ID",
+    "SLURM_STEP_ID",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "MG_RENDEZVOUS_TIMEOUT",
+]
+COLLECTIVES = datetime.timedelta(minutes=30)  # parallel.timeout_minutes' default: never what a failure waits for
 
 
 @pytest.fixture
@@ -44,22 +58,49 @@ def test_slurm_variables_without_srun_exit_2_with_the_srun_hint(tmp_path):
     rank 0 of 2. It must stop after MG_RENDEZVOUS_TIMEOUT (2 s here), not parallel.timeout_minutes."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env.update(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_JOB_ID="4242",
-               SLURM_JOB_NODELIST="localhost", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               MG_RENDEZVOUS_TIMEOUT="2", WANDB_MODE="disabled")
+    env.update(
+        SLURM_PROCID="0",
+        SLURM_NTASKS="2",
+        SLURM_LOCALID="0",
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NODELIST="localhost",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        MG_RENDEZVOUS_TIMEOUT="2",
+        WANDB_MODE="disabled",
+    )
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, str(ROOT / "pretrain_llama.py"), "--config", str(ROOT / "configs/tiny.yaml"),
-                        "logging.wandb=disabled", "train.progress=false", "train.eval_batches=0",
-                        f"train.run_dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=150)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "pretrain_llama.py"),
+            "--config",
+            str(ROOT / "configs/tiny.yaml"),
+            "logging.wandb=disabled",
+            "train.progress=false",
+            "train.eval_batches=0",
+            f"train.run_dir={tmp_path / 'run'}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     elapsed = time.monotonic() - t0
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
     line = lines[0]
-    for part in (f"127.0.0.1:{port}", "only 1 of 2 processes joined within 2 s", "SLURM_PROCID=0", "SLURM_NTASKS=2",
-                 "launch with srun (one task per GPU)", "MG_RENDEZVOUS_TIMEOUT"):
+    for part in (
+        f"127.0.0.1:{port}",
+        "only 1 of 2 processes joined within 2 s",
+        "SLURM_PROCID=0",
+        "SLURM_NTASKS=2",
+        "launch with srun (one task per GPU)",
+        "MG_RENDEZVOUS_TIMEOUT",
+    ):
         assert part in line, (part, line)
-    assert "Traceback" not in r.stderr and elapsed < 120    # interpreter start-up + 2 s, far from 30 minutes
+    assert "Traceback" not in r.stderr and elapsed < 120  # interpreter start-up + 2 s, far from 30 minutes
 
 
 def test_torchrun_style_variables_without_peers(launch):
@@ -69,7 +110,7 @@ def test_torchrun_style_variables_without_peers(launch):
     msg, took = _rendezvous(LaunchEnv(0, 2, 0, "127.0.0.1", port, "torchrun", 1.0))
     assert "only 1 of 2 processes joined within 1 s" in msg and f"127.0.0.1:{port}" in msg
     assert "RANK=0" in msg and "WORLD_SIZE=2" in msg and "torchrun" in msg and "\n" not in msg
-    assert 1.0 < took < 15                                    # 1 s, and 3 s more while rank 0 hosts the store
+    assert 1.0 < took < 15  # 1 s, and 3 s more while rank 0 hosts the store
 
 
 def test_other_ranks_give_up_when_rank_0_never_starts(launch):
@@ -96,7 +137,7 @@ def test_master_port_in_use(launch):
         port = busy.getsockname()[1]
         msg, took = _rendezvous(LaunchEnv(0, 2, 0, "127.0.0.1", port, "slurm", 30.0))
     assert f"MASTER_PORT={port} is already in use" in msg and "free port" in msg
-    assert took < 10                                          # immediate, not after the rendezvous timeout
+    assert took < 10  # immediate, not after the rendezvous timeout
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-5", "nan", "inf", "1e999"])
@@ -110,7 +151,7 @@ def test_bad_rendezvous_timeout_is_a_launch_error(launch, value):
 
 def test_rendezvous_timeout_setting(launch):
     launch.setenv("MG_RENDEZVOUS_TIMEOUT", "abc")
-    assert detect_launch_env().launcher == "single"           # one process: nothing to wait for, not read
+    assert detect_launch_env().launcher == "single"  # one process: nothing to wait for, not read
     launch.setenv("RANK", "0")
     launch.setenv("WORLD_SIZE", "2")
     launch.setenv("MG_RENDEZVOUS_TIMEOUT", "2.5")
@@ -154,5 +195,7 @@ def test_every_process_that_came_says_how_many_did(launch):
     port = free_port()
     out = _meet([(0, 0.0), (1, 0.3)], 3, port, 1.5)
     for rank in (0, 1):
-        assert out[rank].startswith(f"rank {rank}: the rendezvous of 3 processes at 127.0.0.1:{port} failed: only 2 "
-                                    f"of 3 processes joined within 1.5 s"), out[rank]
+        assert out[rank].startswith(
+            f"rank {rank}: the rendezvous of 3 processes at 127.0.0.1:{port} failed: only 2 "
+            f"of 3 processes joined within 1.5 s"
+        ), out[rank]

@@ -26,7 +26,7 @@ def _rank_grads(world: int, seed: int = 0) -> list[torch.Tensor]:
     out = []
     for r in range(world):
         x = torch.randn(sum(NUMELS), generator=g, dtype=torch.float64)
-        x[:5] *= 50                      # anisotropy: a few large entries set the scale
+        x[:5] *= 50  # anisotropy: a few large entries set the scale
         out.append(x * (1000.0 ** (r % 2)))  # ranks differ by 1000x
     return out
 
@@ -40,7 +40,7 @@ def _to_buffer(flat: torch.Tensor, plan) -> torch.Tensor:
     buf = torch.zeros(plan.buffer_numel, dtype=torch.float64)
     pos = 0
     for off, n in zip(plan.offsets, NUMELS):
-        buf[off:off + n] = flat[pos:pos + n]
+        buf[off : off + n] = flat[pos : pos + n]
         pos += n
     return buf
 
@@ -59,8 +59,8 @@ def _reference_fp8(world, fmt, scaling, block, sync, plan) -> torch.Tensor:
         am = torch.zeros_like(buf)
         for off, n in zip(plan.offsets, NUMELS):
             if n:
-                a = buf[off:off + n].abs().max()
-                am[off:off + n] = a
+                a = buf[off : off + n].abs().max()
+                am[off : off + n] = a
         return torch.where(am > 0, am / fmax, torch.ones_like(am)), am
 
     scales = [group_scales(b.float().double())[0] for b in bufs]
@@ -98,8 +98,15 @@ def _run_rs_ar(rank, world, kw):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("fmt,scaling,sync", [("fp8_e4m3", "tensor", "none"), ("fp8_e5m2", "tensor", "none"),
-                                              ("fp8_e4m3", "block", "none"), ("fp8_e4m3", "tensor", "max")])
+@pytest.mark.parametrize(
+    "fmt,scaling,sync",
+    [
+        ("fp8_e4m3", "tensor", "none"),
+        ("fp8_e5m2", "tensor", "none"),
+        ("fp8_e4m3", "block", "none"),
+        ("fp8_e4m3", "tensor", "max"),
+    ],
+)
 def test_fp8_reduce_scatter_matches_independent_reference(world, fmt, scaling, sync):
     kw = dict(dtype=fmt, scaling=scaling, block_size=16, scale_sync=sync)
     both = run_distributed(_run_rs_ar, world, kw)
@@ -109,17 +116,22 @@ def test_fp8_reduce_scatter_matches_independent_reference(world, fmt, scaling, s
     plan = plan_shards(NUMELS, [False] * len(NUMELS), world, 16)
     assert plan.chunk == chunk
     ref = _reference_fp8(world, fmt, scaling, 16, sync == "max", plan)
-    for r, (outs, sent, _, _, _) in enumerate(results):
-        got = outs[0][r * chunk:(r + 1) * chunk].double()
-        torch.testing.assert_close(got, ref[r * chunk:(r + 1) * chunk], rtol=1e-6, atol=1e-9)
+    for r, (outs, _sent, _, _, _) in enumerate(results):
+        got = outs[0][r * chunk : (r + 1) * chunk].double()
+        torch.testing.assert_close(got, ref[r * chunk : (r + 1) * chunk], rtol=1e-6, atol=1e-9)
     # all-reduce: bitwise identical on every rank
     for outs, _, _, _, _ in ar:
         assert torch.equal(outs[0], ar[0][0][0])
 
 
-EXTRAS = [{}, {"transform": "hadamard", "hadamard_block": 16}, {"rounding": "stochastic"}, {"error_feedback": True},
-          # a rotation block larger than the codec's own block (NVFP4: 16 elements)
-          {"transform": "hadamard", "hadamard_block": 128, "error_feedback": True}]
+EXTRAS = [
+    {},
+    {"transform": "hadamard", "hadamard_block": 16},
+    {"rounding": "stochastic"},
+    {"error_feedback": True},
+    # a rotation block larger than the codec's own block (NVFP4: 16 elements)
+    {"transform": "hadamard", "hadamard_block": 128, "error_feedback": True},
+]
 
 
 def _run_many(rank, world, fmt):
@@ -137,7 +149,7 @@ def test_lowp_all_reduce_close_to_fp64_and_identical(fmt, bound):
         for outs, _, _, _, _ in out:
             assert torch.equal(outs[0], out[0][0][0]), f"{extra}: all ranks bitwise identical"
         offsets = out[0][4]  # compare on the parameter elements (padding positions are zero in both)
-        got = torch.cat([out[0][0][0][off:off + n] for off, n in zip(offsets, NUMELS)]).double()
+        got = torch.cat([out[0][0][0][off : off + n] for off, n in zip(offsets, NUMELS)]).double()
         rel = (got - ref_flat).norm() / ref_flat.norm()
         assert rel < bound, f"{fmt} {extra}: RelL2 {rel:.4f} >= {bound}"
 
@@ -150,12 +162,13 @@ def test_identical_inputs_round_trip_and_bytes():
     plan = plan_shards(NUMELS, [False] * len(NUMELS), world, 16)
     buf = _to_buffer(x.double(), plan).float()
     for r, (outs, sent, chunk, _, _) in enumerate(out):
-        got = outs[0][r * chunk:(r + 1) * chunk]
-        want = buf[r * chunk:(r + 1) * chunk]
+        got = outs[0][r * chunk : (r + 1) * chunk]
+        want = buf[r * chunk : (r + 1) * chunk]
         # identical inputs: the average equals one rank's round trip; E4M3 relative step 2^-3 of the group max
-        assert ((got - want).abs() <= want.abs().max() * 2 ** -4 + 1e-12).all()
+        assert ((got - want).abs() <= want.abs().max() * 2**-4 + 1e-12).all()
         # bytes = codes + one FP32 scale per segment of each other rank's chunk, as handed to all_to_all
         from megatron_geo.comm.scale_layout import build_scale_layout
+
         extents = [-(-n // 16) * 16 for n in NUMELS]
         lay = build_scale_layout(plan.offsets, extents, chunk, world, "tensor", 128, "cpu", granule=16)
         assert sent == (world - 1) * (chunk + 4 * lay.K)
@@ -170,11 +183,11 @@ def test_error_feedback_telescopes_and_stays_bounded():
     truth = torch.stack([_to_buffer(s.double(), plan) for s in stream]).sum(0)
     rs_out = run_distributed(_run, world, dict(dtype="fp8_e4m3", error_feedback=True), "rs", steps, stream)
     for r, (o, _, c, res, _) in enumerate(rs_out):
-        s = torch.stack(o).double()[:, r * c:(r + 1) * c].sum(0)
-        t = truth[r * c:(r + 1) * c]
-        torch.testing.assert_close(s, t - res.double()[r * c:(r + 1) * c], rtol=1e-5, atol=1e-5)
+        s = torch.stack(o).double()[:, r * c : (r + 1) * c].sum(0)
+        t = truth[r * c : (r + 1) * c]
+        torch.testing.assert_close(s, t - res.double()[r * c : (r + 1) * c], rtol=1e-5, atol=1e-5)
         # bounded: the residual never exceeds one quantisation step of the current scale
-        assert res.abs().max() <= max(x.abs().max() for x in stream) * 2 * 2 ** -3
+        assert res.abs().max() <= max(x.abs().max() for x in stream) * 2 * 2**-3
 
 
 def _nonfinite(rank, world, dtype):
@@ -210,7 +223,7 @@ def _nonfinite(rank, world, dtype):
 def test_nonfinite_on_one_rank_is_seen_by_all(dtype):
     """NaN, +inf, -inf on rank 1 only: every rank's all-reduced gradient norm is non-finite."""
     out = run_distributed(_nonfinite, 2, dtype)
-    for norms, skipped, unchanged, params in out:
+    for norms, skipped, unchanged, _params in out:
         assert [math.isfinite(n) for n in norms] == [False, False, False, True], norms
         assert skipped and unchanged
     for n in out[0][3]:
@@ -219,8 +232,8 @@ def test_nonfinite_on_one_rank_is_seen_by_all(dtype):
 
 def _train_identical(rank, world, overrides):
     from helpers import global_batch, rank_micro_batches, tiny_cfg
-    from megatron_geo.training.step import train_step
     from megatron_geo.training.setup import build_model_and_optimizer
+    from megatron_geo.training.step import train_step
 
     cfg = tiny_cfg(*overrides)
     pctx = pctx_for(1)
@@ -233,21 +246,31 @@ def _train_identical(rank, world, overrides):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, sent
 
 
-@pytest.mark.parametrize("overrides", [
-    ["comm.dtype=fp8_e4m3", "comm.error_feedback=true"],
-    ["comm.dtype=nvfp4", "parallel.distributed_optimizer=false"],
-    ["comm.dtype=fp8_e4m3", "comm.scaling=block", "comm.block_size=32", "comm.transform=hadamard",
-     "comm.hadamard_block=64", "comm.rounding=stochastic"],
-    ["comm.dtype=fp8_e5m2", "comm.scale_sync=max", "optimizer.name=muon"],
-    ["comm.dtype=nvfp4", "comm.transform=hadamard"],
-], ids=["fp8-ef", "nvfp4-allreduce", "fp8-block-hadamard-sr", "e5m2-shared-muon", "nvfp4-hadamard128"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["comm.dtype=fp8_e4m3", "comm.error_feedback=true"],
+        ["comm.dtype=nvfp4", "parallel.distributed_optimizer=false"],
+        [
+            "comm.dtype=fp8_e4m3",
+            "comm.scaling=block",
+            "comm.block_size=32",
+            "comm.transform=hadamard",
+            "comm.hadamard_block=64",
+            "comm.rounding=stochastic",
+        ],
+        ["comm.dtype=fp8_e5m2", "comm.scale_sync=max", "optimizer.name=muon"],
+        ["comm.dtype=nvfp4", "comm.transform=hadamard"],
+    ],
+    ids=["fp8-ef", "nvfp4-allreduce", "fp8-block-hadamard-sr", "e5m2-shared-muon", "nvfp4-hadamard128"],
+)
 def test_dp2_training_keeps_replicas_identical(overrides):
     out = run_distributed(_train_identical, 2, overrides)
     (l0, p0, s0), (l1, p1, s1) = out
     assert l0 == l1
     for n in p0:
         assert torch.equal(p0[n], p1[n]), n
-    assert all(math.isfinite(x) for x in l0) and l0[-1] < l0[0]   # the two alternating batches get learned
+    assert all(math.isfinite(x) for x in l0) and l0[-1] < l0[0]  # the two alternating batches get learned
     assert min(s0) > 0
 
 
@@ -259,19 +282,19 @@ def _tiny_bucket(rank, world, dtype):
     plan = plan_shards(numels, [False, False], world, red.alignment())
     red.register_bucket(0, plan.offsets, numels, plan.chunk, "cpu")
     buf = torch.zeros(plan.buffer_numel)
-    buf[plan.offsets[0]:plan.offsets[0] + 2] = torch.tensor([3.0, -0.5]) * (rank + 1)
+    buf[plan.offsets[0] : plan.offsets[0] + 2] = torch.tensor([3.0, -0.5]) * (rank + 1)
     red.all_reduce(buf, key=0).wait()
-    return buf[plan.offsets[0]:plan.offsets[0] + 2], plan.chunk
+    return buf[plan.offsets[0] : plan.offsets[0] + 2], plan.chunk
 
 
 @pytest.mark.parametrize("dtype", ["fp8_e4m3", "nvfp4", "bf16", "fp32"])
 def test_empty_shards_world3(dtype):
     ref = torch.tensor([3.0, -0.5]) * 2.0  # mean of (1, 2, 3) x [3, -0.5]
     out = run_distributed(_tiny_bucket, 3, dtype)
-    for got, chunk in out:
+    for got, _chunk in out:
         assert torch.equal(got, out[0][0])
         # E4M3: 3 mantissa bits -> relative step 2^-3 of the group max; NVFP4: 2^-1 (E2M1) of the block max
-        tol = {"fp8_e4m3": 2 ** -4, "nvfp4": 0.25, "bf16": 2 ** -8, "fp32": 1e-7}[dtype] * 6.0
+        tol = {"fp8_e4m3": 2**-4, "nvfp4": 0.25, "bf16": 2**-8, "fp32": 1e-7}[dtype] * 6.0
         assert (got - ref).abs().max() <= tol, (dtype, got, ref)
 
 

@@ -9,8 +9,9 @@ from megatron_geo.training.metrics import MetricsLogger
 
 def test_offline_wandb_run_and_resume_keep_one_run_and_the_records(tmp_path):
     def logger(resume_step):
-        return MetricsLogger(str(tmp_path), True, "offline", "megatron-geo-test", "g", "n", ["t"], {"a": 1},
-                             resume_step=resume_step)
+        return MetricsLogger(
+            str(tmp_path), True, "offline", "megatron-geo-test", "g", "n", ["t"], {"a": 1}, resume_step=resume_step
+        )
 
     m = logger(0)
     for step in (1, 2, 3):
@@ -18,7 +19,7 @@ def test_offline_wandb_run_and_resume_keep_one_run_and_the_records(tmp_path):
     m.close()
     run_id = json.loads((tmp_path / "wandb_run_id").read_text())["id"]
     assert run_id and list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
-    m = logger(2)   # resumed from the checkpoint of step 2: record 3 is dropped, the wandb run continues
+    m = logger(2)  # resumed from the checkpoint of step 2: record 3 is dropped, the wandb run continues
     m.log({"step": 3, "loss": 1.5})
     m.close()
     recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

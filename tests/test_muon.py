@@ -49,6 +49,6 @@ def test_muon_ns_fp32_matches_fp64_muon_and_torch_muon():
         ours.grad, torch_w.grad = gr.clone(), gr.clone()
         opt_a.step()
         opt_b.step()
-    assert (ours.double() - ref64).norm() / upd < 1e-4          # FP32 Newton-Schulz: FP32-accurate
-    assert (torch_w.double() - ref64).norm() / upd < 0.05       # torch's BF16 Newton-Schulz: a few percent
+    assert (ours.double() - ref64).norm() / upd < 1e-4  # FP32 Newton-Schulz: FP32-accurate
+    assert (torch_w.double() - ref64).norm() / upd < 0.05  # torch's BF16 Newton-Schulz: a few percent
     assert torch.equal(opt_a.state[ours]["momentum_buffer"], opt_b.state[torch_w]["momentum_buffer"])

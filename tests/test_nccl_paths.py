@@ -34,6 +34,7 @@ def fake_world():
 
 # -- native FP8 sums ---------------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def nccl_like(monkeypatch):
     """The fake group presented as an NCCL one on a GPU machine; ``set(**)`` changes what that machine reports:
@@ -62,29 +63,37 @@ def nccl_like(monkeypatch):
 def test_fp8_sum_needs_torch_2_8_nccl_2_24_and_sm90(fake_world, nccl_like):
     set_, asked = nccl_like
     g = fake_world(2, 0)
-    for kw, want in [({"torch": "2.7.1+cu126"}, False),     # FP8 sent as uint8, FP8 reductions refused
-                     ({"torch": "2.9.0a0+git1234"}, True), ({"torch": "2.11.0"}, True), ({"torch": "3.0.0"}, True),
-                     ({"nccl": (2, 23, 4)}, False), ({"nccl": (2, 24, 3)}, True),
-                     ({"nccl": (2, 26, 2, "+cuda12.8")}, True),
-                     ({"cap": (8, 0)}, False), ({"cap": (8, 9)}, False),    # A100, L40S: NCCL refuses FP8 sums
-                     ({"cap": (9, 0)}, True), ({"cap": (10, 0)}, True)]:
+    for kw, want in [
+        ({"torch": "2.7.1+cu126"}, False),  # FP8 sent as uint8, FP8 reductions refused
+        ({"torch": "2.9.0a0+git1234"}, True),
+        ({"torch": "2.11.0"}, True),
+        ({"torch": "3.0.0"}, True),
+        ({"nccl": (2, 23, 4)}, False),
+        ({"nccl": (2, 24, 3)}, True),
+        ({"nccl": (2, 26, 2, "+cuda12.8")}, True),
+        ({"cap": (8, 0)}, False),
+        ({"cap": (8, 9)}, False),  # A100, L40S: NCCL refuses FP8 sums
+        ({"cap": (9, 0)}, True),
+        ({"cap": (10, 0)}, True),
+    ]:
         set_(**{"torch": "2.8.0+cu128", "nccl": (2, 27, 3), "cap": (9, 0), **kw})
         assert C.supports_fp8_sum(g) is want, kw
     asked.clear()
-    assert C.supports_fp8_sum(g) is True and asked == [torch.device("cuda", 0)]     # the group's (current) device
+    assert C.supports_fp8_sum(g) is True and asked == [torch.device("cuda", 0)]  # the group's (current) device
     assert C.supports_fp8_sum(g, device="cuda:1") is True and asked[-1] == torch.device("cuda", 1)
 
 
 def test_fp8_sum_is_never_claimed_off_nccl(fake_world, monkeypatch):
     g = fake_world(2, 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert C.required_device_type(g) is None and C.supports_fp8_sum(g) is False     # the fake backend
+    assert C.required_device_type(g) is None and C.supports_fp8_sum(g) is False  # the fake backend
     monkeypatch.setattr(C, "required_device_type", lambda group: "cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert C.supports_fp8_sum(g) is False                                            # no CUDA at all
+    assert C.supports_fp8_sum(g) is False  # no CUDA at all
 
 
 # -- coalesced uneven reduces ------------------------------------------------------------------------------------
+
 
 def _record(monkeypatch):
     """Wraps torch.distributed's coalescing manager and reduce: returns the list of events they produce
@@ -119,7 +128,7 @@ def test_uneven_reduces_of_one_call_are_one_coalesced_group(fake_world, monkeypa
     fake_world(world, rank)
     pctx = build_groups(rank, world, tp, torch.device("cpu"), "fake")
     g, dp = pctx.dp_group, pctx.dp_size
-    sizes = [((r * 37 + 3) % 11) * 16 for r in range(dp)]   # uneven; at DP >= 3 some owners have nothing
+    sizes = [((r * 37 + 3) % 11) * 16 for r in range(dp)]  # uneven; at DP >= 3 some owners have nothing
     bounds = [0]
     for n in sizes:
         bounds.append(bounds[-1] + n)
@@ -131,21 +140,21 @@ def test_uneven_reduces_of_one_call_are_one_coalesced_group(fake_world, monkeypa
 
     events = _record(monkeypatch)
     real_coalesces = getattr(C, "coalesces", None)
-    monkeypatch.setattr(C, "coalesces", lambda group, device: True, raising=False)    # what NCCL reports
+    monkeypatch.setattr(C, "coalesces", lambda group, device: True, raising=False)  # what NCCL reports
     w = C.reduce_ranges(buf, bounds, g, async_op=True)
     assert events[0] == ("start",) and events[-1][0] == "end" and [e[0] for e in events].count("start") == 1
     reduces = events[1:-1]
     assert [(d, p, n) for _, d, p, n, _ in reduces] == want and all(e[4] for e in reduces)
-    assert events[-1] == ("end", 1) and len(w.works) == 1    # one waitable for the whole call
+    assert events[-1] == ("end", 1) and len(w.works) == 1  # one waitable for the whole call
     assert w.wait() is True
-    assert torch.equal(buf, before)                          # the fake reduce leaves the data as it was
+    assert torch.equal(buf, before)  # the fake reduce leaves the data as it was
     events.clear()
-    C.reduce_ranges(buf, bounds, g, async_op=False)          # a synchronous call: the same single group
+    C.reduce_ranges(buf, bounds, g, async_op=False)  # a synchronous call: the same single group
     assert [e[0] for e in events].count("start") == 1
 
     events.clear()
     monkeypatch.setattr(C, "coalesces", real_coalesces)
-    assert C.coalesces(g, buf.device) is False               # the fake backend itself does not group collectives
+    assert C.coalesces(g, buf.device) is False  # the fake backend itself does not group collectives
     w = C.reduce_ranges(buf, bounds, g, async_op=True)
     assert [e[0] for e in events] == ["reduce"] * len(owners) and len(w.works) == len(owners)
     assert [(d, p, n) for _, d, p, n, inside in events] == want and w.wait() is True

@@ -29,8 +29,13 @@ def _norms(rank, world, preset, which):
     pctx = pctx_for(1)
     model, _, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
     named = dict(model.named_parameters())
-    target = named["layers.0.mlp.down_proj.weight" if which == "geo-layer" else "layers.0.attn_norm.weight"
-                   if "layers.0.attn_norm.weight" in named else next(iter(named))]
+    target = named[
+        "layers.0.mlp.down_proj.weight"
+        if which == "geo-layer"
+        else "layers.0.attn_norm.weight"
+        if "layers.0.attn_norm.weight" in named
+        else next(iter(named))
+    ]
     mb = rank_micro_batches(global_batch(cfg, 0), 4, rank, world)[0]
     norms = []
     for value in VALUES:
@@ -80,7 +85,7 @@ def _overflow(rank, world):
         red.register_bucket(0, [0], [n], n // world, "cpu")
         buf = torch.full((n,), 3e38)
         red.reduce_scatter(buf, key=0).wait()
-        out[preset] = buf[rank * (n // world):(rank + 1) * (n // world)].clone()
+        out[preset] = buf[rank * (n // world) : (rank + 1) * (n // world)].clone()
     return out
 
 

@@ -15,14 +15,14 @@ def test_traffic_counts_each_ops_inputs_and_outputs_and_fused_regions_only_their
         return (a * 2 + 1).sum()
 
     with rec:
-        torch.empty(10_000)                       # an allocation moves no bytes
+        torch.empty(10_000)  # an allocation moves no bytes
         s = rec.fused(step)(x)
-        y = x.neg()                               # outside any region: 4000 + 4000
-        rec.collective(lambda: y.zero_())()      # the collective's own data movement: not fused traffic
+        y = x.neg()  # outside any region: 4000 + 4000
+        rec.collective(lambda: y.zero_())()  # the collective's own data movement: not fused traffic
     assert s.item() == (x * 2 + 1).sum().item()
     assert rec.traffic_bytes == 16000 + 4004 + 8000 + 8000
     assert rec.fused_traffic_bytes == 4000 + 4 + 8000
-    assert rec.work == 6 and rec.bad == []        # empty, mul, add, sum, neg, zero_
+    assert rec.work == 6 and rec.bad == []  # empty, mul, add, sum, neg, zero_
 
 
 def test_a_mutated_argument_returned_by_a_fused_step_counts_once():

@@ -12,8 +12,8 @@ from helpers import global_batch, pctx_for, rank_micro_batches, tiny_cfg
 
 def _train(rank, world, overrides, steps):
     """The same run with the blocking and with the overlapped gather, one after the other in this process."""
-    from megatron_geo.training.step import train_step
     from megatron_geo.training.setup import build_model_and_optimizer
+    from megatron_geo.training.step import train_step
 
     out = []
     for overlap in ("false", "true"):
@@ -23,8 +23,9 @@ def _train(rank, world, overrides, steps):
         losses, pending_after_step = [], []
         for step in range(steps):
             mbs = rank_micro_batches(global_batch(cfg, step), 2, pctx.dp_rank, pctx.dp_size)
-            losses.append(train_step(model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad,
-                                     geo=reducer.geo, step=step).loss)
+            losses.append(
+                train_step(model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad, geo=reducer.geo, step=step).loss
+            )
             pending_after_step.append(len(opt._gathers))
         opt.wait_param_gather()
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -32,19 +33,27 @@ def _train(rank, world, overrides, steps):
     return out
 
 
-CASES = {"muon-uneven-bf16-params": ["optimizer.name=muon", "train.param_dtype=bf16"],
-         "adamw-geofp8-rows": ["comm.dtype=fp8_e4m3", "comm.transform=geo", "comm.error_feedback=true",
-                               "geo.layers=layers.*.mlp.*_proj.weight", "geo.rank=4", "geo.refresh_interval=2"]}
+CASES = {
+    "muon-uneven-bf16-params": ["optimizer.name=muon", "train.param_dtype=bf16"],
+    "adamw-geofp8-rows": [
+        "comm.dtype=fp8_e4m3",
+        "comm.transform=geo",
+        "comm.error_feedback=true",
+        "geo.layers=layers.*.mlp.*_proj.weight",
+        "geo.rank=4",
+        "geo.refresh_interval=2",
+    ],
+}
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_overlapped_param_gather_equals_blocking_gather(name):
     ranks = run_distributed(_train, 2, CASES[name], 3)
     for (l0, p0, pend0, h0, nb), (l1, p1, pend1, h1, _) in ranks:
-        assert pend0 == [0, 0, 0] and h0 == 0                  # blocking: nothing in flight after a step
-        assert pend1 == [nb] * 3 and h1 > 0                    # overlapped: every bucket's gather in flight
-        assert l0 == l1, (name, l0, l1)                        # the hooks waited before each use: same losses
+        assert pend0 == [0, 0, 0] and h0 == 0  # blocking: nothing in flight after a step
+        assert pend1 == [nb] * 3 and h1 > 0  # overlapped: every bucket's gather in flight
+        assert l0 == l1, (name, l0, l1)  # the hooks waited before each use: same losses
         for n in p0:
             assert torch.equal(p0[n], p1[n]), (name, n)
     for n in ranks[0][1][1]:
-        assert torch.equal(ranks[0][1][1][n], ranks[1][1][1][n]), n   # replicas identical
+        assert torch.equal(ranks[0][1][1][n], ranks[1][1][1][n]), n  # replicas identical

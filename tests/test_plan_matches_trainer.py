@@ -21,8 +21,10 @@ CASES = [(preset, opt, dp) for preset in PRESETS for opt in ("muon", "adamw") fo
 def _cfg(preset: str, opt: str, extra=()):
     from megatron_geo.config import load_config
 
-    return load_config([str(ROOT / "configs/tiny.yaml"), str(ROOT / f"configs/comm/{preset}.yaml")],
-                       [*BASE, f"optimizer.name={opt}", *extra])
+    return load_config(
+        [str(ROOT / "configs/tiny.yaml"), str(ROOT / f"configs/comm/{preset}.yaml")],
+        [*BASE, f"optimizer.name={opt}", *extra],
+    )
 
 
 def _layouts(cases, extra=()) -> dict:
@@ -42,18 +44,26 @@ def _layouts(cases, extra=()) -> dict:
         cfg = _cfg(preset, opt, extra)
         params = meta_model_params(cfg, 1)
         figs = plan_figures(cfg, dp, params)
-        out[case] = {"report": [(names, list(pl.offsets), list(pl.bounds), pl.buffer_numel)
-                                for names, pl in plan_layout(cfg, dp, params)],
-                     "report_buffer": figs["buffer_elements_per_rank"], "report_alignment": figs["alignment"]}
+        out[case] = {
+            "report": [
+                (names, list(pl.offsets), list(pl.bounds), pl.buffer_numel)
+                for names, pl in plan_layout(cfg, dp, params)
+            ],
+            "report_buffer": figs["buffer_elements_per_rank"],
+            "report_alignment": figs["alignment"],
+        }
     for dp in sorted({c[2] for c in cases}):
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp)
         try:
             pctx = build_groups(0, dp, 1, torch.device("cpu"), "fake")
             for case in (c for c in cases if c[2] == dp):
                 _, buckets, reducer, _, _ = build_model_and_optimizer(_cfg(case[0], case[1], extra), pctx)
-                out[case].update(trainer=[(list(b.names), list(b.plan.offsets), list(b.plan.bounds),
-                                           b.plan.buffer_numel) for b in buckets],
-                                 trainer_alignment=reducer.alignment())
+                out[case].update(
+                    trainer=[
+                        (list(b.names), list(b.plan.offsets), list(b.plan.bounds), b.plan.buffer_numel) for b in buckets
+                    ],
+                    trainer_alignment=reducer.alignment(),
+                )
         finally:
             dist.destroy_process_group()
     return out
@@ -69,11 +79,11 @@ def layouts():
 def test_the_report_shows_the_trainers_buckets(layouts, case):
     got = layouts[case]
     assert got["report_alignment"] == got["trainer_alignment"]
-    assert got["report_buffer"] == sum(b[3] for b in got["trainer"])   # buffer elements per rank
+    assert got["report_buffer"] == sum(b[3] for b in got["trainer"])  # buffer elements per rank
     assert len(got["report"]) == len(got["trainer"])
     for i, (rep, tr) in enumerate(zip(got["report"], got["trainer"])):
         assert rep == tr, f"bucket {i}: report {rep[1:]} vs trainer {tr[1:]}"
-        assert all(b % got["trainer_alignment"] == 0 for b in tr[2])   # every DP range is aligned
+        assert all(b % got["trainer_alignment"] == 0 for b in tr[2])  # every DP range is aligned
 
 
 def test_tensor_scaled_fp8_is_laid_out_with_its_16_element_granule(layouts):

@@ -36,8 +36,9 @@ def run(tok, preprocess, tmp_path, capsys, monkeypatch):
 
     def go(*inputs: Path, extra=()):
         prefix = tmp_path / "out"
-        rc = preprocess(["--input", *map(str, inputs), "--tokenizer-model", tok.model_path,
-                         "--output-prefix", str(prefix), *extra])
+        rc = preprocess(
+            ["--input", *map(str, inputs), "--tokenizer-model", tok.model_path, "--output-prefix", str(prefix), *extra]
+        )
         err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln or "Traceback" in ln]
         return rc, err, prefix
 
@@ -80,8 +81,17 @@ def test_parquet_files_with_different_columns(run, tmp_path):
     assert f"{b} row 1" in msg and "['body', 'n']" in msg and f"{a}" in msg and "different columns" in msg
 
 
-@pytest.mark.parametrize("value,kind", [("5", "a number"), ("2.5", "a number"), ('["a", "b"]', "an array"),
-                                        ("null", "null"), ("true", "a boolean"), ('{"t": "x"}', "an object")])
+@pytest.mark.parametrize(
+    "value,kind",
+    [
+        ("5", "a number"),
+        ("2.5", "a number"),
+        ('["a", "b"]', "an array"),
+        ("null", "null"),
+        ("true", "a boolean"),
+        ('{"t": "x"}', "an object"),
+    ],
+)
 def test_text_that_is_not_a_string(run, tmp_path, value, kind):
     src = _jsonl(tmp_path / "a.jsonl", '{"text": "fine"}', '{"text": ' + value + "}")
     msg = _one_error(*run(src))
@@ -96,8 +106,15 @@ def test_parquet_null_text(run, tmp_path):
     assert f"{src} row 2: 'text' holds null" in _one_error(*run(src))
 
 
-@pytest.mark.parametrize("line,what", [("not json", "not valid JSON"), ('{"text": "x"', "not valid JSON"),
-                                       ('["text"]', "an array, not an object"), ('"text"', "a string, not an object")])
+@pytest.mark.parametrize(
+    "line,what",
+    [
+        ("not json", "not valid JSON"),
+        ('{"text": "x"', "not valid JSON"),
+        ('["text"]', "an array, not an object"),
+        ('"text"', "a string, not an object"),
+    ],
+)
 def test_lines_that_are_not_json_objects(run, tmp_path, line, what):
     src = _jsonl(tmp_path / "a.jsonl", '{"text": "fine"}', line)
     msg = _one_error(*run(src))

@@ -31,8 +31,16 @@ def costs():
 
 # a model with round numbers: 1e9 parameters, 6 GFLOP/token, 1e6 tokens/step, no per-tensor scales
 M = ps.Model("m", 10**9, 0, 6e9, 10**6)
-C = ps.Cluster(gpus_per_node=1, net_gbs=50.0, intra_gbs=400.0, alpha_us=5.0, peak_tflops=1000.0, mfu=0.5,
-               overlap=0.5, copy_gbs=2000.0)
+C = ps.Cluster(
+    gpus_per_node=1,
+    net_gbs=50.0,
+    intra_gbs=400.0,
+    alpha_us=5.0,
+    peak_tflops=1000.0,
+    mfu=0.5,
+    overlap=0.5,
+    copy_gbs=2000.0,
+)
 
 
 def test_parse_benchmark_outputs():
@@ -44,8 +52,10 @@ def test_parse_benchmark_outputs():
     with pytest.raises(ps.ProjectionError, match="no 'added"):
         ps.parse_geo_output("nothing", "g.txt")
     # the in-step figure at the default refresh interval wins over the noisier end-to-end difference
-    own = GEO + ("  at geo.refresh_interval=10: transforms + (refresh + hooks) / 10 = 9.00 ms = +9.00% of the fp8 step\n"
-                 "  at geo.refresh_interval=50: transforms + (refresh + hooks) / 50 = 0.93 ms = +0.93% of the fp8 step\n")
+    own = GEO + (
+        "  at geo.refresh_interval=10: transforms + (refresh + hooks) / 10 = 9.00 ms = +9.00% of the fp8 step\n"
+        "  at geo.refresh_interval=50: transforms + (refresh + hooks) / 50 = 0.93 ms = +0.93% of the fp8 step\n"
+    )
     assert ps.parse_geo_output(own, "g") == pytest.approx(0.0093)
 
 
@@ -98,8 +108,17 @@ def test_calibration_reproduces_target():
 def test_cli(tmp_path):
     (tmp_path / "codec.txt").write_text(CODEC)
     (tmp_path / "geo.txt").write_text(GEO)
-    tool = [sys.executable, str(REPO / "tools" / "project_scaling.py"), "--codec-output", str(tmp_path / "codec.txt"),
-            "--geo-output", str(tmp_path / "geo.txt"), "--gpus", "8", "64"]
+    tool = [
+        sys.executable,
+        str(REPO / "tools" / "project_scaling.py"),
+        "--codec-output",
+        str(tmp_path / "codec.txt"),
+        "--geo-output",
+        str(tmp_path / "geo.txt"),
+        "--gpus",
+        "8",
+        "64",
+    ]
     res = subprocess.run(tool + ["--plot", str(tmp_path / "p.png")], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert "fp8 vs fp32 +10.8% (paper 10.8%)" in res.stdout and "| tools/" not in res.stdout
@@ -111,12 +130,23 @@ def test_cli(tmp_path):
 def _gpu_check_json(tmp_path, dry=False):
     import json
 
-    ops = {k: {"ms": 1.0, "gbps": g, "ratio_to_copy": g / 2000.0} for k, g in
-           (("copy", 2000.0), ("fp8_e4m3 tensor", 1000.0), ("nvfp4", 500.0), ("hadamard128 rot+inv", 400.0),
-            ("bf16 cast", 1600.0))}
-    d = {"dry_run": dry, "codec": {"ops": ops},
-         "geo": {"layers": {"llama_600m.yaml": {"geo_added_ms_per_layer": 0.5}}},
-         "train_600m": {"mfu": 0.35}, "train_600m_compile": {"mfu": 0.5}}
+    ops = {
+        k: {"ms": 1.0, "gbps": g, "ratio_to_copy": g / 2000.0}
+        for k, g in (
+            ("copy", 2000.0),
+            ("fp8_e4m3 tensor", 1000.0),
+            ("nvfp4", 500.0),
+            ("hadamard128 rot+inv", 400.0),
+            ("bf16 cast", 1600.0),
+        )
+    }
+    d = {
+        "dry_run": dry,
+        "codec": {"ops": ops},
+        "geo": {"layers": {"llama_600m.yaml": {"geo_added_ms_per_layer": 0.5}}},
+        "train_600m": {"mfu": 0.35},
+        "train_600m_compile": {"mfu": 0.5},
+    }
     p = tmp_path / "gpu_check.json"
     p.write_text(json.dumps(d))
     return p
@@ -131,8 +161,18 @@ def test_gpu_check_figures_replace_the_cpu_ones(tmp_path):
     c = ps.Costs(g["ratio_to_copy"], 0.5, {}, g["geo_added_s_per_layer"])
     ef = ps.step_breakdown("fp8_ef", 64, m, C, c)["step"]
     assert ps.step_breakdown("geofp8", 64, m, C, c)["step"] == pytest.approx(ef + 20 * 0.0005)  # not x 1.5
-    res = subprocess.run([sys.executable, str(REPO / "tools" / "project_scaling.py"), "--gpu-check",
-                          str(tmp_path / "gpu_check.json"), "--gpus", "64"], capture_output=True, text=True)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "project_scaling.py"),
+            "--gpu-check",
+            str(tmp_path / "gpu_check.json"),
+            "--gpus",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr
     assert "MFU 0.350 |" in res.stdout and "device copy 2000 GB/s |" in res.stdout and "(GPU codec)" in res.stdout
     with pytest.raises(ps.ProjectionError, match="dry run"):
@@ -145,8 +185,10 @@ def test_codec_json_of_the_reducer_path(tmp_path):
     import json
 
     row = lambda ms: {"ms": ms, "memcpy_ms": 2.0, "ratio_to_memcpy": ms / 2.0}  # noqa: E731
-    d = {"presets": {"bf16": row(4.0), "fp8": row(40.0), "fp8_hadamard": row(60.0), "nvfp4": row(80.0)},
-         "presets_compiled": {"bf16": row(4.0), "fp8": row(10.0), "fp8_hadamard": row(18.0), "nvfp4": row(16.0)}}
+    d = {
+        "presets": {"bf16": row(4.0), "fp8": row(40.0), "fp8_hadamard": row(60.0), "nvfp4": row(80.0)},
+        "presets_compiled": {"bf16": row(4.0), "fp8": row(10.0), "fp8_hadamard": row(18.0), "nvfp4": row(16.0)},
+    }
     r = ps.parse_codec_json(json.dumps(d), "c.json")
     assert r["fp8_e4m3 tensor"] == pytest.approx(0.2) and r["nvfp4"] == pytest.approx(0.125)
     assert r["hadamard128 rot+inv"] == pytest.approx(2.0 / 8.0) and r["bf16 cast"] == pytest.approx(0.5)
@@ -158,9 +200,16 @@ def test_codec_json_of_the_reducer_path(tmp_path):
         ps.parse_codec_json("fp8 1 2 3", "c.json")
 
 
-@pytest.mark.parametrize("args,msg", [(["--gpus", "0"], "--gpus 0 must be >= 1"), (["--mfu", "1.5"], "--mfu 1.5"),
-                                      (["--plot", "/nonexistent_dir_x/p.png"], "does not exist")])
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--gpus", "0"], "--gpus 0 must be >= 1"),
+        (["--mfu", "1.5"], "--mfu 1.5"),
+        (["--plot", "/nonexistent_dir_x/p.png"], "does not exist"),
+    ],
+)
 def test_bad_arguments_are_one_error_line(args, msg):
-    res = subprocess.run([sys.executable, str(REPO / "tools" / "project_scaling.py"), *args], capture_output=True,
-                         text=True)
+    res = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "project_scaling.py"), *args], capture_output=True, text=True
+    )
     assert res.returncode == 2 and msg in res.stderr and "Traceback" not in res.stderr

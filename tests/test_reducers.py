@@ -4,14 +4,14 @@ import pytest
 import torch
 
 from dist_harness import run_distributed
-from megatron_geo.comm import build_reducer
 from helpers import pctx_for
+from megatron_geo.comm import build_reducer
 
 
 def _inputs(world: int, n: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     # ranks differ by 1000x, as invariant 7 of docs/design.md section 3 asks
-    return [torch.randn(n, generator=g, dtype=torch.float64) * (1000.0 ** r) for r in range(world)]
+    return [torch.randn(n, generator=g, dtype=torch.float64) * (1000.0**r) for r in range(world)]
 
 
 def _reduce(rank, world, dtype, n):
@@ -33,7 +33,7 @@ def test_reducer_matches_fp64_average(world, dtype):
     n = world * chunk
     ref = torch.stack(_inputs(world, n)).mean(0)
     # relative tolerance: fp32 sum/div ~1e-6; bf16 wire rounds each input to 8 bits -> 2^-8 of the largest term
-    tol = 1e-6 if dtype == "fp32" else 2.0 ** -8
+    tol = 1e-6 if dtype == "fp32" else 2.0**-8
     esize = 4 if dtype == "fp32" else 2
     scale = torch.stack(_inputs(world, n)).abs().max(0).values
     both = run_distributed(_reduce, world, dtype, n)

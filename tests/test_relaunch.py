@@ -11,18 +11,23 @@ from pathlib import Path
 
 import pytest
 
-from megatron_geo.config import ConfigError, load_config
-
 from ckpt_helpers import make_corpus, tiny_train_overrides
 from dist_harness import run_distributed
+from megatron_geo.config import ConfigError, load_config
 
 
 def _fake_checkpoint(root: Path, step: int, timeline: dict | None = None) -> Path:
     """A folder that passes the completeness checks (meta.json with the required keys and a .metadata)."""
     p = root / f"step_{step:08d}"
     p.mkdir(parents=True)
-    meta = {"format": "megatron-geo-dcp-v1", "step": step, "consumed_samples": 8 * step, "dp_size": 1, "tp_size": 1,
-            "config": {}}
+    meta = {
+        "format": "megatron-geo-dcp-v1",
+        "step": step,
+        "consumed_samples": 8 * step,
+        "dp_size": 1,
+        "tp_size": 1,
+        "config": {},
+    }
     if timeline is not None:
         meta["timeline"] = timeline
     (p / "meta.json").write_text(json.dumps(meta))
@@ -54,10 +59,9 @@ def test_the_start_point_of_every_relaunch(tmp_path):
     # the same when the explicit checkpoint is gone meanwhile (pruned, moved)
     shutil.rmtree(a_step2)
     assert resolve_start(_cfg(b, str(a_step2))).path == own
-    from megatron_geo.training.validate import validate_config
-    from megatron_geo.training.validate import check_inputs
+    from megatron_geo.training.validate import check_inputs, validate_config
 
-    validate_config(_cfg(b, str(a_step2)), 1)   # the start-up checks accept the gone path: the run has its own
+    validate_config(_cfg(b, str(a_step2)), 1)  # the start-up checks accept the gone path: the run has its own
     check_inputs(_cfg(b, str(a_step2)), devices=False)
     with pytest.raises(ConfigError, match="is not a folder"):
         validate_config(_cfg(tmp_path / "G", str(a_step2)), 1)
@@ -102,12 +106,12 @@ def test_a_damaged_own_checkpoint_is_never_started_over_from_an_explicit_one(tmp
 
 # ---- end to end: a requeued run continues its own timeline ----------------------------------------------
 
-def _jobs_worker(rank, world, jobs):
-    from megatron_geo.config import load_config
-    from megatron_geo.training.validate import validate_config
-    from megatron_geo.training.trainer import train
 
+def _jobs_worker(rank, world, jobs):
     from helpers import pctx_for
+    from megatron_geo.config import load_config
+    from megatron_geo.training.trainer import train
+    from megatron_geo.training.validate import validate_config
 
     out = []
     for overrides in jobs:
@@ -131,8 +135,9 @@ def test_a_requeued_run_from_an_explicit_checkpoint_gets_past_its_first_preempti
     a, b, c = tmp_path / "A", tmp_path / "B", tmp_path / "C"
     first = tiny_train_overrides(a, data, "train.steps=2", "train.log_interval=1")
     load = f"checkpoint.load={a}/checkpoints/step_00000002"
-    requeued = tiny_train_overrides(b, data, "train.steps=6", load, "checkpoint.interval=2", "train.exit_interval=4",
-                                    "train.log_interval=1")
+    requeued = tiny_train_overrides(
+        b, data, "train.steps=6", load, "checkpoint.interval=2", "train.exit_interval=4", "train.log_interval=1"
+    )
     straight = tiny_train_overrides(c, data, "train.steps=6", load, "train.log_interval=1")
     out = run_distributed(_jobs_worker, 1, [first, requeued, requeued, requeued, straight])[0]
     assert [o.get("start_step") for o in out] == [0, 2, 4, 6, 2], out
@@ -156,11 +161,13 @@ def test_a_resume_refuses_a_new_seed_batch_or_schedule_unless_allowed(tmp_path):
     data = make_corpus(tmp_path / "data")
     r = tmp_path / "R"
     base = tiny_train_overrides(r, data, "optimizer.lr=3e-3", "optimizer.min_lr=3e-4", "train.log_interval=1")
-    jobs = [base + ["train.steps=6"],
-            base + ["train.steps=12"],                                   # extending a finished cosine run
-            base + ["train.steps=12", "train.seed=7"],                     # and a new data order
-            base + ["train.steps=6", "train.global_batch_size=16"],        # nothing to train, but refused first
-            base + ["train.steps=12", "checkpoint.allow_changes=train.steps"]]
+    jobs = [
+        base + ["train.steps=6"],
+        base + ["train.steps=12"],  # extending a finished cosine run
+        base + ["train.steps=12", "train.seed=7"],  # and a new data order
+        base + ["train.steps=6", "train.global_batch_size=16"],  # nothing to train, but refused first
+        base + ["train.steps=12", "checkpoint.allow_changes=train.steps"],
+    ]
     out = run_distributed(_jobs_worker, 1, jobs)[0]
     assert out[0]["steps"] == 6
     e = out[1]["error"]
@@ -193,8 +200,9 @@ def test_extending_a_run_inside_its_warmup_is_no_change(tmp_path):
     # a run started from another checkpoint starts a new trajectory: reported, not refused
     notes = check_resume_changes(saved, load_config([], ["train.steps=8", "train.seed=9"]), 4, "init")
     assert any(n.startswith("train.seed changed") for n in notes)
-    notes = check_resume_changes(saved, load_config([], ["train.steps=4", "train.warmup_steps=20",
-                                                         "optimizer.weight_decay=0.3"]), 4, "resume")
+    notes = check_resume_changes(
+        saved, load_config([], ["train.steps=4", "train.warmup_steps=20", "optimizer.weight_decay=0.3"]), 4, "resume"
+    )
     assert notes == ["optimizer.weight_decay changed on resume: 0.1 -> 0.3"]
     with pytest.raises(ConfigError, match="never refuses"):
         check_resume_changes(saved, load_config([], ["checkpoint.allow_changes=train.micro_batch_size"]), 4, "resume")
@@ -204,8 +212,16 @@ def test_a_fresh_start_moves_the_folders_earlier_checkpoints_aside(tmp_path):
     data = make_corpus(tmp_path / "data")
     r = tmp_path / "R"
     base = tiny_train_overrides(r, data, "train.steps=2")
-    out = run_distributed(_jobs_worker, 1, [base, base + ["checkpoint.load=none", "train.steps=1"],
-                                            base + ["train.steps=1"], base + ["train.global_batch_size=1000000"]])[0]
+    out = run_distributed(
+        _jobs_worker,
+        1,
+        [
+            base,
+            base + ["checkpoint.load=none", "train.steps=1"],
+            base + ["train.steps=1"],
+            base + ["train.global_batch_size=1000000"],
+        ],
+    )[0]
     assert [o.get("start_step") for o in out[:3]] == [0, 0, 1]
     # a global batch larger than the whole training set is refused before any step (it used to allocate it)
     assert "train.global_batch_size=1000000 is larger than the whole training set" in out[3]["error"]
@@ -215,6 +231,7 @@ def test_a_fresh_start_moves_the_folders_earlier_checkpoints_aside(tmp_path):
 
 
 # ---- wandb run identity --------------------------------------------------------------------------------
+
 
 def test_a_copied_run_folder_gets_a_new_wandb_run_id(tmp_path):
     from megatron_geo.training.metrics import MetricsLogger, choose_wandb_id, read_wandb_id
@@ -226,8 +243,8 @@ def test_a_copied_run_folder_gets_a_new_wandb_run_id(tmp_path):
     m.close()
     run_id, _ = read_wandb_id(a)
     assert run_id and list((a / "wandb").glob(f"offline-run-*-{run_id}"))
-    assert choose_wandb_id(a, 1)[0] == run_id                 # a relaunch in the folder continues the run
-    assert choose_wandb_id(a, 0)[0] != run_id                 # a fresh run in it is a new run
+    assert choose_wandb_id(a, 1)[0] == run_id  # a relaunch in the folder continues the run
+    assert choose_wandb_id(a, 0)[0] != run_id  # a fresh run in it is a new run
     b = tmp_path / "B"
     shutil.copytree(a, b)
     new, why = choose_wandb_id(b, 1)
@@ -235,7 +252,7 @@ def test_a_copied_run_folder_gets_a_new_wandb_run_id(tmp_path):
     assert choose_wandb_id(b, 1, "must")[0] == run_id
     assert choose_wandb_id(a, 1, "never")[0] != run_id
     moved = tmp_path / "A-moved"
-    a.rename(moved)                                            # moved, not copied: the same run
+    a.rename(moved)  # moved, not copied: the same run
     assert choose_wandb_id(moved, 1)[0] == run_id
     m = MetricsLogger(str(b), True, "offline", "megatron-geo-test", "g", "n", [], {}, resume_step=1)
     m.close()
@@ -258,9 +275,9 @@ def test_a_complete_checkpoint_newer_than_latest_is_resumed_not_abandoned(tmp_pa
 
 
 def test_start_up_values_that_used_to_crash_later_are_config_errors(tmp_path):
-    from megatron_geo.training.validate import validate_config
-    from megatron_geo.training.metrics import read_wandb_id
     from megatron_geo.training.checkpointing import resume_hint
+    from megatron_geo.training.metrics import read_wandb_id
+    from megatron_geo.training.validate import validate_config
 
     for seed in ("-1", str(2**70)):  # torch.manual_seed / the sampler failed with a traceback
         with pytest.raises(ConfigError, match=r"train.seed=.* must be in \[0, 2\*\*63\)"):
@@ -269,7 +286,7 @@ def test_start_up_values_that_used_to_crash_later_are_config_errors(tmp_path):
     f.write_bytes("train:\n  steps: 5\n".encode("utf-16"))
     with pytest.raises(ConfigError, match="is not UTF-8 text"):
         load_config([str(f)])
-    (tmp_path / "wandb_run_id").write_text("garbage{\n")   # a damaged id file is never used as an id
+    (tmp_path / "wandb_run_id").write_text("garbage{\n")  # a damaged id file is never used as an id
     assert read_wandb_id(tmp_path) == (None, None)
     assert "checkpoint.load=auto" in resume_hint(load_config([], ["checkpoint.load=none"]))
     assert "same train.run_dir" in resume_hint(load_config([], []))

@@ -13,9 +13,25 @@ TOOL = [sys.executable, str(REPO / "tools" / "run_comparison.py")]
 
 
 def test_dry_run_plan(tmp_path):
-    res = subprocess.run(TOOL + ["--dry-run", "--presets", "bf16", "geofp8", "--seeds", "2", "--sweep-dir",
-                                 str(tmp_path / "sw"), "--nproc", "4", "train.steps=7"],
-                         capture_output=True, text=True, cwd=REPO)
+    res = subprocess.run(
+        TOOL
+        + [
+            "--dry-run",
+            "--presets",
+            "bf16",
+            "geofp8",
+            "--seeds",
+            "2",
+            "--sweep-dir",
+            str(tmp_path / "sw"),
+            "--nproc",
+            "4",
+            "train.steps=7",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert res.returncode == 0, res.stderr
     lines = res.stdout.strip().splitlines()
     assert len(lines) == 4
@@ -31,20 +47,42 @@ def test_dry_run_plan(tmp_path):
 def test_slurm_submission_uses_sbatch_with_the_same_args(tmp_path):
     fake = tmp_path / "bin" / "sbatch"
     fake.parent.mkdir()
-    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'calls.txt'}\necho Submitted batch job 42\n")
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "calls.txt"}\necho Submitted batch job 42\n')
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
-    res = subprocess.run(TOOL + ["--slurm", "--sbatch-arg=--nodes=64", "--presets", "fp8", "--seed-list", "5",
-                                 "--sweep-dir", str(tmp_path / "sw"), "train.steps=9"],
-                         capture_output=True, text=True, cwd=tmp_path, env=env)
+    res = subprocess.run(
+        TOOL
+        + [
+            "--slurm",
+            "--sbatch-arg=--nodes=64",
+            "--presets",
+            "fp8",
+            "--seed-list",
+            "5",
+            "--sweep-dir",
+            str(tmp_path / "sw"),
+            "train.steps=9",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    )
     assert res.returncode == 0, res.stderr
     call = (tmp_path / "calls.txt").read_text().split()
     script = call.index(str(REPO / "scripts" / "slurm" / "pretrain.sbatch"))
     assert call[:script] == ["--job-name=fp8-seed5", "--nodes=64"]
-    assert call[script + 1:] == ["--config", os.path.relpath(REPO / "configs" / "tiny.yaml", tmp_path), "--config",
-                                 os.path.relpath(REPO / "configs" / "comm" / "fp8.yaml", tmp_path),
-                                 f"train.run_dir={tmp_path / 'sw'}/fp8-seed5", "train.seed=5",
-                                 "logging.wandb_group=sw", "logging.wandb_name=fp8-seed5", "train.steps=9"]
+    assert call[script + 1 :] == [
+        "--config",
+        os.path.relpath(REPO / "configs" / "tiny.yaml", tmp_path),
+        "--config",
+        os.path.relpath(REPO / "configs" / "comm" / "fp8.yaml", tmp_path),
+        f"train.run_dir={tmp_path / 'sw'}/fp8-seed5",
+        "train.seed=5",
+        "logging.wandb_group=sw",
+        "logging.wandb_name=fp8-seed5",
+        "train.steps=9",
+    ]
     assert "Submitted batch job 42" in res.stdout
     manifest = json.loads((tmp_path / "sw" / "sweep.json").read_text())
     assert manifest["presets"] == ["fp8"] and manifest["seeds"] == [5] and manifest["launcher"] == "slurm"
@@ -55,15 +93,19 @@ def test_skip_finished_is_resume(tmp_path):
     d.mkdir(parents=True)
     (d / "config.yaml").write_text("train:\n  steps: 2\n")
     (d / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
-    res = subprocess.run(TOOL + ["--skip-finished", "--presets", "bf16", "--seeds", "1", "--sweep-dir",
-                                 str(tmp_path / "sw")], capture_output=True, text=True, cwd=REPO)
+    res = subprocess.run(
+        TOOL + ["--skip-finished", "--presets", "bf16", "--seeds", "1", "--sweep-dir", str(tmp_path / "sw")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert res.returncode == 0 and "ok (already complete with the same arguments" in res.stdout
 
 
 def _fake_sbatch(tmp_path):
     fake = tmp_path / "bin" / "sbatch"
     fake.parent.mkdir(exist_ok=True)
-    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'calls.txt'}\necho Submitted batch job 7\n")
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "calls.txt"}\necho Submitted batch job 7\n')
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     return {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
 
@@ -84,12 +126,18 @@ def test_rerun_into_a_sweep_refuses_other_arguments_unless_forced(tmp_path):
     assert res.returncode == 0 and "ok (already complete with the same arguments" in res.stdout
     assert (tmp_path / "calls.txt").read_text().count("--job-name") == 1
     # the same folder named by a relative path is the same run
-    res = subprocess.run(TOOL + ["--slurm", "--presets", "fp8", "--seeds", "1", "--sweep-dir", "sw", "train.steps=9"],
-                         capture_output=True, text=True, cwd=tmp_path, env=env)
+    res = subprocess.run(
+        TOOL + ["--slurm", "--presets", "fp8", "--seeds", "1", "--sweep-dir", "sw", "train.steps=9"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    )
     assert res.returncode == 0 and "already complete" in res.stdout, res.stderr
     # the same settings spelled in another order are the same run
-    res = subprocess.run(base + ["train.log_interval=1", "train.steps=9"], capture_output=True, text=True,
-                         cwd=tmp_path, env=env)
+    res = subprocess.run(
+        base + ["train.log_interval=1", "train.steps=9"], capture_output=True, text=True, cwd=tmp_path, env=env
+    )
     assert res.returncode == 0 and "already complete" in res.stdout, res.stderr
     manifest = (sw / "sweep.json").read_text()
     # other overrides into the same folder: an error naming the key and both values, nothing written
@@ -113,25 +161,48 @@ def test_rerun_into_a_sweep_refuses_other_arguments_unless_forced(tmp_path):
 
 def test_configs_are_checked_before_anything_runs(tmp_path):
     sw = tmp_path / "sw"
-    res = subprocess.run(TOOL + ["--presets", "bf16", "fp8", "--seeds", "1", "--sweep-dir", str(sw), "train.stepz=2"],
-                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    res = subprocess.run(
+        TOOL + ["--presets", "bf16", "fp8", "--seeds", "1", "--sweep-dir", str(sw), "train.stepz=2"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert res.returncode == 2 and "run bf16-seed1" in res.stderr and "train.stepz" in res.stderr
     assert not sw.exists(), "nothing was created or launched"
-    res = subprocess.run(TOOL + ["--dry-run", "--config", "configs/tiny.yaml", "--config", "configs/comm/fp8.yaml",
-                                 "--presets", "bf16", "--seeds", "1"], capture_output=True, text=True, cwd=REPO)
+    res = subprocess.run(
+        TOOL
+        + [
+            "--dry-run",
+            "--config",
+            "configs/tiny.yaml",
+            "--config",
+            "configs/comm/fp8.yaml",
+            "--presets",
+            "bf16",
+            "--seeds",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert res.returncode == 2 and "both comm presets" in res.stderr
     res = subprocess.run(TOOL + ["--dry-run", "--presets", "bf16", "bf16"], capture_output=True, text=True, cwd=REPO)
     assert res.returncode == 2 and "names bf16 twice" in res.stderr
-    bad = [(["--presets", "fp8", "fp8_ef", "comm.error_feedback=true"], "resolve to the same comm settings"),
-           (["--presets", "bf16", "train.run_dir =/tmp/elsewhere"], "train.run_dir is set per run"),
-           (["--presets", "bf16", " train.seed=4"], "train.seed is set per run"),
-           (["--presets", "bf16", "--seed-list", "-3"], "distinct integer >= 0"),
-           (["--presets", "bf16", "--seed-list", "1", "1"], "distinct integer >= 0"),
-           (["--presets", ","], "no presets"),
-           (["--presets", "configs/tiny.yaml"], "not in a 'comm' folder")]
+    bad = [
+        (["--presets", "fp8", "fp8_ef", "comm.error_feedback=true"], "resolve to the same comm settings"),
+        (["--presets", "bf16", "train.run_dir =/tmp/elsewhere"], "train.run_dir is set per run"),
+        (["--presets", "bf16", " train.seed=4"], "train.seed is set per run"),
+        (["--presets", "bf16", "--seed-list", "-3"], "distinct integer >= 0"),
+        (["--presets", "bf16", "--seed-list", "1", "1"], "distinct integer >= 0"),
+        (["--presets", ","], "no presets"),
+        (["--presets", "configs/tiny.yaml"], "not in a 'comm' folder"),
+    ]
     for args, msg in bad:
-        res = subprocess.run(TOOL + ["--dry-run", "--sweep-dir", str(tmp_path / "d"), *args], capture_output=True,
-                             text=True, cwd=REPO)
+        res = subprocess.run(
+            TOOL + ["--dry-run", "--sweep-dir", str(tmp_path / "d"), *args], capture_output=True, text=True, cwd=REPO
+        )
         assert res.returncode == 2 and msg in res.stderr, (args, res.stderr)
 
 
@@ -153,8 +224,14 @@ def test_ctrl_c_during_a_sweep_is_one_line_and_exit_130(tmp_path):
     fake.write_text("#!/bin/sh\nsleep 30\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
-    p = subprocess.Popen(TOOL + ["--slurm", "--presets", "fp8", "--seeds", "1", "--sweep-dir", str(tmp_path / "sw")],
-                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        TOOL + ["--slurm", "--presets", "fp8", "--seeds", "1", "--sweep-dir", str(tmp_path / "sw")],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while not (tmp_path / "sw" / "fp8-seed1" / "sweep_args.json").exists() and time.monotonic() < deadline:
         time.sleep(0.2)

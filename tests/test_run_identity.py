@@ -27,28 +27,46 @@ TINY = str(ROOT / "configs/tiny.yaml")
 P = lambda name: str(ROOT / "configs/comm" / f"{name}.yaml")  # noqa: E731
 
 
-@pytest.mark.parametrize("files,overrides,label", [
-    ([TINY], [], "fp32"),
-    ([TINY, P("fp8")], [], "fp8"),
-    ([TINY, P("fp8_ef")], [], "fp8_ef"),
-    ([TINY, P("geofp8_search")], [], "geofp8_search"),
-    ([TINY, P("fp8")], ["comm.error_feedback=true"], "fp8_ef"),                 # equal settings, one name
-    ([TINY, P("fp8")], ["comm.scale_sync=max"], "fp8_shared_scale"),
-    ([TINY, P("fp8")], ["geo.rank=16"], "fp8"),                                 # geo keys count only with geo
-    ([TINY], ["comm.dtype=fp8_e4m3"], "fp8"),
-    ([TINY, P("fp8")], ["comm.rounding=stochastic"], "fp8_e4m3+sr"),
-    ([TINY, P("geofp8")], ["geo.refresh_interval=10"], "fp8_e4m3+ef+geo(r32,p=auto,refresh=10)"),
-    ([TINY, P("geofp8")], ["geo.damping=0.1", "geo.statistics=sketch"],
-     "fp8_e4m3+ef+geo(r32,p=auto,damp=0.1,stats=sketch)"),
-    ([TINY, P("fp8")], ["comm.compile=true", "train.steps=3"], "fp8"),         # how it runs, not what it sends
-    ([TINY, P("geofp8_search")], ["comm.telemetry_interval=20", "logging.wandb=disabled"], "geofp8_search"),
-    ([TINY, P("geofp8")], ["geo.rank=16"], "fp8_e4m3+ef+geo(r16,p=auto)"),
-    ([TINY], ["comm.dtype=fp8_e4m3", "comm.transform=geo", "comm.error_feedback=true", "geo.power_search=0.5,0.25"],
-     "fp8_e4m3+ef+geo(r32,p=search)"),
-    ([TINY], ["comm.dtype=fp8_e4m3", "comm.scaling=block", "comm.block_size=64", "comm.rounding=stochastic",
-              "comm.scale_sync=max"], "fp8_e4m3+block64+sr+shared"),
-    ([TINY, P("fp8")], ["comm.label=my-run"], "my-run"),
-])
+@pytest.mark.parametrize(
+    "files,overrides,label",
+    [
+        ([TINY], [], "fp32"),
+        ([TINY, P("fp8")], [], "fp8"),
+        ([TINY, P("fp8_ef")], [], "fp8_ef"),
+        ([TINY, P("geofp8_search")], [], "geofp8_search"),
+        ([TINY, P("fp8")], ["comm.error_feedback=true"], "fp8_ef"),  # equal settings, one name
+        ([TINY, P("fp8")], ["comm.scale_sync=max"], "fp8_shared_scale"),
+        ([TINY, P("fp8")], ["geo.rank=16"], "fp8"),  # geo keys count only with geo
+        ([TINY], ["comm.dtype=fp8_e4m3"], "fp8"),
+        ([TINY, P("fp8")], ["comm.rounding=stochastic"], "fp8_e4m3+sr"),
+        ([TINY, P("geofp8")], ["geo.refresh_interval=10"], "fp8_e4m3+ef+geo(r32,p=auto,refresh=10)"),
+        (
+            [TINY, P("geofp8")],
+            ["geo.damping=0.1", "geo.statistics=sketch"],
+            "fp8_e4m3+ef+geo(r32,p=auto,damp=0.1,stats=sketch)",
+        ),
+        ([TINY, P("fp8")], ["comm.compile=true", "train.steps=3"], "fp8"),  # how it runs, not what it sends
+        ([TINY, P("geofp8_search")], ["comm.telemetry_interval=20", "logging.wandb=disabled"], "geofp8_search"),
+        ([TINY, P("geofp8")], ["geo.rank=16"], "fp8_e4m3+ef+geo(r16,p=auto)"),
+        (
+            [TINY],
+            ["comm.dtype=fp8_e4m3", "comm.transform=geo", "comm.error_feedback=true", "geo.power_search=0.5,0.25"],
+            "fp8_e4m3+ef+geo(r32,p=search)",
+        ),
+        (
+            [TINY],
+            [
+                "comm.dtype=fp8_e4m3",
+                "comm.scaling=block",
+                "comm.block_size=64",
+                "comm.rounding=stochastic",
+                "comm.scale_sync=max",
+            ],
+            "fp8_e4m3+block64+sr+shared",
+        ),
+        ([TINY, P("fp8")], ["comm.label=my-run"], "my-run"),
+    ],
+)
 def test_comm_label(files, overrides, label):
     assert load_config(files, overrides).comm.label == label
 
@@ -73,8 +91,15 @@ def test_a_reloaded_config_yaml_keeps_its_label_only_while_its_settings_hold(tmp
 
 
 def test_different_geo_settings_get_different_labels():
-    keys = ["geo.refresh_interval=10", "geo.damping=0.1", "geo.layers=layers.*.mlp.up_proj.weight",
-            "geo.statistics=sketch", "geo.ef_on_refresh=reset", "geo.sketch_size=16", "geo.select=auto"]
+    keys = [
+        "geo.refresh_interval=10",
+        "geo.damping=0.1",
+        "geo.layers=layers.*.mlp.up_proj.weight",
+        "geo.statistics=sketch",
+        "geo.ef_on_refresh=reset",
+        "geo.sketch_size=16",
+        "geo.select=auto",
+    ]
     labels = [load_config([TINY, P("geofp8")], [k]).comm.label for k in keys]
     assert len(set(labels)) == len(keys) and "geofp8" not in labels
 
@@ -98,23 +123,54 @@ def test_progress_bar_only_on_a_terminal():
 
 
 def test_log_line_fields():
-    rec = {"step": 120, "loss": 3.45214, "lr": 2.99e-4, "grad_norm": 0.8123, "tokens_per_sec": 1677722.0,
-           "step_time_s": 1.25, "comm_bytes": 45_200_000, "val_loss": 3.5}
+    rec = {
+        "step": 120,
+        "loss": 3.45214,
+        "lr": 2.99e-4,
+        "grad_norm": 0.8123,
+        "tokens_per_sec": 1677722.0,
+        "step_time_s": 1.25,
+        "comm_bytes": 45_200_000,
+        "val_loss": 3.5,
+    }
     line = log_line(rec, 20000, [1.25, 1.25], 3)
-    assert line == ("step 120/20000 | loss 3.4521 | val loss 3.5000 | lr 2.990e-04 | grad norm 0.812 | "
-                    "1,677,722 tok/s | 1.250 s/step | comm 45.2 MB/rank | skipped 3 | ETA 6h54m")
+    assert line == (
+        "step 120/20000 | loss 3.4521 | val loss 3.5000 | lr 2.990e-04 | grad norm 0.812 | "
+        "1,677,722 tok/s | 1.250 s/step | comm 45.2 MB/rank | skipped 3 | ETA 6h54m"
+    )
 
 
 def test_non_terminal_run_prints_one_line_per_log_interval_with_the_label(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "pretrain_llama.py"), "--config", TINY, "--config", P("fp8_ef"),
-                        "train.steps=6", "train.log_interval=2", f"train.run_dir={tmp_path / 'run'}",
-                        "train.global_batch_size=4", "train.eval_batches=1", "model.seq_length=32",
-                        "logging.wandb=disabled", "checkpoint.save_at_end=false"],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "pretrain_llama.py"),
+            "--config",
+            TINY,
+            "--config",
+            P("fp8_ef"),
+            "train.steps=6",
+            "train.log_interval=2",
+            f"train.run_dir={tmp_path / 'run'}",
+            "train.global_batch_size=4",
+            "train.eval_batches=1",
+            "model.seq_length=32",
+            "logging.wandb=disabled",
+            "checkpoint.save_at_end=false",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr
     assert "\r" not in r.stdout + r.stderr
-    steps = re.findall(r"^step (\d+)/6 \| loss [\d.]+ \|.* \| grad norm [\d.]+ \| [\d,]+ tok/s \| [\d.]+ s/step \| "
-                       r"comm [\d.,]+ MB/rank \| skipped 0 \| ETA \S+$", r.stdout, re.M)
+    steps = re.findall(
+        r"^step (\d+)/6 \| loss [\d.]+ \|.* \| grad norm [\d.]+ \| [\d,]+ tok/s \| [\d.]+ s/step \| "
+        r"comm [\d.,]+ MB/rank \| skipped 0 \| ETA \S+$",
+        r.stdout,
+        re.M,
+    )
     assert steps == ["2", "4", "6"], r.stdout
     assert "comm=fp8_ef (comm.dtype=fp8_e4m3)" in r.stdout
     assert re.search(r"^summary: 6 steps, .* comm=fp8_ef", r.stdout, re.M)
@@ -128,9 +184,17 @@ def test_paper_configs_checkpoint_every_500_steps():
 
 
 def test_print_config_outside_a_launcher_checks_the_smallest_fitting_world():
-    r = subprocess.run([sys.executable, str(ROOT / "pretrain_llama.py"), "--config", TINY, "parallel.tensor=2",
-                        "--print-config"], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                       env={k: v for k, v in __import__("os").environ.items()
-                            if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")})
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "pretrain_llama.py"), "--config", TINY, "parallel.tensor=2", "--print-config"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={
+            k: v
+            for k, v in __import__("os").environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")
+        },
+    )
     assert r.returncode == 0, r.stderr
     assert yaml.safe_load(r.stdout)["parallel"]["tensor"] == 2

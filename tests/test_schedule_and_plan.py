@@ -12,9 +12,9 @@ from megatron_geo.optim.schedule import lr_at
 def test_lr_schedule_table():
     kw = dict(max_lr=1.0, min_lr=0.1, warmup_steps=4, total_steps=14)
     table = [lr_at(s, **kw) for s in range(16)]
-    assert table[:4] == [0.25, 0.5, 0.75, 1.0]          # warmup starts above zero, reaches the peak
+    assert table[:4] == [0.25, 0.5, 0.75, 1.0]  # warmup starts above zero, reaches the peak
     assert table[4] == 1.0 and math.isclose(table[13], 0.1) and table[15] == pytest.approx(0.1)
-    mid = 4 + (13 - 4) / 2                                   # cosine midpoint
+    mid = 4 + (13 - 4) / 2  # cosine midpoint
     assert math.isclose(lr_at(int(mid * 2) // 2, **kw), 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 4 / 9)))
     assert all(a >= b for a, b in zip(table[4:], table[5:]))
     # no division by zero: no warmup, one step, warmup longer than training
@@ -63,8 +63,8 @@ def test_ownership_rule_per_parameter():
     infos = [("a.weight", (24, 40), True), ("b.weight", (40, 24), True), ("norm.weight", (40,), False)]
     cfg = load_config([], ["optimizer.name=muon"])
     a, b, n = param_specs(cfg, infos, 16, geo_layers={"b.weight"})
-    assert (a.numel, a.atomic, a.granule, a.flops) == (960, True, 1, 5 * (4 * 24 ** 2 * 40 + 2 * 24 ** 3))
-    assert (b.atomic, b.granule) == (True, 48)          # a GeoFP8 layer under Muon: atomic anyway
+    assert (a.numel, a.atomic, a.granule, a.flops) == (960, True, 1, 5 * (4 * 24**2 * 40 + 2 * 24**3))
+    assert (b.atomic, b.granule) == (True, 48)  # a GeoFP8 layer under Muon: atomic anyway
     assert (n.numel, n.atomic, n.granule, n.flops) == (40, False, 1, 12.0 * 40)
     adamw = load_config([], ["optimizer.name=adamw"])
     a, b, n = param_specs(adamw, infos, 16, geo_layers={"b.weight"})

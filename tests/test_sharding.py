@@ -25,6 +25,7 @@ DATA = Path(__file__).resolve().parent / "data" / "ckpt_before_uneven"
 
 # -- the plan ---------------------------------------------------------------------------------------------------------
 
+
 def test_plan_model_covers_each_element_once_and_keeps_atomic_parameters_whole():
     for trial in range(300):
         rnd = random.Random(trial)
@@ -34,7 +35,7 @@ def test_plan_model_covers_each_element_once_and_keeps_atomic_parameters_whole()
             n = rnd.choice([0, 1, 3, 7, 64, 100, 1000, 4096])
             atomic = rnd.random() < 0.4
             granule = rnd.choice([1, 1, 8, 10, 64]) if not atomic and rnd.random() < 0.4 and n else 1
-            specs.append(ParamSpec(n, atomic, float(n ** 1.5 if atomic else 12 * n), granule))
+            specs.append(ParamSpec(n, atomic, float(n**1.5 if atomic else 12 * n), granule))
         buckets = plan_model(specs, rnd.choice([1, 50, 500, 5000]), dp, align)
         owned = [0] * k
         assert sorted(i for idx, _ in buckets for i in idx) == list(range(k))
@@ -53,9 +54,10 @@ def test_plan_model_covers_each_element_once_and_keeps_atomic_parameters_whole()
                     s = specs[idx[pc.index]]
                     if s.atomic and dp > 1:
                         assert (pc.param_start, pc.param_end) == (0, s.numel)
-                    if s.granule > 1 and dp > 1:        # cut only between granules (GeoFP8 rows)
-                        assert pc.param_start % s.granule == 0 and (pc.param_end % s.granule == 0
-                                                                    or pc.param_end == s.numel), (trial, pc)
+                    if s.granule > 1 and dp > 1:  # cut only between granules (GeoFP8 rows)
+                        assert pc.param_start % s.granule == 0 and (
+                            pc.param_end % s.granule == 0 or pc.param_end == s.numel
+                        ), (trial, pc)
                     for j in range(pc.buffer_start, pc.buffer_start + pc.numel):
                         cover[j] += 1
                     owned[idx[pc.index]] += pc.numel
@@ -65,13 +67,16 @@ def test_plan_model_covers_each_element_once_and_keeps_atomic_parameters_whole()
 
 def test_uneven_plan_balances_flops_and_bytes_where_padding_would_not():
     # 8 "MLP" matrices of 6 units and 8 "attention" matrices of 2 units, plus a big splittable embedding, DP = 8
-    specs = [ParamSpec(600, True, newton_schulz_flops((20, 30))) for _ in range(8)] + \
-            [ParamSpec(200, True, newton_schulz_flops((10, 20))) for _ in range(8)] + [ParamSpec(4000, False, 12 * 4000)]
+    specs = (
+        [ParamSpec(600, True, newton_schulz_flops((20, 30))) for _ in range(8)]
+        + [ParamSpec(200, True, newton_schulz_flops((10, 20))) for _ in range(8)]
+        + [ParamSpec(4000, False, 12 * 4000)]
+    )
     buckets = plan_model(specs, 1000, 8, 1)
     total = sum(s.numel for s in specs)
-    assert sum(p.buffer_numel for _, p in buckets) == total                  # no padding at all
+    assert sum(p.buffer_numel for _, p in buckets) == total  # no padding at all
     own = [sum(p.sizes[r] for _, p in buckets) for r in range(8)]
-    assert max(own) - min(own) <= 1                                         # bytes balanced to the element
+    assert max(own) - min(own) <= 1  # bytes balanced to the element
     flops = [0.0] * 8
     for idx, p in buckets:
         for r, pieces in enumerate(p.pieces):
@@ -83,26 +88,44 @@ def test_uneven_plan_balances_flops_and_bytes_where_padding_would_not():
 
 # -- the plan at the users' shape ------------------------------------------------------------------------------------
 
+
 def _plan_json(tmp_path, *args) -> list[dict]:
     out = tmp_path / "plan.json"
-    r = subprocess.run([sys.executable, str(ROOT / "tools/plan_report.py"), *args, "--json", str(out)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tools/plan_report.py"), *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     figs = json.loads(out.read_text())
     return figs if isinstance(figs, list) else [figs]
 
 
-@pytest.mark.parametrize("configs", [["configs/llama_600m.yaml"],
-                                     ["configs/llama_600m.yaml", "configs/comm/geofp8.yaml", "optimizer.name=adamw"],
-                                     ["configs/llama_300m.yaml"]], ids=["600m-muon", "600m-adamw-geofp8", "300m-muon"])
+@pytest.mark.parametrize(
+    "configs",
+    [
+        ["configs/llama_600m.yaml"],
+        ["configs/llama_600m.yaml", "configs/comm/geofp8.yaml", "optimizer.name=adamw"],
+        ["configs/llama_300m.yaml"],
+    ],
+    ids=["600m-muon", "600m-adamw-geofp8", "300m-muon"],
+)
 def test_plan_report_meets_the_targets_at_the_users_shape(tmp_path, configs):
     args = []
     for c in configs:
         args += ["--config", str(ROOT / c)] if c.endswith(".yaml") else [c]
     figs = _plan_json(tmp_path, *args, "--dp", "8", "16", "64", "128")
     for f in figs:
-        for key in ("parameters", "buffer_elements_per_rank", "padding_ratio", "wire_bytes_per_rank",
-                    "even_reduce_scatter_bytes", "optimizer_flops_max_over_mean", "persistent_bytes_per_rank"):
+        for key in (
+            "parameters",
+            "buffer_elements_per_rank",
+            "padding_ratio",
+            "wire_bytes_per_rank",
+            "even_reduce_scatter_bytes",
+            "optimizer_flops_max_over_mean",
+            "persistent_bytes_per_rank",
+        ):
             assert key in f, key
         assert f["buffer_elements_per_rank"] >= f["parameters"]
         assert f["padding_ratio"] <= 1.05, f
@@ -120,16 +143,23 @@ def test_plan_report_meets_the_targets_at_the_users_shape(tmp_path, configs):
 
 # -- reductions over uneven ranges against FP64 ---------------------------------------------------------------------
 
-SHAPES = [(48, 32), (16, 64), (33,), (96, 16), (7,), (64, 48), (128,)]   # 1-D and odd sizes on purpose
-MODES = {"fp32": {}, "bf16": {}, "fp8_e4m3": {}, "fp8_block": {"scaling": "block", "block_size": 16},
-         "nvfp4": {}, "fp8_hadamard": {"transform": "hadamard", "hadamard_block": 16}}
+SHAPES = [(48, 32), (16, 64), (33,), (96, 16), (7,), (64, 48), (128,)]  # 1-D and odd sizes on purpose
+MODES = {
+    "fp32": {},
+    "bf16": {},
+    "fp8_e4m3": {},
+    "fp8_block": {"scaling": "block", "block_size": 16},
+    "nvfp4": {},
+    "fp8_hadamard": {"transform": "hadamard", "hadamard_block": 16},
+}
 
 
 def _rank_grads(world: int) -> list[list[torch.Tensor]]:
     g = torch.Generator().manual_seed(11)
     # ranks differ by 1000x (invariant 7 of docs/design.md section 3)
-    return [[torch.randn(s, generator=g, dtype=torch.float64) * 1000.0 ** (r % 2) for s in SHAPES]
-            for r in range(world)]
+    return [
+        [torch.randn(s, generator=g, dtype=torch.float64) * 1000.0 ** (r % 2) for s in SHAPES] for r in range(world)
+    ]
 
 
 def _uneven_reduce(rank, world):
@@ -141,14 +171,17 @@ def _uneven_reduce(rank, world):
     out = {}
     for mode, kw in MODES.items():
         dtype = "fp8_e4m3" if mode.startswith("fp8") else mode
-        red = build_reducer(dtype, pctx.dp_group, world, rank) if not kw else \
-            LowPrecisionReducer(pctx.dp_group, world, rank, dtype, **kw)
+        red = (
+            build_reducer(dtype, pctx.dp_group, world, rank)
+            if not kw
+            else LowPrecisionReducer(pctx.dp_group, world, rank, dtype, **kw)
+        )
         specs = [ParamSpec(n, True, float(n)) for n in numels]
         plan = _one_bucket(specs, world, red.alignment())
         red.register_bucket(0, plan.offsets, numels, plan.bounds, "cpu")
         buf = torch.zeros(plan.buffer_numel)
         for i, off in enumerate(plan.offsets):
-            buf[off:off + numels[i]] = _rank_grads(world)[rank][i].reshape(-1).float()
+            buf[off : off + numels[i]] = _rank_grads(world)[rank][i].reshape(-1).float()
         red.reduce_scatter(buf, key=0).wait()
         lo, hi = plan.bounds[rank], plan.bounds[rank + 1]
         out[mode] = {"plan": (plan.bounds, plan.offsets), "own": buf[lo:hi].clone(), "bytes": red.bytes_sent}
@@ -170,8 +203,7 @@ def test_every_reducer_averages_uneven_ranges_like_fp64(world):
     amax = [sum(grads[r][i].abs().max() for r in range(world)) / world for i in range(len(SHAPES))]
     outs = run_distributed(_uneven_reduce, world)
     # relative precision of each wire format (half an ulp of the mantissa), plus the underflow floor
-    rel = {"fp32": 1e-6, "bf16": 2.0 ** -8, "fp8_e4m3": 2.0 ** -4, "fp8_block": 2.0 ** -4, "nvfp4": 0.0,
-           "fp8_hadamard": None}
+    rel = {"fp32": 1e-6, "bf16": 2.0**-8, "fp8_e4m3": 2.0**-4, "fp8_block": 2.0**-4, "nvfp4": 0.0, "fp8_hadamard": None}
     for mode in MODES:
         bounds, offsets = outs[0][mode]["plan"]
         assert sizes_uneven(bounds)
@@ -182,11 +214,11 @@ def test_every_reducer_averages_uneven_ranges_like_fp64(world):
                 n = ref[i].numel()
                 if not (lo <= off and off + n <= bounds[rank + 1]):
                     continue
-                got = own[off - lo:off - lo + n]
-                if mode == "nvfp4":      # E2M1 (spacing 1/2 of a unit at the top binade) x E4M3 block scale
+                got = own[off - lo : off - lo + n]
+                if mode == "nvfp4":  # E2M1 (spacing 1/2 of a unit at the top binade) x E4M3 block scale
                     tol = 0.25 * amax[i] * 1.13
                 elif mode == "fp8_hadamard":  # rotation spreads each block's energy: error bounded by the block's
-                    tol = 2.0 ** -4 * amax[i] * 1.01
+                    tol = 2.0**-4 * amax[i] * 1.01
                 else:
                     tol = rel[mode] * absmean[i] + 1e-5 * amax[i]
                 err = (got - ref[i]).abs()
@@ -206,28 +238,40 @@ def sizes_uneven(bounds) -> bool:
 
 # -- training at DP = 3 with uneven ownership ------------------------------------------------------------------------
 
-def _train(rank, world, overrides, steps, tp=1, micro=2):
-    from megatron_geo.training.step import train_step
-    from megatron_geo.training.setup import build_model_and_optimizer
 
-    cfg = tiny_cfg("train.global_batch_size=12", f"parallel.tensor={tp}", f"train.micro_batch_size={micro}",
-                   *overrides)
+def _train(rank, world, overrides, steps, tp=1, micro=2):
+    from megatron_geo.training.setup import build_model_and_optimizer
+    from megatron_geo.training.step import train_step
+
+    cfg = tiny_cfg("train.global_batch_size=12", f"parallel.tensor={tp}", f"train.micro_batch_size={micro}", *overrides)
     pctx = pctx_for(tp)
     model, buckets, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
     losses = []
     for step in range(steps):
         mbs = rank_micro_batches(global_batch(cfg, step), micro, pctx.dp_rank, pctx.dp_size)
-        losses.append(train_step(model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad,
-                                     geo=reducer.geo, step=step).loss)
+        losses.append(
+            train_step(model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad, geo=reducer.geo, step=step).loss
+        )
     uneven = sum(1 for b in buckets if not b.plan.even)
     rows_cut = sum(1 for m in opt.mains if ".mlp." in m.name and not m.whole)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, uneven, rows_cut
 
 
-@pytest.mark.parametrize("overrides", [["optimizer.name=muon"],
-                                       ["optimizer.name=adamw", "comm.transform=geo", "comm.dtype=fp32",
-                                        "geo.layers=layers.*.mlp.*_proj.weight", "geo.rank=4",
-                                        "geo.refresh_interval=2"]], ids=["muon", "adamw-geo-fp32-wire"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["optimizer.name=muon"],
+        [
+            "optimizer.name=adamw",
+            "comm.transform=geo",
+            "comm.dtype=fp32",
+            "geo.layers=layers.*.mlp.*_proj.weight",
+            "geo.rank=4",
+            "geo.refresh_interval=2",
+        ],
+    ],
+    ids=["muon", "adamw-geo-fp32-wire"],
+)
 def test_dp3_with_uneven_owner_ranges_matches_single_process(overrides):
     ref_losses, ref_params, *_ = run_distributed(_train, 1, overrides, 3)[0]
     out = run_distributed(_train, 3, overrides, 3)
@@ -243,18 +287,24 @@ def test_dp3_with_uneven_owner_ranges_matches_single_process(overrides):
         assert torch.equal(out[0][1][n], out[1][1][n]) and torch.equal(out[0][1][n], out[2][1][n]), n
 
 
-GEO_FP32 = ["optimizer.name=adamw", "comm.transform=geo", "comm.dtype=fp32", "geo.layers=layers.*.mlp.down_proj.weight",
-            "geo.rank=4", "geo.refresh_interval=2"]
+GEO_FP32 = [
+    "optimizer.name=adamw",
+    "comm.transform=geo",
+    "comm.dtype=fp32",
+    "geo.layers=layers.*.mlp.down_proj.weight",
+    "geo.rank=4",
+    "geo.refresh_interval=2",
+]
 
 
 def test_tp2_dp2_and_accumulation_with_uneven_owner_ranges():
     ref_losses, ref_params, *_ = run_distributed(_train, 1, GEO_FP32, 2)[0]
-    tp2 = run_distributed(_train, 4, GEO_FP32, 2, 2)             # TP = 2 x DP = 2, down projections owned whole
+    tp2 = run_distributed(_train, 4, GEO_FP32, 2, 2)  # TP = 2 x DP = 2, down projections owned whole
     assert tp2[0][2] > 0
     for losses, *_ in tp2:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=1e-4)
-    a = run_distributed(_train, 3, ["optimizer.name=muon"], 2, 1, 1)   # micro batch 1 x 4 per rank
-    b = run_distributed(_train, 3, ["optimizer.name=muon"], 2, 1, 4)   # micro batch 4 x 1
+    a = run_distributed(_train, 3, ["optimizer.name=muon"], 2, 1, 1)  # micro batch 1 x 4 per rank
+    b = run_distributed(_train, 3, ["optimizer.name=muon"], 2, 1, 4)  # micro batch 4 x 1
     torch.testing.assert_close(torch.tensor(a[0][0]), torch.tensor(b[0][0]), rtol=0, atol=1e-5)
     for n in a[0][1]:
         torch.testing.assert_close(a[0][1][n], b[0][1][n], rtol=0, atol=1e-5, msg=lambda m: f"{n}: {m}")
@@ -262,16 +312,24 @@ def test_tp2_dp2_and_accumulation_with_uneven_owner_ranges():
 
 # -- checkpoints made before the change ------------------------------------------------------------------------------
 
-PRE_CASES = {"muon": ["optimizer.name=muon"],
-             "adamw_geofp8": ["optimizer.name=adamw", "comm.dtype=fp8_e4m3", "comm.transform=geo",
-                              "comm.error_feedback=true", "geo.layers=layers.*.mlp.down_proj.weight", "geo.rank=4",
-                              "geo.refresh_interval=1"]}
+PRE_CASES = {
+    "muon": ["optimizer.name=muon"],
+    "adamw_geofp8": [
+        "optimizer.name=adamw",
+        "comm.dtype=fp8_e4m3",
+        "comm.transform=geo",
+        "comm.error_feedback=true",
+        "geo.layers=layers.*.mlp.down_proj.weight",
+        "geo.rank=4",
+        "geo.refresh_interval=1",
+    ],
+}
 
 
 def _load_pre(rank, world, root):
     from megatron_geo.training.checkpointing import Checkpointer
-    from megatron_geo.training.step import train_step
     from megatron_geo.training.setup import build_model_and_optimizer
+    from megatron_geo.training.step import train_step
 
     out = {}
     for name, ov in PRE_CASES.items():
@@ -310,13 +368,30 @@ def test_checkpoint_made_with_the_padded_plan_loads_bitwise_into_uneven_ranges(t
 
 # -- DP = 64 on one device -------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("extra", [[], ["--config", "configs/comm/geofp8.yaml", "optimizer.name=adamw",
-                                        "model.num_layers=2"]], ids=["muon-600m", "adamw-geofp8-600m-2-layers"])
+
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--config", "configs/comm/geofp8.yaml", "optimizer.name=adamw", "model.num_layers=2"]],
+    ids=["muon-600m", "adamw-geofp8-600m-2-layers"],
+)
 def test_dry_run_of_llama_600m_at_dp64(tmp_path, extra):
     out = tmp_path / "dry.json"
-    cmd = [sys.executable, str(ROOT / "tools/dry_run.py"), "--config", str(ROOT / "configs/llama_600m.yaml"),
-           *[str(ROOT / e) if e.endswith(".yaml") else e for e in extra], "--dp", "64", "--steps", "2",
-           "model.seq_length=16", "train.global_batch_size=64", "train.micro_batch_size=1", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "tools/dry_run.py"),
+        "--config",
+        str(ROOT / "configs/llama_600m.yaml"),
+        *[str(ROOT / e) if e.endswith(".yaml") else e for e in extra],
+        "--dp",
+        "64",
+        "--steps",
+        "2",
+        "model.seq_length=16",
+        "train.global_batch_size=64",
+        "train.micro_batch_size=1",
+        "--json",
+        str(out),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())

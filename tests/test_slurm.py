@@ -75,9 +75,13 @@ def _signal_training_processes(run_dir: str, sig: int) -> int:
             argv = cmd.read_bytes().split(b"\0")
         except OSError:
             continue
-        if len(argv) > 1 and b"python" in Path(argv[0].decode()).name.encode() and \
-                argv[1].endswith(b"pretrain_llama.py") and f"train.run_dir={run_dir}".encode() in argv \
-                and b"--print-config" not in argv:  # the ranks themselves, not srun (which forwards signals)
+        if (
+            len(argv) > 1
+            and b"python" in Path(argv[0].decode()).name.encode()
+            and argv[1].endswith(b"pretrain_llama.py")
+            and f"train.run_dir={run_dir}".encode() in argv
+            and b"--print-config" not in argv
+        ):  # the ranks themselves, not srun (which forwards signals)
             os.kill(int(cmd.parent.name), sig)
             n += 1
     return n
@@ -89,14 +93,28 @@ def test_sbatch_preempted_by_signal_requeues_and_resumes_on_two_nodes(cluster, t
     run_dir, out_dir = tmp_path / "run", tmp_path / "logs"
     out_dir.mkdir()
     steps = 30
-    args = ["-N", "2", "--ntasks-per-node", "1", f"--output={out_dir}/%x-%j.out", "--job-name=mgtest", str(SBATCH),
-            "--config", "configs/tiny.yaml", f"train.steps={steps}", "train.device=cpu", "parallel.backend=gloo",
-            "train.eval_batches=1", "train.progress=false", f"train.run_dir={run_dir}", "logging.wandb=disabled"]
+    args = [
+        "-N",
+        "2",
+        "--ntasks-per-node",
+        "1",
+        f"--output={out_dir}/%x-%j.out",
+        "--job-name=mgtest",
+        str(SBATCH),
+        "--config",
+        "configs/tiny.yaml",
+        f"train.steps={steps}",
+        "train.device=cpu",
+        "parallel.backend=gloo",
+        "train.eval_batches=1",
+        "train.progress=false",
+        f"train.run_dir={run_dir}",
+        "logging.wandb=disabled",
+    ]
     env = c.env({"MASTER_PORT": str(_free_port()), "MG_ETA_INTERVAL": "1", "OMP_NUM_THREADS": "1"})
     # no `sbatch --wait`: on this Slurm version it may return (exit 1) at the requeue instead of waiting for
     # the requeued start, so the test follows the job through its log instead
-    sub = subprocess.run(["sbatch", "--parsable", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=60)
+    sub = subprocess.run(["sbatch", "--parsable", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert sub.returncode == 0, f"sbatch failed: {sub.stdout}{sub.stderr}\n{c.logs()}"
     job = sub.stdout.strip().split(";")[0]
     metrics = run_dir / "metrics.jsonl"
@@ -125,8 +143,9 @@ def test_sbatch_preempted_by_signal_requeues_and_resumes_on_two_nodes(cluster, t
     assert f"requeueing job {job} (restart 1" in text, where
     saved = int(re.search(r"stopped by signal \d+ after step (\d+)", text).group(1))
     assert "start 2:" in text and "2 nodes, 2 tasks" in text, where
-    assert (f"resuming this run from its own checkpoint {run_dir}/checkpoints/step_{saved:08d}, at step {saved}"
-            in text), where
+    assert (
+        f"resuming this run from its own checkpoint {run_dir}/checkpoints/step_{saved:08d}, at step {saved}" in text
+    ), where
     first_node = c.node_names[0]
     assert f"waiting for 2 processes (slurm launch) at {first_node}:" in text, where
     assert "parallel: world=2 TP=1 DP=2 backend=gloo device=cpu" in text, where
@@ -134,8 +153,10 @@ def test_sbatch_preempted_by_signal_requeues_and_resumes_on_two_nodes(cluster, t
     assert re.search(rf"\[eta\] final: step {steps}/{steps} \(100\.0%\)", text), where
 
     recs = [json.loads(ln) for ln in metrics.read_text().splitlines()]
-    assert [r["step"] for r in recs] == list(range(1, steps + 1))   # nothing lost or repeated across the requeue
+    assert [r["step"] for r in recs] == list(range(1, steps + 1))  # nothing lost or repeated across the requeue
     assert all(r["consumed_samples"] == 16 * r["step"] for r in recs)
     assert recs[-1]["loss"] < recs[0]["loss"] and "val_loss" in recs[-1]
-    print(f"slurm job {job}: SIGUSR1 at step {saved}, requeue, resume, {steps} steps on 2 virtual nodes in "
-          f"{time.monotonic() - t0:.1f} s")
+    print(
+        f"slurm job {job}: SIGUSR1 at step {saved}, requeue, resume, {steps} steps on 2 virtual nodes in "
+        f"{time.monotonic() - t0:.1f} s"
+    )

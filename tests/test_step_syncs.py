@@ -43,13 +43,24 @@ def record_training(run_dir: str, dp: int) -> dict:
     from megatron_geo.training import step as step_mod
     from megatron_geo.training import trainer
 
-    cfg = tiny_cfg("optimizer.name=muon", "parallel.overlap_param_gather=true", f"train.steps={STEPS}",
-                   "train.log_interval=1000", "train.eval_batches=0", "checkpoint.interval=0",
-                   "checkpoint.save_at_end=false", "train.progress=false", f"train.run_dir={run_dir}",
-                   f"train.global_batch_size={max(8, 2 * dp)}")
+    cfg = tiny_cfg(
+        "optimizer.name=muon",
+        "parallel.overlap_param_gather=true",
+        f"train.steps={STEPS}",
+        "train.log_interval=1000",
+        "train.eval_batches=0",
+        "checkpoint.interval=0",
+        "checkpoint.save_at_end=false",
+        "train.progress=false",
+        f"train.run_dir={run_dir}",
+        f"train.global_batch_size={max(8, 2 * dp)}",
+    )
     rec = OpRecorder(keep_events=True)
-    publish, wait, train_step = (DistributedOptimizer.publish, DistributedOptimizer.wait_param_gather,
-                                 step_mod.train_step)
+    publish, wait, train_step = (
+        DistributedOptimizer.publish,
+        DistributedOptimizer.wait_param_gather,
+        step_mod.train_step,
+    )
     inside = {"publish": False}
 
     def publish_marked(self):
@@ -104,8 +115,13 @@ def runs(tmp_path_factory):
     out = {"DP=2 rank 0": None, "DP=2 rank 1": None}
     dp2 = run_distributed(_dp2, 2, str(tmp_path_factory.mktemp("dp2")))
     out["DP=2 rank 0"], out["DP=2 rank 1"] = dp2[0], dp2[1]
-    r = subprocess.run([sys.executable, __file__, str(tmp_path_factory.mktemp("dp64"))], capture_output=True,
-                       text=True, timeout=600, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, __file__, str(tmp_path_factory.mktemp("dp64"))],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out["DP=64 (fake) rank 0"] = json.loads(r.stdout.strip().splitlines()[-1])
     return out
@@ -125,9 +141,12 @@ def test_no_collective_between_publish_and_the_first_forward_wait(runs):
         assert len(ends) == STEPS, (where, len(ends))
         for k, end in enumerate(ends[:-1]):  # the last publish is followed by the end of training
             nxt = next(i for i in range(end + 1, len(ev)) if ev[i][0] == "mark" and ev[i][1] == "wait")
-            between = [e[1] for e in ev[end + 1:nxt] if e[0] == "c10d"]
+            between = [e[1] for e in ev[end + 1 : nxt] if e[0] == "c10d"]
             assert between == [], f"{where}, after step {k + 1}: collectives before the first forward wait: {between}"
-            assert any(e == ("mark", "step", False) for e in ev[end + 1:nxt]), (where, k)  # the wait is the next step's
+            assert any(e == ("mark", "step", False) for e in ev[end + 1 : nxt]), (
+                where,
+                k,
+            )  # the wait is the next step's
 
 
 def test_at_most_one_host_sync_per_step_outside_log_steps_and_none_in_backward(runs):

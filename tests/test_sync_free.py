@@ -25,8 +25,19 @@ from megatron_geo.comm.op_trace import OpRecorder
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-PRESETS = ["fp32", "bf16", "fp8", "fp8_ef", "fp8_block", "fp8_e5m2", "fp8_hadamard", "fp8_shared_scale", "nvfp4",
-           "geofp8", "geonvfp4"]
+PRESETS = [
+    "fp32",
+    "bf16",
+    "fp8",
+    "fp8_ef",
+    "fp8_block",
+    "fp8_e5m2",
+    "fp8_hadamard",
+    "fp8_shared_scale",
+    "nvfp4",
+    "geofp8",
+    "geonvfp4",
+]
 
 
 def preset_ops(preset: str, rank: int, dp: int) -> dict:
@@ -89,13 +100,17 @@ def dp2():
     return run_distributed(_dp2, 2, PRESETS)
 
 
-OPS_PER_BUCKET = 96   # kernel-launching ops per bucket reduction, any DP (Hadamard: 2 x 2 log2(b) butterfly ops)
+OPS_PER_BUCKET = 96  # kernel-launching ops per bucket reduction, any DP (Hadamard: 2 x 2 log2(b) butterfly ops)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_reduction_forces_no_host_sync_and_its_op_count_does_not_grow_with_dp(preset, dp2, fake):
-    runs = {"DP=2 rank 0": dp2[0][preset], "DP=2 rank 1": dp2[1][preset], "DP=8": fake[8][preset],
-            "DP=64": fake[64][preset]}
+    runs = {
+        "DP=2 rank 0": dp2[0][preset],
+        "DP=2 rank 1": dp2[1][preset],
+        "DP=8": fake[8][preset],
+        "DP=64": fake[64][preset],
+    }
     for where, res in runs.items():
         for i, b in enumerate(res["buckets"]):
             assert b["bad"] == [], f"{preset} at {where}, bucket {i}: sync-forcing ops {b['bad']}"
@@ -103,9 +118,9 @@ def test_reduction_forces_no_host_sync_and_its_op_count_does_not_grow_with_dp(pr
     for i, (a, b) in enumerate(zip(fake[8][preset]["buckets"], fake[64][preset]["buckets"])):
         if a["uneven"] != b["uneven"]:
             continue  # an even and an uneven layout of the same bucket: different (fixed) op lists
-        assert b["compute"] == a["compute"], (preset, i, a, b)   # no loop over ranks in encode / decode
+        assert b["compute"] == a["compute"], (preset, i, a, b)  # no loop over ranks in encode / decode
         if preset != "fp32" or not b["uneven"]:
-            assert b["c10d"] == a["c10d"], (preset, i, a, b)     # a fixed number of collectives
+            assert b["c10d"] == a["c10d"], (preset, i, a, b)  # a fixed number of collectives
         # FP32 with uneven owner ranges: one reduce per owner range (no receive buffer of dp x own)
 
 

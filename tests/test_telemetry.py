@@ -18,7 +18,7 @@ def _grads(rank: int, plan) -> torch.Tensor:
     g = torch.Generator().manual_seed(rank + 11)
     buf = torch.zeros(plan.buffer_numel)
     for off, n in zip(plan.offsets, NUMELS):
-        buf[off:off + n] = torch.randn(n, generator=g) * 10.0 ** (rank + (off % 3))
+        buf[off : off + n] = torch.randn(n, generator=g) * 10.0 ** (rank + (off % 3))
     return buf
 
 
@@ -47,10 +47,10 @@ def _reference(rank, plan_offsets, fmt, plan):
     q = torch.zeros_like(buf)
     for off, n in zip(plan_offsets, NUMELS):
         if n:
-            x = buf[off:off + n].float()
+            x = buf[off : off + n].float()
             s = x.abs().max() / fmax
-            q[off:off + n] = ((x / s).clamp(-fmax, fmax).to(dt).float() * s).double()
-    return math.sqrt(((q - buf) ** 2).sum() / (buf ** 2).sum())
+            q[off : off + n] = ((x / s).clamp(-fmax, fmax).to(dt).float() * s).double()
+    return math.sqrt(((q - buf) ** 2).sum() / (buf**2).sum())
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])

@@ -9,8 +9,8 @@ import torch
 
 from dist_harness import run_distributed
 from helpers import global_batch, pctx_for, rank_micro_batches, tiny_cfg
-from megatron_geo.training.step import train_step
 from megatron_geo.training.setup import build_model_and_optimizer
+from megatron_geo.training.step import train_step
 
 
 def _train(rank, world, overrides, tp, steps, micro):
@@ -49,8 +49,8 @@ def test_dp2_matches_single_process(name, overrides):
 
 
 def test_accumulation_equivalence():
-    a = run_distributed(_train, 1, [], 1, 2, 1)[0]   # micro batch 1 x accumulation 8
-    b = run_distributed(_train, 1, [], 1, 2, 8)[0]   # micro batch 8 x accumulation 1
+    a = run_distributed(_train, 1, [], 1, 2, 1)[0]  # micro batch 1 x accumulation 8
+    b = run_distributed(_train, 1, [], 1, 2, 8)[0]  # micro batch 8 x accumulation 1
     torch.testing.assert_close(torch.tensor(a[0]), torch.tensor(b[0]), rtol=0, atol=1e-5)
     for n in a[1]:  # AdamW: FP32 throughout
         torch.testing.assert_close(a[1][n], b[1][n], rtol=0, atol=1e-5)

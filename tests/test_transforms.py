@@ -82,7 +82,7 @@ def test_fixed_transform_round_trip_and_wire_coordinates_match_fp64(name):
 
 def test_build_transform_names():
     assert isinstance(build_transform("none"), IdentityTransform)
-    assert isinstance(build_transform("geo"), IdentityTransform)   # until the GeoFP8 state is attached
+    assert isinstance(build_transform("geo"), IdentityTransform)  # until the GeoFP8 state is attached
     assert isinstance(build_transform("hadamard", 16), HadamardTransform)
     with pytest.raises(ValueError, match="comm.transform='rot'"):
         build_transform("rot")
@@ -94,8 +94,10 @@ def test_geo_transform_round_trip_and_wire_coordinates_match_fp64():
     geo = _geo_state(model)
     bucket, numel = _bucket(model)
     U = {"up.weight": _orthonormal(24, 4, 1), "down.weight": _orthonormal(16, 4, 2)}
-    d = {"up.weight": torch.tensor([0.1, 0.3, 0.5, 0.9], dtype=torch.float64),
-         "down.weight": torch.tensor([0.05, 0.2, 0.7, 1.0], dtype=torch.float64)}
+    d = {
+        "up.weight": torch.tensor([0.1, 0.3, 0.5, 0.9], dtype=torch.float64),
+        "down.weight": torch.tensor([0.05, 0.2, 0.7, 1.0], dtype=torch.float64),
+    }
     geo.load_state_dict({"transforms": {n: {"U": U[n].float(), "d": d[n].float()} for n in U}})
     t = GeoTransform(geo, [bucket])
     t.register_bucket(0, bucket.plan.offsets, [p.numel() for p in bucket.params], [0, numel], "cpu")
@@ -103,11 +105,11 @@ def test_geo_transform_round_trip_and_wire_coordinates_match_fp64():
     wire = t.to_wire(x.clone(), 0)
     for name, p, off in zip(["up.weight", "down.weight"], bucket.params, bucket.plan.offsets):
         rows, cols = p.shape
-        G = x[off:off + rows * cols].double().view(rows, cols)
-        T = torch.eye(cols, dtype=torch.float64) + U[name] @ torch.diag(d[name] - 1) @ U[name].T   # FP64 reference
-        torch.testing.assert_close(wire[off:off + rows * cols].double().view(rows, cols), G @ T, rtol=0, atol=1e-5)
+        G = x[off : off + rows * cols].double().view(rows, cols)
+        T = torch.eye(cols, dtype=torch.float64) + U[name] @ torch.diag(d[name] - 1) @ U[name].T  # FP64 reference
+        torch.testing.assert_close(wire[off : off + rows * cols].double().view(rows, cols), G @ T, rtol=0, atol=1e-5)
     gap = slice(bucket.params[0].numel(), bucket.plan.offsets[1])
-    assert torch.equal(wire[gap], x[gap])                                   # padding is no layer's: untouched
+    assert torch.equal(wire[gap], x[gap])  # padding is no layer's: untouched
     assert [s[0] for s in t.transformed_layers(0)] == ["up.weight", "down.weight"]
     back = t.from_wire(wire.clone(), 0, 0)
     torch.testing.assert_close(back.double(), x.double(), rtol=0, atol=1e-5)
@@ -129,21 +131,24 @@ def test_geo_transform_rebases_the_tracked_residuals_at_a_refresh():
     before = residual.clone()
     t.track_residuals({0: residual})
     old = dict(geo.transforms)
-    new = {n: LowRankTransform(_orthonormal(tt.U.shape[0], 3, 7).float(), torch.tensor([0.2, 0.5, 0.8]))
-           for n, tt in old.items()}
-    for fn in geo._listeners:          # what GeoState.refresh does after building the new transforms
+    new = {
+        n: LowRankTransform(_orthonormal(tt.U.shape[0], 3, 7).float(), torch.tensor([0.2, 0.5, 0.8]))
+        for n, tt in old.items()
+    }
+    for fn in geo._listeners:  # what GeoState.refresh does after building the new transforms
         fn(old, new)
     off, (rows, cols) = bucket.plan.offsets[1], bucket.params[1].shape
-    got = residual[off:off + rows * cols].view(rows, cols).double()
-    Tn = new["down.weight"].dense().double()                  # T_old = I: R <- R T_new
-    torch.testing.assert_close(got, before[off:off + rows * cols].view(rows, cols).double() @ Tn, rtol=0, atol=1e-5)
+    got = residual[off : off + rows * cols].view(rows, cols).double()
+    Tn = new["down.weight"].dense().double()  # T_old = I: R <- R T_new
+    torch.testing.assert_close(got, before[off : off + rows * cols].view(rows, cols).double() @ Tn, rtol=0, atol=1e-5)
     gap = slice(bucket.params[0].numel(), off)
     assert torch.equal(residual[gap], before[gap])
 
 
 def _lowp(**kw):
-    red = LowPrecisionReducer(None, 2, 0, "fp8_e4m3", error_feedback=True, rounding="stochastic", seed=11,
-                              compile=False, **kw)
+    red = LowPrecisionReducer(
+        None, 2, 0, "fp8_e4m3", error_feedback=True, rounding="stochastic", seed=11, compile=False, **kw
+    )
     red.register_bucket(0, [0, 32], [20, 30], [0, 32, 64], "cpu")
     red.register_bucket(1, [0], [48], [0, 32, 64], "cpu")
     return red
@@ -154,17 +159,18 @@ def test_reducer_state_dict_round_trip_into_a_fresh_reducer():
     g = torch.Generator().manual_seed(2)
     for res in red.state_dict()["residuals"].values():
         res.copy_(torch.randn(res.numel(), generator=g))
-    torch.rand(5, generator=red.generator)           # advance the stochastic-rounding generator
+    torch.rand(5, generator=red.generator)  # advance the stochastic-rounding generator
     sd = red.state_dict()
     fresh = _lowp()
     assert not torch.equal(fresh.state_dict()["generator"], sd["generator"])
-    fresh.load_state_dict({"residuals": {k: v.clone() for k, v in sd["residuals"].items()},
-                           "generator": sd["generator"].clone()})
+    fresh.load_state_dict(
+        {"residuals": {k: v.clone() for k, v in sd["residuals"].items()}, "generator": sd["generator"].clone()}
+    )
     got = fresh.state_dict()
     assert sorted(got["residuals"]) == [0, 1]
     for k in sd["residuals"]:
         assert torch.equal(got["residuals"][k], sd["residuals"][k])
-        assert got["residuals"][k].data_ptr() != sd["residuals"][k].data_ptr()    # copied in, not aliased
+        assert got["residuals"][k].data_ptr() != sd["residuals"][k].data_ptr()  # copied in, not aliased
     assert torch.equal(got["generator"], sd["generator"])
     # the two now quantise alike: the same stochastic draws and the same residual update
     x = torch.randn(64, generator=g)
@@ -183,7 +189,7 @@ def test_reducer_load_state_dict_rejects_unknown_buckets_and_sizes():
         red.load_state_dict({"residuals": {0: torch.zeros(10)}})
     plain = FP32Reducer(None, 2, 0)
     assert plain.state_dict() == {} and plain.geo is None
-    plain.reset_error_feedback()                       # a no-op, not an AttributeError
+    plain.reset_error_feedback()  # a no-op, not an AttributeError
     plain.load_state_dict({})
     with pytest.raises(KeyError):
         plain.load_state_dict({"residuals": {0: torch.zeros(4)}})
@@ -207,9 +213,15 @@ def test_geo_state_dict_round_trip_into_a_fresh_state():
         geo.record_bound_hits("up.weight", torch.randn(16, 24, generator=g) * torch.logspace(-8, 2, 24))
         geo.record_bound_hits("down.weight", torch.randn(24, 16, generator=g))
         geo.end_profiled_step()
-    geo.load_state_dict({"selected": ["down.weight"], "last_refresh": 4,
-                         "transforms": {"down.weight": {"U": _orthonormal(16, 4, 4).float(),
-                                                        "d": torch.tensor([0.1, 0.2, 0.4, 0.8])}}})
+    geo.load_state_dict(
+        {
+            "selected": ["down.weight"],
+            "last_refresh": 4,
+            "transforms": {
+                "down.weight": {"U": _orthonormal(16, 4, 4).float(), "d": torch.tensor([0.1, 0.2, 0.4, 0.8])}
+            },
+        }
+    )
     sd = geo.state_dict()
     assert sd["profiled"] == 2 and sd["selected"] == ["down.weight"] and sd["last_refresh"] == 4
     assert sd["hits"]["up.weight"] > 0
@@ -219,7 +231,7 @@ def test_geo_state_dict_round_trip_into_a_fresh_state():
     got = fresh.state_dict()
     assert got["hits"] == sd["hits"] and got["profiled"] == 2 and got["last_refresh"] == 4
     assert got["selected"] == ["down.weight"] and not fresh.profiling
-    assert list(fresh.stats.modules) == ["down.weight"]        # statistics collectors follow the selection
+    assert list(fresh.stats.modules) == ["down.weight"]  # statistics collectors follow the selection
     for n in sd["transforms"]:
         for k in ("U", "d"):
             assert torch.equal(got["transforms"][n][k], sd["transforms"][n][k])

@@ -12,8 +12,8 @@ def _batch(cfg):
     s, v = cfg.model.seq_length, cfg.model.vocab_size
     data = torch.randint(0, v, (2, s + 1), generator=g)
     mask = torch.zeros(2, s)
-    mask[0, 5] = 1.0          # rank 0: 1 valid token
-    mask[1, 2:11] = 1.0       # rank 1: 9 valid tokens
+    mask[0, 5] = 1.0  # rank 0: 1 valid token
+    mask[1, 2:11] = 1.0  # rank 1: 9 valid tokens
     return data[:, :-1], data[:, 1:], mask
 
 
@@ -23,7 +23,7 @@ def _grads(rank, world):
     model, _, _, sync, opt = build_model_and_optimizer(cfg, pctx)
     tokens, labels, mask = _batch(cfg)
     if world == 2:
-        tokens, labels, mask = tokens[rank:rank + 1], labels[rank:rank + 1], mask[rank:rank + 1]
+        tokens, labels, mask = tokens[rank : rank + 1], labels[rank : rank + 1], mask[rank : rank + 1]
     from megatron_geo.training.step import train_step
 
     # lr 0 and no clipping: read the reduced gradient the optimizer saw
@@ -34,8 +34,8 @@ def _grads(rank, world):
 def _reference():
     """Direct single-process autograd of (sum of masked token losses) / 10, no project gradient path."""
     cfg = tiny_cfg()
+
     from megatron_geo.model import Llama
-    import torch.distributed as dist
 
     pctx = pctx_for(1)
     model = Llama(cfg.model, pctx.tp_group, cfg.train.seed)

@@ -21,7 +21,7 @@ def test_t_quantiles_match_the_table():
 
 def test_three_seeds_t_interval_and_verdicts():
     ref = {0: 3.00, 1: 3.10, 2: 2.90}
-    worse = {0: 3.10, 1: 3.22, 2: 2.98}                 # d = 0.10, 0.12, 0.08: mean 0.1, sd 0.02
+    worse = {0: 3.10, 1: 3.22, 2: 2.98}  # d = 0.10, 0.12, 0.08: mean 0.1, sd 0.02
     v = paired_verdict(worse, ref)
     half = T975[2] * 0.02 / math.sqrt(3)
     assert v["method"] == "t" and v["n"] == 3
@@ -30,7 +30,7 @@ def test_three_seeds_t_interval_and_verdicts():
     assert v["verdict"] == "worse"
     better = {s: ref[s] - (worse[s] - ref[s]) for s in ref}
     assert paired_verdict(better, ref)["verdict"] == "better"
-    noisy = {0: 3.05, 1: 3.05, 2: 2.90}               # d = 0.05, -0.05, 0: straddles 0
+    noisy = {0: 3.05, 1: 3.05, 2: 2.90}  # d = 0.05, -0.05, 0: straddles 0
     v = paired_verdict(noisy, ref)
     assert v["verdict"] == "not distinguishable at 3 seeds" and v["lo"] < 0 < v["hi"]
 

@@ -29,25 +29,50 @@ from verdict import paired_verdict  # noqa: E402
 
 STEPS, EVAL = 6, 2
 NAN = float("nan")
-REF = {1: 3.20, 2: 3.31, 3: 3.12}                # bf16 final validation losses
-GAP = {1: 0.052, 2: 0.054, 3: 0.047}             # fp8 - bf16 at the end, all clearly worse
+REF = {1: 3.20, 2: 3.31, 3: 3.12}  # bf16 final validation losses
+GAP = {1: 0.052, 2: 0.054, 3: 0.047}  # fp8 - bf16 at the end, all clearly worse
 
 
-def write_run(root: Path, dtype: str, seed: int, vals: dict[int, float], losses: dict[int, float] | None = None,
-              stop_at: int | None = None, extra: tuple[str, ...] = ()) -> Path:
+def write_run(
+    root: Path,
+    dtype: str,
+    seed: int,
+    vals: dict[int, float],
+    losses: dict[int, float] | None = None,
+    stop_at: int | None = None,
+    extra: tuple[str, ...] = (),
+) -> Path:
     """A run folder: ``vals`` = {step: validation loss} (NaN allowed), ``losses`` = {step: train loss} (default
     a finite decreasing curve); ``stop_at``: the run ends there with a skipped step (non-finite gradient)."""
     d = root / f"{dtype}-seed{seed}"
     d.mkdir(parents=True)
-    cfg = load_config([], [f"comm.dtype={dtype}", f"train.seed={seed}", f"train.steps={STEPS}",
-                           f"train.eval_interval={EVAL}", "logging.wandb=disabled", *extra])
+    cfg = load_config(
+        [],
+        [
+            f"comm.dtype={dtype}",
+            f"train.seed={seed}",
+            f"train.steps={STEPS}",
+            f"train.eval_interval={EVAL}",
+            "logging.wandb=disabled",
+            *extra,
+        ],
+    )
     (d / "config.yaml").write_text(dump_config(cfg))
     log = MetricsLogger(str(d), True, "disabled", "p", "", "", [], {})
     for step in range(1, (stop_at or STEPS) + 1):
         loss = (losses or {}).get(step, 6.0 - 0.3 * step)
         skipped = stop_at == step
-        rec = {"step": step, "lr": 1e-3, "grad_norm": NAN if skipped else 1.0, "tokens_per_sec": 100.0,
-               "comm_bytes": 10, "step_time_s": 0.1, "consumed_samples": step, "skipped": skipped, "loss": loss}
+        rec = {
+            "step": step,
+            "lr": 1e-3,
+            "grad_norm": NAN if skipped else 1.0,
+            "tokens_per_sec": 100.0,
+            "comm_bytes": 10,
+            "step_time_s": 0.1,
+            "consumed_samples": step,
+            "skipped": skipped,
+            "loss": loss,
+        }
         if step in vals:
             rec["val_loss"] = vals[step]
         log.log(rec)
@@ -91,7 +116,8 @@ def test_a_diverged_run_is_scored_by_its_non_finite_end(sweep):
     # the unpaired mean and std are over the two runs that finished
     vals = [REF[1] + GAP[1], REF[2] + GAP[2]]
     assert f["final_val_loss_mean"] == pytest.approx(np.mean(vals)) and f["final_val_loss_std"] == pytest.approx(
-        np.std(vals, ddof=1))
+        np.std(vals, ddof=1)
+    )
     runs = {(r.mode, r.seed): r for r in cr.load_sweep(sweep)}
     bad = runs["fp8", 3]
     assert bad.diverged and math.isnan(bad.final_val_loss) and math.isnan(bad.final_loss)
@@ -101,8 +127,11 @@ def test_a_diverged_run_is_scored_by_its_non_finite_end(sweep):
 
 def test_the_tables_and_the_csv_name_the_diverged_run(sweep, tmp_path):
     out = tmp_path / "out"
-    res = subprocess.run([sys.executable, str(REPO / "tools" / "compare_runs.py"), str(sweep), "--out", str(out),
-                          "--no-plots"], capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "compare_runs.py"), str(sweep), "--out", str(out), "--no-plots"],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr
     mean, lo, hi = t_interval([GAP[1], GAP[2]])
     md = (out / "results.md").read_text()
@@ -154,8 +183,13 @@ def test_a_run_stopped_on_a_non_finite_step_is_diverged_not_incomplete(tmp_path)
 def test_a_diverged_reference_seed_drops_its_pair_and_is_named(tmp_path):
     root = tmp_path / "sw"
     for s in REF:
-        write_run(root, "bf16", s, {2: 5.0, 4: REF[s] + 1.0, 6: NAN if s == 2 else REF[s]},
-                  losses={6: NAN} if s == 2 else None)
+        write_run(
+            root,
+            "bf16",
+            s,
+            {2: 5.0, 4: REF[s] + 1.0, 6: NAN if s == 2 else REF[s]},
+            losses={6: NAN} if s == 2 else None,
+        )
         write_run(root, "fp8_e4m3", s, {2: 5.0, 4: 4.0, 6: REF[s] + GAP[s]})
     rows = {r["mode"]: r for r in cr.summarize(cr.group_modes(cr.load_sweep(root)), "bf16")}
     mean, _, _ = t_interval([GAP[1], GAP[3]])
@@ -187,10 +221,10 @@ def test_seeds_to_resolve_says_when_it_cannot_be_estimated(tmp_path):
     assert "none (needs >= 2 pairs, has 1)" in table
     assert "3.1000 ± n/a (1 finite run)" in cr.markdown_table(rows, "bf16")
     describe_seeds_needed = verdict.describe_seeds_needed
-    one = paired_verdict({1: 3.1}, {1: 3.0})                       # one pair, gap +0.10
+    one = paired_verdict({1: 3.1}, {1: 3.0})  # one pair, gap +0.10
     assert one["mean"] == pytest.approx(0.1) and describe_seeds_needed(one) == "unknown (one pair)"
     assert describe_seeds_needed(paired_verdict({}, {1: 3.0})) == "unknown (no pairs)"
-    zero = paired_verdict({1: 3.1, 2: 2.9}, {1: 3.0, 2: 3.0})      # d = +0.1, -0.1: mean exactly 0
+    zero = paired_verdict({1: 3.1, 2: 2.9}, {1: 3.0, 2: 3.0})  # d = +0.1, -0.1: mean exactly 0
     assert zero["mean"] == 0 and describe_seeds_needed(zero) == "never (gap 0)"
     # a gap far below the spread: past the search limit, not "never"
     tiny = paired_verdict({1: 3.0 + 1e-6 + 0.1, 2: 3.0 + 1e-6 - 0.1}, {1: 3.0, 2: 3.0})
@@ -198,8 +232,9 @@ def test_seeds_to_resolve_says_when_it_cannot_be_estimated(tmp_path):
     # seeds to resolve an ordinary gap: the smallest n with t(0.975, n-1) sd / sqrt(n) < |mean|
     d = [0.10, 0.12, 0.08]
     n = next(k for k in range(2, 100) if stats.t.ppf(0.975, k - 1) * np.std(d, ddof=1) / math.sqrt(k) < np.mean(d))
-    assert describe_seeds_needed(paired_verdict({i: 3 + x for i, x in enumerate(d)}, {i: 3.0 for i in range(3)})) \
-        == str(n)
+    assert describe_seeds_needed(
+        paired_verdict({i: 3 + x for i, x in enumerate(d)}, {i: 3.0 for i in range(3)})
+    ) == str(n)
 
 
 def test_seed_aggregate_of_the_fidelity_summary():

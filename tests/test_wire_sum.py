@@ -14,9 +14,9 @@ from megatron_geo.comm.wire_sum import ring_order, simulate_wire_sum
 from megatron_geo.config import ConfigError
 from megatron_geo.config.label import derive_label
 from megatron_geo.config.schema import CommConfig, Config
-from megatron_geo.training.validate import validate_config
 from megatron_geo.distributed.shard_plan import plan_shards
 from megatron_geo.training import telemetry
+from megatron_geo.training.validate import validate_config
 
 # mantissa bits, smallest normal exponent, largest finite value
 GRID = {"fp8_e4m3": (3, -6, 448.0), "fp8_e5m2": (2, -14, 57344.0)}
@@ -27,9 +27,9 @@ def rne_sat(v: np.ndarray, fmt: str) -> np.ndarray:
     """float64 ``v`` rounded to the nearest FP8 value (ties to even), clamped to +-max."""
     mbits, emin, fmax = GRID[fmt]
     a = np.abs(v)
-    _, ex = np.frexp(a)                         # a = m * 2**ex, 0.5 <= m < 1
+    _, ex = np.frexp(a)  # a = m * 2**ex, 0.5 <= m < 1
     quantum = np.ldexp(1.0, np.maximum(ex - 1, emin) - mbits)
-    r = np.minimum(np.round(a / quantum) * quantum, fmax)   # np.round: half to even
+    r = np.minimum(np.round(a / quantum) * quantum, fmax)  # np.round: half to even
     return np.copysign(r, v)
 
 
@@ -91,11 +91,13 @@ def test_simulate_wire_sum_equals_fp64_ring(fmt, prediv, n):
 
 def test_ring_fp8_sum_error_grows_with_ranks_where_fp32_accumulation_does_not():
     """The FP8 ring sum re-rounds at every hop, so its error grows with N."""
+
     def rel(n):
         g = [torch.randn(4096, generator=torch.Generator().manual_seed(r)) for r in range(n)]
         ref = torch.stack(g).double().mean(0)
         avg, _ = simulate_wire_sum(g, "fp8_e4m3", prediv=True)
         return float((avg.double() - ref).norm() / ref.norm())
+
     assert rel(32) > 2 * rel(2)
 
 
@@ -104,15 +106,14 @@ def _bucket(flat: torch.Tensor, plan) -> torch.Tensor:
     buf = torch.zeros(plan.buffer_numel)
     pos = 0
     for off, n in zip(plan.offsets, NUMELS):
-        buf[off:off + n] = flat[pos:pos + n]
+        buf[off : off + n] = flat[pos : pos + n]
         pos += n
     return buf
 
 
 def _run(rank, world, fmt, prediv, mode):
     pctx = pctx_for(1)
-    red = build_reducer(CommConfig(dtype=fmt, reduce_op="wire_sum", wire_sum_prediv=prediv),
-                        pctx.dp_group, world, rank)
+    red = build_reducer(CommConfig(dtype=fmt, reduce_op="wire_sum", wire_sum_prediv=prediv), pctx.dp_group, world, rank)
     plan = plan_shards(NUMELS, [False] * len(NUMELS), world, red.alignment())
     red.register_bucket(0, plan.offsets, NUMELS, plan.chunk, "cpu")
     buf = _bucket(coherent_grads(world, sum(NUMELS), seed=7)[rank], plan)
@@ -142,9 +143,9 @@ def _reference_bucket(world, fmt, prediv, plan):
         flushed[r] = ((codes[r] == 0) & (bufs[r] != 0)).sum() / max((bufs[r] != 0).sum(), 1)
     c = plan.chunk
     for o in range(world):
-        p, s = ref_ring(codes[:, o * c:(o + 1) * c], o, fmt)
-        out[o * c:(o + 1) * c] = (p.astype(np.float32) * scales[o * c:(o + 1) * c]) / np.float32(world)
-        sat[o * c:(o + 1) * c] = s
+        p, s = ref_ring(codes[:, o * c : (o + 1) * c], o, fmt)
+        out[o * c : (o + 1) * c] = (p.astype(np.float32) * scales[o * c : (o + 1) * c]) / np.float32(world)
+        sat[o * c : (o + 1) * c] = s
     return out, sat, flushed
 
 
@@ -152,7 +153,9 @@ CASES = {2: [("fp8_e4m3", True), ("fp8_e5m2", False)], 3: [("fp8_e4m3", False), 
 
 
 def _run_cases(rank, world):
-    return [(_run(rank, world, fmt, prediv, "rs"), _run(rank, world, fmt, prediv, "ar")) for fmt, prediv in CASES[world]]
+    return [
+        (_run(rank, world, fmt, prediv, "rs"), _run(rank, world, fmt, prediv, "ar")) for fmt, prediv in CASES[world]
+    ]
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -167,9 +170,9 @@ def _check_case(world, fmt, prediv, res):
     plan = plan_shards(NUMELS, [False] * len(NUMELS), world, 16)
     assert plan.chunk == chunk
     want, sat, flushed = _reference_bucket(world, fmt, prediv, plan)
-    for r, ((buf, hits, _, _, sent), (ar_buf, _, _, _, _)) in enumerate(res):
+    for r, ((buf, _hits, _, _, sent), (ar_buf, _, _, _, _)) in enumerate(res):
         sl = slice(r * chunk, (r + 1) * chunk)
-        np.testing.assert_array_equal(buf[sl].numpy(), want[sl])        # bitwise: same codes, same decode
+        np.testing.assert_array_equal(buf[sl].numpy(), want[sl])  # bitwise: same codes, same decode
         # one byte per element but the own range, plus the MAX all-reduce of one FP32 amax per scale group
         # (each parameter and the padding group)
         amax_bytes = 4 * (len(NUMELS) + 1)
@@ -179,7 +182,7 @@ def _check_case(world, fmt, prediv, res):
         assert torch.equal(ar_buf, res[0][1][0])
         np.testing.assert_array_equal(ar_buf.numpy(), want)
     # bound hits, DP-averaged: saturated over each owner's range, flushed over each rank's own non-zero inputs
-    sat_mean = np.mean([sat[r * chunk:(r + 1) * chunk].mean() for r in range(world)])
+    sat_mean = np.mean([sat[r * chunk : (r + 1) * chunk].mean() for r in range(world)])
     assert res[0][0][1]["comm/bound_hits/saturated/bucket0"] == pytest.approx(sat_mean)
     assert res[0][0][1]["comm/bound_hits/flushed/bucket0"] == pytest.approx(flushed.mean())
     if not prediv:
@@ -225,7 +228,7 @@ def _fake_fp8_collectives(fmt):
     def reduce_scatter_into(out, inp, group, async_op=False):
         assert out.dtype == inp.dtype and inp.dtype.itemsize == 1 and inp.dtype != torch.uint8  # an FP8 dtype
         r, n = dist.get_rank(group), out.numel()
-        total, _ = ring_sum(gather(inp.view(torch.uint8), group)[:, r * n:(r + 1) * n], r, fmt)
+        total, _ = ring_sum(gather(inp.view(torch.uint8), group)[:, r * n : (r + 1) * n], r, fmt)
         out.view(torch.uint8).copy_(total)
         return _Done()
 
@@ -261,7 +264,7 @@ def _run_native_vs_emulated(rank, world, fmt, uneven):
         finally:
             C.reduce_scatter_into, C.reduce_ranges = saved
         b = red.bounds[0]
-        outs.append((buf[b[rank]:b[rank + 1]].clone(), red.bytes_sent))
+        outs.append((buf[b[rank] : b[rank + 1]].clone(), red.bytes_sent))
     return outs
 
 

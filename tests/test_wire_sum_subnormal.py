@@ -60,20 +60,20 @@ def reference_mean(x: np.ndarray, fmt: str, prediv: bool, plan) -> np.ndarray:
     scales = np.ones(plan.buffer_numel, dtype=np.float32)
     pos = 0
     for off, n in zip(plan.offsets, NUMELS):
-        bufs[:, off:off + n] = x[:, pos:pos + n]
+        bufs[:, off : off + n] = x[:, pos : pos + n]
         pos += n
         ext = -(-n // 16) * 16
-        scales[off:off + ext] = ref_scale(float(np.abs(bufs[:, off:off + ext]).max()), world, fmt, prediv)
+        scales[off : off + ext] = ref_scale(float(np.abs(bufs[:, off : off + ext]).max()), world, fmt, prediv)
     codes = rne_sat((bufs / scales).astype(np.float64), fmt)  # the FP32 quotient, then FP8 rounding
     out = np.zeros(plan.buffer_numel, dtype=np.float32)
     c = plan.chunk
     for o in range(world):
         order = [(o + 1 + i) % world for i in range(world)]
-        p = codes[order[0], o * c:(o + 1) * c].copy()
+        p = codes[order[0], o * c : (o + 1) * c].copy()
         for src in order[1:]:
-            p = rne_sat(p + codes[src, o * c:(o + 1) * c], fmt)
-        prod = np.float32(p * scales[o * c:(o + 1) * c].astype(np.float64))   # one rounding of the exact product
-        out[o * c:(o + 1) * c] = np.float32(prod.astype(np.float64) / world)   # one rounding of the quotient
+            p = rne_sat(p + codes[src, o * c : (o + 1) * c], fmt)
+        prod = np.float32(p * scales[o * c : (o + 1) * c].astype(np.float64))  # one rounding of the exact product
+        out[o * c : (o + 1) * c] = np.float32(prod.astype(np.float64) / world)  # one rounding of the quotient
     return out
 
 
@@ -83,7 +83,7 @@ def _bucket(flat: np.ndarray, plan):
     buf = torch.zeros(plan.buffer_numel)
     pos = 0
     for off, n in zip(plan.offsets, NUMELS):
-        buf[off:off + n] = torch.from_numpy(flat[pos:pos + n].copy())
+        buf[off : off + n] = torch.from_numpy(flat[pos : pos + n].copy())
         pos += n
     return buf
 
@@ -97,8 +97,9 @@ def _reduce_all(rank, world):
             x = rank_grads(world, mag, seed=100 * world + i)
             res = {}
             for mode in ("ar", "rs"):
-                red = build_reducer(CommConfig(dtype=fmt, reduce_op="wire_sum", wire_sum_prediv=prediv),
-                                    pctx.dp_group, world, rank)
+                red = build_reducer(
+                    CommConfig(dtype=fmt, reduce_op="wire_sum", wire_sum_prediv=prediv), pctx.dp_group, world, rank
+                )
                 plan = plan_shards(NUMELS, [False] * len(NUMELS), world, red.alignment())
                 red.register_bucket(0, plan.offsets, NUMELS, plan.chunk, "cpu")
                 buf = _bucket(x[rank], plan)
@@ -120,14 +121,16 @@ def test_wire_sum_all_reduce_decodes_to_p_s_over_n(world):
         for r in range(world):
             got = per_rank[r][k][3]
             # reduce-scatter: this rank's own range; all-reduce: the whole bucket, on every rank
-            if not np.array_equal(got["rs"][r * c:(r + 1) * c], want[r * c:(r + 1) * c]):
+            if not np.array_equal(got["rs"][r * c : (r + 1) * c], want[r * c : (r + 1) * c]):
                 failures.append(f"reduce-scatter {fmt} prediv={prediv} |g|~{mag:g} rank {r}")
             if not np.array_equal(got["ar"], want):
                 bad = got["ar"] != want
                 tiny = np.finfo(np.float32).smallest_subnormal
                 rel = np.max(np.abs(got["ar"][bad] - want[bad]) / np.maximum(np.abs(want[bad]), tiny))
-                failures.append(f"all-reduce {fmt} prediv={prediv} |g|~{mag:g} rank {r}: {bad.sum()} elements "
-                                f"differ, max relative {rel:.2e}")
+                failures.append(
+                    f"all-reduce {fmt} prediv={prediv} |g|~{mag:g} rank {r}: {bad.sum()} elements "
+                    f"differ, max relative {rel:.2e}"
+                )
     assert not failures, "\n".join(failures)
 
 
@@ -137,7 +140,7 @@ def test_simulation_decodes_to_p_s_over_n_for_subnormal_quotients(fmt, n):
     """The single-process simulation of the same collective, against the same reference (one parameter)."""
     import torch
 
-    x = rank_grads(n, 3e-39, seed=n)[:, :NUMELS[0]]
+    x = rank_grads(n, 3e-39, seed=n)[:, : NUMELS[0]]
     got, _ = simulate_wire_sum([torch.from_numpy(r.copy()) for r in x], fmt, prediv=True)
     scale = ref_scale(float(np.abs(x).max()), n, fmt, True)
     assert np.float32(scale / np.float32(n)) < np.finfo(np.float32).tiny  # the case where s / N is subnormal

@@ -77,8 +77,9 @@ class Run:
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """``(steps, values)`` of the records that carry a finite ``key``."""
-        pts = [(r["step"], float(r[key])) for r in self.records
-               if r.get(key) is not None and math.isfinite(float(r[key]))]
+        pts = [
+            (r["step"], float(r[key])) for r in self.records if r.get(key) is not None and math.isfinite(float(r[key]))
+        ]
         return [p[0] for p in pts], [p[1] for p in pts]
 
     def mean_series(self, prefix: str) -> tuple[list[int], list[float]]:
@@ -185,8 +186,10 @@ def read_metrics(path: Path) -> list[dict]:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise CompareError(f"{path}:{i}: not valid JSON ({e.msg}); was the run interrupted while writing? "
-                               f"delete the partial line or rerun the run") from None
+            raise CompareError(
+                f"{path}:{i}: not valid JSON ({e.msg}); was the run interrupted while writing? "
+                f"delete the partial line or rerun the run"
+            ) from None
         if not isinstance(rec, dict) or "step" not in rec:
             raise CompareError(f"{path}:{i}: a metrics record must be an object with a 'step' key")
         out.append(rec)
@@ -205,11 +208,11 @@ def _wandb_records(data: bytes, path: Path) -> list[bytes]:
         if left < 7:
             i += left
             continue
-        length, kind = int.from_bytes(data[i + 4:i + 6], "little"), data[i + 6]
+        length, kind = int.from_bytes(data[i + 4 : i + 6], "little"), data[i + 6]
         i += 7
         if kind == 0 and length == 0:
             break  # zero padding at the end of a file that is still being written
-        chunk, i = data[i:i + length], i + length
+        chunk, i = data[i : i + length], i + length
         if kind == 1:
             out.append(chunk)
         elif kind == 2:
@@ -252,25 +255,34 @@ def load_sweep(sweep_dir: str | Path, skip_incomplete: bool = False) -> list[Run
     root = Path(sweep_dir)
     if not root.is_dir():
         raise CompareError(f"sweep folder '{root}' not found; pass the --sweep-dir of tools/run_comparison.py")
+
     def hidden(p: Path) -> bool:  # .replaced/ (old runs moved aside by run_comparison --force), .git, ...
         return any(part.startswith(".") for part in p.relative_to(root).parts)
 
-    dirs = sorted({p.parent for pat in ("config.yaml", "metrics.jsonl") for p in root.rglob(pat)
-                   if "wandb" not in p.relative_to(root).parts and not hidden(p)})
+    dirs = sorted(
+        {
+            p.parent
+            for pat in ("config.yaml", "metrics.jsonl")
+            for p in root.rglob(pat)
+            if "wandb" not in p.relative_to(root).parts and not hidden(p)
+        }
+    )
     wandb_runs: dict[Path, Path] = {}
     for f in sorted(root.rglob("run-*.wandb")):
         if hidden(f):
             continue
         parts = f.relative_to(root).parts
         if "wandb" in parts and f.parent.name.startswith("offline-run-"):
-            owner = root.joinpath(*parts[:parts.index("wandb")])
+            owner = root.joinpath(*parts[: parts.index("wandb")])
             if not (owner / "metrics.jsonl").is_file():
                 wandb_runs[owner] = f  # sorted: the latest offline run of a folder wins
     found = set(dirs) | set(wandb_runs)
     for child in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         if not any(child == d or child in d.parents for d in found):
-            print(f"warning: ignoring '{child}': no config.yaml, metrics.jsonl or offline wandb run in it",
-                  file=sys.stderr)
+            print(
+                f"warning: ignoring '{child}': no config.yaml, metrics.jsonl or offline wandb run in it",
+                file=sys.stderr,
+            )
     runs = []
     for d, f in wandb_runs.items():
         cfg, recs, name = read_wandb_offline(f)
@@ -292,22 +304,29 @@ def load_sweep(sweep_dir: str | Path, skip_incomplete: bool = False) -> list[Run
                 print(f"warning: skipping '{d}' ({'no config.yaml' if recs else 'no metrics'})", file=sys.stderr)
                 continue
             what = "config.yaml" if recs else "metrics (metrics.jsonl missing or empty)"
-            raise CompareError(f"run '{d}' has no {what}; let the run finish, rerun it "
-                               f"(tools/run_comparison.py --resume), or pass --skip-incomplete")
+            raise CompareError(
+                f"run '{d}' has no {what}; let the run finish, rerun it "
+                f"(tools/run_comparison.py --resume), or pass --skip-incomplete"
+            )
         cfg = yaml.safe_load(c.read_text()) or {}
         steps = cfg.get("train", {}).get("steps")
         stopped = isinstance(steps, int) and recs[-1]["step"] < steps
         nonfinite = stopped and stopped_on_nonfinite(recs, cfg)
         if nonfinite:
-            print(f"warning: '{d}' stopped at step {recs[-1]['step']} of {steps} on a non-finite gradient: counted "
-                  f"as diverged", file=sys.stderr)
+            print(
+                f"warning: '{d}' stopped at step {recs[-1]['step']} of {steps} on a non-finite gradient: counted "
+                f"as diverged",
+                file=sys.stderr,
+            )
         elif stopped:
             if skip_incomplete:
                 print(f"warning: skipping '{d}' (stopped at step {recs[-1]['step']} of {steps})", file=sys.stderr)
                 continue
-            raise CompareError(f"run '{d}' stopped at step {recs[-1]['step']} of train.steps={steps} (still running, "
-                               f"or failed: see its train.log); wait, rerun it (tools/run_comparison.py "
-                               f"--resume), or pass --skip-incomplete")
+            raise CompareError(
+                f"run '{d}' stopped at step {recs[-1]['step']} of train.steps={steps} (still running, "
+                f"or failed: see its train.log); wait, rerun it (tools/run_comparison.py "
+                f"--resume), or pass --skip-incomplete"
+            )
         match = re.fullmatch(r"(.+)-seed(\d+)", d.name)
         mode = _label(cfg) or (match.group(1) if match else _mode_from_config(cfg))
         seed = cfg.get("train", {}).get("seed", int(match.group(2)) if match else 0)
@@ -317,8 +336,9 @@ def load_sweep(sweep_dir: str | Path, skip_incomplete: bool = False) -> list[Run
     seen = {}
     for r in runs:
         if (r.mode, r.seed) in seen:
-            raise CompareError(f"two runs of mode '{r.mode}' with seed {r.seed}: '{seen[r.mode, r.seed]}' and "
-                               f"'{r.path}'; remove one")
+            raise CompareError(
+                f"two runs of mode '{r.mode}' with seed {r.seed}: '{seen[r.mode, r.seed]}' and '{r.path}'; remove one"
+            )
         seen[r.mode, r.seed] = r.path
     return runs
 
@@ -363,36 +383,69 @@ def summarize(modes: dict[str, list[Run]], baseline: str = "bf16") -> list[dict]
         v = paired_verdict({r.seed: r.final_val_loss for r in rs}, b_by_seed) if base and mode != baseline else None
         val = _finite_vals(rs)
         mean, std = _mean(val), _std(val)
-        paired = [r.final_val_loss - b_by_seed[r.seed] for r in rs if r.seed in b_by_seed
-                  and math.isfinite(r.final_val_loss) and math.isfinite(b_by_seed[r.seed])]
+        paired = [
+            r.final_val_loss - b_by_seed[r.seed]
+            for r in rs
+            if r.seed in b_by_seed and math.isfinite(r.final_val_loss) and math.isfinite(b_by_seed[r.seed])
+        ]
         by = _mean([r.comm_bytes_per_step for r in rs])
         gap = mean - b_mean
         diverged = [r.seed for r in rs if r.diverged]
-        rows.append({
-            "mode": mode, "seeds": len(rs), "finite_runs": len(val), "diverged": len(diverged),
-            "diverged_seeds": diverged,
-            "reference_diverged_seeds": v["reference_diverged"] if v else [],
-            "steps": max(r.records[-1]["step"] for r in rs),
-            "final_val_loss_mean": mean, "final_val_loss_std": std,
-            "gap": gap, "gap_sigma": gap / b_std if b_std and b_std > 0 else math.nan,
-            "paired_gap": _mean(paired) if paired else math.nan,
-            "final_train_loss_mean": _mean([r.final_loss for r in rs if not r.diverged]),
-            "comm_bytes_per_step": by, "bytes_rel": by / b_bytes if b_bytes and b_bytes > 0 else math.nan,
-            "tokens_per_sec": _mean([r.tokens_per_sec for r in rs]),
-            "ci_lo": v["lo"] if v else math.nan, "ci_hi": v["hi"] if v else math.nan,
-            "ci_method": v["method"] if v else "", "verdict": v["verdict"] if v else ("reference" if base else ""),
-            "seeds_needed": v["seeds_needed"] if v else math.nan, "paired_seeds": v["n"] if v else 0,
-            "seeds_needed_text": describe_seeds_needed(v) if v else "",
-            "ci_text": describe_interval(v) if v else "",
-        })
+        rows.append(
+            {
+                "mode": mode,
+                "seeds": len(rs),
+                "finite_runs": len(val),
+                "diverged": len(diverged),
+                "diverged_seeds": diverged,
+                "reference_diverged_seeds": v["reference_diverged"] if v else [],
+                "steps": max(r.records[-1]["step"] for r in rs),
+                "final_val_loss_mean": mean,
+                "final_val_loss_std": std,
+                "gap": gap,
+                "gap_sigma": gap / b_std if b_std and b_std > 0 else math.nan,
+                "paired_gap": _mean(paired) if paired else math.nan,
+                "final_train_loss_mean": _mean([r.final_loss for r in rs if not r.diverged]),
+                "comm_bytes_per_step": by,
+                "bytes_rel": by / b_bytes if b_bytes and b_bytes > 0 else math.nan,
+                "tokens_per_sec": _mean([r.tokens_per_sec for r in rs]),
+                "ci_lo": v["lo"] if v else math.nan,
+                "ci_hi": v["hi"] if v else math.nan,
+                "ci_method": v["method"] if v else "",
+                "verdict": v["verdict"] if v else ("reference" if base else ""),
+                "seeds_needed": v["seeds_needed"] if v else math.nan,
+                "paired_seeds": v["n"] if v else 0,
+                "seeds_needed_text": describe_seeds_needed(v) if v else "",
+                "ci_text": describe_interval(v) if v else "",
+            }
+        )
     # sorted by the paired gap (the reference first, modes without a pair last)
     rows.sort(key=lambda r: (r["mode"] != baseline, math.isnan(r["paired_gap"]), r["paired_gap"]))
     return rows
 
 
-CSV_COLUMNS = ["mode", "seeds", "diverged", "diverged_seeds", "steps", "final_val_loss_mean", "final_val_loss_std",
-               "gap", "gap_sigma", "paired_gap", "paired_seeds", "ci_lo", "ci_hi", "ci_method", "verdict",
-               "seeds_needed", "final_train_loss_mean", "comm_bytes_per_step", "bytes_rel", "tokens_per_sec"]
+CSV_COLUMNS = [
+    "mode",
+    "seeds",
+    "diverged",
+    "diverged_seeds",
+    "steps",
+    "final_val_loss_mean",
+    "final_val_loss_std",
+    "gap",
+    "gap_sigma",
+    "paired_gap",
+    "paired_seeds",
+    "ci_lo",
+    "ci_hi",
+    "ci_method",
+    "verdict",
+    "seeds_needed",
+    "final_train_loss_mean",
+    "comm_bytes_per_step",
+    "bytes_rel",
+    "tokens_per_sec",
+]
 
 
 def _csv_value(r: dict, k: str):
@@ -419,8 +472,10 @@ def _f(x: float, fmt: str) -> str:
 
 
 def markdown_table(rows: list[dict], baseline: str) -> str:
-    head = (f"| mode | seeds | final val loss (mean ± std) | gap to {baseline} | gap / {baseline} std | "
-            f"paired gap | final train loss | bytes/step | bytes vs {baseline} | tokens/s |")
+    head = (
+        f"| mode | seeds | final val loss (mean ± std) | gap to {baseline} | gap / {baseline} std | "
+        f"paired gap | final train loss | bytes/step | bytes vs {baseline} | tokens/s |"
+    )
     lines = [head, "|" + "---|" * 10]
     for r in rows:
         seeds = f"{r['seeds']} ({_diverged_text(r['diverged_seeds'])})" if r["diverged"] else f"{r['seeds']}"
@@ -430,7 +485,8 @@ def markdown_table(rows: list[dict], baseline: str) -> str:
             f"| {r['mode']} | {seeds} | {_f(r['final_val_loss_mean'], '.4f')} ± {std}"
             f" | {_f(r['gap'], '+.4f')} | {_f(r['gap_sigma'], '+.2f')} | {_f(r['paired_gap'], '+.4f')}"
             f" | {_f(r['final_train_loss_mean'], '.4f')} | {_f(r['comm_bytes_per_step'], ',.0f')}"
-            f" | {_f(r['bytes_rel'], '.3f')} | {_f(r['tokens_per_sec'], ',.0f')} |")
+            f" | {_f(r['bytes_rel'], '.3f')} | {_f(r['tokens_per_sec'], ',.0f')} |"
+        )
     return "\n".join(lines)
 
 
@@ -443,16 +499,21 @@ def verdict_table(rows: list[dict], baseline: str) -> str:
     """One line per mode: paired gap of the final validation loss to ``baseline`` with its 95% interval, the
     verdict, the seeds needed to resolve the gap and the diverged seeds (left out of the pairs; rows as
     :func:`summarize` sorts them)."""
-    lines = [f"| mode | paired seeds | final val loss - {baseline} (same seed) | 95% interval | verdict | "
-             f"seeds to resolve the gap | diverged (left out) |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| mode | paired seeds | final val loss - {baseline} (same seed) | 95% interval | verdict | "
+        f"seeds to resolve the gap | diverged (left out) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r["mode"] == baseline or not r["verdict"]:
             continue
         div = [_diverged_text(r["diverged_seeds"])] if r["diverged_seeds"] else []
         if r["reference_diverged_seeds"]:
             div.append(f"{baseline} {_diverged_text(r['reference_diverged_seeds'])}")
-        lines.append(f"| {r['mode']} | {r['paired_seeds']} | {_f(r['paired_gap'], '+.4f')} | "
-                     f"{r['ci_text']} | **{r['verdict']}** | {r['seeds_needed_text']} | {'; '.join(div) or 'none'} |")
+        lines.append(
+            f"| {r['mode']} | {r['paired_seeds']} | {_f(r['paired_gap'], '+.4f')} | "
+            f"{r['ci_text']} | **{r['verdict']}** | {r['seeds_needed_text']} | {'; '.join(div) or 'none'} |"
+        )
     return "\n".join(lines)
 
 
@@ -507,8 +568,18 @@ def _band(ax, steps, vals, label, color, i=0, band="minmax"):
     Each mode gets its own line style and marker (``i``), so equal curves stay visible on top of each other."""
     mean = [sum(c) / len(c) for c in zip(*vals)]
     every = max(1, len(steps) // 12)
-    ax.plot(steps, mean, label=label, color=color, lw=1.4, ls=STYLES[i % len(STYLES)],
-            marker=MARKERS[i % len(MARKERS)], markevery=every, ms=4, mfc="none")
+    ax.plot(
+        steps,
+        mean,
+        label=label,
+        color=color,
+        lw=1.4,
+        ls=STYLES[i % len(STYLES)],
+        marker=MARKERS[i % len(MARKERS)],
+        markevery=every,
+        ms=4,
+        mfc="none",
+    )
     if len(vals) > 1:
         if band == "ci":
             from verdict import t_quantile
@@ -637,8 +708,9 @@ def _zoom(ax, modes, key) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("sweep_dir", help="folder of runs (tools/run_comparison.py --sweep-dir)")
     ap.add_argument("--out", default=None, help="output folder (default: SWEEP_DIR)")
     ap.add_argument("--baseline", default="bf16", help="mode the gaps are taken to (default bf16)")
@@ -656,7 +728,9 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 order = json.loads(manifest.read_text()).get("presets")
             except (ValueError, AttributeError):
-                print(f"warning: '{manifest}' is not a sweep record (damaged?); modes in default order", file=sys.stderr)
+                print(
+                    f"warning: '{manifest}' is not a sweep record (damaged?); modes in default order", file=sys.stderr
+                )
         modes = group_modes(runs, order)
     except CompareError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -669,34 +743,52 @@ def main(argv: list[str] | None = None) -> int:
     lengths = sorted({r.records[-1]["step"] for r in runs})
     unequal = ""
     if len(lengths) > 1:
-        unequal = (f"**Warning:** the runs have different lengths ({', '.join(map(str, lengths))} steps); their final "
-                   f"losses are not comparable. Put runs of one length in one sweep folder.")
+        unequal = (
+            f"**Warning:** the runs have different lengths ({', '.join(map(str, lengths))} steps); their final "
+            f"losses are not comparable. Put runs of one length in one sweep folder."
+        )
         print(f"warning: {unequal.replace('**Warning:** ', '')}", file=sys.stderr)
     rows = summarize(modes, a.baseline)
     if a.baseline not in modes and a.baseline != "bf16":
-        print(f"error: --baseline {a.baseline} is not a mode of this sweep; choose one of {', '.join(modes)}",
-              file=sys.stderr)
+        print(
+            f"error: --baseline {a.baseline} is not a mode of this sweep; choose one of {', '.join(modes)}",
+            file=sys.stderr,
+        )
         return 2
     if a.baseline not in modes:
-        print(f"warning: baseline mode '{a.baseline}' not in the sweep (modes: {', '.join(modes)}); gap and "
-              f"relative-bytes columns are n/a (choose one with --baseline)", file=sys.stderr)
+        print(
+            f"warning: baseline mode '{a.baseline}' not in the sweep (modes: {', '.join(modes)}); gap and "
+            f"relative-bytes columns are n/a (choose one with --baseline)",
+            file=sys.stderr,
+        )
     write_csv(rows, out / "results.csv")
     table = markdown_table(rows, a.baseline)
     n_div = sum(r.diverged for r in runs)
-    note = (f"Sweep `{Path(a.sweep_dir).name}`: {len(runs)} runs, {len(modes)} modes"
-            + (f", {n_div} diverged (non-finite end: left out of every mean, std and pair, named in the seeds "
-               f"column)" if n_div else "") + ". Final val loss = last "
-            f"validation loss of each run; std is the sample std over seeds; gap / {a.baseline} std = "
-            f"(mean - {a.baseline} mean) / {a.baseline} std; paired gap = mean over seeds of (run - {a.baseline} "
-            f"run of the same seed); bytes/step = bytes one rank sent for DP gradient reduction per step; "
-            f"tokens/s = global, mean over steps after the first.")
+    note = (
+        f"Sweep `{Path(a.sweep_dir).name}`: {len(runs)} runs, {len(modes)} modes"
+        + (
+            f", {n_div} diverged (non-finite end: left out of every mean, std and pair, named in the seeds column)"
+            if n_div
+            else ""
+        )
+        + ". Final val loss = last "
+        f"validation loss of each run; std is the sample std over seeds; gap / {a.baseline} std = "
+        f"(mean - {a.baseline} mean) / {a.baseline} std; paired gap = mean over seeds of (run - {a.baseline} "
+        f"run of the same seed); bytes/step = bytes one rank sent for DP gradient reduction per step; "
+        f"tokens/s = global, mean over steps after the first."
+    )
     verdicts = verdict_table(rows, a.baseline) if a.baseline in modes and len(modes) > 1 else ""
-    vnote = (f"Verdicts: paired (same-seed) difference of the final validation loss to {a.baseline}, 95% "
-             f"confidence interval of its mean over seeds (Student t below 5 seeds, BCa bootstrap from 5); better / "
-             f"worse only when the interval excludes 0; seeds to resolve = paired seeds whose t interval would be "
-             f"narrower than the observed gap (tools/verdict.py).")
-    (out / "results.md").write_text((f"{unequal}\n\n" if unequal else "") + f"{note}\n\n{table}\n"
-                                    + (f"\n{vnote}\n\n{verdicts}\n" if verdicts else ""))
+    vnote = (
+        f"Verdicts: paired (same-seed) difference of the final validation loss to {a.baseline}, 95% "
+        f"confidence interval of its mean over seeds (Student t below 5 seeds, BCa bootstrap from 5); better / "
+        f"worse only when the interval excludes 0; seeds to resolve = paired seeds whose t interval would be "
+        f"narrower than the observed gap (tools/verdict.py)."
+    )
+    (out / "results.md").write_text(
+        (f"{unequal}\n\n" if unequal else "")
+        + f"{note}\n\n{table}\n"
+        + (f"\n{vnote}\n\n{verdicts}\n" if verdicts else "")
+    )
     print(table)
     if verdicts:
         print()

@@ -46,8 +46,10 @@ def find_checkpoint(path: Path) -> Path:
             found = latest_checkpoint(cand)
             if found is not None:
                 return found
-    raise ConfigError(f"{path} holds no complete checkpoint (a step_* folder with meta.json and .metadata, a "
-                      f"checkpoints folder, or a run folder with checkpoints/)")
+    raise ConfigError(
+        f"{path} holds no complete checkpoint (a step_* folder with meta.json and .metadata, a "
+        f"checkpoints folder, or a run folder with checkpoints/)"
+    )
 
 
 def read_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -71,9 +73,11 @@ def read_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
             dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), no_dist=True)
     except (CheckpointException, OSError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"{ckpt} could not be read ({type(e).__name__}: {first[:300]}); it is damaged or "
-                          f"incomplete, convert another step_* folder") from None
-    return {k[len("model/"):]: v for k, v in state.items()}
+        raise ConfigError(
+            f"{ckpt} could not be read ({type(e).__name__}: {first[:300]}); it is damaged or "
+            f"incomplete, convert another step_* folder"
+        ) from None
+    return {k[len("model/") :]: v for k, v in state.items()}
 
 
 def tokenizer_for(cfg, explicit: str | None) -> str | None:
@@ -94,8 +98,9 @@ def _hf_modules():
         import safetensors  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as e:
-        raise ConfigError(f"the Hugging Face conversion needs the optional packages ({e.name} is missing): "
-                          f"pip install -e '.[hf]'") from None
+        raise ConfigError(
+            f"the Hugging Face conversion needs the optional packages ({e.name} is missing): pip install -e '.[hf]'"
+        ) from None
     from megatron_geo.checkpoint import hf_io
 
     return hf_io
@@ -130,10 +135,11 @@ def to_hf(a) -> int:
         raise ConfigError(f"tokenizer {tok} not found; pass --tokenizer PATH or --no-tokenizer")
     hf_io.check_output(a.output, a.force, ckpt)  # before reading the weights
     state = read_model_state(ckpt)
-    names = hf_io.export_hf(state, cfg, a.output, a.dtype, max_shard, tok and str(Path(tok).expanduser()),
-                            a.force)
-    print(f"{ckpt} (step {meta['step']}, saved at DP={meta['dp_size']} TP={meta['tp_size']}) -> {a.output}: "
-          f"Hugging Face Llama, {a.dtype}, {', '.join(names)}")
+    names = hf_io.export_hf(state, cfg, a.output, a.dtype, max_shard, tok and str(Path(tok).expanduser()), a.force)
+    print(
+        f"{ckpt} (step {meta['step']}, saved at DP={meta['dp_size']} TP={meta['tp_size']}) -> {a.output}: "
+        f"Hugging Face Llama, {a.dtype}, {', '.join(names)}"
+    )
     return 0
 
 
@@ -146,54 +152,90 @@ def from_hf(a) -> int:
     model, state = hf_io.read_hf(a.checkpoint)
     overrides = [f"model.{k}={v}" for k, v in model.items()]
     cfg = load_config(a.config or [], overrides)
-    model_yaml = ("# the model section of the imported Hugging Face Llama (pass it after the base config)\n"
-                  "model:\n" + "".join(f"  {k}: {v}\n" for k, v in model.items()))
-    hf_io.write_checkpoint(state, cfg, a.output, a.force, source=f"hf:{a.checkpoint.name}",
-                           extra_files={"model.yaml": model_yaml})
+    model_yaml = (
+        "# the model section of the imported Hugging Face Llama (pass it after the base config)\n"
+        "model:\n" + "".join(f"  {k}: {v}\n" for k, v in model.items())
+    )
+    hf_io.write_checkpoint(
+        state, cfg, a.output, a.force, source=f"hf:{a.checkpoint.name}", extra_files={"model.yaml": model_yaml}
+    )
     configs = "".join(f"--config {c} " for c in a.config or [])
-    print(f"{a.checkpoint} -> {a.output}: {len(state)} tensors, step 0, no optimizer state. Continue training with:\n"
-          f"  python pretrain_llama.py {configs}--config {a.output / 'model.yaml'} checkpoint.load={a.output} "
-          f"train.run_dir=runs/{a.output.name}-run")
+    print(
+        f"{a.checkpoint} -> {a.output}: {len(state)} tensors, step 0, no optimizer state. Continue training with:\n"
+        f"  python pretrain_llama.py {configs}--config {a.output / 'model.yaml'} checkpoint.load={a.output} "
+        f"train.run_dir=runs/{a.output.name}-run"
+    )
     if (a.checkpoint / "tokenizer.model").is_file():
-        print(f"on data tokenized with {a.checkpoint / 'tokenizer.model'} (data.tokenizer_model; see "
-              f"tools/preprocess_data.py)")
+        print(
+            f"on data tokenized with {a.checkpoint / 'tokenizer.model'} (data.tokenizer_model; see "
+            f"tools/preprocess_data.py)"
+        )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", type=Path, help="step_* folder, checkpoints folder, or run folder (with --from hf: "
-                                                 "a Hugging Face model folder)")
-    p.add_argument("output", type=Path, help="consolidated .pt file to write (--to hf: a folder; --from hf: the "
-                                             "checkpoint folder)")
-    p.add_argument("--to", choices=("pt", "hf"), default="pt", help="pt: one consolidated file (default); hf: a "
-                                                                     "Hugging Face Llama folder")
-    p.add_argument("--from", dest="source", choices=("ours", "hf"), default="ours",
-                   help="hf: import a Hugging Face Llama folder as a checkpoint to resume from")
+    p.add_argument(
+        "checkpoint",
+        type=Path,
+        help="step_* folder, checkpoints folder, or run folder (with --from hf: a Hugging Face model folder)",
+    )
+    p.add_argument(
+        "output", type=Path, help="consolidated .pt file to write (--to hf: a folder; --from hf: the checkpoint folder)"
+    )
+    p.add_argument(
+        "--to",
+        choices=("pt", "hf"),
+        default="pt",
+        help="pt: one consolidated file (default); hf: a Hugging Face Llama folder",
+    )
+    p.add_argument(
+        "--from",
+        dest="source",
+        choices=("ours", "hf"),
+        default="ours",
+        help="hf: import a Hugging Face Llama folder as a checkpoint to resume from",
+    )
     p.add_argument("--tokenizer", help="SentencePiece .model to embed (default: the one the run trained with)")
     p.add_argument("--no-tokenizer", action="store_true", help="embed no tokenizer")
     p.add_argument("--dtype", choices=("bf16", "fp32"), help="--to hf: weight dtype (default bf16)")
     p.add_argument("--max-shard-size", help="--to hf: largest safetensors file (default 5GB)")
-    p.add_argument("--config", action="append", help="--from hf: training config file(s) for everything but the "
-                                                     "model section (repeatable; default: the defaults)")
+    p.add_argument(
+        "--config",
+        action="append",
+        help="--from hf: training config file(s) for everything but the "
+        "model section (repeatable; default: the defaults)",
+    )
     p.add_argument("--force", action="store_true", help="replace a non-empty output folder (--to hf, --from hf)")
     a = p.parse_args(argv)
     try:
         if a.source == "hf" and a.to == "hf":
             raise ConfigError("--from hf and --to hf together convert nothing; use one of them")
-        export_only = [f for f, v in (("--dtype", a.dtype), ("--max-shard-size", a.max_shard_size),
-                                      ("--tokenizer", a.tokenizer), ("--no-tokenizer", a.no_tokenizer)) if v]
+        export_only = [
+            f
+            for f, v in (
+                ("--dtype", a.dtype),
+                ("--max-shard-size", a.max_shard_size),
+                ("--tokenizer", a.tokenizer),
+                ("--no-tokenizer", a.no_tokenizer),
+            )
+            if v
+        ]
         if a.source == "hf" and export_only:
-            raise ConfigError(f"{', '.join(export_only)} apply to an export (--to hf or .pt); an import (--from hf) "
-                              f"takes the weights as they are")
+            raise ConfigError(
+                f"{', '.join(export_only)} apply to an export (--to hf or .pt); an import (--from hf) "
+                f"takes the weights as they are"
+            )
         if a.to != "hf" and (a.dtype or a.max_shard_size):
             raise ConfigError("--dtype and --max-shard-size apply to --to hf; a .pt export is FP32 in one file")
         if a.tokenizer and a.no_tokenizer:
             raise ConfigError("--tokenizer and --no-tokenizer contradict each other; pass one of them")
         a.dtype, a.max_shard_size = a.dtype or "bf16", a.max_shard_size or "5GB"
         if a.config and a.source != "hf":
-            raise ConfigError("--config applies to --from hf (the training config of the imported checkpoint); an "
-                              "export uses the config stored in the checkpoint")
+            raise ConfigError(
+                "--config applies to --from hf (the training config of the imported checkpoint); an "
+                "export uses the config stored in the checkpoint"
+            )
         if a.source == "hf":
             return from_hf(a)
         if a.to == "hf":
@@ -212,8 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     n = sum(t.numel() for t in state.values())
-    print(f"{ckpt} (step {meta['step']}, saved at DP={meta['dp_size']} TP={meta['tp_size']}) -> {out}: "
-          f"{len(state)} tensors, {n:,} values, tokenizer {tok or 'none'}")
+    print(
+        f"{ckpt} (step {meta['step']}, saved at DP={meta['dp_size']} TP={meta['tp_size']}) -> {out}: "
+        f"{len(state)} tensors, {n:,} values, tokenizer {tok or 'none'}"
+    )
     return 0
 
 

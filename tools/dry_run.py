@@ -45,10 +45,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_geo.config import ConfigError, load_config  # noqa: E402
-from megatron_geo.training.validate import validate_config  # noqa: E402
-from megatron_geo.training.validate import output_file_problem  # noqa: E402
+from megatron_geo.training.validate import (
+    output_file_problem,  # noqa: E402
+    validate_config,  # noqa: E402
+)
 
-GiB = 2 ** 30
+GiB = 2**30
 
 
 def persistent_bytes(model, buckets, optimizer, reducer) -> dict:
@@ -111,7 +113,7 @@ def loopback_gathers():
         saved_into(out, inp, group, async_op=False)
         me = dist.get_rank(group)
         out.zero_()
-        out[me * inp.numel():(me + 1) * inp.numel()].copy_(inp.reshape(-1))
+        out[me * inp.numel() : (me + 1) * inp.numel()].copy_(inp.reshape(-1))
         return _Done()
 
     C.all_gather_ranges, C.all_gather_into = gather_ranges, gather_into
@@ -146,22 +148,28 @@ def run_steps(cfg, pctx, dp: int, steps: int) -> tuple[list[dict], dict]:
         mean per-token loss of its micro-batches at the initial parameters, nats); ``state``: ``model``,
         ``buckets``, ``reducer``, ``optimizer`` and ``build_s`` (seconds to build them).
     """
-    from megatron_geo.training.step import train_step
     from megatron_geo.training.setup import build_model_and_optimizer
+    from megatron_geo.training.step import train_step
 
     dev = pctx.device
     torch.manual_seed(cfg.train.seed)
     t0 = time.perf_counter()
     model, buckets, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
-    state = {"model": model, "buckets": buckets, "reducer": reducer, "optimizer": opt,
-             "build_s": time.perf_counter() - t0}
+    state = {
+        "model": model,
+        "buckets": buckets,
+        "reducer": reducer,
+        "optimizer": opt,
+        "build_s": time.perf_counter() - t0,
+    }
     geo = reducer.geo
     records = []
     with loopback_gathers():
         for step, mbs in enumerate(rank0_micro_batches(cfg, dp, steps)):
             t = time.perf_counter()
-            res = train_step(model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad, cfg.train.autocast_dtype,
-                             geo=geo, step=step)
+            res = train_step(
+                model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad, cfg.train.autocast_dtype, geo=geo, step=step
+            )
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             rec = {"step": step + 1, "time_s": time.perf_counter() - t, "updated": not res.skipped}
@@ -179,9 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2, help="optimizer steps to run (default 2)")
     ap.add_argument("--json", default=None, metavar="OUT")
-    ap.add_argument("--exact-init", action="store_true",
-                    help="the trainer's truncated-normal initialisation (slow on CPU for large models); by default a "
-                         "plain normal draw of the same std, which changes values only")
+    ap.add_argument(
+        "--exact-init",
+        action="store_true",
+        help="the trainer's truncated-normal initialisation (slow on CPU for large models); by default a "
+        "plain normal draw of the same std, which changes values only",
+    )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
     for flag, v in (("--dp", args.dp), ("--tp", args.tp), ("--steps", args.steps)):
@@ -217,31 +228,48 @@ def main(argv: list[str] | None = None) -> int:
     pctx = build_groups(0, world, args.tp, dev, "fake")
     steps, state = run_steps(cfg, pctx, args.dp, args.steps)
     buckets = state["buckets"]
-    print(f"dry run: rank 0 of DP={args.dp} x TP={args.tp} on {dev} (fake process group); {len(buckets)} buckets, "
-          f"{sum(1 for b in buckets if not b.plan.even)} with uneven owner ranges; built in {state['build_s']:.1f} s. "
-          f"Shown: step times and rank 0's step-1 loss; the global loss and the gradient norm depend on other ranks' "
-          f"data, which the fake process group does not move", flush=True)
+    print(
+        f"dry run: rank 0 of DP={args.dp} x TP={args.tp} on {dev} (fake process group); {len(buckets)} buckets, "
+        f"{sum(1 for b in buckets if not b.plan.even)} with uneven owner ranges; built in {state['build_s']:.1f} s. "
+        f"Shown: step times and rank 0's step-1 loss; the global loss and the gradient norm depend on other ranks' "
+        f"data, which the fake process group does not move",
+        flush=True,
+    )
     for rec in steps:
         loss = f" rank 0 loss {rec['loss']:.4f} (its micro-batches, initial parameters)" if "loss" in rec else ""
-        print(f"step {rec['step']}:{loss} {rec['time_s']:.2f} s{'' if rec['updated'] else ' (update skipped)'}",
-              flush=True)
+        print(
+            f"step {rec['step']}:{loss} {rec['time_s']:.2f} s{'' if rec['updated'] else ' (update skipped)'}",
+            flush=True,
+        )
     mem = persistent_bytes(state["model"], buckets, state["optimizer"], state["reducer"])
-    out = {"dp": args.dp, "tp": args.tp, "device": str(dev),
-           "steps": [{k: v for k, v in r.items() if k != "loss"} for r in steps],
-           "rank0_step1_loss": steps[0]["loss"], "persistent_bytes": mem,
-           "optimizer_steps": sum(1 for s in steps if s["updated"])}
-    line = f"persistent memory of rank 0: {mem['total'] / GiB:.3f} GiB (" + ", ".join(
-        f"{k} {v / GiB:.3f}" for k, v in mem.items() if k != "total") + ")"
+    out = {
+        "dp": args.dp,
+        "tp": args.tp,
+        "device": str(dev),
+        "steps": [{k: v for k, v in r.items() if k != "loss"} for r in steps],
+        "rank0_step1_loss": steps[0]["loss"],
+        "persistent_bytes": mem,
+        "optimizer_steps": sum(1 for s in steps if s["updated"]),
+    }
+    line = (
+        f"persistent memory of rank 0: {mem['total'] / GiB:.3f} GiB ("
+        + ", ".join(f"{k} {v / GiB:.3f}" for k, v in mem.items() if k != "total")
+        + ")"
+    )
     if plan is not None:
         out["plan_persistent_bytes_rank0"] = plan["rank0"]["persistent_bytes"]
         out["measured_over_plan"] = mem["total"] / plan["rank0"]["persistent_bytes"]
-        line += f"; plan_report says {plan['rank0']['persistent_bytes'] / GiB:.3f} GiB (x{out['measured_over_plan']:.3f})"
+        line += (
+            f"; plan_report says {plan['rank0']['persistent_bytes'] / GiB:.3f} GiB (x{out['measured_over_plan']:.3f})"
+        )
     print(line)
     if dev.type == "cuda":
         out["cuda_memory_allocated"] = torch.cuda.memory_allocated(dev)
         out["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(dev)
-        print(f"CUDA memory allocated {out['cuda_memory_allocated'] / GiB:.2f} GiB, peak "
-              f"{out['cuda_max_memory_allocated'] / GiB:.2f} GiB")
+        print(
+            f"CUDA memory allocated {out['cuda_memory_allocated'] / GiB:.2f} GiB, peak "
+            f"{out['cuda_max_memory_allocated'] / GiB:.2f} GiB"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     dist.destroy_process_group()

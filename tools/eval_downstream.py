@@ -68,14 +68,18 @@ def go_offline_if_unreachable() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("checkpoints", nargs="+", help="consolidated checkpoint files or Hugging Face folders")
     ap.add_argument("--tasks", default=",".join(PAPER_TASKS), help="comma-separated lm-eval task names")
     ap.add_argument("--tokenizer", default=None, help="SentencePiece .model (default: the one in the checkpoint)")
     ap.add_argument("--include-path", default=None, help="folder of extra task YAMLs")
-    ap.add_argument("--no-default-tasks", action="store_true",
-                    help="index only --include-path tasks (faster start-up; for local tasks)")
+    ap.add_argument(
+        "--no-default-tasks",
+        action="store_true",
+        help="index only --include-path tasks (faster start-up; for local tasks)",
+    )
     ap.add_argument("--labels", default=None, help="comma-separated group label per checkpoint")
     ap.add_argument("--baseline", default=None, help="label the deltas are taken to (default bf16, else the first)")
     ap.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's, 0)")
@@ -96,8 +100,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--labels has {len(labels)} entries for {len(a.checkpoints)} checkpoints; give one each")
         for c in a.checkpoints:  # fail before spending time on the first one
             if not Path(c).exists():
-                raise CheckpointError(f"checkpoint '{c}' not found; pass a file written by save_consolidated "
-                                      f"(tools/convert_checkpoint.py) or a Hugging Face folder (--to hf)")
+                raise CheckpointError(
+                    f"checkpoint '{c}' not found; pass a file written by save_consolidated "
+                    f"(tools/convert_checkpoint.py) or a Hugging Face folder (--to hf)"
+                )
         if a.tokenizer and not Path(a.tokenizer).is_file():
             raise ValueError(f"--tokenizer '{a.tokenizer}' not found; pass the SentencePiece .model file")
         note = go_offline_if_unreachable()
@@ -106,9 +112,17 @@ def main(argv: list[str] | None = None) -> int:
         evals = []
         for i, c in enumerate(a.checkpoints):
             print(f"[{i + 1}/{len(a.checkpoints)}] evaluating {c} on {len(tasks)} task(s)", flush=True)
-            e = evaluate_checkpoint(c, tasks, tokenizer=a.tokenizer, include_path=a.include_path,
-                                    include_defaults=not a.no_default_tasks, num_fewshot=a.num_fewshot,
-                                    limit=a.limit, batch_size=a.batch_size, device=a.device)
+            e = evaluate_checkpoint(
+                c,
+                tasks,
+                tokenizer=a.tokenizer,
+                include_path=a.include_path,
+                include_defaults=not a.no_default_tasks,
+                num_fewshot=a.num_fewshot,
+                limit=a.limit,
+                batch_size=a.batch_size,
+                device=a.device,
+            )
             if labels:
                 e["label"] = labels[i]
             evals.append(e)
@@ -116,9 +130,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (ConnectionError, OSError) as e:  # datasets: Hub unreachable / offline and not cached
-        print(f"error: task data could not be loaded ({type(e).__name__}: {e}); run once where the Hugging Face "
-              f"Hub is reachable (lm-eval caches the data under HF_DATASETS_CACHE) or use local task YAMLs with "
-              f"--include-path", file=sys.stderr)
+        print(
+            f"error: task data could not be loaded ({type(e).__name__}: {e}); run once where the Hugging Face "
+            f"Hub is reachable (lm-eval caches the data under HF_DATASETS_CACHE) or use local task YAMLs with "
+            f"--include-path",
+            file=sys.stderr,
+        )
         return 2
     summary = summarize(evals, a.baseline)
     out = Path(a.out)

@@ -56,14 +56,18 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 from megatron_geo.analysis import scenarios as SC  # noqa: E402
-from megatron_geo.analysis.codec_table import (bytes_per_element_of, evaluate_codec, format_table,  # noqa: E402
-                                               preset_codecs)
+from megatron_geo.analysis.codec_table import bytes_per_element_of, evaluate_codec, format_table, preset_codecs  # noqa: E402
 from megatron_geo.analysis.fidelity import COLLECTIVES  # noqa: E402
 from megatron_geo.analysis.geo_ablation import GEO_FP8, check_geo_fp8_codec, preset_side  # noqa: E402
 from megatron_geo.analysis.geo_command import run_model, run_scenario  # noqa: E402
 from megatron_geo.analysis.geo_report import geo_report, summary_report  # noqa: E402
-from megatron_geo.analysis.model_capture import (DEFAULT_CONFIG, capture_rank_grads, close_session,  # noqa: E402
-                                                 open_session, train_steps)
+from megatron_geo.analysis.model_capture import (  # noqa: E402
+    DEFAULT_CONFIG,
+    capture_rank_grads,
+    close_session,
+    open_session,
+    train_steps,
+)
 from megatron_geo.analysis.report_io import write_json  # noqa: E402
 from megatron_geo.comm.roundtrip import normalize_codec, parse_codec  # noqa: E402
 from megatron_geo.config import ConfigError  # noqa: E402
@@ -73,64 +77,128 @@ DEFAULT_CODECS = preset_codecs()  # the codec of every configs/comm preset witho
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="Overrides: section.key=value, e.g. model.num_layers=2 train.seed=7",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", action="append", default=[], metavar="FILE",
-                   help="YAML config, repeatable, merged in order (default configs/tiny.yaml)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Overrides: section.key=value, e.g. model.num_layers=2 train.seed=7",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="YAML config, repeatable, merged in order (default configs/tiny.yaml)",
+    )
     p.add_argument("--warmup-steps", type=int, default=100, help="training steps before capturing (default 100)")
-    p.add_argument("--ranks", type=int, default=None,
-                   help="simulated DP ranks (model: micro-batches captured, default 4; scenarios: default 8)")
-    p.add_argument("--codecs", nargs="+", default=DEFAULT_CODECS, metavar="SPEC",
-                   help="codec specs (default: %(default)s)")
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        help="simulated DP ranks (model: micro-batches captured, default 4; scenarios: default 8)",
+    )
+    p.add_argument(
+        "--codecs", nargs="+", default=DEFAULT_CODECS, metavar="SPEC", help="codec specs (default: %(default)s)"
+    )
     p.add_argument("--out", default="runs/grad_fidelity.json", help="JSON output (default %(default)s)")
     p.add_argument("--per-layer", action="store_true", help="also print one row per layer and codec")
     p.add_argument("--no-directions", action="store_true", help="skip the per-direction error (FP64 SVDs)")
     g = p.add_argument_group("GeoFP8 ablation (--geo)")
-    g.add_argument("--geo", action="store_true",
-                   help="ablation mode: FP8 (--geo-fp8-codec, default E4M3 tensor scaling) and NVFP4 reduces in "
-                        "GeoFP8 coordinate systems instead of the --codecs table")
-    g.add_argument("--geo-layers", default="layers.*.mlp.down_proj.weight",
-                   help="comma-separated globs of the GeoFP8-selected weights (default %(default)s)")
+    g.add_argument(
+        "--geo",
+        action="store_true",
+        help="ablation mode: FP8 (--geo-fp8-codec, default E4M3 tensor scaling) and NVFP4 reduces in "
+        "GeoFP8 coordinate systems instead of the --codecs table",
+    )
+    g.add_argument(
+        "--geo-layers",
+        default="layers.*.mlp.down_proj.weight",
+        help="comma-separated globs of the GeoFP8-selected weights (default %(default)s)",
+    )
     g.add_argument("--geo-rank", type=int, default=32, help="rank of the GeoFP8 transform (default 32)")
-    g.add_argument("--geo-damping", type=float, default=1e-3,
-                   help="damping relative to the factor's mean eigenvalue (default 1e-3)")
+    g.add_argument(
+        "--geo-damping",
+        type=float,
+        default=1e-3,
+        help="damping relative to the factor's mean eigenvalue (default 1e-3)",
+    )
     g.add_argument("--geo-lowranks", default="8,16,32", help="low-rank sweep (default %(default)s)")
     g.add_argument("--geo-blocks", default="32,128", help="block-diagonal block sizes (default %(default)s)")
     g.add_argument("--geo-dampings", default="1e-4,1e-3,1e-2,1e-1", help="damping sweep at --geo-rank (model)")
-    g.add_argument("--geo-fp8-codec", default=GEO_FP8, metavar="SPEC",
-                   help="codec of the FP8 rows (default %(default)s; e.g. fp8_e5m2:tensor, fp8_e4m3:block128)")
-    g.add_argument("--geo-power-search", default="0.5,0.375,0.25,0.125,0",
-                   help="candidate powers for the geo.power_search rows (as the trainer's key; '' drops the rows)")
-    g.add_argument("--geo-staleness", default="10,25,50",
-                   help="steps after t at which the transform built at t is applied to new gradients (model); '' "
-                        "skips (default %(default)s)")
-    g.add_argument("--output-factor", choices=("grads", "hooks"), default=None,
-                   help="output-side factor: sum_r G_r G_r^T / (R d_in) from the weight gradients, or E[g g^T] of "
-                        "the output gradients (the K-FAC output factor; backward hooks on the model) (default: grads "
-                        "for the model, hooks for a scenario)")
-    g.add_argument("--geo-transform-precision", choices=("fp64", "fp32"), default="fp64",
-                   help="apply the transforms in FP64 (only the codec loses) or in the trainer's FP32")
-    g.add_argument("--no-investigate", action="store_true",
-                   help="skip the 'investigate' rows (D power 1/4, gradient-Gram oracle factor)")
+    g.add_argument(
+        "--geo-fp8-codec",
+        default=GEO_FP8,
+        metavar="SPEC",
+        help="codec of the FP8 rows (default %(default)s; e.g. fp8_e5m2:tensor, fp8_e4m3:block128)",
+    )
+    g.add_argument(
+        "--geo-power-search",
+        default="0.5,0.375,0.25,0.125,0",
+        help="candidate powers for the geo.power_search rows (as the trainer's key; '' drops the rows)",
+    )
+    g.add_argument(
+        "--geo-staleness",
+        default="10,25,50",
+        help="steps after t at which the transform built at t is applied to new gradients (model); '' "
+        "skips (default %(default)s)",
+    )
+    g.add_argument(
+        "--output-factor",
+        choices=("grads", "hooks"),
+        default=None,
+        help="output-side factor: sum_r G_r G_r^T / (R d_in) from the weight gradients, or E[g g^T] of "
+        "the output gradients (the K-FAC output factor; backward hooks on the model) (default: grads "
+        "for the model, hooks for a scenario)",
+    )
+    g.add_argument(
+        "--geo-transform-precision",
+        choices=("fp64", "fp32"),
+        default="fp64",
+        help="apply the transforms in FP64 (only the codec loses) or in the trainer's FP32",
+    )
+    g.add_argument(
+        "--no-investigate",
+        action="store_true",
+        help="skip the 'investigate' rows (D power 1/4, gradient-Gram oracle factor)",
+    )
     g.add_argument("--markdown", metavar="FILE", help="also write the report as Markdown")
-    g.add_argument("--collective", choices=COLLECTIVES, default="fp32",
-                   help="fp32: per-rank scales, FP32 sum (comm.reduce_op=fp32_sum); wire_sum: the paper's collective "
-                        "(one shared scale, FP8 ring sum; comm.reduce_op=wire_sum) (default %(default)s)")
-    g.add_argument("--wire-sum-prediv", choices=("true", "false"), default="true",
-                   help="with --collective wire_sum: divide by N before the sum (default %(default)s)")
-    g.add_argument("--preset", default="geofp8",
-                   help="GeoFP8 preset (configs/comm/NAME.yaml) whose settings are the summary's geo default "
-                        "(default %(default)s)")
-    g.add_argument("--paper", action="store_true",
-                   help="add the paper's Table I-II rows (blocks 32/64/128, low ranks 8/16/32) and print them next "
-                        "to the published values")
-    g.add_argument("--window", type=int, default=1,
-                   help="also report the RelL2 of the sum of K consecutive steps with and without error feedback "
-                        "(default 1: off)")
+    g.add_argument(
+        "--collective",
+        choices=COLLECTIVES,
+        default="fp32",
+        help="fp32: per-rank scales, FP32 sum (comm.reduce_op=fp32_sum); wire_sum: the paper's collective "
+        "(one shared scale, FP8 ring sum; comm.reduce_op=wire_sum) (default %(default)s)",
+    )
+    g.add_argument(
+        "--wire-sum-prediv",
+        choices=("true", "false"),
+        default="true",
+        help="with --collective wire_sum: divide by N before the sum (default %(default)s)",
+    )
+    g.add_argument(
+        "--preset",
+        default="geofp8",
+        help="GeoFP8 preset (configs/comm/NAME.yaml) whose settings are the summary's geo default "
+        "(default %(default)s)",
+    )
+    g.add_argument(
+        "--paper",
+        action="store_true",
+        help="add the paper's Table I-II rows (blocks 32/64/128, low ranks 8/16/32) and print them next "
+        "to the published values",
+    )
+    g.add_argument(
+        "--window",
+        type=int,
+        default=1,
+        help="also report the RelL2 of the sum of K consecutive steps with and without error feedback (default 1: off)",
+    )
     s = p.add_argument_group("gradients (--scenario)")
-    s.add_argument("--scenario", default="model", choices=("model", *SC.SCENARIOS),
-                   help="model: the tiny model's real gradients; else a synthetic scenario (default %(default)s)")
+    s.add_argument(
+        "--scenario",
+        default="model",
+        choices=("model", *SC.SCENARIOS),
+        help="model: the tiny model's real gradients; else a synthetic scenario (default %(default)s)",
+    )
     d = SC.ScenarioParams()
     s.add_argument("--seeds", default="0", help="comma-separated seeds of a synthetic scenario (default 0)")
     s.add_argument("--d-in", type=int, default=d.d_in, help=f"layer input size (default {d.d_in})")
@@ -138,8 +206,12 @@ def parse_args(argv):
     s.add_argument("--tokens", type=int, default=d.tokens, help=f"tokens per rank (default {d.tokens})")
     s.add_argument("--spike", type=float, default=d.spike, help=f"spike size (default {d.spike:g})")
     s.add_argument("--k", type=int, default=d.k, help=f"spiking channels / directions (default {d.k})")
-    s.add_argument("--spike-tokens", type=float, default=d.spike_tokens,
-                   help=f"fraction of tokens that spike in token-spikes (default {d.spike_tokens:g})")
+    s.add_argument(
+        "--spike-tokens",
+        type=float,
+        default=d.spike_tokens,
+        help=f"fraction of tokens that spike in token-spikes (default {d.spike_tokens:g})",
+    )
     s.add_argument("--noise", type=float, default=d.noise, help=f"noise of the coherent scenario (default {d.noise:g})")
     p.add_argument("overrides", nargs="*", help="dotted section.key=value overrides applied last")
     args = p.parse_args(argv)
@@ -227,15 +299,18 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
     if args.ranks < 2 or args.warmup_steps < 0:
-        print(f"error: --ranks={args.ranks} must be >= 2 (a reduction over DP ranks) and --warmup-steps="
-              f"{args.warmup_steps} >= 0", file=sys.stderr)
+        print(
+            f"error: --ranks={args.ranks} must be >= 2 (a reduction over DP ranks) and --warmup-steps="
+            f"{args.warmup_steps} >= 0",
+            file=sys.stderr,
+        )
         return 2
     try:
         _check_writable(args.out, "--out")
         if args.markdown:
             _check_writable(args.markdown, "--markdown")
         specs = [(s, parse_codec(s)) for s in args.codecs]
-        if args.geo:   # every --geo option is checked before the warm-up training
+        if args.geo:  # every --geo option is checked before the warm-up training
             _check_geo_options(args)
         if args.geo and args.scenario != "model":
             out = run_scenario(args)
@@ -248,9 +323,11 @@ def main(argv=None) -> int:
         return 2
     try:
         cfg = sess.cfg
-        print(f"model: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, device {sess.pctx.device}; "
-              f"training {args.warmup_steps} steps, then {args.ranks} ranks x {cfg.train.micro_batch_size} samples",
-              flush=True)
+        print(
+            f"model: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, device {sess.pctx.device}; "
+            f"training {args.warmup_steps} steps, then {args.ranks} ranks x {cfg.train.micro_batch_size} samples",
+            flush=True,
+        )
         t_train = time.perf_counter()
         losses = train_steps(sess, args.warmup_steps, label="warmup")
         t_train = time.perf_counter() - t_train
@@ -266,14 +343,24 @@ def main(argv=None) -> int:
             results.append({"codec": spec, "settings": codec, "bytes_per_element": bytes_per_element_of(codec), **res})
     finally:
         close_session(sess)
-    out = {"config_files": args.config or [os.path.relpath(DEFAULT_CONFIG, REPO_ROOT)], "overrides": args.overrides,
-           "warmup_steps": args.warmup_steps, "ranks": args.ranks, "micro_batch_size": cfg.train.micro_batch_size,
-           "device": str(sess.pctx.device), "train_loss_first": losses[0] if losses else None,
-           "train_loss_last": losses[-1] if losses else None, "capture_loss": cap_loss,
-           "layers": [{"name": n, "shape": list(grads[n][0].shape)} for n in names], "codecs": results,
-           "wall_s": time.perf_counter() - t_start}
-    report = (f"gradient fidelity: {len(names)} linear weights, {args.ranks} ranks, after {args.warmup_steps} steps "
-              f"(capture loss {cap_loss:.4f})\n" + format_table(results, args.per_layer))
+    out = {
+        "config_files": args.config or [os.path.relpath(DEFAULT_CONFIG, REPO_ROOT)],
+        "overrides": args.overrides,
+        "warmup_steps": args.warmup_steps,
+        "ranks": args.ranks,
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "device": str(sess.pctx.device),
+        "train_loss_first": losses[0] if losses else None,
+        "train_loss_last": losses[-1] if losses else None,
+        "capture_loss": cap_loss,
+        "layers": [{"name": n, "shape": list(grads[n][0].shape)} for n in names],
+        "codecs": results,
+        "wall_s": time.perf_counter() - t_start,
+    }
+    report = (
+        f"gradient fidelity: {len(names)} linear weights, {args.ranks} ranks, after {args.warmup_steps} steps "
+        f"(capture loss {cap_loss:.4f})\n" + format_table(results, args.per_layer)
+    )
     _write(args, out, report, None)
     return 0
 
@@ -288,16 +375,30 @@ def _main_geo(sess, args, losses: list[float], t_train: float, t_start: float) -
     geo = doc["geo"]
     geo["timings"]["warmup_train_s"] = t_train
     layers = [{"name": x["name"], "shape": x["shape"]} for x in geo["rows"][0]["layers"]]
-    out = {**doc, "config_files": args.config or [os.path.relpath(DEFAULT_CONFIG, REPO_ROOT)],
-           "overrides": args.overrides, "warmup_steps": args.warmup_steps, "ranks": args.ranks,
-           "micro_batch_size": cfg.train.micro_batch_size, "model": {k: getattr(cfg.model, k) for k in (
-               "hidden_size", "ffn_hidden_size", "num_layers", "seq_length", "vocab_size")},
-           "device": str(sess.pctx.device), "train_loss_first": losses[0] if losses else None,
-           "train_loss_last": losses[-1] if losses else None, "capture_loss": geo["capture_losses"]["0"],
-           "layers": layers}
+    out = {
+        **doc,
+        "config_files": args.config or [os.path.relpath(DEFAULT_CONFIG, REPO_ROOT)],
+        "overrides": args.overrides,
+        "warmup_steps": args.warmup_steps,
+        "ranks": args.ranks,
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "model": {
+            k: getattr(cfg.model, k)
+            for k in ("hidden_size", "ffn_hidden_size", "num_layers", "seq_length", "vocab_size")
+        },
+        "device": str(sess.pctx.device),
+        "train_loss_first": losses[0] if losses else None,
+        "train_loss_last": losses[-1] if losses else None,
+        "capture_loss": geo["capture_losses"]["0"],
+        "layers": layers,
+    }
     out["wall_s"] = time.perf_counter() - t_start
-    _write(args, out, geo_report(out) + "\n\n" + summary_report(out),
-           geo_report(out, markdown=True) + "\n\n" + summary_report(out, markdown=True))
+    _write(
+        args,
+        out,
+        geo_report(out) + "\n\n" + summary_report(out),
+        geo_report(out, markdown=True) + "\n\n" + summary_report(out, markdown=True),
+    )
     return 0
 
 

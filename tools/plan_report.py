@@ -18,51 +18,61 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from megatron_geo.config import ConfigError, load_config  # noqa: E402
-from megatron_geo.training.validate import validate_config  # noqa: E402
-from megatron_geo.training.validate import output_file_problem  # noqa: E402
 from megatron_geo.analysis.plan_report import meta_model_params, plan_figures  # noqa: E402
+from megatron_geo.config import ConfigError, load_config  # noqa: E402
+from megatron_geo.training.validate import (
+    output_file_problem,  # noqa: E402
+    validate_config,  # noqa: E402
+)
 
-GiB = 2 ** 30
+GiB = 2**30
 
 
 def _fmt_rank(tag: str, r: dict) -> list[str]:
     b = r["bytes"]
-    return [f"  {tag}: owns {r['elements_owned']:,} elements, optimizer {r['optimizer_flops'] / 1e9:,.1f} GFLOP/step, "
-            f"persistent {r['persistent_bytes'] / GiB:.2f} GiB (grad buffer {b['grad_buffer'] / GiB:.2f}, param buffer "
-            f"{b['param_buffer'] / GiB:.2f}, main params {b['main_params'] / GiB:.2f}, optimizer state "
-            f"{b['optimizer_state'] / GiB:.2f}, error feedback {b['error_feedback'] / GiB:.2f}, GeoFP8 "
-            f"{b['geo_state'] / GiB:.3f})",
-            f"         reduce sends {r['reduce_sent_bytes'] / 1e9:.3f} GB, receives {r['reduce_received_bytes'] / 1e9:.3f} GB;"
-            f" gather sends {r['gather_sent_bytes'] / 1e9:.3f} GB per step"]
+    return [
+        f"  {tag}: owns {r['elements_owned']:,} elements, optimizer {r['optimizer_flops'] / 1e9:,.1f} GFLOP/step, "
+        f"persistent {r['persistent_bytes'] / GiB:.2f} GiB (grad buffer {b['grad_buffer'] / GiB:.2f}, param buffer "
+        f"{b['param_buffer'] / GiB:.2f}, main params {b['main_params'] / GiB:.2f}, optimizer state "
+        f"{b['optimizer_state'] / GiB:.2f}, error feedback {b['error_feedback'] / GiB:.2f}, GeoFP8 "
+        f"{b['geo_state'] / GiB:.3f})",
+        f"         reduce sends {r['reduce_sent_bytes'] / 1e9:.3f} GB, receives {r['reduce_received_bytes'] / 1e9:.3f} GB;"
+        f" gather sends {r['gather_sent_bytes'] / 1e9:.3f} GB per step",
+    ]
 
 
 def report_text(f: dict) -> str:
-    lines = [f"DP={f['dp']} TP={f['tp']} | {f['config']['optimizer']} | comm.dtype={f['config']['comm.dtype']} "
-             f"transform={f['config']['comm.transform']} | bucket_size={f['config']['bucket_size']:,}",
-             f"  parameters {f['parameters']:,}; {f['buckets']} buckets ({f['uneven_buckets']} with uneven owner ranges); "
-             f"buffer {f['buffer_elements_per_rank']:,} elements per rank; padding_ratio {f['padding_ratio']:.4f}",
-             f"  wire bytes per rank per step (reduce) {f['wire_bytes_per_rank'] / 1e9:.3f} GB vs even reduce-scatter "
-             f"{f['even_reduce_scatter_bytes'] / 1e9:.3f} GB (x{f['wire_bytes_per_rank'] / max(f['even_reduce_scatter_bytes'], 1):.3f});"
-             f" gather {f['gather_bytes_per_rank'] / 1e9:.3f} GB vs {f['even_all_gather_bytes'] / 1e9:.3f} GB",
-             f"  optimizer FLOPs max/mean {f['optimizer_flops_max_over_mean']:.3f}; owned elements max/mean "
-             f"{f['elements_owned_max_over_mean']:.3f}; codec scratch (largest bucket, transient) "
-             f"{f['codec_scratch_bytes'] / GiB:.2f} GiB",
-             *_fmt_rank("rank 0", f["rank0"]),
-             *_fmt_rank(f"rank {f['worst_rank']['rank']} (most wire bytes)", f["worst_rank"]),
-             *_fmt_rank(f"rank {f['most_memory_rank']['rank']} (most persistent memory)", f["most_memory_rank"])]
+    lines = [
+        f"DP={f['dp']} TP={f['tp']} | {f['config']['optimizer']} | comm.dtype={f['config']['comm.dtype']} "
+        f"transform={f['config']['comm.transform']} | bucket_size={f['config']['bucket_size']:,}",
+        f"  parameters {f['parameters']:,}; {f['buckets']} buckets ({f['uneven_buckets']} with uneven owner ranges); "
+        f"buffer {f['buffer_elements_per_rank']:,} elements per rank; padding_ratio {f['padding_ratio']:.4f}",
+        f"  wire bytes per rank per step (reduce) {f['wire_bytes_per_rank'] / 1e9:.3f} GB vs even reduce-scatter "
+        f"{f['even_reduce_scatter_bytes'] / 1e9:.3f} GB (x{f['wire_bytes_per_rank'] / max(f['even_reduce_scatter_bytes'], 1):.3f});"
+        f" gather {f['gather_bytes_per_rank'] / 1e9:.3f} GB vs {f['even_all_gather_bytes'] / 1e9:.3f} GB",
+        f"  optimizer FLOPs max/mean {f['optimizer_flops_max_over_mean']:.3f}; owned elements max/mean "
+        f"{f['elements_owned_max_over_mean']:.3f}; codec scratch (largest bucket, transient) "
+        f"{f['codec_scratch_bytes'] / GiB:.2f} GiB",
+        *_fmt_rank("rank 0", f["rank0"]),
+        *_fmt_rank(f"rank {f['worst_rank']['rank']} (most wire bytes)", f["worst_rank"]),
+        *_fmt_rank(f"rank {f['most_memory_rank']['rank']} (most persistent memory)", f["most_memory_rank"]),
+    ]
     return "\n".join(lines)
 
 
 def markdown_row(name: str, f: dict) -> str:
-    return (f"| {name} | {f['dp']} | {f['padding_ratio']:.4f} | {f['optimizer_flops_max_over_mean']:.3f} | "
-            f"{f['wire_bytes_per_rank'] / max(f['even_reduce_scatter_bytes'], 1):.3f} | "
-            f"{f['gather_bytes_per_rank'] / max(f['even_all_gather_bytes'], 1):.3f} | "
-            f"{f['persistent_bytes_per_rank'] / GiB:.2f} |")
+    return (
+        f"| {name} | {f['dp']} | {f['padding_ratio']:.4f} | {f['optimizer_flops_max_over_mean']:.3f} | "
+        f"{f['wire_bytes_per_rank'] / max(f['even_reduce_scatter_bytes'], 1):.3f} | "
+        f"{f['gather_bytes_per_rank'] / max(f['even_all_gather_bytes'], 1):.3f} | "
+        f"{f['persistent_bytes_per_rank'] / GiB:.2f} |"
+    )
 
 
-MD_HEADER = ("| config | DP | padding_ratio | optimizer FLOPs max/mean | wire bytes / even reduce-scatter | "
-             "gather bytes / even all-gather | persistent GiB per rank |\n|---|---|---|---|---|---|---|")
+MD_HEADER = (
+    "| config | DP | padding_ratio | optimizer FLOPs max/mean | wire bytes / even reduce-scatter | "
+    "gather bytes / even all-gather | persistent GiB per rank |\n|---|---|---|---|---|---|---|"
+)
 
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -73,11 +83,15 @@ def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 epilog="overrides: dotted key=value anywhere on the line, e.g. optimizer.name=adamw")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="overrides: dotted key=value anywhere on the line, e.g. optimizer.name=adamw",
+    )
     ap.add_argument("--config", action="append", required=True, metavar="FILE", help="YAML config(s), merged in order")
     ap.add_argument("--dp", type=int, nargs="+", required=True, help="data-parallel size(s)")
-    ap.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: parallel.tensor of the config)")
+    ap.add_argument(
+        "--tp", type=int, default=None, help="tensor-parallel size (default: parallel.tensor of the config)"
+    )
     ap.add_argument("--json", default=None, metavar="OUT", help="write the figures as JSON here")
     ap.add_argument("--markdown", action="store_true", help="one Markdown table row per DP size")
     argv = sys.argv[1:] if argv is None else argv
@@ -93,8 +107,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cfg = load_config(args.config, overrides)
-        if args.tp is not None and cfg.parallel.tensor not in (1, args.tp) and any(
-                o.startswith("parallel.tensor=") for o in overrides):
+        if (
+            args.tp is not None
+            and cfg.parallel.tensor not in (1, args.tp)
+            and any(o.startswith("parallel.tensor=") for o in overrides)
+        ):
             raise ConfigError(f"--tp {args.tp} and parallel.tensor={cfg.parallel.tensor} disagree; give one of them")
         tp = args.tp if args.tp is not None else cfg.parallel.tensor
         if tp < 1:
@@ -107,8 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     params = meta_model_params(cfg, tp)
     figs = [plan_figures(cfg, d, params, tp) for d in args.dp]
-    name = " + ".join(Path(c).stem for c in args.config) + (" " + " ".join(overrides) if overrides else "") + \
-        (f" (TP={tp})" if tp > 1 else "")
+    name = (
+        " + ".join(Path(c).stem for c in args.config)
+        + (" " + " ".join(overrides) if overrides else "")
+        + (f" (TP={tp})" if tp > 1 else "")
+    )
     if args.markdown:
         print(MD_HEADER)
         for f in figs:

@@ -80,14 +80,18 @@ def document_text(row: dict, text_key: str, where: str, hint: str = "") -> str:
             string (null, a number, an array, ...).
     """
     if text_key not in row:
-        raise InputError(f"{where}: text key {text_key!r} not found; the row has keys {sorted(row)}{hint}; pass the "
-                         f"key holding the text with --text-key KEY")
+        raise InputError(
+            f"{where}: text key {text_key!r} not found; the row has keys {sorted(row)}{hint}; pass the "
+            f"key holding the text with --text-key KEY"
+        )
     text = row[text_key]
     if not isinstance(text, str):
         shown = json.dumps(text, default=str, ensure_ascii=False)
         shown = "" if text is None else f" ({shown})" if len(shown) <= 40 else f" ({shown[:37]}...)"
-        raise InputError(f"{where}: {text_key!r} holds {_kind(text)}{shown}, expected a string (the document "
-                         f"text); fix or remove that row, or choose another --text-key")
+        raise InputError(
+            f"{where}: {text_key!r} holds {_kind(text)}{shown}, expected a string (the document "
+            f"text); fix or remove that row, or choose another --text-key"
+        )
     return strip_bom(text)  # a UTF-8 byte-order mark is not part of the text
 
 
@@ -95,8 +99,9 @@ def _decode_line(raw: bytes, where: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise InputError(f"{where}: not UTF-8 (byte {e.start} of the line: {e.reason}); save the file as "
-                         f"UTF-8") from None
+        raise InputError(
+            f"{where}: not UTF-8 (byte {e.start} of the line: {e.reason}); save the file as UTF-8"
+        ) from None
 
 
 def _json_lines(path: str):
@@ -112,11 +117,14 @@ def _json_lines(path: str):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise InputError(f"{where}: not valid JSON ({e.msg.removesuffix(' at')}, column {e.colno}); each line must be one JSON "
-                                 f"object such as {{\"text\": \"...\"}}") from None
+                raise InputError(
+                    f"{where}: not valid JSON ({e.msg.removesuffix(' at')}, column {e.colno}); each line must be one JSON "
+                    f'object such as {{"text": "..."}}'
+                ) from None
             if not isinstance(row, dict):
-                raise InputError(f"{where}: {_kind(row)}, not an object; each line must be one JSON "
-                                 f"object such as {{\"text\": \"...\"}}")
+                raise InputError(
+                    f'{where}: {_kind(row)}, not an object; each line must be one JSON object such as {{"text": "..."}}'
+                )
             yield where, row
 
 
@@ -128,13 +136,16 @@ def _json_array(path: str):
     except UnicodeDecodeError as e:
         raise InputError(f"{path}: not UTF-8 (byte {e.start}: {e.reason}); save the file as UTF-8") from None
     except json.JSONDecodeError as e:
-        raise InputError(f"{path}: not valid JSON ({e.msg.removesuffix(' at')}, line {e.lineno}, column {e.colno}); give one JSON "
-                         f"array of objects, or one object per line") from None
+        raise InputError(
+            f"{path}: not valid JSON ({e.msg.removesuffix(' at')}, line {e.lineno}, column {e.colno}); give one JSON "
+            f"array of objects, or one object per line"
+        ) from None
     for number, row in enumerate(records, 1):
         where = f"{path} record {number}"
         if not isinstance(row, dict):
-            raise InputError(f"{where}: {_kind(row)}, not an object; the array must hold objects such "
-                             f"as {{\"text\": \"...\"}}")
+            raise InputError(
+                f'{where}: {_kind(row)}, not an object; the array must hold objects such as {{"text": "..."}}'
+            )
         yield where, row
 
 
@@ -172,8 +183,9 @@ def _load_dataset(what: str, *args, **kwargs):
         return datasets.load_dataset(*args, **kwargs)
     except (datasets.exceptions.DatasetsError, FileNotFoundError, ValueError, OSError) as e:
         cause = e.__cause__ or e
-        raise InputError(f"{what}: cannot be read ({type(cause).__name__}: {' '.join(str(cause).split())[:300]})") \
-            from None
+        raise InputError(
+            f"{what}: cannot be read ({type(cause).__name__}: {' '.join(str(cause).split())[:300]})"
+        ) from None
 
 
 def _dataset_rows(ds, label: str):
@@ -189,12 +201,19 @@ def parquet_rows(path: str):
 
 def hub_rows(name: str, config: str | None, split: str, streaming: bool):
     """``(where, row)`` for every row of a Hugging Face dataset split."""
-    yield from _dataset_rows(_load_dataset(name, name, config, split=split, streaming=streaming),
-                             f"{name} ({split} split)")
+    yield from _dataset_rows(
+        _load_dataset(name, name, config, split=split, streaming=streaming), f"{name} ({split} split)"
+    )
 
 
-def iter_documents(files: list[str] | None, hf_dataset: str | None, hf_config: str | None, hf_split: str,
-                   text_key: str, streaming: bool = False):
+def iter_documents(
+    files: list[str] | None,
+    hf_dataset: str | None,
+    hf_config: str | None,
+    hf_split: str,
+    text_key: str,
+    streaming: bool = False,
+):
     """The text (``str``, possibly empty) of every input document, in input order.
 
     Local files are read one by one: ``.txt`` (one document per file), ``.json``/``.jsonl`` (one per record, text
@@ -216,8 +235,9 @@ def iter_documents(files: list[str] | None, hf_dataset: str | None, hf_config: s
             text_key = "text"
     with_key = None  # (file, keys of its first row) of an earlier input that had text_key
     for source, rows in sources:
-        hint = (f" (rows of {with_key[0]} have keys {with_key[1]}: the inputs have different columns)"
-                if with_key else "")
+        hint = (
+            f" (rows of {with_key[0]} have keys {with_key[1]}: the inputs have different columns)" if with_key else ""
+        )
         for where, row in rows:
             text = document_text(row, text_key, where, hint)  # the hint for a file whose first row lacks the key
             hint = ""
@@ -241,8 +261,9 @@ def _no_documents_error(inputs: str, rows: int) -> InputError:
     """The error for inputs that hold no document (no rows at all, or only empty texts)."""
     if rows == 0:
         return InputError(f"{inputs}: no documents (the input has no rows); check the paths and the file contents")
-    return InputError(f"{inputs}: no documents: the text of all {rows} rows is empty; check --text-key and the "
-                      f"file contents")
+    return InputError(
+        f"{inputs}: no documents: the text of all {rows} rows is empty; check --text-key and the file contents"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,8 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text-key", default="text", help="column holding the document text (json/parquet/HF)")
     ap.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
     ap.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
-    ap.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
-                    help="append the end-of-document id to every document (default: on)")
+    ap.add_argument(
+        "--append-eod",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="append the end-of-document id to every document (default: on)",
+    )
     ap.add_argument("--batch-size", type=int, default=256, help="documents tokenized per call")
     args = ap.parse_args(argv)
 
@@ -266,11 +291,14 @@ def main(argv: list[str] | None = None) -> int:
     inputs = " ".join(args.input) if args.input else args.hf_dataset
     try:
         tok = Tokenizer(args.tokenizer_model)
-        texts = iter_documents(args.input, args.hf_dataset, args.hf_config, args.hf_split, args.text_key,
-                               args.streaming)
+        texts = iter_documents(
+            args.input, args.hf_dataset, args.hf_config, args.hf_split, args.text_key, args.streaming
+        )
         t0, n_docs, n_tok, rows = time.time(), 0, 0, 0
-        with IndexedDatasetBuilder(args.output_prefix, tok.vocab_size) as builder, \
-                tqdm(desc="tokenizing", unit="doc") as bar:
+        with (
+            IndexedDatasetBuilder(args.output_prefix, tok.vocab_size) as builder,
+            tqdm(desc="tokenizing", unit="doc") as bar,
+        ):
             for batch in _batches(texts, max(1, args.batch_size)):
                 kept = [t for t in batch if t]
                 rows += len(batch)
@@ -287,8 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"preprocess_data.py: error: {err}", file=sys.stderr)
         return 2
     skipped = rows - n_docs
-    print(f"wrote {args.output_prefix}.bin/.idx: {n_docs} documents, {n_tok} tokens"
-          f"{f', skipped {skipped} empty' if skipped else ''} in {time.time() - t0:.1f}s")
+    print(
+        f"wrote {args.output_prefix}.bin/.idx: {n_docs} documents, {n_tok} tokens"
+        f"{f', skipped {skipped} empty' if skipped else ''} in {time.time() - t0:.1f}s"
+    )
     return 0
 
 

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import re
 import subprocess
 import sys
@@ -60,8 +59,16 @@ from megatron_geo.model.llama import count_parameters, flops_per_token  # noqa: 
 MODES = ["fp32", "bf16", "fp8", "fp8_ef", "fp8_hadamard", "geofp8", "nvfp4", "geonvfp4"]
 PAPER = {"fp8_vs_fp32": 0.108, "geofp8_vs_fp32": 0.076, "gpus": 64, "model": "configs/llama_600m.yaml"}
 # codec benchmark row used by each mode ("ratio to copy"); None = no codec
-CODEC_ROW = {"fp32": None, "bf16": "bf16 cast", "fp8": "fp8_e4m3 tensor", "fp8_ef": "fp8_e4m3 tensor",
-             "fp8_hadamard": "fp8_e4m3 tensor", "geofp8": "fp8_e4m3 tensor", "nvfp4": "nvfp4", "geonvfp4": "nvfp4"}
+CODEC_ROW = {
+    "fp32": None,
+    "bf16": "bf16 cast",
+    "fp8": "fp8_e4m3 tensor",
+    "fp8_ef": "fp8_e4m3 tensor",
+    "fp8_hadamard": "fp8_e4m3 tensor",
+    "geofp8": "fp8_e4m3 tensor",
+    "nvfp4": "nvfp4",
+    "geonvfp4": "nvfp4",
+}
 
 
 class ProjectionError(ValueError):
@@ -84,8 +91,16 @@ def allreduce_time(n: int, nbytes: float, bw: float, alpha: float) -> float:
 
 def bytes_per_element(mode: str, numel: int, n_tensors: int) -> float:
     """Wire bytes per gradient element of ``mode`` including its scales."""
-    base = {"fp32": "fp32", "bf16": "bf16", "fp8": "fp8", "fp8_ef": "fp8", "fp8_hadamard": "fp8", "geofp8": "fp8",
-            "nvfp4": "nvfp4", "geonvfp4": "nvfp4"}.get(mode)
+    base = {
+        "fp32": "fp32",
+        "bf16": "bf16",
+        "fp8": "fp8",
+        "fp8_ef": "fp8",
+        "fp8_hadamard": "fp8",
+        "geofp8": "fp8",
+        "nvfp4": "nvfp4",
+        "geonvfp4": "nvfp4",
+    }.get(mode)
     if base == "fp32":
         return 4.0
     if base == "bf16":
@@ -101,14 +116,14 @@ def bytes_per_element(mode: str, numel: int, n_tensors: int) -> float:
 @dataclass
 class Cluster:
     gpus_per_node: int = 1
-    net_gbs: float = 50.0        # per-GPU network bandwidth, GB/s (NDR 400 Gb/s)
-    intra_gbs: float = 450.0     # NVLink per GPU, GB/s (used when n <= gpus_per_node)
-    alpha_us: float = 5.0        # per-hop latency, microseconds
-    peak_tflops: float = 989.0   # dense BF16 peak per GPU (H100/GH200 SXM), TFLOP/s
+    net_gbs: float = 50.0  # per-GPU network bandwidth, GB/s (NDR 400 Gb/s)
+    intra_gbs: float = 450.0  # NVLink per GPU, GB/s (used when n <= gpus_per_node)
+    alpha_us: float = 5.0  # per-hop latency, microseconds
+    peak_tflops: float = 989.0  # dense BF16 peak per GPU (H100/GH200 SXM), TFLOP/s
     mfu: float = 0.4
-    overlap: float = 0.0         # fraction of the collective hidden behind compute
-    window: float = 2.0 / 3.0    # share of T_c during which reductions can overlap (backward)
-    copy_gbs: float = 2000.0     # device memory-copy throughput (bytes of FP32 input per second / 1e9)
+    overlap: float = 0.0  # fraction of the collective hidden behind compute
+    window: float = 2.0 / 3.0  # share of T_c during which reductions can overlap (backward)
+    copy_gbs: float = 2000.0  # device memory-copy throughput (bytes of FP32 input per second / 1e9)
 
 
 @dataclass
@@ -131,8 +146,10 @@ def parse_codec_output(text: str, source: str) -> dict[str, float]:
     need = {r for r in CODEC_ROW.values() if r} | {"hadamard128 rot+inv", "copy"}
     missing = need - rows.keys()
     if missing:
-        raise ProjectionError(f"{source}: benchmarks/codec_kernels.py output lacks rows {sorted(missing)}; rerun "
-                              f"`python benchmarks/codec_kernels.py > {source}` or pass --run-benchmarks")
+        raise ProjectionError(
+            f"{source}: benchmarks/codec_kernels.py output lacks rows {sorted(missing)}; rerun "
+            f"`python benchmarks/codec_kernels.py > {source}` or pass --run-benchmarks"
+        )
     return rows
 
 
@@ -153,23 +170,33 @@ def parse_codec_json(text: str, source: str) -> dict[str, float]:
     rows = d.get("presets_compiled") or d.get("presets") or {}
     missing = {"bf16", "fp8", "fp8_hadamard", "nvfp4"} - rows.keys()
     if missing:
-        raise ProjectionError(f"{source}: benchmarks/codec.py JSON lacks presets {sorted(missing)}; rerun "
-                              f"`python benchmarks/codec.py --json {source}` or pass --run-benchmarks")
+        raise ProjectionError(
+            f"{source}: benchmarks/codec.py JSON lacks presets {sorted(missing)}; rerun "
+            f"`python benchmarks/codec.py --json {source}` or pass --run-benchmarks"
+        )
     ratio = {k: float(r["memcpy_ms"]) / float(r["ms"]) for k, r in rows.items()}
     rot_ms = float(rows["fp8_hadamard"]["ms"]) - float(rows["fp8"]["ms"])
-    return {"copy": 1.0, "bf16 cast": ratio["bf16"], "fp8_e4m3 tensor": ratio["fp8"], "nvfp4": ratio["nvfp4"],
-            "hadamard128 rot+inv": float(rows["fp8"]["memcpy_ms"]) / rot_ms if rot_ms > 0 else 1e9}
+    return {
+        "copy": 1.0,
+        "bf16 cast": ratio["bf16"],
+        "fp8_e4m3 tensor": ratio["fp8"],
+        "nvfp4": ratio["nvfp4"],
+        "hadamard128 rot+inv": float(rows["fp8"]["memcpy_ms"]) / rot_ms if rot_ms > 0 else 1e9,
+    }
 
 
 def parse_geo_output(text: str, source: str) -> float:
     """GeoFP8's added step time as a fraction, from benchmarks/geo_overhead.py stdout: its own work timed
     inside the step at the default refresh interval ("at geo.refresh_interval=50: ... = +X% of the fp8
     step", low noise) when present, else the end-to-end difference ("added +X% ...")."""
-    m = re.search(r"at geo\.refresh_interval=50: .*?= ([+-]?[\d.]+)% of the fp8 step", text) or \
-        re.search(r"added\s+([+-]?[\d.]+)%", text)
+    m = re.search(r"at geo\.refresh_interval=50: .*?= ([+-]?[\d.]+)% of the fp8 step", text) or re.search(
+        r"added\s+([+-]?[\d.]+)%", text
+    )
     if not m:
-        raise ProjectionError(f"{source}: no 'added ...%' line from benchmarks/geo_overhead.py; rerun "
-                              f"`python benchmarks/geo_overhead.py > {source}` or pass --run-benchmarks")
+        raise ProjectionError(
+            f"{source}: no 'added ...%' line from benchmarks/geo_overhead.py; rerun "
+            f"`python benchmarks/geo_overhead.py > {source}` or pass --run-benchmarks"
+        )
     return float(m.group(1)) / 100.0
 
 
@@ -206,9 +233,14 @@ def load_gpu_check(path: str) -> dict:
         if "geo_added_ms_per_layer" in layer:
             out["geo_added_s_per_layer"][Path(cfg_name).stem] = max(float(layer["geo_added_ms_per_layer"]), 0.0) / 1e3
     for key, val in d.items():
-        if key.startswith("train_") and isinstance(val, dict) and isinstance(val.get("mfu"), (int, float)) \
-                and "compile" not in key and "geofp8" not in key:
-            out["mfu"]["llama_" + key[len("train_"):]] = float(val["mfu"])
+        if (
+            key.startswith("train_")
+            and isinstance(val, dict)
+            and isinstance(val.get("mfu"), (int, float))
+            and "compile" not in key
+            and "geofp8" not in key
+        ):
+            out["mfu"]["llama_" + key[len("train_") :]] = float(val["mfu"])
     return out
 
 
@@ -219,16 +251,22 @@ def load_costs(codec_path: str | None, geo_path: str | None, run: bool, geo_over
 
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "codec.json"
-            subprocess.run([sys.executable, str(ROOT / "benchmarks" / "codec.py"), "--numel", "4194304",
-                            "--json", str(out)], capture_output=True, text=True, check=True)
+            subprocess.run(
+                [sys.executable, str(ROOT / "benchmarks" / "codec.py"), "--numel", "4194304", "--json", str(out)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             codec_text = out.read_text()
         sources["codec"] = "benchmarks/codec.py --numel 4194304 --json (run now)"
         codec_path = "codec.json"
     else:
         p = Path(codec_path)
         if not p.is_file():
-            raise ProjectionError(f"codec benchmark output '{p}' not found; write it with `python benchmarks/codec.py "
-                                  f"--json {p}`, pass --codec-output FILE, or --run-benchmarks")
+            raise ProjectionError(
+                f"codec benchmark output '{p}' not found; write it with `python benchmarks/codec.py "
+                f"--json {p}`, pass --codec-output FILE, or --run-benchmarks"
+            )
         codec_text, sources["codec"] = p.read_text(), _show(p)
     if str(codec_path).endswith(".json"):
         ratios = parse_codec_json(codec_text, sources["codec"])
@@ -237,14 +275,21 @@ def load_costs(codec_path: str | None, geo_path: str | None, run: bool, geo_over
     if geo_overhead is not None:
         o, sources["geo"] = geo_overhead, "--geo-overhead (given)"
     elif run:
-        text = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "geo_overhead.py")], capture_output=True,
-                              text=True, check=True, cwd=ROOT).stdout
+        text = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / "geo_overhead.py")],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+        ).stdout
         o, sources["geo"] = parse_geo_output(text, "geo_overhead"), "benchmarks/geo_overhead.py (run now)"
     else:
         p = Path(geo_path)
         if not p.is_file():
-            raise ProjectionError(f"geo overhead output '{p}' not found; save `python benchmarks/geo_overhead.py` "
-                                  f"stdout there, pass --geo-output FILE, --geo-overhead PCT/100, or --run-benchmarks")
+            raise ProjectionError(
+                f"geo overhead output '{p}' not found; save `python benchmarks/geo_overhead.py` "
+                f"stdout there, pass --geo-output FILE, --geo-overhead PCT/100, or --run-benchmarks"
+            )
         o, sources["geo"] = parse_geo_output(p.read_text(), str(p)), _show(p)
     return Costs(ratios, max(o, 0.0), sources)
 
@@ -264,7 +309,7 @@ class Model:
 _META: dict[str, list] = {}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def wire_ratio(config_path: str, n: int, all_to_all: bool) -> float:
     """Wire bytes per rank per step of the plan's reduce + gather over those of an even, unpadded ring
     reduce-scatter + all-gather of the same parameters (``tools/plan_report.py``; 1.0 = no padding and balanced).
@@ -290,8 +335,15 @@ def model_from_config(path: str, global_batch: int | None = None) -> Model:
 
     pats = [p.strip() for p in cfg.geo.layers.split(",") if p.strip()]
     geo_layers = sum(any(fnmatchcase(n, p) for p in pats) for n in expected_shapes(cfg.model))
-    return Model(Path(path).stem, count_parameters(cfg.model), n_tensors, flops_per_token(cfg.model),
-                 gb * cfg.model.seq_length, geo_layers, str(path))
+    return Model(
+        Path(path).stem,
+        count_parameters(cfg.model),
+        n_tensors,
+        flops_per_token(cfg.model),
+        gb * cfg.model.seq_length,
+        geo_layers,
+        str(path),
+    )
 
 
 def step_breakdown(mode: str, n: int, m: Model, c: Cluster, costs: Costs) -> dict[str, float]:
@@ -347,11 +399,12 @@ def calibrate(m: Model, c: Cluster, costs: Costs, target: float = PAPER["fp8_vs_
     ov = _bisect(lambda o: reduction("fp8", "fp32", n, m, replace(c, overlap=o), costs) - target, 0.0, 1.0)
     if ov is not None:
         return replace(c, overlap=ov), "overlap"
-    mfu = _bisect(lambda u: reduction("fp8", "fp32", n, m, replace(c, overlap=0.0, mfu=u), costs) - target,
-                  1e-3, 1.0)
+    mfu = _bisect(lambda u: reduction("fp8", "fp32", n, m, replace(c, overlap=0.0, mfu=u), costs) - target, 1e-3, 1.0)
     if mfu is None:
-        raise ProjectionError(f"no MFU in (0, 1] and overlap in [0, 1] reproduce {target:.1%} for fp8 vs fp32; "
-                              f"check --net-gbs/--peak-tflops")
+        raise ProjectionError(
+            f"no MFU in (0, 1] and overlap in [0, 1] reproduce {target:.1%} for fp8 vs fp32; "
+            f"check --net-gbs/--peak-tflops"
+        )
     return replace(c, overlap=0.0, mfu=mfu), "mfu"
 
 
@@ -361,9 +414,16 @@ def projection_table(models: list[Model], gpus: list[int], c: Cluster, costs: Co
         for n in gpus:
             for mode in MODES:
                 s = step_breakdown(mode, n, m, c, costs)
-                rows.append({"model": m.name, "gpus": n, "mode": mode, **s,
-                             "vs_fp32": reduction(mode, "fp32", n, m, c, costs),
-                             "vs_bf16": reduction(mode, "bf16", n, m, c, costs)})
+                rows.append(
+                    {
+                        "model": m.name,
+                        "gpus": n,
+                        "mode": mode,
+                        **s,
+                        "vs_fp32": reduction(mode, "fp32", n, m, c, costs),
+                        "vs_bf16": reduction(mode, "bf16", n, m, c, costs),
+                    }
+                )
     return rows
 
 
@@ -378,7 +438,9 @@ def plot(rows: list[dict], path: str, note: str = "") -> None:
     for ax, mname in zip(axes[0], models):
         for i, mode in enumerate(MODES[1:]):
             pts = [(r["gpus"], 100 * r["vs_fp32"]) for r in rows if r["model"] == mname and r["mode"] == mode]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode, color=plt.get_cmap("tab10")(i + 1))
+            ax.plot(
+                [p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode, color=plt.get_cmap("tab10")(i + 1)
+            )
         ax.set_xscale("log", base=2)
         ax.axhline(0, color="k", lw=0.8)
         ax.set_xlabel("GPUs (data parallel)")
@@ -394,8 +456,9 @@ def plot(rows: list[dict], path: str, note: str = "") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     d = Cluster()
     ap.add_argument("--models", nargs="+", default=["configs/llama_300m.yaml", "configs/llama_600m.yaml"])
     ap.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
@@ -405,24 +468,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--intra-gbs", type=float, default=d.intra_gbs, help="intra-node bandwidth per GPU, GB/s")
     ap.add_argument("--alpha-us", type=float, default=d.alpha_us, help="latency per ring hop, microseconds")
     ap.add_argument("--peak-tflops", type=float, default=d.peak_tflops, help="dense BF16 peak per GPU")
-    ap.add_argument("--mfu", type=float, default=None, help=f"model FLOPs utilisation of the compute (default "
-                                                            f"{d.mfu}, or the --gpu-check measurement)")
-    ap.add_argument("--overlap", type=float, default=None,
-                    help="fraction of the collective hidden behind compute (default: calibrated to the paper)")
-    ap.add_argument("--copy-gbs", type=float, default=None,
-                    help=f"device memory-copy throughput, GB/s (default {d.copy_gbs}, or the --gpu-check measurement)")
-    ap.add_argument("--codec-output", default=str(ROOT / "docs" / "bench" / "codec_cpu.json"),
-                    help="benchmarks/codec.py --json OUT (the reducer path; default: the committed CPU run), or "
-                         "saved stdout of benchmarks/codec_kernels.py")
+    ap.add_argument(
+        "--mfu",
+        type=float,
+        default=None,
+        help=f"model FLOPs utilisation of the compute (default {d.mfu}, or the --gpu-check measurement)",
+    )
+    ap.add_argument(
+        "--overlap",
+        type=float,
+        default=None,
+        help="fraction of the collective hidden behind compute (default: calibrated to the paper)",
+    )
+    ap.add_argument(
+        "--copy-gbs",
+        type=float,
+        default=None,
+        help=f"device memory-copy throughput, GB/s (default {d.copy_gbs}, or the --gpu-check measurement)",
+    )
+    ap.add_argument(
+        "--codec-output",
+        default=str(ROOT / "docs" / "bench" / "codec_cpu.json"),
+        help="benchmarks/codec.py --json OUT (the reducer path; default: the committed CPU run), or "
+        "saved stdout of benchmarks/codec_kernels.py",
+    )
     ap.add_argument("--geo-output", default=str(ROOT / "docs" / "bench" / "geo_overhead_cpu.txt"))
-    ap.add_argument("--codec-ratio", type=float, default=None,
-                    help="assume every codec runs at this fraction of copy speed (e.g. 0.5 for fused GPU kernels) "
-                         "instead of the measured ratios")
+    ap.add_argument(
+        "--codec-ratio",
+        type=float,
+        default=None,
+        help="assume every codec runs at this fraction of copy speed (e.g. 0.5 for fused GPU kernels) "
+        "instead of the measured ratios",
+    )
     ap.add_argument("--geo-overhead", type=float, default=None, help="GeoFP8 added step fraction (overrides)")
     ap.add_argument("--run-benchmarks", action="store_true", help="measure codec and geo overhead now")
-    ap.add_argument("--gpu-check", default=None,
-                    help="gpu_check.json of benchmarks/gpu_check.sh: GPU codec ratios, copy GB/s, GeoFP8 ms per "
-                         "layer and the measured MFU of llama_600m replace the CPU figures and defaults")
+    ap.add_argument(
+        "--gpu-check",
+        default=None,
+        help="gpu_check.json of benchmarks/gpu_check.sh: GPU codec ratios, copy GB/s, GeoFP8 ms per "
+        "layer and the measured MFU of llama_600m replace the CPU figures and defaults",
+    )
     ap.add_argument("--plot", default=None, help="write the reduction-vs-GPUs plot (PNG) here")
     ap.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     a = ap.parse_args(argv)
@@ -466,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
             costs.geo_added_s_per_layer = gpu["geo_added_s_per_layer"]
             costs.sources["geo_layer"] = f"{a.gpu_check} (GPU, G T + T^-1 per layer)"
         if a.codec_ratio is not None:
-            if not 0 < a.codec_ratio:
+            if not a.codec_ratio > 0:
                 raise ProjectionError(f"--codec-ratio {a.codec_ratio} must be > 0")
             costs.ratio_to_copy = {k: a.codec_ratio for k in costs.ratio_to_copy}
             costs.sources["codec"] = f"--codec-ratio {a.codec_ratio} (assumption, replaces the measured ratios)"
@@ -475,20 +560,30 @@ def main(argv: list[str] | None = None) -> int:
     except ProjectionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    c = Cluster(a.gpus_per_node, a.net_gbs, a.intra_gbs, a.alpha_us, a.peak_tflops, a.mfu, a.overlap or 0.0,
-                copy_gbs=a.copy_gbs)
+    c = Cluster(
+        a.gpus_per_node, a.net_gbs, a.intra_gbs, a.alpha_us, a.peak_tflops, a.mfu, a.overlap or 0.0, copy_gbs=a.copy_gbs
+    )
 
     print("inputs (value | source):")
     for m in list({m.name: m for m in models + [paper_model]}.values()):
-        print(f"  {m.name}: {m.params:,} parameters, {m.n_tensors} tensors, {m.flops_per_token / 1e9:.3f} GFLOP/token, "
-              f"{m.tokens_per_step:,} tokens/step | megatron_geo.model.llama count_parameters / flops_per_token")
+        print(
+            f"  {m.name}: {m.params:,} parameters, {m.n_tensors} tensors, {m.flops_per_token / 1e9:.3f} GFLOP/token, "
+            f"{m.tokens_per_step:,} tokens/step | megatron_geo.model.llama count_parameters / flops_per_token"
+        )
     for m in models:
-        rs = ", ".join(f"{n} GPUs x{wire_ratio(m.config_path, n, False):.3f}/x{wire_ratio(m.config_path, n, True):.3f}"
-                       for n in a.gpus if n > 1)
-        print(f"  {m.name}: wire bytes per rank over an even unpadded ring (fp32 / low-precision): {rs} | "
-              f"shard plan of the config (tools/plan_report.py)")
-    print(f"  network {c.net_gbs} GB/s per GPU, intra-node {c.intra_gbs} GB/s, {c.gpus_per_node} GPU(s)/node, "
-          f"alpha {c.alpha_us} us | assumption (docs/design.md section 6: NDR 400 Gb/s)")
+        rs = ", ".join(
+            f"{n} GPUs x{wire_ratio(m.config_path, n, False):.3f}/x{wire_ratio(m.config_path, n, True):.3f}"
+            for n in a.gpus
+            if n > 1
+        )
+        print(
+            f"  {m.name}: wire bytes per rank over an even unpadded ring (fp32 / low-precision): {rs} | "
+            f"shard plan of the config (tools/plan_report.py)"
+        )
+    print(
+        f"  network {c.net_gbs} GB/s per GPU, intra-node {c.intra_gbs} GB/s, {c.gpus_per_node} GPU(s)/node, "
+        f"alpha {c.alpha_us} us | assumption (docs/design.md section 6: NDR 400 Gb/s)"
+    )
     print(f"  peak {c.peak_tflops} TFLOP/s per GPU | assumption (H100/GH200 dense BF16)")
     print(f"  MFU {c.mfu:.3f} | {mfu_src}")
     print(f"  device copy {c.copy_gbs:.0f} GB/s | {copy_src}")
@@ -496,15 +591,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  codec '{row}' throughput / copy = {costs.ratio_to_copy[row]:.3f} | {costs.sources['codec']}")
     if costs.geo_added_s_per_layer:
         for name, sec in costs.geo_added_s_per_layer.items():
-            print(f"  GeoFP8 added {sec * 1e3:.3f} ms per transformed layer and step ({name}) | {costs.sources['geo_layer']}")
-    print(f"  GeoFP8 added step time {costs.geo_overhead:+.2%} of fp8+EF | {costs.sources['geo']} (measured on the "
-          f"tiny config; a large model's ratio of transform to step work may differ)"
-          + ("; used only for models without a per-layer figure" if costs.geo_added_s_per_layer else ""))
+            print(
+                f"  GeoFP8 added {sec * 1e3:.3f} ms per transformed layer and step ({name}) | {costs.sources['geo_layer']}"
+            )
+    print(
+        f"  GeoFP8 added step time {costs.geo_overhead:+.2%} of fp8+EF | {costs.sources['geo']} (measured on the "
+        f"tiny config; a large model's ratio of transform to step work may differ)"
+        + ("; used only for models without a per-layer figure" if costs.geo_added_s_per_layer else "")
+    )
     for m in models:
         print(f"  {m.name}: GeoFP8 transforms {m.geo_layers} layers | geo.layers of its config")
     for mode in MODES:
-        print(f"  {mode}: {bytes_per_element(mode, models[-1].params, models[-1].n_tensors):.4f} bytes/element "
-              f"({models[-1].name}) | wire format incl. scales")
+        print(
+            f"  {mode}: {bytes_per_element(mode, models[-1].params, models[-1].n_tensors):.4f} bytes/element "
+            f"({models[-1].name}) | wire format incl. scales"
+        )
 
     # calibration to the paper's setting
     pc = replace(c, gpus_per_node=1)
@@ -518,18 +619,27 @@ def main(argv: list[str] | None = None) -> int:
     n0 = PAPER["gpus"]
     fp8_red = reduction("fp8", "fp32", n0, paper_model, pc, costs)
     geo_red = reduction("geofp8", "fp32", n0, paper_model, pc, costs)
-    print(f"\ncalibration (Llama-600M, {n0} GPUs, 1 GPU/node, global batch 512, seq 2048): solved {solved_what}: "
-          f"MFU {pc.mfu:.3f}, overlap {pc.overlap:.3f} (exposed-comm fraction {1 - pc.overlap:.3f}); "
-          f"fp8 vs fp32 {fp8_red:+.1%} (paper {PAPER['fp8_vs_fp32']:.1%}); "
-          f"geofp8 vs fp32 {geo_red:+.1%} with our overhead (paper {PAPER['geofp8_vs_fp32']:.1%})")
+    print(
+        f"\ncalibration (Llama-600M, {n0} GPUs, 1 GPU/node, global batch 512, seq 2048): solved {solved_what}: "
+        f"MFU {pc.mfu:.3f}, overlap {pc.overlap:.3f} (exposed-comm fraction {1 - pc.overlap:.3f}); "
+        f"fp8 vs fp32 {fp8_red:+.1%} (paper {PAPER['fp8_vs_fp32']:.1%}); "
+        f"geofp8 vs fp32 {geo_red:+.1%} with our overhead (paper {PAPER['geofp8_vs_fp32']:.1%})"
+    )
     bd = {mode: step_breakdown(mode, n0, paper_model, pc, costs) for mode in ("fp32", "fp8", "geofp8")}
     for mode, s in bd.items():
-        print(f"  {mode}: compute {s['compute'] * 1e3:.1f} ms, all-reduce {s['comm'] * 1e3:.1f} ms "
-              f"(exposed {s['exposed'] * 1e3:.1f}), codec {s['codec'] * 1e3:.2f} ms, step {s['step'] * 1e3:.1f} ms")
+        print(
+            f"  {mode}: compute {s['compute'] * 1e3:.1f} ms, all-reduce {s['comm'] * 1e3:.1f} ms "
+            f"(exposed {s['exposed'] * 1e3:.1f}), codec {s['codec'] * 1e3:.2f} ms, step {s['step'] * 1e3:.1f} ms"
+        )
     print("  other (MFU, exposed fraction) pairs reproducing the same 10.8%:", end="")
     for u in (0.2, 0.3, 0.5):
-        ov = _bisect(lambda o: reduction("fp8", "fp32", n0, paper_model, replace(pc, mfu=u, overlap=o), costs)
-                     - PAPER["fp8_vs_fp32"], 0.0, 1.0)
+        ov = _bisect(
+            lambda o: (
+                reduction("fp8", "fp32", n0, paper_model, replace(pc, mfu=u, overlap=o), costs) - PAPER["fp8_vs_fp32"]
+            ),
+            0.0,
+            1.0,
+        )
         print(f" ({u:.2f}, {1 - ov:.3f})" if ov is not None else f" ({u:.2f}, none)", end="")
     print()
 
@@ -543,9 +653,11 @@ def main(argv: list[str] | None = None) -> int:
     elif "GPU" in src:
         print(f"codec cost: measured on a GPU ({src}); this is the figure to believe for a GPU cluster")
     else:
-        print(f"codec cost: measured on a CPU ({src}), carried to the GPU as a fraction of copy speed; a GPU "
-              f"codec is usually relatively faster, so read this as an upper bound on the codec's share and "
-              f"prefer --gpu-check gpu_check.json from benchmarks/gpu_check.sh")
+        print(
+            f"codec cost: measured on a CPU ({src}), carried to the GPU as a fraction of copy speed; a GPU "
+            f"codec is usually relatively faster, so read this as an upper bound on the codec's share and "
+            f"prefer --gpu-check gpu_check.json from benchmarks/gpu_check.sh"
+        )
     if a.markdown:
         print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     else:
@@ -559,9 +671,13 @@ def main(argv: list[str] | None = None) -> int:
             print(("| " if a.markdown else "") + sep.join(cells) + (" |" if a.markdown else ""))
     if a.plot:
         cal = pc if a.overlap is None else c
-        plot(rows, a.plot, f"alpha-beta projection, {cal.net_gbs:g} GB/s per GPU, MFU {cal.mfu:.2f}, overlap "
-                           f"{cal.overlap:.3f}; codec: {costs.sources['codec']}; GeoFP8 overhead "
-                           f"{costs.geo_overhead:+.2%}")
+        plot(
+            rows,
+            a.plot,
+            f"alpha-beta projection, {cal.net_gbs:g} GB/s per GPU, MFU {cal.mfu:.2f}, overlap "
+            f"{cal.overlap:.3f}; codec: {costs.sources['codec']}; GeoFP8 overhead "
+            f"{costs.geo_overhead:+.2%}",
+        )
         print(f"wrote {a.plot}")
     return 0
 

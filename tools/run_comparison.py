@@ -63,19 +63,23 @@ def resolve_preset(name: str) -> tuple[str, Path]:
         if not p.is_file():
             raise SweepError(f"preset file '{name}' not found")
         if p.parent.name != "comm":
-            raise SweepError(f"preset file '{name}' is not in a 'comm' folder; comm presets live in configs/comm/ (a "
-                             f"model config goes to --config)")
+            raise SweepError(
+                f"preset file '{name}' is not in a 'comm' folder; comm presets live in configs/comm/ (a "
+                f"model config goes to --config)"
+            )
         return p.stem, p
     path = PRESET_DIR / f"{name}.yaml"
     if not path.is_file():
         known = list(comm_presets(PRESET_DIR))
-        raise SweepError(f"unknown comm preset '{name}'; choose from {', '.join(known)} (configs/comm/) "
-                         f"or pass a YAML file path")
+        raise SweepError(
+            f"unknown comm preset '{name}'; choose from {', '.join(known)} (configs/comm/) or pass a YAML file path"
+        )
     return name, path
 
 
-def plan_runs(configs: list[str], presets: list[str], seeds: list[int], sweep_dir: Path,
-              overrides: list[str]) -> list[dict]:
+def plan_runs(
+    configs: list[str], presets: list[str], seeds: list[int], sweep_dir: Path, overrides: list[str]
+) -> list[dict]:
     """One entry per (seed, preset), seed-major: ``name``, ``run_dir``, ``preset``, ``seed``, ``config_args``
     (``--config`` files then overrides, as pretrain_llama.py and the sbatch script take them)."""
     for c in configs:
@@ -105,8 +109,15 @@ def plan_runs(configs: list[str], presets: list[str], seeds: list[int], sweep_di
             args = []
             for c in configs:
                 args += ["--config", str(c)]
-            args += ["--config", os.path.relpath(path), f"train.run_dir={run_dir}", f"train.seed={seed}",
-                     f"logging.wandb_group={group}", f"logging.wandb_name={name}", *overrides]
+            args += [
+                "--config",
+                os.path.relpath(path),
+                f"train.run_dir={run_dir}",
+                f"train.seed={seed}",
+                f"logging.wandb_group={group}",
+                f"logging.wandb_name={name}",
+                *overrides,
+            ]
             runs.append({"name": name, "preset": label, "seed": seed, "run_dir": str(run_dir), "config_args": args})
     return runs
 
@@ -163,8 +174,7 @@ def resolve_configs(runs: list[dict], world: int | None) -> None:
     """
     sys.path.insert(0, str(ROOT))
     from megatron_geo.config import ConfigError, config_to_dict, load_config
-    from megatron_geo.training.validate import validate_config
-    from megatron_geo.training.validate import reject_inert_keys
+    from megatron_geo.training.validate import reject_inert_keys, validate_config
 
     for r in runs:
         args = r["config_args"]
@@ -187,8 +197,12 @@ def _differences(old: dict, new: dict) -> list[str]:
         a, b = old.get(sec) or {}, new.get(sec) or {}
         for k in sorted(set(a) | set(b)):
             va, vb = a.get(k), b.get(k)
-            if (sec, k) in (("train", "run_dir"), ("checkpoint", "dir")) and va and vb and \
-                    Path(va).resolve() == Path(vb).resolve():
+            if (
+                (sec, k) in (("train", "run_dir"), ("checkpoint", "dir"))
+                and va
+                and vb
+                and Path(va).resolve() == Path(vb).resolve()
+            ):
                 continue
             if va != vb:
                 out.append(f"{sec}.{k}: {a.get(k)!r} -> {b.get(k)!r}")
@@ -222,19 +236,29 @@ def check_existing(runs: list[dict], resume: bool, force: bool) -> list[dict]:
         if force:
             continue
         if state == "different":
-            raise SweepError(f"run folder '{d}' was started with another config ({'; '.join(diffs[:6])}"
-                             f"{'; ...' if len(diffs) > 6 else ''}); use another --sweep-dir, or --force to start "
-                             f"new runs (the old folders are moved to {d.parent / '.replaced'}/)")
+            raise SweepError(
+                f"run folder '{d}' was started with another config ({'; '.join(diffs[:6])}"
+                f"{'; ...' if len(diffs) > 6 else ''}); use another --sweep-dir, or --force to start "
+                f"new runs (the old folders are moved to {d.parent / '.replaced'}/)"
+            )
         if state == "unrecorded" and not resume:
-            raise SweepError(f"run folder '{d}' exists but records no arguments ({ARGS_FILE}); pass --resume to "
-                             f"continue it as this sweep's run, or --force to start new runs")
+            raise SweepError(
+                f"run folder '{d}' exists but records no arguments ({ARGS_FILE}); pass --resume to "
+                f"continue it as this sweep's run, or --force to start new runs"
+            )
     return out
 
 
 def local_command(run: dict, nproc: int, python: str) -> list[str]:
     torchrun = [python, "-m", "torch.distributed.run"]
-    return [*torchrun, "--standalone", "--nproc-per-node", str(nproc), str(ROOT / "pretrain_llama.py"),
-            *run["config_args"]]
+    return [
+        *torchrun,
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(ROOT / "pretrain_llama.py"),
+        *run["config_args"],
+    ]
 
 
 def slurm_command(run: dict, sbatch_args: list[str]) -> list[str]:
@@ -242,27 +266,47 @@ def slurm_command(run: dict, sbatch_args: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", action="append", default=None,
-                    help="model config YAML (repeatable; default configs/tiny.yaml)")
-    ap.add_argument("--presets", nargs="+", default=DEFAULT_PRESETS,
-                    help="comm presets, space- or comma-separated (names in configs/comm/ or YAML paths; default: "
-                         "every preset in configs/comm/)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--config", action="append", default=None, help="model config YAML (repeatable; default configs/tiny.yaml)"
+    )
+    ap.add_argument(
+        "--presets",
+        nargs="+",
+        default=DEFAULT_PRESETS,
+        help="comm presets, space- or comma-separated (names in configs/comm/ or YAML paths; default: "
+        "every preset in configs/comm/)",
+    )
     ap.add_argument("--seeds", type=int, default=3, help="number of seeds: train.seed = 1..N (default 3)")
     ap.add_argument("--seed-list", type=int, nargs="+", default=None, help="explicit seeds (overrides --seeds)")
     ap.add_argument("--sweep-dir", default="runs/sweep", help="output folder; its name is the wandb group")
     ap.add_argument("--nproc", type=int, default=2, help="processes per local run (torchrun --nproc-per-node)")
-    ap.add_argument("--slurm", action="store_true",
-                    help="submit each run with sbatch scripts/slurm/pretrain.sbatch instead of running torchrun")
-    ap.add_argument("--sbatch-arg", action="append", default=[],
-                    help="extra sbatch option, e.g. --sbatch-arg=--nodes=64 (repeatable)")
-    ap.add_argument("--skip-finished", action="store_true",
-                    help="old spelling of --resume (finished runs with the same arguments are always skipped)")
-    ap.add_argument("--resume", action="store_true",
-                    help="continue run folders that record no arguments as this sweep's runs")
-    ap.add_argument("--force", action="store_true",
-                    help="start new runs where a folder exists (moved to SWEEP_DIR/.replaced/, not deleted)")
+    ap.add_argument(
+        "--slurm",
+        action="store_true",
+        help="submit each run with sbatch scripts/slurm/pretrain.sbatch instead of running torchrun",
+    )
+    ap.add_argument(
+        "--sbatch-arg",
+        action="append",
+        default=[],
+        help="extra sbatch option, e.g. --sbatch-arg=--nodes=64 (repeatable)",
+    )
+    ap.add_argument(
+        "--skip-finished",
+        action="store_true",
+        help="old spelling of --resume (finished runs with the same arguments are always skipped)",
+    )
+    ap.add_argument(
+        "--resume", action="store_true", help="continue run folders that record no arguments as this sweep's runs"
+    )
+    ap.add_argument(
+        "--force",
+        action="store_true",
+        help="start new runs where a folder exists (moved to SWEEP_DIR/.replaced/, not deleted)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     ap.add_argument("overrides", nargs="*", help="section.key=value passed to every run")
     a = ap.parse_args(argv)
@@ -275,8 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.nproc < 1:
             raise SweepError(f"--nproc {a.nproc} must be >= 1")
-        runs = plan_runs(a.config or [os.path.relpath(ROOT / "configs" / "tiny.yaml")], presets, seeds, sweep_dir,
-                         overrides)
+        runs = plan_runs(
+            a.config or [os.path.relpath(ROOT / "configs" / "tiny.yaml")], presets, seeds, sweep_dir, overrides
+        )
         if a.slurm and not SBATCH_SCRIPT.is_file():
             raise SweepError(f"--slurm needs {SBATCH_SCRIPT} (not found)")
         if a.slurm and not a.dry_run and shutil.which("sbatch") is None:
@@ -291,8 +336,10 @@ def main(argv: list[str] | None = None) -> int:
         for r in runs:  # two presets that end as the same settings would be one mode twice in compare_runs
             other = same.setdefault((r["config"]["comm"]["label"], r["seed"]), r)
             if other is not r:
-                raise SweepError(f"presets {other['preset']} and {r['preset']} resolve to the same comm settings "
-                                 f"(label {r['config']['comm']['label']}) with these overrides; drop one")
+                raise SweepError(
+                    f"presets {other['preset']} and {r['preset']} resolve to the same comm settings "
+                    f"(label {r['config']['comm']['label']}) with these overrides; drop one"
+                )
         existing = check_existing(runs, a.resume or a.skip_finished, a.force)
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -317,24 +364,31 @@ def main(argv: list[str] | None = None) -> int:
         prev_presets, prev_seeds = list(before.get("presets") or []), list(before.get("seeds") or [])
     except (OSError, ValueError, AttributeError):
         prev_presets, prev_seeds = [], []
-    manifest = {"sweep": sweep_dir.name,
-                "presets": list(dict.fromkeys(prev_presets + [r["preset"] for r in runs])),
-                "seeds": sorted(set(prev_seeds) | set(seeds)),
-                "launcher": "slurm" if a.slurm else f"torchrun x{a.nproc}", "argv": sys.argv,
-                "runs": [{**{k: v for k, v in r.items() if k != "config"}, "command": shlex.join(c)}
-                         for r, c in zip(runs, cmds)]}
+    manifest = {
+        "sweep": sweep_dir.name,
+        "presets": list(dict.fromkeys(prev_presets + [r["preset"] for r in runs])),
+        "seeds": sorted(set(prev_seeds) | set(seeds)),
+        "launcher": "slurm" if a.slurm else f"torchrun x{a.nproc}",
+        "argv": sys.argv,
+        "runs": [
+            {**{k: v for k, v in r.items() if k != "config"}, "command": shlex.join(c)} for r, c in zip(runs, cmds)
+        ],
+    }
     (sweep_dir / "sweep.json").write_text(json.dumps(manifest, indent=1))
 
     failed = []
     for i, (run, cmd) in enumerate(zip(runs, cmds), 1):
         run_dir = Path(run["run_dir"])
         if run_finished(run_dir):  # arguments checked above: the same (or --resume)
-            print(f"[{i}/{len(runs)}] {run['name']}: ok (already complete with the same arguments; not run again)",
-                  flush=True)
+            print(
+                f"[{i}/{len(runs)}] {run['name']}: ok (already complete with the same arguments; not run again)",
+                flush=True,
+            )
             continue
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / ARGS_FILE).write_text(json.dumps({"config_args": run["config_args"], "config": run["config"]},
-                                                    indent=1) + "\n")
+        (run_dir / ARGS_FILE).write_text(
+            json.dumps({"config_args": run["config_args"], "config": run["config"]}, indent=1) + "\n"
+        )
         before = last_step(run_dir)
         if a.slurm:
             Path("logs").mkdir(exist_ok=True)  # pretrain.sbatch writes logs/%x-%j.out under the submit folder
@@ -366,6 +420,9 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except KeyboardInterrupt:  # the run in progress got the Ctrl-C too; its checkpoint (if any) is kept
-        print("\ninterrupted; run the same command again to continue the sweep (finished runs are not repeated, "
-              "unfinished ones resume from their last checkpoint)", file=sys.stderr)
+        print(
+            "\ninterrupted; run the same command again to continue the sweep (finished runs are not repeated, "
+            "unfinished ones resume from their last checkpoint)",
+            file=sys.stderr,
+        )
         sys.exit(130)

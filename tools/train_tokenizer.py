@@ -22,8 +22,9 @@ if REPO_ROOT not in sys.path:
 from megatron_geo.data.tokenizer import MODEL_TYPES, Tokenizer, train_tokenizer  # noqa: E402
 
 
-def dump_hf_dataset(name: str, config: str | None, split: str, text_key: str, max_docs: int | None,
-                    out_path: str) -> int:
+def dump_hf_dataset(
+    name: str, config: str | None, split: str, text_key: str, max_docs: int | None, out_path: str
+) -> int:
     """Write the ``text_key`` column of a Hugging Face dataset to a text file; returns the doc count."""
     import datasets
 
@@ -32,8 +33,9 @@ def dump_hf_dataset(name: str, config: str | None, split: str, text_key: str, ma
     with open(out_path, "w", encoding="utf-8") as f:
         for row in ds:
             if text_key not in row:
-                raise ValueError(f"text key {text_key!r} not in dataset {name!r} "
-                                 f"(keys: {sorted(row)}); use --text-key.")
+                raise ValueError(
+                    f"text key {text_key!r} not in dataset {name!r} (keys: {sorted(row)}); use --text-key."
+                )
             text = row[text_key]
             text = text.removeprefix("\ufeff") if isinstance(text, str) else text  # no byte-order mark
             if text:
@@ -65,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             with tempfile.TemporaryDirectory() as tmp:
                 text = os.path.join(tmp, "text.txt")
-                n = dump_hf_dataset(args.hf_dataset, args.hf_config, args.hf_split, args.text_key,
-                                    args.max_docs, text)
+                n = dump_hf_dataset(args.hf_dataset, args.hf_config, args.hf_split, args.text_key, args.max_docs, text)
                 if n == 0:
                     raise ValueError(f"dataset {args.hf_dataset!r} split {args.hf_split!r} has no non-empty text.")
                 model = train_tokenizer([text], args.model_prefix, args.vocab_size, args.model_type)

@@ -46,8 +46,9 @@ def seeds_needed(mean: float, sd: float, level: float = LEVEL, limit: int = SEED
     return math.inf
 
 
-def paired_verdict(mode: dict[int, float], reference: dict[int, float], level: float = LEVEL,
-                   resamples: int = 10_000, seed: int = 0) -> dict:
+def paired_verdict(
+    mode: dict[int, float], reference: dict[int, float], level: float = LEVEL, resamples: int = 10_000, seed: int = 0
+) -> dict:
     """Paired comparison of final losses ``{seed: loss}`` of a mode and a reference.
 
     Returns ``{"n", "mean", "sd", "lo", "hi", "method", "verdict", "seeds_needed", "diverged",
@@ -61,8 +62,17 @@ def paired_verdict(mode: dict[int, float], reference: dict[int, float], level: f
     ref_diverged = [s for s in seeds if not math.isfinite(reference[s])]
     d = [mode[s] - reference[s] for s in seeds if math.isfinite(mode[s]) and math.isfinite(reference[s])]
     n = len(d)
-    out = {"n": n, "mean": sum(d) / n if n else math.nan, "sd": math.nan, "lo": math.nan, "hi": math.nan,
-           "method": "none", "seeds_needed": math.nan, "diverged": diverged, "reference_diverged": ref_diverged}
+    out = {
+        "n": n,
+        "mean": sum(d) / n if n else math.nan,
+        "sd": math.nan,
+        "lo": math.nan,
+        "hi": math.nan,
+        "method": "none",
+        "seeds_needed": math.nan,
+        "diverged": diverged,
+        "reference_diverged": ref_diverged,
+    }
     if n < 2:
         if n == 0 and diverged and len(diverged) == len(seeds):
             out["verdict"] = f"diverged (all {len(seeds)} paired seeds)"
@@ -81,8 +91,11 @@ def paired_verdict(mode: dict[int, float], reference: dict[int, float], level: f
             res = stats.bootstrap((np.asarray(d),), np.mean, rng=np.random.default_rng(seed), **kw)
         except TypeError:
             res = stats.bootstrap((np.asarray(d),), np.mean, random_state=np.random.default_rng(seed), **kw)
-        out["lo"], out["hi"], out["method"] = float(res.confidence_interval.low), \
-            float(res.confidence_interval.high), "bootstrap"
+        out["lo"], out["hi"], out["method"] = (
+            float(res.confidence_interval.low),
+            float(res.confidence_interval.high),
+            "bootstrap",
+        )
     else:
         half = t_quantile(n - 1, level) * sd / math.sqrt(n)
         out["lo"], out["hi"], out["method"] = mean - half, mean + half, "t"

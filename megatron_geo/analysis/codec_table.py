@@ -15,8 +15,9 @@ from .fidelity import fidelity_metrics, simulate_reduce
 from .report_io import finite_mean, fmt_value
 
 
-def evaluate_codec(codec: dict, names: list[str], grads: dict[str, list[torch.Tensor]],
-                   directions: bool = True) -> dict:
+def evaluate_codec(
+    codec: dict, names: list[str], grads: dict[str, list[torch.Tensor]], directions: bool = True
+) -> dict:
     """Per-layer and overall metrics of one codec (see the module docstring for the keys)."""
     layers, hats = [], []
     for n in names:
@@ -31,10 +32,17 @@ def evaluate_codec(codec: dict, names: list[str], grads: dict[str, list[torch.Te
         overall.pop(k)
     sat, el = sum(x["saturated"] for x in layers), sum(x["elements"] for x in layers)
     und, nz = sum(x["underflow_count"] for x in layers), sum(x["nonzero"] for x in layers)
-    overall.update(saturated=sat, elements=el, saturation=sat / el if el else 0.0, underflow_count=und, nonzero=nz,
-                   underflow=und / nz if nz else 0.0, mean_layer_rel_l2=finite_mean([x["rel_l2"] for x in layers]),
-                   mean_layer_dir_err_top=finite_mean([x["dir_err_top"] for x in layers]),
-                   mean_layer_dir_err_tail=finite_mean([x["dir_err_tail"] for x in layers]))
+    overall.update(
+        saturated=sat,
+        elements=el,
+        saturation=sat / el if el else 0.0,
+        underflow_count=und,
+        nonzero=nz,
+        underflow=und / nz if nz else 0.0,
+        mean_layer_rel_l2=finite_mean([x["rel_l2"] for x in layers]),
+        mean_layer_dir_err_top=finite_mean([x["dir_err_top"] for x in layers]),
+        mean_layer_dir_err_tail=finite_mean([x["dir_err_tail"] for x in layers]),
+    )
     return {"overall": overall, "layers": layers}
 
 
@@ -59,24 +67,39 @@ def bytes_per_element_of(c: dict) -> float:
     return get_format(c["dtype"]).bytes_per_element(comm_view(c))
 
 
-_COLS = [("RelL2", "rel_l2", ".3e"), ("SQNR dB", "sqnr_db", ".2f"), ("cosine", "cosine", ".6f"),
-         ("MaxErr", "max_err", ".2e"), ("sat", "saturation", ".2e"), ("underflow", "underflow", ".2e"),
-         ("dir top", "dir_err_top", ".2e"), ("dir tail", "dir_err_tail", ".2e")]
+_COLS = [
+    ("RelL2", "rel_l2", ".3e"),
+    ("SQNR dB", "sqnr_db", ".2f"),
+    ("cosine", "cosine", ".6f"),
+    ("MaxErr", "max_err", ".2e"),
+    ("sat", "saturation", ".2e"),
+    ("underflow", "underflow", ".2e"),
+    ("dir top", "dir_err_top", ".2e"),
+    ("dir tail", "dir_err_tail", ".2e"),
+]
 
 
 def format_table(results: list[dict], per_layer: bool = False) -> str:
     """Readable table: one row per codec (overall), and with ``per_layer`` one block per codec."""
-    head = (f"{'codec':<30} {'B/elem':>6} {'RelL2':>10} {'layer RelL2':>11} {'SQNR dB':>8} {'cosine':>9} "
-            f"{'MaxErr':>9} {'sat':>9} {'underflow':>9} {'dir top':>9} {'dir tail':>9}")
-    lines = ["overall (RelL2/SQNR/cosine/MaxErr of the concatenated linear weights; 'layer RelL2' = mean over "
-             "layers; dir top/tail = mean over layers of the per-layer medians)", head, "-" * len(head)]
+    head = (
+        f"{'codec':<30} {'B/elem':>6} {'RelL2':>10} {'layer RelL2':>11} {'SQNR dB':>8} {'cosine':>9} "
+        f"{'MaxErr':>9} {'sat':>9} {'underflow':>9} {'dir top':>9} {'dir tail':>9}"
+    )
+    lines = [
+        "overall (RelL2/SQNR/cosine/MaxErr of the concatenated linear weights; 'layer RelL2' = mean over "
+        "layers; dir top/tail = mean over layers of the per-layer medians)",
+        head,
+        "-" * len(head),
+    ]
     for res in results:
         o = res["overall"]
-        lines.append(f"{res['codec']:<30} {res['bytes_per_element']:>6.3f} {fmt_value(o['rel_l2'], '.3e'):>10} "
-                     f"{fmt_value(o['mean_layer_rel_l2'], '.3e'):>11} {fmt_value(o['sqnr_db'], '.2f'):>8} "
-                     f"{fmt_value(o['cosine'], '.6f'):>9} {fmt_value(o['max_err'], '.2e'):>9} {fmt_value(o['saturation'], '.2e'):>9} "
-                     f"{fmt_value(o['underflow'], '.2e'):>9} {fmt_value(o['mean_layer_dir_err_top'], '.2e'):>9} "
-                     f"{fmt_value(o['mean_layer_dir_err_tail'], '.2e'):>9}")
+        lines.append(
+            f"{res['codec']:<30} {res['bytes_per_element']:>6.3f} {fmt_value(o['rel_l2'], '.3e'):>10} "
+            f"{fmt_value(o['mean_layer_rel_l2'], '.3e'):>11} {fmt_value(o['sqnr_db'], '.2f'):>8} "
+            f"{fmt_value(o['cosine'], '.6f'):>9} {fmt_value(o['max_err'], '.2e'):>9} {fmt_value(o['saturation'], '.2e'):>9} "
+            f"{fmt_value(o['underflow'], '.2e'):>9} {fmt_value(o['mean_layer_dir_err_top'], '.2e'):>9} "
+            f"{fmt_value(o['mean_layer_dir_err_tail'], '.2e'):>9}"
+        )
     if per_layer:
         for res in results:
             lines += ["", f"per layer: {res['codec']}"]
@@ -84,5 +107,7 @@ def format_table(results: list[dict], per_layer: bool = False) -> str:
             lines += [h, "-" * len(h)]
             for x in res["layers"]:
                 shape = "x".join(str(s) for s in x["shape"])
-                lines.append(f"{x['name']:<34} {shape:>11} " + " ".join(f"{fmt_value(x[k], f):>9}" for _, k, f in _COLS))
+                lines.append(
+                    f"{x['name']:<34} {shape:>11} " + " ".join(f"{fmt_value(x[k], f):>9}" for _, k, f in _COLS)
+                )
     return "\n".join(lines)

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..geometry.transform import LowRankTransform, build_transform, build_transform_from_sketch, sketch_matrix
 
+
 class DiagonalTransform:
     """``T = diag(s)``: the transform of a diagonal approximation of the K-FAC factor.
 
@@ -64,8 +65,9 @@ class BlockDiagonalTransform:
 
     def _map(self, g: Tensor, inverse: bool) -> Tensor:
         if g.shape[-1] != self.d_in:
-            raise ValueError(f"block-diagonal transform of size {self.d_in} applied to a last dimension of "
-                             f"{g.shape[-1]}")
+            raise ValueError(
+                f"block-diagonal transform of size {self.d_in} applied to a last dimension of {g.shape[-1]}"
+            )
         parts = []
         for b, lo, hi in zip(self.blocks, self.offsets[:-1], self.offsets[1:]):
             x = g[..., lo:hi]
@@ -109,8 +111,12 @@ def block_diagonal_transform(A: Tensor, block: int, damping: float) -> BlockDiag
     if block <= 0:
         raise ValueError(f"block size {block} must be positive")
     d = A.shape[0]
-    return BlockDiagonalTransform([build_transform(A[lo:min(lo + block, d), lo:min(lo + block, d)],
-                                                   min(block, d - lo), damping) for lo in range(0, d, block)])
+    return BlockDiagonalTransform(
+        [
+            build_transform(A[lo : min(lo + block, d), lo : min(lo + block, d)], min(block, d - lo), damping)
+            for lo in range(0, d, block)
+        ]
+    )
 
 
 TRANSFORM_KINDS = ("lowrank", "full", "diag", "block", "sketch")
@@ -127,8 +133,16 @@ def _with_power(t, power: float):
     return BlockDiagonalTransform([_with_power(b, power) for b in t.blocks])
 
 
-def build_coordinate_transform(A: Tensor, kind: str = "lowrank", rank: int = 32, damping: float = 1e-3,
-                               block: int = 128, power: float = 0.5, sketch_size: int = 64, seed: int = 0):
+def build_coordinate_transform(
+    A: Tensor,
+    kind: str = "lowrank",
+    rank: int = 32,
+    damping: float = 1e-3,
+    block: int = 128,
+    power: float = 0.5,
+    sketch_size: int = 64,
+    seed: int = 0,
+):
     """A coordinate transform of one side of a linear layer's gradient from its K-FAC factor ``A``.
 
     Args:

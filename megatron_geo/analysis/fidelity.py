@@ -26,6 +26,7 @@ from torch import Tensor
 from ..comm.roundtrip import from_wire, normalize_codec, quantize_wire, to_wire, wire_signs
 from .coordinates import fp64_transform
 
+
 def check_rank_grads(rank_grads: list[Tensor]) -> None:
     """Raise ValueError / TypeError unless ``rank_grads`` is a non-empty list of equal-shape float tensors."""
     if not rank_grads:
@@ -101,8 +102,15 @@ def bound_hits(x: Tensor, codec: dict | str, rank: int = 0) -> dict:
     s, u, z = int(sat.sum()), int(und.sum()), int(nz.sum())
     sat_f = s / n if n else 0.0
     und_f = u / z if z else 0.0
-    return {"saturated": s, "underflow": u, "nonzero": z, "elements": n, "saturation": sat_f,
-            "underflow_fraction": und_f, "bound_hits": sat_f + und_f}
+    return {
+        "saturated": s,
+        "underflow": u,
+        "nonzero": z,
+        "elements": n,
+        "saturation": sat_f,
+        "underflow_fraction": und_f,
+        "bound_hits": sat_f + und_f,
+    }
 
 
 def _median(t: Tensor) -> float:
@@ -145,12 +153,19 @@ def _bound_hit_counts(rank_grads: list[Tensor], c: dict) -> dict:
         und += int(u.sum())
         nz += int(z.sum())
     n_sat = int(sat_any.sum())
-    return {"saturated": n_sat, "elements": n, "saturation": n_sat / n if n else 0.0, "underflow_count": und,
-            "nonzero": nz, "underflow": und / nz if nz else 0.0}
+    return {
+        "saturated": n_sat,
+        "elements": n,
+        "saturation": n_sat / n if n else 0.0,
+        "underflow_count": und,
+        "nonzero": nz,
+        "underflow": und / nz if nz else 0.0,
+    }
 
 
-def fidelity_metrics(g_hat: Tensor, rank_grads: list[Tensor], fmt: dict | str | None = None, *,
-                     directions: bool = True) -> dict:
+def fidelity_metrics(
+    g_hat: Tensor, rank_grads: list[Tensor], fmt: dict | str | None = None, *, directions: bool = True
+) -> dict:
     """Fidelity of a reduced gradient ``g_hat`` against the exact average of ``rank_grads``.
 
     With ``g = sum_r g_r / N`` in FP64 and ``err = g_hat - g`` (FP64):
@@ -189,11 +204,22 @@ def fidelity_metrics(g_hat: Tensor, rank_grads: list[Tensor], fmt: dict | str | 
         cos = float((gh * g).sum()) / (nh * ng)
     else:
         cos = 1.0 if ng == 0 and nh == 0 else math.nan
-    out = {"rel_l2": rel, "sqnr_db": (-20.0 * math.log10(rel)) if rel > 0 else math.inf, "cosine": cos,
-           "max_err": float(err.abs().max()) if err.numel() else 0.0, "norm": ng,
-           "saturation": None, "underflow": None, "saturated": None, "elements": None,
-           "underflow_count": None, "nonzero": None,
-           "dir_err_top": None, "dir_err_tail": None, "n_directions": None}
+    out = {
+        "rel_l2": rel,
+        "sqnr_db": (-20.0 * math.log10(rel)) if rel > 0 else math.inf,
+        "cosine": cos,
+        "max_err": float(err.abs().max()) if err.numel() else 0.0,
+        "norm": ng,
+        "saturation": None,
+        "underflow": None,
+        "saturated": None,
+        "elements": None,
+        "underflow_count": None,
+        "nonzero": None,
+        "dir_err_top": None,
+        "dir_err_tail": None,
+        "n_directions": None,
+    }
     if fmt is not None:
         out.update(_bound_hit_counts(rank_grads, normalize_codec(fmt)))
     if directions and g.dim() == 2:
@@ -266,8 +292,10 @@ def _reduce(wires: list[Tensor], c: dict, collective: str, prediv: bool) -> tupl
     if collective != "wire_sum":
         raise ValueError(f"collective {collective!r} is not known; choose one of {', '.join(COLLECTIVES)}")
     if c["transform"] != "none" or c["scaling"] != "tensor" or c["rounding"] != "nearest":
-        raise ValueError("the wire_sum collective takes an fp8 codec with tensor scaling, round to nearest and no "
-                         "rotation, e.g. fp8_e4m3:tensor")
+        raise ValueError(
+            "the wire_sum collective takes an fp8 codec with tensor scaling, round to nearest and no "
+            "rotation, e.g. fp8_e4m3:tensor"
+        )
     from ..comm.wire_sum import simulate_wire_sum
 
     avg, hits = simulate_wire_sum(wires, c["dtype"], prediv)
@@ -288,8 +316,9 @@ def _geo_reduce(rank_grads, c, t_in, t_out, fp64, collective: str = "fp32", pred
     return g_hat, wires, hits
 
 
-def simulate_geo_reduce(rank_grads: list[Tensor], codec: dict | str, t_in=None, t_out=None, *,
-                        fp64: bool = True) -> Tensor:
+def simulate_geo_reduce(
+    rank_grads: list[Tensor], codec: dict | str, t_in=None, t_out=None, *, fp64: bool = True
+) -> Tensor:
     """An N-rank reduce of one linear weight's gradient in transformed coordinates (docs/design.md section 1,
     steps 3-4): every rank sends ``W_r = T_out^T G_r T_in`` (:func:`to_transformed`; both transforms must
     be the same on every rank, as the DP-all-reduced statistics make them in the trainer), the wires go
@@ -311,9 +340,17 @@ def simulate_geo_reduce(rank_grads: list[Tensor], codec: dict | str, t_in=None, 
     return _geo_reduce(rank_grads, normalize_codec(codec), t_in, t_out, fp64)[0]
 
 
-def geo_reduce_and_metrics(rank_grads: list[Tensor], codec: dict | str, t_in=None, t_out=None, *,
-                           directions: bool = True, fp64: bool = True, collective: str = "fp32",
-                           prediv: bool = True) -> tuple[Tensor, dict]:
+def geo_reduce_and_metrics(
+    rank_grads: list[Tensor],
+    codec: dict | str,
+    t_in=None,
+    t_out=None,
+    *,
+    directions: bool = True,
+    fp64: bool = True,
+    collective: str = "fp32",
+    prediv: bool = True,
+) -> tuple[Tensor, dict]:
     """``(g_hat, metrics)``: :func:`simulate_geo_reduce` and :func:`geo_fidelity_metrics` of one reduce.
 
     ``collective``: ``fp32`` (per-rank scales, FP32 sum; the default and the trainer's ``comm.reduce_op=fp32_sum``)
@@ -327,8 +364,9 @@ def geo_reduce_and_metrics(rank_grads: list[Tensor], codec: dict | str, t_in=Non
     return g_hat, out
 
 
-def geo_fidelity_metrics(rank_grads: list[Tensor], codec: dict | str, t_in=None, t_out=None, *,
-                         directions: bool = True, fp64: bool = True) -> dict:
+def geo_fidelity_metrics(
+    rank_grads: list[Tensor], codec: dict | str, t_in=None, t_out=None, *, directions: bool = True, fp64: bool = True
+) -> dict:
     """:func:`fidelity_metrics` of :func:`simulate_geo_reduce` against the exact FP64 average of the
     original ``rank_grads``; the bound-hit counts (saturation / underflow) are those of the wire tensors
     ``T_out^T G_r T_in``, i.e. of what is actually quantized. Same keys as :func:`fidelity_metrics`."""

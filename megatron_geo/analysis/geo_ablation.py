@@ -18,21 +18,31 @@ from ..comm.formats import FORMATS, get_format
 from ..comm.roundtrip import codec_label, is_pow2, parse_codec, quantize_roundtrip
 from ..geometry import refresh_stats as RS
 from ..geometry.power_search import pick_powers, roundtrip_errors, with_power
-from .coordinates import build_coordinate_transform
-from .fidelity import (fidelity_metrics, geo_reduce_and_metrics, input_gram_from_grads, output_factor_from_grads,
-                       simulate_reduce)
 from .capture import Capture
+from .coordinates import build_coordinate_transform
+from .fidelity import (
+    fidelity_metrics,
+    geo_reduce_and_metrics,
+    input_gram_from_grads,
+    output_factor_from_grads,
+    simulate_reduce,
+)
 from .report_io import finite_mean
 
 GEO_FP8 = "fp8_e4m3:tensor"
 GEO_FP4 = "nvfp4"
-TARGET_REDUCTION_PCT = 15.0   # the geofp8 default's target: at least 15% below Euclidean FP8 on the tiny model
-PAPER_REDUCTION_PCT = 67.4    # the paper's one-step figure at r = 32 (its own regime: dense spikes, E5M2)
+TARGET_REDUCTION_PCT = 15.0  # the geofp8 default's target: at least 15% below Euclidean FP8 on the tiny model
+PAPER_REDUCTION_PCT = 67.4  # the paper's one-step figure at r = 32 (its own regime: dense spikes, E5M2)
 
 
-def _side(kind: str, rank: int | None = None, block: int | None = None, damping: float = 1e-3,
-          power: float | str = 0.5,
-          factor: str = "kfac") -> dict:
+def _side(
+    kind: str,
+    rank: int | None = None,
+    block: int | None = None,
+    damping: float = 1e-3,
+    power: float | str = 0.5,
+    factor: str = "kfac",
+) -> dict:
     return {"kind": kind, "rank": rank, "block": block, "damping": damping, "power": power, "factor": factor}
 
 
@@ -40,18 +50,34 @@ def _side_label(sd: dict | None) -> str:
     if sd is None:
         return "-"
     k = sd["kind"]
-    what = {"lowrank": f"r{sd['rank']}", "full": "full", "diag": "diag", "block": f"block{sd['block']}",
-            "sketch": f"r{sd['rank']} sketch{sd['block']}"}[k]
+    what = {
+        "lowrank": f"r{sd['rank']}",
+        "full": "full",
+        "diag": "diag",
+        "block": f"block{sd['block']}",
+        "sketch": f"r{sd['rank']} sketch{sd['block']}",
+    }[k]
     pw = sd["power"]
     extra = (f" p-{pw}" if isinstance(pw, str) else f" p{pw:g}") if pw != 0.5 else ""
     extra += " gram" if sd["factor"] == "gram" else ""
     return f"{what} d{sd['damping']:g}{extra}"
 
 
-def geo_rows(rank: int, damping: float, lowranks: list[int], blocks: list[int], dampings: list[float],
-             staleness: list[int], investigate: bool = True, search: tuple = (), sketch: int | None = 64,
-             fp8: str = GEO_FP8, default: tuple[str, dict] | None = None, auto: bool = True,
-             nvfp4: bool = True) -> list[dict]:
+def geo_rows(
+    rank: int,
+    damping: float,
+    lowranks: list[int],
+    blocks: list[int],
+    dampings: list[float],
+    staleness: list[int],
+    investigate: bool = True,
+    search: tuple = (),
+    sketch: int | None = 64,
+    fp8: str = GEO_FP8,
+    default: tuple[str, dict] | None = None,
+    auto: bool = True,
+    nvfp4: bool = True,
+) -> list[dict]:
     """The ablation rows: ``{"key", "group", "label", "codec", "input", "output" (side dicts or None),
     "capture" (step offset of the gradients), "stats" (offset of the factors), "baseline" (key)}``.
 
@@ -67,8 +93,19 @@ def geo_rows(rank: int, damping: float, lowranks: list[int], blocks: list[int], 
     def add(group, label, codec=None, inp=None, out=None, capture=0, stats=0, baseline=None):
         codec = codec or fp8
         key = f"{codec}|in={_side_label(inp)}|out={_side_label(out)}|g{capture}|A{stats}"
-        rows.append({"key": key, "group": group, "label": label, "codec": codec, "input": inp, "output": out,
-                     "capture": capture, "stats": stats, "baseline": baseline or key})
+        rows.append(
+            {
+                "key": key,
+                "group": group,
+                "label": label,
+                "codec": codec,
+                "input": inp,
+                "output": out,
+                "capture": capture,
+                "stats": stats,
+                "baseline": baseline or key,
+            }
+        )
         return key
 
     eu = add("coordinates", "Euclidean (baseline)")
@@ -82,8 +119,12 @@ def geo_rows(rank: int, damping: float, lowranks: list[int], blocks: list[int], 
     for r in lowranks:
         add("A approx", f"input low-rank {r}", inp=_side("lowrank", r, damping=damping), baseline=eu)
     if sketch:
-        add("A approx", f"input r{rank} from a sketch (k = {sketch})", inp=_side("sketch", rank, block=sketch,
-                                                                                  damping=damping), baseline=eu)
+        add(
+            "A approx",
+            f"input r{rank} from a sketch (k = {sketch})",
+            inp=_side("sketch", rank, block=sketch, damping=damping),
+            baseline=eu,
+        )
     for dmp in dampings:
         add("damping", f"input r{rank} damping {dmp:g}", inp=_side("lowrank", rank, damping=dmp), baseline=eu)
     eu_at = {}
@@ -101,29 +142,52 @@ def geo_rows(rank: int, damping: float, lowranks: list[int], blocks: list[int], 
         pa = _side("lowrank", rank, damping=damping, power="auto")
         add("power auto", f"input r{rank}, geo.power=auto", inp=pa, baseline=eu)
         for k in staleness:
-            add("power auto", f"input r{rank}, geo.power=auto, chosen at t @ t+{k}", inp=pa, capture=k, stats=0,
-                baseline=eu_at[k])
+            add(
+                "power auto",
+                f"input r{rank}, geo.power=auto, chosen at t @ t+{k}",
+                inp=pa,
+                capture=k,
+                stats=0,
+                baseline=eu_at[k],
+            )
     if default is not None:
         add("default", f"geofp8 default ({default[0]})", inp=default[1], baseline=eu)
         for k in staleness:
-            add("default", f"geofp8 default, built at t @ t+{k}", inp=default[1], capture=k, stats=0,
-                baseline=eu_at[k])
+            add("default", f"geofp8 default, built at t @ t+{k}", inp=default[1], capture=k, stats=0, baseline=eu_at[k])
     if not nvfp4:
         return rows
     e4 = add("nvfp4", "NVFP4 Euclidean", codec=GEO_FP4)
     add("nvfp4", f"NVFP4 input-side geo r{rank}", codec=GEO_FP4, inp=geo, baseline=e4)
     if search:
-        add("nvfp4", f"NVFP4 input r{rank}, power search", codec=GEO_FP4,
-            inp=_side("lowrank", rank, damping=damping, power="search"), baseline=e4)
+        add(
+            "nvfp4",
+            f"NVFP4 input r{rank}, power search",
+            codec=GEO_FP4,
+            inp=_side("lowrank", rank, damping=damping, power="search"),
+            baseline=e4,
+        )
     if investigate:
         # why (docs/geofp8_fidelity.md): D's exponent, and a factor that measures the gradient's own energy
-        add("investigate", f"input r{rank}, D power 1/4", inp=_side("lowrank", rank, damping=damping, power=0.25),
-            baseline=eu)
+        add(
+            "investigate",
+            f"input r{rank}, D power 1/4",
+            inp=_side("lowrank", rank, damping=damping, power=0.25),
+            baseline=eu,
+        )
         add("investigate", "input full, D power 1/4", inp=_side("full", damping=damping, power=0.25), baseline=eu)
-        add("investigate", f"input r{rank}, grad Gram, power 1/4",
-            inp=_side("lowrank", rank, damping=damping, power=0.25, factor="gram"), baseline=eu)
-        add("investigate", f"NVFP4 input r{rank}, D power 1/4", codec=GEO_FP4,
-            inp=_side("lowrank", rank, damping=damping, power=0.25), baseline=e4)
+        add(
+            "investigate",
+            f"input r{rank}, grad Gram, power 1/4",
+            inp=_side("lowrank", rank, damping=damping, power=0.25, factor="gram"),
+            baseline=eu,
+        )
+        add(
+            "investigate",
+            f"NVFP4 input r{rank}, D power 1/4",
+            codec=GEO_FP4,
+            inp=_side("lowrank", rank, damping=damping, power=0.25),
+            baseline=e4,
+        )
     # the same configuration listed in two groups is computed once (the rows share the key)
     return rows
 
@@ -165,37 +229,46 @@ class _Transforms:
             elif sd["power"] == "auto":
                 self.cache[key] = self._auto(offset, name, sd)
             else:
-                self.cache[key] = build_coordinate_transform(self.factor(offset, side, name, sd["factor"]), sd["kind"],
-                                                             sd["rank"] or 0, sd["damping"], sd["block"] or 128,
-                                                             sd["power"], sketch_size=sd["block"] or 64,
-                                                             seed=zlib.crc32(name.encode()))
+                self.cache[key] = build_coordinate_transform(
+                    self.factor(offset, side, name, sd["factor"]),
+                    sd["kind"],
+                    sd["rank"] or 0,
+                    sd["damping"],
+                    sd["block"] or 128,
+                    sd["power"],
+                    sketch_size=sd["block"] or 64,
+                    seed=zlib.crc32(name.encode()),
+                )
             self.seconds += time.perf_counter() - t0
         return self.cache[key]
 
     def _searched(self, offset: int, name: str, sd: dict, codec):
         """The trainer's ``geo.power_search`` choice for one layer: the power-1 transform of A, each
         candidate's round-trip error summed over the capture's ranks, the smallest wins."""
-        base = build_coordinate_transform(self.factor(offset, "input", name), "lowrank", sd["rank"] or 0,
-                                          sd["damping"], power=1.0)
-        errs = sum(roundtrip_errors(g, base, list(self.search), lambda x: quantize_roundtrip(x, codec))
-                   for g in self.caps[offset].grads[name])
+        base = build_coordinate_transform(
+            self.factor(offset, "input", name), "lowrank", sd["rank"] or 0, sd["damping"], power=1.0
+        )
+        errs = sum(
+            roundtrip_errors(g, base, list(self.search), lambda x: quantize_roundtrip(x, codec))
+            for g in self.caps[offset].grads[name]
+        )
         p = pick_powers(errs.view(1, -1), list(self.search))[0]
         self.chosen.setdefault((offset, codec_label(codec)), {})[name] = p
         return with_power(base, p)
-
 
     def _auto(self, offset: int, name: str, sd: dict):
         """The trainer's ``geo.power=auto`` choice for one layer (:mod:`megatron_geo.geometry.refresh_stats`):
         p = clip(s / 4, 0, 1/2) from the energies of the capture's rank gradients along A's top eigenvectors,
         and p = 0 when the relative-precision model predicts a gain below ``MIN_AUTO_GAIN`` for it."""
-        base = build_coordinate_transform(self.factor(offset, "input", name), "lowrank", sd["rank"] or 0,
-                                          sd["damping"], power=1.0)
+        base = build_coordinate_transform(
+            self.factor(offset, "input", name), "lowrank", sd["rank"] or 0, sd["damping"], power=1.0
+        )
         r = base.U.shape[1]
         mom = sum(RS.layer_moments(g, base.U) for g in self.caps[offset].grads[name])
         p = float(RS.auto_power(RS.energy_slope(mom[:r], mom[r], base.d, base.d_in)))
         t = with_power(base, p)
         if p > 0 and float(RS.relative_gain(self.caps[offset].grads[name], t)) < RS.MIN_AUTO_GAIN:
-            p, t = 0.0, with_power(base, 0.0)   # as the trainer: predicted to gain nothing, stays Euclidean
+            p, t = 0.0, with_power(base, 0.0)  # as the trainer: predicted to gain nothing, stays Euclidean
         self.auto_chosen.setdefault(offset, {})[name] = p
         return t
 
@@ -205,21 +278,40 @@ def _aggregate(names: list[str], per_layer: dict, hats: dict, grads: dict) -> di
     ranks = len(grads[names[0]])
     cat = [torch.cat([grads[n][r].reshape(-1) for n in names]) for r in range(ranks)]
     o = fidelity_metrics(torch.cat([hats[n].reshape(-1) for n in names]), cat, None, directions=False)
-    for k in ("dir_err_top", "dir_err_tail", "n_directions", "saturation", "underflow", "saturated", "elements",
-              "underflow_count", "nonzero"):
+    for k in (
+        "dir_err_top",
+        "dir_err_tail",
+        "n_directions",
+        "saturation",
+        "underflow",
+        "saturated",
+        "elements",
+        "underflow_count",
+        "nonzero",
+    ):
         o.pop(k)
     ls = [per_layer[n] for n in names]
     sat, el = sum(x["saturated"] for x in ls), sum(x["elements"] for x in ls)
     und, nz = sum(x["underflow_count"] for x in ls), sum(x["nonzero"] for x in ls)
-    o.update(saturation=sat / el if el else 0.0, underflow=und / nz if nz else 0.0,
-             mean_layer_rel_l2=finite_mean([x["rel_l2"] for x in ls]),
-             mean_layer_dir_err_top=finite_mean([x["dir_err_top"] for x in ls]),
-             mean_layer_dir_err_tail=finite_mean([x["dir_err_tail"] for x in ls]))
+    o.update(
+        saturation=sat / el if el else 0.0,
+        underflow=und / nz if nz else 0.0,
+        mean_layer_rel_l2=finite_mean([x["rel_l2"] for x in ls]),
+        mean_layer_dir_err_top=finite_mean([x["dir_err_top"] for x in ls]),
+        mean_layer_dir_err_tail=finite_mean([x["dir_err_tail"] for x in ls]),
+    )
     return o
 
 
-def evaluate_geo_row(row: dict, caps: dict, tf: _Transforms, scopes: dict, directions: bool, fp64: bool,
-                     collective: tuple = ("fp32", True)) -> dict:
+def evaluate_geo_row(
+    row: dict,
+    caps: dict,
+    tf: _Transforms,
+    scopes: dict,
+    directions: bool,
+    fp64: bool,
+    collective: tuple = ("fp32", True),
+) -> dict:
     """Per-layer metrics of one row on every linear weight, and the overall metrics of each scope.
     ``collective``: ``(name, prediv)`` of the reduce (:func:`~megatron_geo.analysis.fidelity.geo_reduce_and_metrics`;
     NVFP4 rows always use the FP32 sum)."""
@@ -229,9 +321,16 @@ def evaluate_geo_row(row: dict, caps: dict, tf: _Transforms, scopes: dict, direc
         t_in = tf.get(row["stats"], "input", n, row["input"], row["codec"])
         t_out = tf.get(row["stats"], "output", n, row["output"])
         coll = collective if row["codec"] != GEO_FP4 else ("fp32", True)
-        hats[n], per_layer[n] = geo_reduce_and_metrics(cap.grads[n], row["codec"], t_in, t_out,
-                                                       directions=directions, fp64=fp64, collective=coll[0],
-                                                       prediv=coll[1])
+        hats[n], per_layer[n] = geo_reduce_and_metrics(
+            cap.grads[n],
+            row["codec"],
+            t_in,
+            t_out,
+            directions=directions,
+            fp64=fp64,
+            collective=coll[0],
+            prediv=coll[1],
+        )
     out = {scope: _aggregate(names, per_layer, hats, cap.grads) for scope, names in scopes.items()}
     out["layers"] = [{"name": n, "shape": list(hats[n].shape), **per_layer[n]} for n in cap.names]
     return out
@@ -251,7 +350,7 @@ def refresh_diagnostics(A: torch.Tensor, grads: list, rank: int, damping: float,
     base = build_coordinate_transform(A, "lowrank", rank, damping, power=1.0)
     r, d_in = base.U.shape[1], base.d_in
     mom = sum(RS.layer_moments(g, base.U) for g in grads)
-    e, total, gu = mom[:r], mom[r], mom[r + 1:].view(-1, r)
+    e, total, gu = mom[:r], mom[r], mom[r + 1 :].view(-1, r)
     s = RS.energy_slope(e, total, base.d, d_in)
     p = float(RS.auto_power(s))
     wire = get_format(parse_codec(fp8)["dtype"])
@@ -259,15 +358,19 @@ def refresh_diagnostics(A: torch.Tensor, grads: list, rank: int, damping: float,
     hits = sum(RS.wire_bound_hits(g, fmax, under) for g in grads)
     t = with_power(base, p)
     col = sum(t.apply(g.float()).double().pow(2).sum(0) for g in grads)
-    return {"slope": float(s), "auto_power": p, "ipr": float(RS.eigvec_ipr(base.U, base.d)),
-            "cancel": float(RS.cancellation(e, gu, len(grads))),
-            "pred_gain": 1.0 - float(RS.relative_ratio(col, t.U, t.d, total)) if p > 0 else 0.0,
-            "pred_gain_white": 1.0 - float(RS.predicted_ratio(e, total, base.d.double() ** p, d_in)),
-            "sat": float(hits[0] / hits[3]), "flush": float(hits[1] / hits[2].clamp(min=1))}
+    return {
+        "slope": float(s),
+        "auto_power": p,
+        "ipr": float(RS.eigvec_ipr(base.U, base.d)),
+        "cancel": float(RS.cancellation(e, gu, len(grads))),
+        "pred_gain": 1.0 - float(RS.relative_ratio(col, t.U, t.d, total)) if p > 0 else 0.0,
+        "pred_gain_white": 1.0 - float(RS.predicted_ratio(e, total, base.d.double() ** p, d_in)),
+        "sat": float(hits[0] / hits[3]),
+        "flush": float(hits[1] / hits[2].clamp(min=1)),
+    }
 
 
-def geo_diagnostics(cap: Capture, names: list[str], rank: int, damping: float,
-                    fp8: str = GEO_FP8) -> list[dict]:
+def geo_diagnostics(cap: Capture, names: list[str], rank: int, damping: float, fp8: str = GEO_FP8) -> list[dict]:
     """Why the input-side transform helps or not, per layer (capture at t): the spectrum of A, the share
     of the gradient's energy in A's top input directions, the cancellation between ranks, a white-noise
     model of the RelL2 ratio, and the one-rank round trip (quantize + dequantize one gradient)."""
@@ -284,7 +387,7 @@ def geo_diagnostics(cap: Capture, names: list[str], rank: int, damping: float,
         wire_e = sum(float(t.apply(x).double().norm() ** 2) for x in gs)
         raw_e = sum(float(x.double().norm() ** 2) for x in gs)
         d = t.d.double()
-        inv2 = (float((1.0 / d ** 2).sum()) + (t.d_in - d.numel())) / t.d_in
+        inv2 = (float((1.0 / d**2).sum()) + (t.d_in - d.numel())) / t.d_in
         model_ratio = math.sqrt(wire_e / raw_e * inv2) if raw_e > 0 else None
         # the model's optimum over all D of a rank-r transform in A's eigenbasis (Cauchy-Schwarz):
         # ratio^2 >= (sum_{i<=r} sqrt(e_i) + sqrt(e_rest (d_in - r)))^2 / (d_in E), e_i = sum_r ||G_r u_i||^2
@@ -292,32 +395,40 @@ def geo_diagnostics(cap: Capture, names: list[str], rank: int, damping: float,
         e = sum(((x.double() @ V) ** 2).sum(0) for x in gs)
         E, din = float(e.sum()), A.shape[0]
         rr = min(rank, din)
-        best_r = ((float(e[:rr].sqrt().sum()) + math.sqrt(float(e[rr:].sum()) * (din - rr))) ** 2 / (din * E)
-                  if E else None)
+        best_r = (
+            (float(e[:rr].sqrt().sum()) + math.sqrt(float(e[rr:].sum()) * (din - rr))) ** 2 / (din * E) if E else None
+        )
         best_full = float(e.sqrt().sum()) ** 2 / (din * E) if E else None
         rs = refresh_diagnostics(cap.A[n], gs, rank, damping, fp8)
         rt_e = fidelity_metrics(simulate_reduce(gs[:1], fp8), gs[:1], None, directions=False)["rel_l2"]
         rt_g = geo_reduce_and_metrics(gs[:1], fp8, t, None, directions=False)[1]["rel_l2"]
-        out.append({
-            "name": n, "shape": list(gs[0].shape), "d_in": int(A.shape[0]),
-            "a_top8_trace_frac": float(ev[:8].sum()) / tr if tr else None,
-            "a_top16_trace_frac": float(ev[:16].sum()) / tr if tr else None,
-            "a_topr_trace_frac": float(ev[:rank].sum()) / tr if tr else None,
-            "a_participation_rank": tr ** 2 / float((ev ** 2).sum()) if tr else None,
-            "a_lambda1_over_mean": float(ev[0]) / (tr / ev.numel()) if tr else None,
-            "a_lambda_r_over_ref": (float(ev[min(rank, ev.numel()) - 1] / ev[rank:].mean())
-                                    if ev.numel() > rank else None),
-            "d_min": float(t.d.min()) if t.d.numel() else None,
-            "grad_energy_topr": _energy_fraction(g, U),
-            "rank_grad_energy_topr": finite_mean([_energy_fraction(x, U) for x in gs]),
-            "rank_cancellation": math.sqrt(raw_e / len(gs)) / float(g.norm()) if float(g.norm()) > 0 else None,
-            "wire_energy_ratio": wire_e / raw_e if raw_e > 0 else None,
-            "model_rel_l2_ratio": model_ratio,
-            "model_best_ratio_r": math.sqrt(best_r) if best_r is not None else None,
-            "model_best_ratio_full": math.sqrt(best_full) if best_full is not None else None,
-            "rank_grad_energy_topr_sum": float(e[:rr].sum()) / E if E else None,
-            "roundtrip_rel_l2_euclid": rt_e, "roundtrip_rel_l2_geo": rt_g, **rs,
-        })
+        out.append(
+            {
+                "name": n,
+                "shape": list(gs[0].shape),
+                "d_in": int(A.shape[0]),
+                "a_top8_trace_frac": float(ev[:8].sum()) / tr if tr else None,
+                "a_top16_trace_frac": float(ev[:16].sum()) / tr if tr else None,
+                "a_topr_trace_frac": float(ev[:rank].sum()) / tr if tr else None,
+                "a_participation_rank": tr**2 / float((ev**2).sum()) if tr else None,
+                "a_lambda1_over_mean": float(ev[0]) / (tr / ev.numel()) if tr else None,
+                "a_lambda_r_over_ref": (
+                    float(ev[min(rank, ev.numel()) - 1] / ev[rank:].mean()) if ev.numel() > rank else None
+                ),
+                "d_min": float(t.d.min()) if t.d.numel() else None,
+                "grad_energy_topr": _energy_fraction(g, U),
+                "rank_grad_energy_topr": finite_mean([_energy_fraction(x, U) for x in gs]),
+                "rank_cancellation": math.sqrt(raw_e / len(gs)) / float(g.norm()) if float(g.norm()) > 0 else None,
+                "wire_energy_ratio": wire_e / raw_e if raw_e > 0 else None,
+                "model_rel_l2_ratio": model_ratio,
+                "model_best_ratio_r": math.sqrt(best_r) if best_r is not None else None,
+                "model_best_ratio_full": math.sqrt(best_full) if best_full is not None else None,
+                "rank_grad_energy_topr_sum": float(e[:rr].sum()) / E if E else None,
+                "roundtrip_rel_l2_euclid": rt_e,
+                "roundtrip_rel_l2_geo": rt_g,
+                **rs,
+            }
+        )
     return out
 
 
@@ -329,11 +440,15 @@ def _targets(rows: list[dict]) -> dict:
     now = next(x for x in default if x["capture"] == 0)
     red = now["selected"].get("rel_l2_reduction_pct")
     stale = {str(x["capture"]): x["selected"].get("rel_l2_reduction_pct") for x in default if x["capture"]}
-    return {"row": now["label"], "rel_l2_reduction_pct": red, "target_reduction_pct": TARGET_REDUCTION_PCT,
-            "paper_reduction_pct": PAPER_REDUCTION_PCT,
-            "reduction_met": red is not None and red >= TARGET_REDUCTION_PCT,
-            "staleness_reduction_pct": stale,
-            "staleness_never_worse": all(v is not None and v >= 0 for v in stale.values()) if stale else None}
+    return {
+        "row": now["label"],
+        "rel_l2_reduction_pct": red,
+        "target_reduction_pct": TARGET_REDUCTION_PCT,
+        "paper_reduction_pct": PAPER_REDUCTION_PCT,
+        "reduction_met": red is not None and red >= TARGET_REDUCTION_PCT,
+        "staleness_reduction_pct": stale,
+        "staleness_never_worse": all(v is not None and v >= 0 for v in stale.values()) if stale else None,
+    }
 
 
 def _add_relative(rows: list[dict]) -> None:
@@ -342,11 +457,14 @@ def _add_relative(rows: list[dict]) -> None:
         b = by_key[r["baseline"]]
         for scope in ("selected", "all_linear"):
             o, ob = r[scope], b[scope]
-            o["rel_l2_reduction_pct"] = (100.0 * (1.0 - o["rel_l2"] / ob["rel_l2"])
-                                         if o["rel_l2"] is not None and ob["rel_l2"] else None)
+            o["rel_l2_reduction_pct"] = (
+                100.0 * (1.0 - o["rel_l2"] / ob["rel_l2"]) if o["rel_l2"] is not None and ob["rel_l2"] else None
+            )
             o["mean_layer_rel_l2_reduction_pct"] = (
                 100.0 * (1.0 - o["mean_layer_rel_l2"] / ob["mean_layer_rel_l2"])
-                if o["mean_layer_rel_l2"] is not None and ob["mean_layer_rel_l2"] else None)
+                if o["mean_layer_rel_l2"] is not None and ob["mean_layer_rel_l2"]
+                else None
+            )
             t, tb = o["mean_layer_dir_err_tail"], ob["mean_layer_dir_err_tail"]
             o["tail_ratio"] = tb / t if t and tb is not None else None
             t, tb = o["mean_layer_dir_err_top"], ob["mean_layer_dir_err_top"]
@@ -361,12 +479,17 @@ def check_geo_fp8_codec(spec: str) -> str:
         ValueError: anything else, naming the value and the accepted forms.
     """
     c = parse_codec(spec)
-    ok = c["dtype"] in fp8_formats() and c["transform"] == "none" and \
-        (c["scaling"] == "tensor" or is_pow2(c["block_size"]))
+    ok = (
+        c["dtype"] in fp8_formats()
+        and c["transform"] == "none"
+        and (c["scaling"] == "tensor" or is_pow2(c["block_size"]))
+    )
     if not ok:
-        raise ValueError(f"--geo-fp8-codec={spec!r}: the FP8 rows need {' or '.join(fp8_formats())} with tensor "
-                         f"scaling or a power-of-two block and no rotation, e.g. fp8_e5m2:tensor or fp8_e4m3:block128 "
-                         f"(NVFP4 has its own rows)")
+        raise ValueError(
+            f"--geo-fp8-codec={spec!r}: the FP8 rows need {' or '.join(fp8_formats())} with tensor "
+            f"scaling or a power-of-two block and no rotation, e.g. fp8_e5m2:tensor or fp8_e4m3:block128 "
+            f"(NVFP4 has its own rows)"
+        )
     return codec_label(c)
 
 
@@ -402,9 +525,11 @@ def preset_side(name: str, root: str) -> tuple[str, dict, tuple]:
     if cfg.comm.transform != "geo":
         raise ValueError(f"preset {name!r} is not a GeoFP8 preset (comm.transform={cfg.comm.transform})")
     if cfg.comm.dtype not in fp8_formats():
-        raise ValueError(f"preset {name!r} sends {cfg.comm.dtype}; --preset takes an FP8 GeoFP8 preset (geofp8, "
-                         f"geofp8_search, geofp8_paper): its rows use --geo-fp8-codec (the model mode's NVFP4 rows "
-                         f"cover GeoNVFP4)")
+        raise ValueError(
+            f"preset {name!r} sends {cfg.comm.dtype}; --preset takes an FP8 GeoFP8 preset (geofp8, "
+            f"geofp8_search, geofp8_paper): its rows use --geo-fp8-codec (the model mode's NVFP4 rows "
+            f"cover GeoNVFP4)"
+        )
     g = cfg.geo
     search = parse_power_search(g.power_search)
     power = "search" if search else parse_power(g.power)
@@ -412,9 +537,20 @@ def preset_side(name: str, root: str) -> tuple[str, dict, tuple]:
     return label, _side("lowrank", g.rank, damping=g.damping, power=power), search
 
 
-def run_geo(caps: dict, scopes: dict, rows: list[dict], search: tuple, output_factor: str = "grads",
-            directions: bool = True, fp64: bool = True, rank: int = 32, damping: float = 1e-3,
-            fp8: str = GEO_FP8, quiet: bool = False, collective: tuple = ("fp32", True)) -> dict:
+def run_geo(
+    caps: dict,
+    scopes: dict,
+    rows: list[dict],
+    search: tuple,
+    output_factor: str = "grads",
+    directions: bool = True,
+    fp64: bool = True,
+    rank: int = 32,
+    damping: float = 1e-3,
+    fp8: str = GEO_FP8,
+    quiet: bool = False,
+    collective: tuple = ("fp32", True),
+) -> dict:
     """Evaluate every row (:func:`geo_rows`) on the captures ``caps`` (``{step offset: Capture}``; offset 0
     is the capture at t) for each scope (``{"selected": names, "all_linear": names}``), add the reductions
     against each row's baseline, and the per-layer diagnostics of the selected layers at t. Returns the
@@ -427,8 +563,11 @@ def run_geo(caps: dict, scopes: dict, rows: list[dict], search: tuple, output_fa
             ts = time.perf_counter()
             done[r["key"]] = evaluate_geo_row(r, caps, tf, scopes, directions, fp64, collective)
             if not quiet:
-                print(f"  {r['group']:<12} {r['label']:<36} RelL2(selected) "
-                      f"{done[r['key']]['selected']['rel_l2']:.3e}  ({time.perf_counter() - ts:.1f} s)", flush=True)
+                print(
+                    f"  {r['group']:<12} {r['label']:<36} RelL2(selected) "
+                    f"{done[r['key']]['selected']['rel_l2']:.3e}  ({time.perf_counter() - ts:.1f} s)",
+                    flush=True,
+                )
         r.update(done[r["key"]])
     timings["evaluate_s"] = time.perf_counter() - t_eval
     timings["build_transforms_s"] = tf.seconds
@@ -440,9 +579,14 @@ def run_geo(caps: dict, scopes: dict, rows: list[dict], search: tuple, output_fa
     lay_g = {x["name"]: x["rel_l2"] for x in rows[1]["layers"]}
     for x in diag:
         x["measured_rel_l2_ratio"] = lay_g[x["name"]] / lay_e[x["name"]] if lay_e[x["name"]] else None
-    return {"capture_steps": {str(k): c.step for k, c in caps.items()},
-            "capture_losses": {str(k): c.loss for k, c in caps.items()},
-            "power_search_choices": {f"A@t+{k[0]} {k[1]}": v for k, v in tf.chosen.items()},
-            "power_auto_choices": {f"A@t+{k}": v for k, v in tf.auto_chosen.items()},
-            "selected_layers": scopes["selected"], "rows": rows, "targets": _targets(rows),
-            "diagnostics": diag, "timings": timings}
+    return {
+        "capture_steps": {str(k): c.step for k, c in caps.items()},
+        "capture_losses": {str(k): c.loss for k, c in caps.items()},
+        "power_search_choices": {f"A@t+{k[0]} {k[1]}": v for k, v in tf.chosen.items()},
+        "power_auto_choices": {f"A@t+{k}": v for k, v in tf.auto_chosen.items()},
+        "selected_layers": scopes["selected"],
+        "rows": rows,
+        "targets": _targets(rows),
+        "diagnostics": diag,
+        "timings": timings,
+    }

@@ -38,22 +38,46 @@ def _setup(opts, staleness: list[int]) -> tuple[list[dict], tuple, dict]:
     search = parse_power_search(opts.geo_power_search, "--geo-power-search")
     label, side, preset_search = preset_side(opts.preset, REPO_ROOT)
     if preset_search and preset_search != search:
-        search = preset_search   # the default row must search the preset's own candidates
+        search = preset_search  # the default row must search the preset's own candidates
     model = opts.scenario == "model"
     blocks, lowranks = int_list(opts.geo_blocks), int_list(opts.geo_lowranks)
     if opts.paper:
         blocks = sorted(set(blocks) | set(PAPER_BLOCKS))
         lowranks = sorted(set(lowranks) | set(PAPER_LOWRANKS))
     dampings = float_list(opts.geo_dampings) if model else []
-    rows = geo_rows(opts.geo_rank, opts.geo_damping, lowranks, blocks, dampings, staleness,
-                    investigate=model and not opts.no_investigate, search=search, sketch=64 if model else None,
-                    fp8=opts.geo_fp8_codec, default=(label, side), nvfp4=model)
-    settings = {"layers": opts.geo_layers, "rank": opts.geo_rank, "damping": opts.geo_damping,
-                "damping_is_relative": True, "lowranks": lowranks, "blocks": blocks, "dampings": dampings,
-                "staleness": staleness, "output_factor": opts.output_factor, "power_search": list(search),
-                "transform_precision": opts.geo_transform_precision, "fp8_codec": opts.geo_fp8_codec,
-                "fp4_codec": GEO_FP4, "preset": opts.preset, "geo_default": label, "collective": opts.collective,
-                "wire_sum_prediv": opts.wire_sum_prediv == "true"}
+    rows = geo_rows(
+        opts.geo_rank,
+        opts.geo_damping,
+        lowranks,
+        blocks,
+        dampings,
+        staleness,
+        investigate=model and not opts.no_investigate,
+        search=search,
+        sketch=64 if model else None,
+        fp8=opts.geo_fp8_codec,
+        default=(label, side),
+        nvfp4=model,
+    )
+    settings = {
+        "layers": opts.geo_layers,
+        "rank": opts.geo_rank,
+        "damping": opts.geo_damping,
+        "damping_is_relative": True,
+        "lowranks": lowranks,
+        "blocks": blocks,
+        "dampings": dampings,
+        "staleness": staleness,
+        "output_factor": opts.output_factor,
+        "power_search": list(search),
+        "transform_precision": opts.geo_transform_precision,
+        "fp8_codec": opts.geo_fp8_codec,
+        "fp4_codec": GEO_FP4,
+        "preset": opts.preset,
+        "geo_default": label,
+        "collective": opts.collective,
+        "wire_sum_prediv": opts.wire_sum_prediv == "true",
+    }
     return rows, search, settings
 
 
@@ -73,9 +97,19 @@ def _window(step_caps: list, names: list[str], selected: list[str], side: dict, 
 
 def scenario_params(opts, seed: int, step: int = 0) -> SC.ScenarioParams:
     """The synthetic scenario of the tool's options for one seed (and step of a window)."""
-    return SC.ScenarioParams(name=opts.scenario, d_in=opts.d_in, d_out=opts.d_out, tokens=opts.tokens,
-                             ranks=opts.ranks, spike=opts.spike, k=opts.k, spike_tokens=opts.spike_tokens,
-                             noise=opts.noise, seed=seed, step=step)
+    return SC.ScenarioParams(
+        name=opts.scenario,
+        d_in=opts.d_in,
+        d_out=opts.d_out,
+        tokens=opts.tokens,
+        ranks=opts.ranks,
+        spike=opts.spike,
+        k=opts.k,
+        spike_tokens=opts.spike_tokens,
+        noise=opts.noise,
+        seed=seed,
+        step=step,
+    )
 
 
 def run_scenario(opts) -> dict:
@@ -88,24 +122,44 @@ def run_scenario(opts) -> dict:
         cap = SC.generate(scenario_params(opts, seed))
         rows = [dict(r) for r in rows0]
         scopes = {"selected": cap.names, "all_linear": cap.names}
-        geo = run_geo({0: cap}, scopes, rows, search, opts.output_factor, not opts.no_directions,
-                      opts.geo_transform_precision == "fp64", opts.geo_rank, opts.geo_damping, opts.geo_fp8_codec,
-                      quiet=True, collective=(opts.collective, opts.wire_sum_prediv == "true"))
+        geo = run_geo(
+            {0: cap},
+            scopes,
+            rows,
+            search,
+            opts.output_factor,
+            not opts.no_directions,
+            opts.geo_transform_precision == "fp64",
+            opts.geo_rank,
+            opts.geo_damping,
+            opts.geo_fp8_codec,
+            quiet=True,
+            collective=(opts.collective, opts.wire_sum_prediv == "true"),
+        )
         geo["settings"] = settings
         summ = summarize(geo, "selected", {"scenario": opts.scenario, **cap.params}, opts.paper, opts.geo_rank)
         if opts.window > 1:
             steps = [cap] + [SC.generate(scenario_params(opts, seed, k)) for k in range(1, opts.window)]
             summ["window"] = _window(steps, cap.names, cap.names, side, search, opts.geo_fp8_codec)
         runs.append({"seed": seed, "summary": summ, "geo": geo})
-        print(f"  seed {seed}: Euclidean {summ['euclidean_rel_l2']:.3e}, geo default {summ['geo_default_change_pct']:+.1f}%"
-              f" ({time.perf_counter() - t0:.1f} s)", flush=True)
+        print(
+            f"  seed {seed}: Euclidean {summ['euclidean_rel_l2']:.3e}, geo default {summ['geo_default_change_pct']:+.1f}%"
+            f" ({time.perf_counter() - t0:.1f} s)",
+            flush=True,
+        )
     summary = aggregate([{**r["summary"], "seed": r["seed"]} for r in runs])
     if opts.window > 1:
-        summary["window"] = {m: sum(r["summary"]["window"][m] for r in runs) / len(runs)
-                             for m in runs[0]["summary"]["window"]}
+        summary["window"] = {
+            m: sum(r["summary"]["window"][m] for r in runs) / len(runs) for m in runs[0]["summary"]["window"]
+        }
         summary["window"]["K"] = opts.window
-    return {"mode": "geo", "scenario": opts.scenario, "summary": summary, "runs": runs,
-            "wall_s": time.perf_counter() - t0}
+    return {
+        "mode": "geo",
+        "scenario": opts.scenario,
+        "summary": summary,
+        "runs": runs,
+        "wall_s": time.perf_counter() - t0,
+    }
 
 
 def run_model(sess: Session, opts, losses: list[float]) -> dict:
@@ -115,21 +169,43 @@ def run_model(sess: Session, opts, losses: list[float]) -> dict:
     rows, search, settings = _setup(opts, staleness)
     label, side, _ = preset_side(opts.preset, REPO_ROOT)
     selected = list(select_layers(sess, opts.geo_layers))
-    caps, timings = capture_model(sess, opts.ranks, sorted(set(staleness) | set(range(1, max(opts.window, 1)))),
-                                  opts.output_factor == "hooks")
+    caps, timings = capture_model(
+        sess, opts.ranks, sorted(set(staleness) | set(range(1, max(opts.window, 1)))), opts.output_factor == "hooks"
+    )
     names = caps[0].names
     scopes = {"selected": [n for n in names if n in selected], "all_linear": names}
     eval_caps = {k: c for k, c in caps.items() if k == 0 or k in staleness}
-    geo = run_geo(eval_caps, scopes, rows, search, opts.output_factor, not opts.no_directions,
-                  opts.geo_transform_precision == "fp64", opts.geo_rank, opts.geo_damping, opts.geo_fp8_codec,
-                  collective=(opts.collective, opts.wire_sum_prediv == "true"))
+    geo = run_geo(
+        eval_caps,
+        scopes,
+        rows,
+        search,
+        opts.output_factor,
+        not opts.no_directions,
+        opts.geo_transform_precision == "fp64",
+        opts.geo_rank,
+        opts.geo_damping,
+        opts.geo_fp8_codec,
+        collective=(opts.collective, opts.wire_sum_prediv == "true"),
+    )
     geo["settings"] = settings
     geo["timings"].update(timings)
-    summ = summarize(geo, "selected", {"scenario": "model", "ranks": opts.ranks, "warmup_steps": opts.warmup_steps},
-                     opts.paper, opts.geo_rank)
+    summ = summarize(
+        geo,
+        "selected",
+        {"scenario": "model", "ranks": opts.ranks, "warmup_steps": opts.warmup_steps},
+        opts.paper,
+        opts.geo_rank,
+    )
     if opts.window > 1:
-        summ["window"] = _window([caps[k] for k in range(opts.window)], scopes["selected"], scopes["selected"], side,
-                                 search, opts.geo_fp8_codec)
+        summ["window"] = _window(
+            [caps[k] for k in range(opts.window)],
+            scopes["selected"],
+            scopes["selected"],
+            side,
+            search,
+            opts.geo_fp8_codec,
+        )
     summ["train_loss_first"] = losses[0] if losses else None
     return {"mode": "geo", "scenario": "model", "summary": summ, "geo": geo}
 
@@ -139,4 +215,3 @@ def select_layers(sess: Session, patterns: str) -> dict:
     from ..geometry import select_parameters
 
     return select_parameters(sess.model, patterns)
-

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from ..config import load_config
-from ..training.validate import validate_config
 from ..geometry import InputStats
+from ..optim.schedule import lr_at
 from ..parallel import LaunchEnv, destroy_parallel, init_parallel
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..training.data_setup import build_data, train_micro_batches
-from ..optim.schedule import lr_at
-from ..training.step import autocast_context, train_step
 from ..training.setup import build_model_and_optimizer
+from ..training.step import autocast_context, train_step
+from ..training.validate import validate_config
 from .capture import Capture
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,8 +55,13 @@ def open_session(config_files: list[str], overrides: list[str]) -> Session:
         print(f"note: parallel.tensor={cfg.parallel.tensor} -> 1 (these tools run one process)", flush=True)
         cfg.parallel.tensor = 1
     validate_config(cfg, 1)
-    pctx = init_parallel(1, cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_minutes,
-                         LaunchEnv(0, 1, 0, "127.0.0.1", 0, "single"))
+    pctx = init_parallel(
+        1,
+        cfg.train.device,
+        cfg.parallel.backend,
+        cfg.parallel.timeout_minutes,
+        LaunchEnv(0, 1, 0, "127.0.0.1", 0, "single"),
+    )
     torch.manual_seed(cfg.train.seed)
     data = build_data(cfg, pctx)
     model, _, _, grad_sync, optimizer = build_model_and_optimizer(cfg, pctx)
@@ -93,10 +98,17 @@ def train_steps(sess: Session, n: int, on_grad=None, label: str = "train") -> li
     losses, every, t0 = [], max(1, n // 10), time.perf_counter()
     for i in range(n):
         batches = train_micro_batches(sess.data.train, sess.consumed, cfg, sess.pctx)
-        scale = lr_at(sess.step, max_lr=1.0, min_lr=cfg.optimizer.min_lr / cfg.optimizer.lr,
-                      warmup_steps=t.warmup_steps, total_steps=total, style=t.lr_decay_style)
-        res = train_step(sess.model, batches, sess.grad_sync, opt, sess.pctx, scale, cfg.optimizer.clip_grad,
-                         t.autocast_dtype)
+        scale = lr_at(
+            sess.step,
+            max_lr=1.0,
+            min_lr=cfg.optimizer.min_lr / cfg.optimizer.lr,
+            warmup_steps=t.warmup_steps,
+            total_steps=total,
+            style=t.lr_decay_style,
+        )
+        res = train_step(
+            sess.model, batches, sess.grad_sync, opt, sess.pctx, scale, cfg.optimizer.clip_grad, t.autocast_dtype
+        )
         sess.consumed += t.global_batch_size
         sess.step += 1
         losses.append(res.loss)
@@ -107,8 +119,11 @@ def train_steps(sess: Session, n: int, on_grad=None, label: str = "train") -> li
 
 def linear_weights(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """(name, weight) of every linear layer (column- and row-parallel, including the output layer)."""
-    return [(f"{name}.weight", m.weight) for name, m in model.named_modules()
-            if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    return [
+        (f"{name}.weight", m.weight)
+        for name, m in model.named_modules()
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+    ]
 
 
 def capture_rank_grads(sess: Session, ranks: int) -> tuple[list[str], dict[str, list[torch.Tensor]], float]:
@@ -163,6 +178,7 @@ class _OutputGradStats:
         def hook(module, args, out):
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 out.register_hook(on_grad)
+
         return hook
 
 

@@ -32,8 +32,8 @@ PAPER_ROWS = (
     ("low-rank 16", "input low-rank 16", None, None),
     ("low-rank 32", "input low-rank 32", None, -67.4),
 )
-TOLERANCE_POINTS = 10.0      # target: every row within 10 points of the paper's percentage
-EUCLIDEAN_TOLERANCE = 0.15   # ... and Euclidean within 15% of 5.28e-2
+TOLERANCE_POINTS = 10.0  # target: every row within 10 points of the paper's percentage
+EUCLIDEAN_TOLERANCE = 0.15  # ... and Euclidean within 15% of 5.28e-2
 
 
 def paper_rows(rows: list[dict], rank: int, scope: str = "selected") -> list[dict]:
@@ -62,8 +62,17 @@ def paper_rows(rows: list[dict], rank: int, scope: str = "selected") -> list[dic
         else:
             diff = pct - p_pct if p_pct is not None and pct is not None else None
             within = abs(diff) <= TOLERANCE_POINTS if diff is not None else None
-        out.append({"row": name, "measured_rel_l2": rel, "measured_change_pct": pct, "paper_rel_l2": p_rel,
-                    "paper_change_pct": p_pct, "diff_points": diff, "within": within})
+        out.append(
+            {
+                "row": name,
+                "measured_rel_l2": rel,
+                "measured_change_pct": pct,
+                "paper_rel_l2": p_rel,
+                "paper_change_pct": p_pct,
+                "diff_points": diff,
+                "within": within,
+            }
+        )
     return out
 
 
@@ -76,10 +85,14 @@ def format_paper_table(prow: list[dict], markdown: bool = False) -> str:
     else:
         lines.append(f"{head[0]:<12} " + " ".join(f"{h:>11}" for h in head[1:]))
     for x in prow:
-        vals = [fmt_value(x["measured_rel_l2"], ".3e"), fmt_value(x["measured_change_pct"], "+.1f"),
-                "n/a" if x["paper_rel_l2"] is None else format(x["paper_rel_l2"], ".2e"),
-                "n/a" if x["paper_change_pct"] is None else format(x["paper_change_pct"], "+.1f"),
-                fmt_value(x["diff_points"], "+.1f"), {True: "yes", False: "NO", None: "n/a"}[x["within"]]]
+        vals = [
+            fmt_value(x["measured_rel_l2"], ".3e"),
+            fmt_value(x["measured_change_pct"], "+.1f"),
+            "n/a" if x["paper_rel_l2"] is None else format(x["paper_rel_l2"], ".2e"),
+            "n/a" if x["paper_change_pct"] is None else format(x["paper_change_pct"], "+.1f"),
+            fmt_value(x["diff_points"], "+.1f"),
+            {True: "yes", False: "NO", None: "n/a"}[x["within"]],
+        ]
         if markdown:
             lines.append(f"| {x['row']} | " + " | ".join(vals) + " |")
         else:

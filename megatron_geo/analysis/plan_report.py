@@ -69,8 +69,10 @@ def meta_model_params(cfg: Config, tp_size: int = 1) -> ModelParams:
         created = True
     try:
         if dist.get_world_size() != tp_size and tp_size > 1:
-            raise RuntimeError(f"meta_model_params(tp_size={tp_size}) needs its own process group; call it where "
-                               f"torch.distributed is not initialised (a fresh process)")
+            raise RuntimeError(
+                f"meta_model_params(tp_size={tp_size}) needs its own process group; call it where "
+                f"torch.distributed is not initialised (a fresh process)"
+            )
         group = dist.group.WORLD if dist.get_world_size() == tp_size else dist.new_group([dist.get_rank()])
         dtype = torch.bfloat16 if cfg.train.param_dtype == "bf16" else torch.float32
         model = Llama(cfg.model, group, cfg.train.seed, dtype=dtype, device=torch.device("meta"))
@@ -147,30 +149,51 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
     for n, shape, _ in params.infos:
         if n in geo:
             d_in = shape[1]
-            sketched = cfg.geo.statistics == "sketch" or (cfg.geo.statistics == "auto" and d_in > 4 * cfg.geo.sketch_size)
+            sketched = cfg.geo.statistics == "sketch" or (
+                cfg.geo.statistics == "auto" and d_in > 4 * cfg.geo.sketch_size
+            )
             k = min(cfg.geo.sketch_size, d_in) if sketched else d_in
             r = min(cfg.geo.rank, k, d_in)
-            geo_bytes += 4 * (d_in * r + r)                                  # transform U, d
+            geo_bytes += 4 * (d_in * r + r)  # transform U, d
             geo_bytes += 4 * (d_in * k) + (4 * d_in * k if sketched else 0)  # statistics (+ the sketch matrix)
 
     def rank_bytes(r: int) -> dict:
         adam_own = own[r] - muon_own[r]
         opt_state = 4 * (2 * adam_own + muon_own[r])
-        parts = {"grad_buffer": buffer * 4, "param_buffer": buffer * param_b, "main_params": own[r] * 4,
-                 "optimizer_state": opt_state, "error_feedback": ef, "geo_state": geo_bytes}
-        return {"elements_owned": own[r], "bytes": parts, "persistent_bytes": sum(parts.values()),
-                "reduce_sent_bytes": sent[r], "reduce_received_bytes": recv[r],
-                "gather_sent_bytes": (buffer - own[r]) * param_b if sharded else 0, "optimizer_flops": flops[r]}
+        parts = {
+            "grad_buffer": buffer * 4,
+            "param_buffer": buffer * param_b,
+            "main_params": own[r] * 4,
+            "optimizer_state": opt_state,
+            "error_feedback": ef,
+            "geo_state": geo_bytes,
+        }
+        return {
+            "elements_owned": own[r],
+            "bytes": parts,
+            "persistent_bytes": sum(parts.values()),
+            "reduce_sent_bytes": sent[r],
+            "reduce_received_bytes": recv[r],
+            "gather_sent_bytes": (buffer - own[r]) * param_b if sharded else 0,
+            "optimizer_flops": flops[r],
+        }
 
     worst = max(range(dp_size), key=lambda r: (max(sent[r], recv[r]), own[r]))
     most_mem = max(range(dp_size), key=lambda r: (rank_bytes(r)["persistent_bytes"], -r))
     mean_flops = sum(flops) / dp_size
     even_rs = (dp_size - 1) / dp_size * P * wire_b
     out = {
-        "config": {"model_hidden": cfg.model.hidden_size, "layers": cfg.model.num_layers,
-                   "optimizer": cfg.optimizer.name, "comm.dtype": cfg.comm.dtype, "comm.transform": cfg.comm.transform,
-                   "bucket_size": cfg.parallel.bucket_size, "distributed_optimizer": sharded},
-        "dp": dp_size, "tp": tp_size,
+        "config": {
+            "model_hidden": cfg.model.hidden_size,
+            "layers": cfg.model.num_layers,
+            "optimizer": cfg.optimizer.name,
+            "comm.dtype": cfg.comm.dtype,
+            "comm.transform": cfg.comm.transform,
+            "bucket_size": cfg.parallel.bucket_size,
+            "distributed_optimizer": sharded,
+        },
+        "dp": dp_size,
+        "tp": tp_size,
         "parameters": P,
         "buckets": len(plans),
         "uneven_buckets": sum(1 for _, pl in plans if not pl.even),
@@ -189,7 +212,7 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
         "persistent_bytes_per_rank": max(rank_bytes(r)["persistent_bytes"] for r in range(dp_size)),
         "codec_scratch_bytes": scratch,
         "rank0": rank_bytes(0),
-        "worst_rank": {"rank": worst, **rank_bytes(worst)},      # the most wire bytes
+        "worst_rank": {"rank": worst, **rank_bytes(worst)},  # the most wire bytes
         "most_memory_rank": {"rank": most_mem, **rank_bytes(most_mem)},
     }
     return out

@@ -9,6 +9,7 @@ import json
 import math
 import os
 
+
 def finite_mean(vals):
     """Mean of the finite values of ``vals`` (None and non-finite skipped); None if there are none."""
     vals = [v for v in vals if v is not None and math.isfinite(v)]

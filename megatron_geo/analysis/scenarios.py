@@ -49,7 +49,7 @@ import torch
 from .capture import Capture
 
 SCENARIOS = ("iid", "channel-spikes", "token-spikes", "dense-spikes", "coherent")
-LAYER = "layer.weight"   # the one layer's name in a scenario's capture
+LAYER = "layer.weight"  # the one layer's name in a scenario's capture
 
 
 @dataclass
@@ -153,5 +153,13 @@ def generate(p: ScenarioParams) -> Capture:
         S += dY.T @ dY
     A /= p.ranks * p.tokens
     S /= p.ranks * p.tokens
-    return Capture(0, [LAYER], {LAYER: grads}, None, {LAYER: A.float()}, {LAYER: S.float()},
-                   time.perf_counter() - t0, params=asdict(p))
+    return Capture(
+        0,
+        [LAYER],
+        {LAYER: grads},
+        None,
+        {LAYER: A.float()},
+        {LAYER: S.float()},
+        time.perf_counter() - t0,
+        params=asdict(p),
+    )

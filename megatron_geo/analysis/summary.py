@@ -38,8 +38,11 @@ def summarize(geo: dict, scope: str, params: dict, paper: bool = False, rank: in
     default = next((r for r in rows if r["group"] == "default" and r["capture"] == 0), None)
     out = {"scope": scope, "euclidean_rel_l2": eu[scope]["rel_l2"], "geo_rank": rank}
     if default is not None:
-        out.update(geo_default=default["label"], geo_default_rel_l2=default[scope]["rel_l2"],
-                   geo_default_change_pct=_change(default, scope))
+        out.update(
+            geo_default=default["label"],
+            geo_default_rel_l2=default[scope]["rel_l2"],
+            geo_default_change_pct=_change(default, scope),
+        )
     p05 = by_label.get(f"input-side geo r{rank}")
     if p05 is not None:
         out["paper_p05_change_pct"] = _change(p05, scope)
@@ -76,8 +79,13 @@ def _spread(vals: list) -> dict | None:
     v = [x for x in vals if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)]
     if not v:
         return None
-    return {"mean": sum(v) / len(v) if len(v) == len(vals) else None, "min": min(v), "max": max(v),
-            "sd": statistics.stdev(v) if len(v) > 1 else None, "n": len(v)}
+    return {
+        "mean": sum(v) / len(v) if len(v) == len(vals) else None,
+        "min": min(v),
+        "max": max(v),
+        "sd": statistics.stdev(v) if len(v) > 1 else None,
+        "n": len(v),
+    }
 
 
 def aggregate(summaries: list[dict]) -> dict:
@@ -92,7 +100,7 @@ def aggregate(summaries: list[dict]) -> dict:
         if key in ("paper_rows", "staleness", "seed"):
             continue
         if all(x.get(key) == val for x in summaries):
-            out[key] = val   # a parameter (or an identical result): kept as it is
+            out[key] = val  # a parameter (or an identical result): kept as it is
         elif isinstance(val, (int, float)) and not isinstance(val, bool):
             s = _spread([x.get(key) for x in summaries])
             out[key] = s["mean"] if s else None
@@ -115,15 +123,26 @@ def aggregate(summaries: list[dict]) -> dict:
             pct = _spread([x["paper_rows"][i]["measured_change_pct"] for x in summaries])
             rel = _spread([x["paper_rows"][i]["measured_rel_l2"] for x in summaries])
             pct_mean, rel_mean = pct["mean"] if pct else None, rel["mean"] if rel else None
-            diff = pct_mean - row["paper_change_pct"] if pct_mean is not None and row["paper_change_pct"] is not None \
+            diff = (
+                pct_mean - row["paper_change_pct"]
+                if pct_mean is not None and row["paper_change_pct"] is not None
                 else None
+            )
             if row["row"] == "Euclidean":
                 within = abs(rel_mean / PAPER_EUCLIDEAN - 1.0) <= EUCLIDEAN_TOLERANCE if rel_mean is not None else None
             else:
                 within = abs(diff) <= TOLERANCE_POINTS if diff is not None else None
-            rows.append({**row, "measured_rel_l2": rel_mean,
-                         "measured_change_pct": pct_mean, "diff_points": diff, "within": within,
-                         "change_pct_min": pct["min"] if pct else None, "change_pct_max": pct["max"] if pct else None})
+            rows.append(
+                {
+                    **row,
+                    "measured_rel_l2": rel_mean,
+                    "measured_change_pct": pct_mean,
+                    "diff_points": diff,
+                    "within": within,
+                    "change_pct_min": pct["min"] if pct else None,
+                    "change_pct_max": pct["max"] if pct else None,
+                }
+            )
         out["paper_rows"] = rows
     out["seeds"] = [x.get("seed") for x in summaries]
     out["spread"] = spread

@@ -30,8 +30,9 @@ from .coordinates import fp64_transform
 MODES = ("euclidean", "euclidean_ef", "geo", "geo_ef")
 
 
-def window_sum(step_grads: list[list[Tensor]], codec: dict | str, transform=None,
-               error_feedback: bool = False) -> tuple[Tensor, Tensor]:
+def window_sum(
+    step_grads: list[list[Tensor]], codec: dict | str, transform=None, error_feedback: bool = False
+) -> tuple[Tensor, Tensor]:
     """``(sum_k g^_k, sum_k g_k)`` in FP64 (``[d_out, d_in]``) over the window (module docstring).
 
     Args:
@@ -85,5 +86,5 @@ def windowed_rel_l2(layers: list[tuple[list[list[Tensor]], object]], codec: dict
             got, want = window_sum(step_grads, codec, transform if geo else None, ef)
             err2 += float((got - want).norm()) ** 2
             ref2 += float(want.norm()) ** 2
-        out[mode] = err2 ** 0.5 / ref2 ** 0.5 if ref2 > 0 else math.nan  # no reference: undefined, not 0
+        out[mode] = err2**0.5 / ref2**0.5 if ref2 > 0 else math.nan  # no reference: undefined, not 0
     return out

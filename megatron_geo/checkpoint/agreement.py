@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..parallel import collectives as C
@@ -64,7 +63,7 @@ def all_gather_ints(values: list[int], group, device: torch.device) -> list[list
     out = torch.zeros(world * n, dtype=torch.int64, device=device)
     C.all_gather_into(out, mine, group)
     flat = out.tolist()
-    return [flat[r * n:(r + 1) * n] for r in range(world)]
+    return [flat[r * n : (r + 1) * n] for r in range(world)]
 
 
 def _encode(text: str) -> bytes:
@@ -79,11 +78,11 @@ def _broadcast_text(text: str | None, group, group_src: int, device: torch.devic
     if text is not None:
         data = _encode(text)
         payload = torch.tensor([len(data) // 256, len(data) % 256, *data], dtype=torch.uint8, device=device)
-        buf[:payload.numel()].copy_(payload)
+        buf[: payload.numel()].copy_(payload)
     C.broadcast(buf, group, group_src)
     host = buf.tolist()
     n = host[0] * 256 + host[1]
-    return bytes(host[2:2 + n]).decode("utf-8", errors="replace")
+    return bytes(host[2 : 2 + n]).decode("utf-8", errors="replace")
 
 
 def agree(error: BaseException | None, group, device: torch.device, phase: str) -> None:
@@ -107,5 +106,6 @@ def agree(error: BaseException | None, group, device: torch.device, phase: str) 
         text = f"{type(error).__name__}\n{(str(error).strip() or type(error).__name__)}"
     text = _broadcast_text(text, group, first, device)
     error_type, _, message = text.partition("\n")
-    raise CheckpointRankError(dist.get_global_rank(group, first), len(failed), KINDS[flags[first][0]], error_type,
-                              message, phase) from error
+    raise CheckpointRankError(
+        dist.get_global_rank(group, first), len(failed), KINDS[flags[first][0]], error_type, message, phase
+    ) from error

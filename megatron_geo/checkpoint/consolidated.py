@@ -47,11 +47,19 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"embed.weight": (pv, h)}
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
-        shapes.update({
-            p + "attn_norm.weight": (h,), p + "attn.q_proj.weight": (q, h), p + "attn.k_proj.weight": (kv, h),
-            p + "attn.v_proj.weight": (kv, h), p + "attn.o_proj.weight": (h, q), p + "mlp_norm.weight": (h,),
-            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
-        })
+        shapes.update(
+            {
+                p + "attn_norm.weight": (h,),
+                p + "attn.q_proj.weight": (q, h),
+                p + "attn.k_proj.weight": (kv, h),
+                p + "attn.v_proj.weight": (kv, h),
+                p + "attn.o_proj.weight": (h, q),
+                p + "mlp_norm.weight": (h,),
+                p + "mlp.gate_proj.weight": (f, h),
+                p + "mlp.up_proj.weight": (f, h),
+                p + "mlp.down_proj.weight": (h, f),
+            }
+        )
     shapes.update({"norm.weight": (h,), "output.weight": (pv, h)})
     return shapes
 
@@ -68,7 +76,8 @@ def _check_state(state: dict, cfg: ModelConfig, where: str) -> dict[str, torch.T
             f"{where}: parameter names do not match a TP=1 Llama with this config (hidden {cfg.hidden_size}, "
             f"{cfg.num_layers} layers): missing {missing[:4]}{'...' if len(missing) > 4 else ''}, "
             f"unexpected {extra[:4]}{'...' if len(extra) > 4 else ''}. Pass the consolidated (TP=1) state dict "
-            f"and the config it was trained with")
+            f"and the config it was trained with"
+        )
     out = {}
     for k, shape in want.items():
         t = state[k]
@@ -80,13 +89,15 @@ def _check_state(state: dict, cfg: ModelConfig, where: str) -> dict[str, torch.T
             raise CheckpointError(
                 f"{where}: '{k}' has shape {tuple(t.shape)} but the config's model needs {shape} (TP=1, vocab "
                 f"padded to {want['embed.weight'][0]}); was it saved from a tensor-parallel shard, or with "
-                f"another model config?")
+                f"another model config?"
+            )
         out[k] = t.detach().to("cpu", torch.float32).contiguous()
     return out
 
 
-def save_consolidated(path: str | os.PathLike, cfg: Config, model_state: dict[str, torch.Tensor],
-                      tokenizer_model: str | None = None) -> Path:
+def save_consolidated(
+    path: str | os.PathLike, cfg: Config, model_state: dict[str, torch.Tensor], tokenizer_model: str | None = None
+) -> Path:
     """Write a consolidated checkpoint (layout in the module docstring) atomically.
 
     Args:
@@ -106,12 +117,20 @@ def save_consolidated(path: str | os.PathLike, cfg: Config, model_state: dict[st
     if tokenizer_model:
         tok = Path(tokenizer_model).expanduser()
         if not tok.is_file():
-            raise FileNotFoundError(f"save_consolidated: tokenizer model '{tokenizer_model}' not found; pass the "
-                                    f"SentencePiece .model file used in training, or None")
+            raise FileNotFoundError(
+                f"save_consolidated: tokenizer model '{tokenizer_model}' not found; pass the "
+                f"SentencePiece .model file used in training, or None"
+            )
         proto = tok.read_bytes()
         tokenizer_model = str(tok.resolve())
-    payload = {"format": FORMAT, "version": VERSION, "config": config_to_dict(cfg), "model": state,
-               "tokenizer_model": tokenizer_model or None, "tokenizer_proto": proto}
+    payload = {
+        "format": FORMAT,
+        "version": VERSION,
+        "config": config_to_dict(cfg),
+        "model": state,
+        "tokenizer_model": tokenizer_model or None,
+        "tokenizer_proto": proto,
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
@@ -130,24 +149,33 @@ def read_consolidated(path: str | os.PathLike) -> dict:
     """
     path = Path(path)
     if path.is_dir():
-        raise CheckpointError(f"'{path}' is a folder (a sharded torch.distributed.checkpoint?); export one file "
-                              f"with tools/convert_checkpoint.py and pass that (or a Hugging Face folder: --to hf)")
+        raise CheckpointError(
+            f"'{path}' is a folder (a sharded torch.distributed.checkpoint?); export one file "
+            f"with tools/convert_checkpoint.py and pass that (or a Hugging Face folder: --to hf)"
+        )
     if not path.is_file():
-        raise CheckpointError(f"checkpoint '{path}' not found; pass a file written by save_consolidated "
-                              f"(tools/convert_checkpoint.py)")
+        raise CheckpointError(
+            f"checkpoint '{path}' not found; pass a file written by save_consolidated (tools/convert_checkpoint.py)"
+        )
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises many types for a foreign file
-        raise CheckpointError(f"'{path}' is not a readable consolidated checkpoint ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}); export one with "
-                              f"tools/convert_checkpoint.py") from None
+        raise CheckpointError(
+            f"'{path}' is not a readable consolidated checkpoint ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); export one with "
+            f"tools/convert_checkpoint.py"
+        ) from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         got = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
-        raise CheckpointError(f"'{path}' is not a megatron_geo consolidated checkpoint (format {got!r}, expected "
-                              f"{FORMAT!r}); export one with tools/convert_checkpoint.py")
+        raise CheckpointError(
+            f"'{path}' is not a megatron_geo consolidated checkpoint (format {got!r}, expected "
+            f"{FORMAT!r}); export one with tools/convert_checkpoint.py"
+        )
     if payload.get("version") != VERSION:
-        raise CheckpointError(f"'{path}': consolidated format version {payload.get('version')!r} is not supported "
-                              f"(this code reads version {VERSION})")
+        raise CheckpointError(
+            f"'{path}': consolidated format version {payload.get('version')!r} is not supported "
+            f"(this code reads version {VERSION})"
+        )
     return payload
 
 
@@ -158,8 +186,9 @@ def config_from_dict(d: dict, where: str = "checkpoint") -> Config:
     try:
         return load_config([f.name])
     except ConfigError as e:
-        raise CheckpointError(f"{where}: stored config does not fit this code's schema: "
-                              f"{str(e).replace(f.name, 'config')}") from None
+        raise CheckpointError(
+            f"{where}: stored config does not fit this code's schema: {str(e).replace(f.name, 'config')}"
+        ) from None
     finally:
         os.unlink(f.name)
 
@@ -202,7 +231,7 @@ def tokenizer_path(path: str | os.PathLike, cache_dir: str | os.PathLike | None 
     if proto is None:
         return None
     p = Path(path)
-    for d in ([Path(cache_dir)] if cache_dir else [p.parent, Path(tempfile.gettempdir())]):
+    for d in [Path(cache_dir)] if cache_dir else [p.parent, Path(tempfile.gettempdir())]:
         out = d / f"{p.name}.tokenizer.model"
         try:
             d.mkdir(parents=True, exist_ok=True)

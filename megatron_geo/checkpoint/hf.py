@@ -28,8 +28,11 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "mlp.up_proj.weight",
     "mlp.down_proj.weight": "mlp.down_proj.weight",
 }
-_TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
+_TOP_NAMES = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 class HFConversionError(ValueError):
@@ -81,8 +84,9 @@ def to_hf_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
     for name, shape in want.items():
         t = state.get(name)
         if t is None:
-            raise HFConversionError(f"the checkpoint has no '{name}'; it was not saved from a megatron_geo Llama "
-                                    f"with this config")
+            raise HFConversionError(
+                f"the checkpoint has no '{name}'; it was not saved from a megatron_geo Llama with this config"
+            )
         if name in ("embed.weight", "output.weight"):
             t = t[: cfg.vocab_size]
             shape = (cfg.vocab_size, *shape[1:])
@@ -112,29 +116,41 @@ def from_hf_state(hf_state: dict[str, torch.Tensor], cfg: ModelConfig, where: st
     extra = sorted(k for k in hf_state if k not in names and not k.endswith("rotary_emb.inv_freq"))
     if extra:
         bias = [k for k in extra if k.endswith(".bias")]
-        why = (f"biases ({bias[0]}, ...) are not supported: megatron_geo's Llama has none" if bias else
-               "they are not part of a Llama this converter supports")
+        why = (
+            f"biases ({bias[0]}, ...) are not supported: megatron_geo's Llama has none"
+            if bias
+            else "they are not part of a Llama this converter supports"
+        )
         raise HFConversionError(f"{where}: unexpected tensors {extra[:4]}{'...' if len(extra) > 4 else ''}: {why}")
     out = {}
     for hname, name in names.items():
         t = hf_state.get(hname)
         if t is None:
-            hint = (" (tied embeddings: set tie_word_embeddings=false and save lm_head.weight)"
-                    if hname == "lm_head.weight" else "")
+            hint = (
+                " (tied embeddings: set tie_word_embeddings=false and save lm_head.weight)"
+                if hname == "lm_head.weight"
+                else ""
+            )
             raise HFConversionError(f"{where}: tensor '{hname}' is missing{hint}; the folder is incomplete")
         shape = want[name]
         if name in ("embed.weight", "output.weight"):
             shape = (cfg.vocab_size, *shape[1:])
         if tuple(t.shape) != shape:
-            raise HFConversionError(f"{where}: tensor '{hname}' has shape {tuple(t.shape)} but config.json implies "
-                                    f"{shape}; the weights do not match the config")
+            raise HFConversionError(
+                f"{where}: tensor '{hname}' has shape {tuple(t.shape)} but config.json implies "
+                f"{shape}; the weights do not match the config"
+            )
         if not t.is_floating_point():
-            raise HFConversionError(f"{where}: tensor '{hname}' has dtype {t.dtype}; quantized weights are not "
-                                    f"supported, export an unquantized (FP32/BF16/FP16) model")
+            raise HFConversionError(
+                f"{where}: tensor '{hname}' has dtype {t.dtype}; quantized weights are not "
+                f"supported, export an unquantized (FP32/BF16/FP16) model"
+            )
         t = t.to(torch.float32)
         if not torch.isfinite(t).all():
-            raise HFConversionError(f"{where}: tensor '{hname}' holds NaN or inf values; the weights are damaged "
-                                    f"(export them again from a healthy model)")
+            raise HFConversionError(
+                f"{where}: tensor '{hname}' holds NaN or inf values; the weights are damaged "
+                f"(export them again from a healthy model)"
+            )
         if name.endswith("attn.q_proj.weight"):
             t = rope_rows_from_hf(t, cfg.num_attention_heads)
         elif name.endswith("attn.k_proj.weight"):
@@ -146,12 +162,26 @@ def from_hf_state(hf_state: dict[str, torch.Tensor], cfg: ModelConfig, where: st
 def hf_config_kwargs(cfg: ModelConfig) -> dict:
     """``LlamaConfig`` keyword arguments for our model config (vocab without TP padding, untied embeddings,
     ids of our SentencePiece convention: unk 0, bos 1, eos 2, no pad)."""
-    return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
-                num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
-                num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.hidden_size // cfg.num_attention_heads,
-                max_position_embeddings=cfg.seq_length, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-                initializer_range=cfg.init_std, hidden_act="silu", tie_word_embeddings=False, attention_bias=False,
-                mlp_bias=False, bos_token_id=1, eos_token_id=2, pad_token_id=None)
+    return dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.hidden_size // cfg.num_attention_heads,
+        max_position_embeddings=cfg.seq_length,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        initializer_range=cfg.init_std,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=None,
+    )
 
 
 def _rope_type(c: dict) -> tuple[str, object] | None:
@@ -180,9 +210,12 @@ def model_overrides_from_hf(c: dict, where: str) -> dict:
             scaling, another activation, a head_dim other than hidden / heads, quantization, ...), naming the
             field, its value and what it must be.
     """
+
     def bad(field, value, need):
-        raise HFConversionError(f"{where}: {field}={value!r} is not supported (megatron_geo's Llama needs {need}); "
-                                f"convert a plain Llama checkpoint")
+        raise HFConversionError(
+            f"{where}: {field}={value!r} is not supported (megatron_geo's Llama needs {need}); "
+            f"convert a plain Llama checkpoint"
+        )
 
     if not isinstance(c, dict):
         raise HFConversionError(f"{where}: config.json is not a JSON object")
@@ -192,9 +225,13 @@ def model_overrides_from_hf(c: dict, where: str) -> dict:
     missing = [k for k in required if not isinstance(c.get(k), int) or isinstance(c.get(k), bool) or c.get(k) < 1]
     if missing:
         raise HFConversionError(f"{where}: config.json lacks a positive integer {missing[0]}; it is damaged")
-    checks = (("attention_bias", False, "false"), ("mlp_bias", False, "false"),
-              ("tie_word_embeddings", False, "false (untied embedding and lm_head)"),
-              ("hidden_act", "silu", "'silu' (SwiGLU)"), ("quantization_config", None, "none (unquantized weights)"))
+    checks = (
+        ("attention_bias", False, "false"),
+        ("mlp_bias", False, "false"),
+        ("tie_word_embeddings", False, "false (untied embedding and lm_head)"),
+        ("hidden_act", "silu", "'silu' (SwiGLU)"),
+        ("quantization_config", None, "none (unquantized weights)"),
+    )
     for field, need, text in checks:
         default = {"tie_word_embeddings": False, "hidden_act": "silu"}.get(field, need)
         if c.get(field, default) != need:
@@ -217,7 +254,14 @@ def model_overrides_from_hf(c: dict, where: str) -> dict:
     theta = c.get("rope_theta")
     if theta is None and isinstance(c.get("rope_parameters"), dict):
         theta = c["rope_parameters"].get("rope_theta")
-    return {"hidden_size": h, "num_layers": c["num_hidden_layers"], "num_attention_heads": heads, "num_kv_heads": kv,
-            "ffn_hidden_size": c["intermediate_size"], "seq_length": int(c.get("max_position_embeddings") or 2048),
-            "vocab_size": c["vocab_size"], "rope_theta": float(theta if theta is not None else 10000.0),
-            "norm_eps": float(c.get("rms_norm_eps", 1e-6))}
+    return {
+        "hidden_size": h,
+        "num_layers": c["num_hidden_layers"],
+        "num_attention_heads": heads,
+        "num_kv_heads": kv,
+        "ffn_hidden_size": c["intermediate_size"],
+        "seq_length": int(c.get("max_position_embeddings") or 2048),
+        "vocab_size": c["vocab_size"],
+        "rope_theta": float(theta if theta is not None else 10000.0),
+        "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
+    }

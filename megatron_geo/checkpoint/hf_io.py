@@ -36,10 +36,15 @@ def check_output(out: Path, force: bool, source: Path | None = None) -> None:
         HFConversionError: naming the path and the fix.
     """
     dst = Path(out).resolve()
-    if dst == Path.cwd().resolve() or dst in Path.cwd().resolve().parents or not Path(out).name \
-            or Path(out).name in (".", ".."):
-        raise HFConversionError(f"output {out} is the current folder or above it; give a new folder name, e.g. "
-                                f"out/model-hf")
+    if (
+        dst == Path.cwd().resolve()
+        or dst in Path.cwd().resolve().parents
+        or not Path(out).name
+        or Path(out).name in (".", "..")
+    ):
+        raise HFConversionError(
+            f"output {out} is the current folder or above it; give a new folder name, e.g. out/model-hf"
+        )
     if source is not None:
         src = Path(source).resolve()
         if src == dst or dst in src.parents:
@@ -47,8 +52,10 @@ def check_output(out: Path, force: bool, source: Path | None = None) -> None:
         # inside a run's checkpoints folder, checkpoint.keep_latest would delete it with the step it sits in
         guarded = src.parent if src.parent.name == "checkpoints" else src
         if guarded in dst.parents:
-            raise HFConversionError(f"output {out} is inside {guarded}, where checkpoint pruning would delete it; "
-                                    f"choose a folder outside the run's checkpoints")
+            raise HFConversionError(
+                f"output {out} is inside {guarded}, where checkpoint pruning would delete it; "
+                f"choose a folder outside the run's checkpoints"
+            )
     if out.exists() and not out.is_dir():
         raise HFConversionError(f"output {out} is a file; give a folder name")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -82,8 +89,15 @@ def _staging(out: Path) -> Path:
     return tmp
 
 
-def export_hf(state: dict[str, torch.Tensor], cfg: Config, out: Path, dtype: str = "bf16",
-              max_shard_size: str | int = "5GB", tokenizer_model: str | None = None, force: bool = False) -> list[str]:
+def export_hf(
+    state: dict[str, torch.Tensor],
+    cfg: Config,
+    out: Path,
+    dtype: str = "bf16",
+    max_shard_size: str | int = "5GB",
+    tokenizer_model: str | None = None,
+    force: bool = False,
+) -> list[str]:
     """Write a Hugging Face Llama folder that ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` load.
 
     Args:
@@ -110,8 +124,11 @@ def export_hf(state: dict[str, torch.Tensor], cfg: Config, out: Path, dtype: str
     tmp = _staging(out)
     try:
         dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-        config = LlamaConfig(**hf_config_kwargs(cfg.model), architectures=["LlamaForCausalLM"],
-                             **{dtype_key: {"fp32": "float32", "bf16": "bfloat16"}[dtype]})
+        config = LlamaConfig(
+            **hf_config_kwargs(cfg.model),
+            architectures=["LlamaForCausalLM"],
+            **{dtype_key: {"fp32": "float32", "bf16": "bfloat16"}[dtype]},
+        )
         config.save_pretrained(str(tmp))
         _keep_top_level_rope_theta(tmp / "config.json", cfg.model.rope_theta)
         GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(str(tmp))
@@ -141,14 +158,19 @@ def _load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         try:
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise HFConversionError(f"{index} is not a safetensors index ({type(e).__name__}); the folder is "
-                                    f"damaged") from None
+            raise HFConversionError(
+                f"{index} is not a safetensors index ({type(e).__name__}); the folder is damaged"
+            ) from None
     elif (folder / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
         found = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".safetensors"))
-        hint = (f" (found {found[:3]}: save it with safe_serialization=True, e.g. "
-                f"model.save_pretrained(DIR), to get safetensors)" if found else "")
+        hint = (
+            f" (found {found[:3]}: save it with safe_serialization=True, e.g. "
+            f"model.save_pretrained(DIR), to get safetensors)"
+            if found
+            else ""
+        )
         raise HFConversionError(f"{folder} has no model.safetensors or model.safetensors.index.json{hint}")
     state = {}
     for name in files:
@@ -158,8 +180,9 @@ def _load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         try:
             state.update(load_file(str(path)))
         except (SafetensorError, OSError, ValueError) as e:
-            raise HFConversionError(f"{path} could not be read ({type(e).__name__}: {str(e)[:200]}); the file is "
-                                    f"damaged or incomplete") from None
+            raise HFConversionError(
+                f"{path} could not be read ({type(e).__name__}: {str(e)[:200]}); the file is damaged or incomplete"
+            ) from None
     return state
 
 
@@ -176,12 +199,15 @@ def read_hf(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     from ..config import load_config
 
     if not folder.is_dir():
-        raise HFConversionError(f"{folder} is not a folder; pass a Hugging Face model folder (config.json + "
-                                f"model.safetensors)")
+        raise HFConversionError(
+            f"{folder} is not a folder; pass a Hugging Face model folder (config.json + model.safetensors)"
+        )
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
-        raise HFConversionError(f"{folder} has no config.json; pass a Hugging Face model folder (one written by "
-                                f"save_pretrained or tools/convert_checkpoint.py --to hf)")
+        raise HFConversionError(
+            f"{folder} has no config.json; pass a Hugging Face model folder (one written by "
+            f"save_pretrained or tools/convert_checkpoint.py --to hf)"
+        )
     try:
         hf_cfg = json.loads(cfg_path.read_text())
     except (OSError, ValueError) as e:
@@ -191,8 +217,14 @@ def read_hf(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return model, from_hf_state(_load_safetensors(folder), cfg.model, str(folder))
 
 
-def write_checkpoint(state: dict[str, torch.Tensor], cfg: Config, out: Path, force: bool = False,
-                     source: str = "", extra_files: dict[str, str] | None = None) -> Path:
+def write_checkpoint(
+    state: dict[str, torch.Tensor],
+    cfg: Config,
+    out: Path,
+    force: bool = False,
+    source: str = "",
+    extra_files: dict[str, str] | None = None,
+) -> Path:
     """Write our global FP32 ``state`` as a checkpoint folder that ``checkpoint.load=out`` resumes.
 
     ``out`` holds the DCP files and ``meta.json`` (step 0, 0 samples consumed, saved at DP = TP = 1, the
@@ -212,9 +244,19 @@ def write_checkpoint(state: dict[str, torch.Tensor], cfg: Config, out: Path, for
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "saving in a single process"
             dcp.save({f"model/{k}": v for k, v in state.items()}, checkpoint_id=str(tmp), no_dist=True)
-        meta = {"format": FORMAT, "step": 0, "consumed_samples": 0, "dp_size": 1, "tp_size": 1,
-                "skipped_in_a_row": 0, "config": config_to_dict(cfg), "geo": None, "source": source,
-                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__}
+        meta = {
+            "format": FORMAT,
+            "step": 0,
+            "consumed_samples": 0,
+            "dp_size": 1,
+            "tp_size": 1,
+            "skipped_in_a_row": 0,
+            "config": config_to_dict(cfg),
+            "geo": None,
+            "source": source,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "torch": torch.__version__,
+        }
         (tmp / META).write_text(json.dumps(meta, indent=1))
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)

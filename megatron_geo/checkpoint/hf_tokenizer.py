@@ -31,11 +31,15 @@ def _read_proto(model_path: str):
     try:
         proto.ParseFromString(Path(model_path).read_bytes())
     except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and friends
-        raise HFConversionError(f"tokenizer '{model_path}' is not a SentencePiece model ({type(e).__name__}); pass "
-                                f"--tokenizer PATH.model or --no-tokenizer") from None
+        raise HFConversionError(
+            f"tokenizer '{model_path}' is not a SentencePiece model ({type(e).__name__}); pass "
+            f"--tokenizer PATH.model or --no-tokenizer"
+        ) from None
     if not proto.pieces:
-        raise HFConversionError(f"tokenizer '{model_path}' is not a SentencePiece model (no pieces); pass "
-                                f"--tokenizer PATH.model or --no-tokenizer")
+        raise HFConversionError(
+            f"tokenizer '{model_path}' is not a SentencePiece model (no pieces); pass "
+            f"--tokenizer PATH.model or --no-tokenizer"
+        )
     return proto
 
 
@@ -43,9 +47,11 @@ def _check_supported(proto, model_path: str) -> None:
     ts, ns = proto.trainer_spec, proto.normalizer_spec
 
     def bad(field, value, need):
-        raise HFConversionError(f"tokenizer '{model_path}': {field}={value!r} is not supported by the Hugging Face "
-                                f"export (needs {need}, as tools/train_tokenizer.py trains); pass --no-tokenizer "
-                                f"to export the model alone")
+        raise HFConversionError(
+            f"tokenizer '{model_path}': {field}={value!r} is not supported by the Hugging Face "
+            f"export (needs {need}, as tools/train_tokenizer.py trains); pass --no-tokenizer "
+            f"to export the model alone"
+        )
 
     if ts.model_type != _BPE:
         bad("trainer_spec.model_type", ts.model_type, "2 (BPE)")
@@ -72,8 +78,9 @@ def _merges(pieces: list[tuple[str, int]]) -> list[tuple[str, str]]:
     out = []
     for piece, i in normal.items():
         splits = [(piece[:k], piece[k:]) for k in range(1, len(piece))]
-        splits = sorted((lr for lr in splits if lr[0] in normal and lr[1] in normal),
-                        key=lambda lr: (normal[lr[0]], normal[lr[1]]))
+        splits = sorted(
+            (lr for lr in splits if lr[0] in normal and lr[1] in normal), key=lambda lr: (normal[lr[0]], normal[lr[1]])
+        )
         out += [(left, right, i) for left, right in splits]
     out.sort(key=lambda m: (m[2], len(m[0]), len(m[1])))
     return [(left, right) for left, right, _ in out]
@@ -98,8 +105,15 @@ def build_fast_tokenizer(model_path: str, model_max_length: int | None = None):
     pieces = [(p.piece, p.type) for p in proto.pieces]
     vocab = {p: i for i, (p, _) in enumerate(pieces)}
     unk = next(p for p, kind in pieces if kind == _UNKNOWN)
-    tok = Tokenizer(BPE(vocab=vocab, merges=_merges(pieces), unk_token=unk, fuse_unk=True,
-                        byte_fallback=bool(proto.trainer_spec.byte_fallback)))
+    tok = Tokenizer(
+        BPE(
+            vocab=vocab,
+            merges=_merges(pieces),
+            unk_token=unk,
+            fuse_unk=True,
+            byte_fallback=bool(proto.trainer_spec.byte_fallback),
+        )
+    )
     norm = [normalizers.Prepend("▁")] if proto.normalizer_spec.add_dummy_prefix else []
     tok.normalizer = normalizers.Sequence(norm + [normalizers.Replace(" ", "▁")])
     tok.pre_tokenizer = None
@@ -107,20 +121,28 @@ def build_fast_tokenizer(model_path: str, model_max_length: int | None = None):
     if proto.normalizer_spec.add_dummy_prefix:
         dec.append(decoders.Strip(content=" ", left=1, right=0))
     tok.decoder = decoders.Sequence(dec)
-    tok.add_special_tokens([AddedToken(p, special=True, normalized=False) for p, kind in pieces
-                            if kind in (_UNKNOWN, _CONTROL)])
+    tok.add_special_tokens(
+        [AddedToken(p, special=True, normalized=False) for p, kind in pieces if kind in (_UNKNOWN, _CONTROL)]
+    )
     ts = proto.trainer_spec
 
     def piece(i):
         return pieces[i][0] if 0 <= i < len(pieces) else None
 
     kwargs = {"model_max_length": model_max_length} if model_max_length else {}
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=unk, bos_token=piece(ts.bos_id),
-                                   eos_token=piece(ts.eos_id), clean_up_tokenization_spaces=False, **kwargs)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token=unk,
+        bos_token=piece(ts.bos_id),
+        eos_token=piece(ts.eos_id),
+        clean_up_tokenization_spaces=False,
+        **kwargs,
+    )
 
 
-def save_hf_tokenizer(model_path: str, out_dir: Path, model_max_length: int | None = None,
-                      vocab_size: int | None = None) -> list[str]:
+def save_hf_tokenizer(
+    model_path: str, out_dir: Path, model_max_length: int | None = None, vocab_size: int | None = None
+) -> list[str]:
     """Write ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json`` (as the installed
     transformers writes them) and a copy of the SentencePiece model as ``tokenizer.model`` into ``out_dir``.
     Returns the file names written. Raises HFConversionError as :func:`build_fast_tokenizer`, and when the
@@ -130,9 +152,11 @@ def save_hf_tokenizer(model_path: str, out_dir: Path, model_max_length: int | No
 
     tok = build_fast_tokenizer(model_path, model_max_length)
     if vocab_size is not None and len(tok) != vocab_size:
-        raise HFConversionError(f"tokenizer '{model_path}' has {len(tok)} pieces but the model has model.vocab_size="
-                                f"{vocab_size}; pass the tokenizer the run trained with (--tokenizer PATH) or "
-                                f"--no-tokenizer")
+        raise HFConversionError(
+            f"tokenizer '{model_path}' has {len(tok)} pieces but the model has model.vocab_size="
+            f"{vocab_size}; pass the tokenizer the run trained with (--tokenizer PATH) or "
+            f"--no-tokenizer"
+        )
     files = [Path(f).name for f in tok.save_pretrained(str(out_dir))]
     cfg_file = Path(out_dir) / "tokenizer_config.json"
     tok_cfg = json.loads(cfg_file.read_text())

@@ -25,8 +25,9 @@ class Rect:
     flat_hi: int
 
 
-def global_shape(local_shape: tuple[int, ...], partition_dim: int | None, tp_size: int,
-                 logical_rows: int | None = None) -> tuple[int, ...]:
+def global_shape(
+    local_shape: tuple[int, ...], partition_dim: int | None, tp_size: int, logical_rows: int | None = None
+) -> tuple[int, ...]:
     """Global logical shape of a parameter whose TP-local shape is ``local_shape``.
 
     Args:
@@ -42,8 +43,14 @@ def global_shape(local_shape: tuple[int, ...], partition_dim: int | None, tp_siz
     return tuple(shape)
 
 
-def piece_rects(local_shape: tuple[int, ...], partition_dim: int | None, tp_rank: int, lo: int, hi: int,
-                logical_rows: int | None = None) -> list[Rect]:
+def piece_rects(
+    local_shape: tuple[int, ...],
+    partition_dim: int | None,
+    tp_rank: int,
+    lo: int,
+    hi: int,
+    logical_rows: int | None = None,
+) -> list[Rect]:
     """The global rectangles of the flat range ``[lo, hi)`` of a TP-local tensor of ``local_shape``
     (1-D or 2-D), clipped to ``logical_rows``; empty pieces give no rectangle.
 

@@ -99,18 +99,24 @@ def resolve_load(cfg: Config, log=None) -> Path | None:
     if mode in ("auto", "latest"):
         problem = latest_pointer_problem(root)
         if problem and mode == "latest":
-            raise ConfigError(f"checkpoint.load=latest but {problem}; point checkpoint.load at a step_* folder, or "
-                              f"use checkpoint.load=auto (the newest complete checkpoint)")
+            raise ConfigError(
+                f"checkpoint.load=latest but {problem}; point checkpoint.load at a step_* folder, or "
+                f"use checkpoint.load=auto (the newest complete checkpoint)"
+            )
         found = latest_checkpoint(root)
         if problem and found is None:  # never start over silently on top of a run whose checkpoint is damaged
-            raise ConfigError(f"checkpoint.load=auto but {problem}, and {root} holds no other complete checkpoint to "
-                              f"resume from; repair or remove it, or set checkpoint.load=none to start this run "
-                              f"over from step 0")
+            raise ConfigError(
+                f"checkpoint.load=auto but {problem}, and {root} holds no other complete checkpoint to "
+                f"resume from; repair or remove it, or set checkpoint.load=none to start this run "
+                f"over from step 0"
+            )
         if problem and found is not None and log is not None:
             log(f"checkpoint: {problem}; using the newest complete checkpoint, {found.name}")
         if found is None and mode == "latest":
-            raise ConfigError(f"checkpoint.load=latest but {root} holds no complete checkpoint; use checkpoint.load="
-                              f"auto (resume only if there is one) or none")
+            raise ConfigError(
+                f"checkpoint.load=latest but {root} holds no complete checkpoint; use checkpoint.load="
+                f"auto (resume only if there is one) or none"
+            )
         return found
     return explicit_checkpoint(mode)
 
@@ -128,8 +134,10 @@ def explicit_checkpoint(mode: str) -> Path:
         if found is not None:
             return found
     if not is_complete(path):
-        raise ConfigError(f"checkpoint.load={mode!r} is not a complete checkpoint (no {META} and .metadata in it); "
-                          f"point it at a step_* folder or a checkpoints folder with a 'latest' file")
+        raise ConfigError(
+            f"checkpoint.load={mode!r} is not a complete checkpoint (no {META} and .metadata in it); "
+            f"point it at a step_* folder or a checkpoints folder with a 'latest' file"
+        )
     return path
 
 
@@ -142,20 +150,25 @@ def read_meta(path: Path) -> dict:
     try:
         meta = json.loads((path / META).read_text())
     except (OSError, ValueError) as e:
-        raise ConfigError(f"checkpoint {path}: cannot read {META} ({e}); the folder is damaged or not a "
-                          f"megatron-geo checkpoint") from None
+        raise ConfigError(
+            f"checkpoint {path}: cannot read {META} ({e}); the folder is damaged or not a megatron-geo checkpoint"
+        ) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise ConfigError(f"checkpoint {path} has format {got!r}, expected {FORMAT!r}")
     missing = [k for k in ("step", "consumed_samples", "dp_size", "tp_size", "config") if k not in meta]
     if missing:
-        raise ConfigError(f"checkpoint {path}: {META} lacks {', '.join(missing)}; the folder is damaged, load an "
-                          f"older checkpoint (checkpoint.load=PATH) or start fresh (checkpoint.load=none)")
+        raise ConfigError(
+            f"checkpoint {path}: {META} lacks {', '.join(missing)}; the folder is damaged, load an "
+            f"older checkpoint (checkpoint.load=PATH) or start fresh (checkpoint.load=none)"
+        )
     for k in ("step", "consumed_samples", "dp_size", "tp_size"):
         v = meta[k]
         if not isinstance(v, int) or isinstance(v, bool) or v < (1 if k.endswith("size") else 0):
-            raise ConfigError(f"checkpoint {path}: {META} has {k}={v!r}, not a valid count; the folder is damaged, "
-                              f"load an older checkpoint (checkpoint.load=PATH) or start fresh (checkpoint.load=none)")
+            raise ConfigError(
+                f"checkpoint {path}: {META} has {k}={v!r}, not a valid count; the folder is damaged, "
+                f"load an older checkpoint (checkpoint.load=PATH) or start fresh (checkpoint.load=none)"
+            )
     if not isinstance(meta["config"], dict):
         raise ConfigError(f"checkpoint {path}: {META} has no config mapping; the folder is damaged")
     return meta
@@ -174,12 +187,16 @@ def check_compatible(meta: dict, cfg: Config, dp_size: int, tp_size: int) -> tup
     saved = meta["config"]
     for k in SHAPE_KEYS:
         if saved["model"][k] != getattr(cfg.model, k):
-            raise ConfigError(f"checkpoint {meta.get('path', '')} was saved with model.{k}={saved['model'][k]} but this "
-                              f"run has model.{k}={getattr(cfg.model, k)}; use the same model shape, or "
-                              f"checkpoint.load=none to start fresh")
+            raise ConfigError(
+                f"checkpoint {meta.get('path', '')} was saved with model.{k}={saved['model'][k]} but this "
+                f"run has model.{k}={getattr(cfg.model, k)}; use the same model shape, or "
+                f"checkpoint.load=none to start fresh"
+            )
     if saved["optimizer"]["name"] != cfg.optimizer.name:
-        raise ConfigError(f"checkpoint was saved with optimizer.name={saved['optimizer']['name']} but this run has "
-                          f"optimizer.name={cfg.optimizer.name}; the optimizer state cannot be converted")
+        raise ConfigError(
+            f"checkpoint was saved with optimizer.name={saved['optimizer']['name']} but this run has "
+            f"optimizer.name={cfg.optimizer.name}; the optimizer state cannot be converted"
+        )
     notes = []
     now = config_to_dict(cfg)
     for sec in ("comm", "geo"):
@@ -189,8 +206,9 @@ def check_compatible(meta: dict, cfg: Config, dp_size: int, tp_size: int) -> tup
     # keys that change the trajectory (data order, batch, schedule): checkpoint/resume_changes.py
     same = meta["dp_size"] == dp_size and meta["tp_size"] == tp_size
     if not same:
-        notes.append(f"resharding: saved at DP={meta['dp_size']} TP={meta['tp_size']}, loading at DP={dp_size} "
-                     f"TP={tp_size}")
+        notes.append(
+            f"resharding: saved at DP={meta['dp_size']} TP={meta['tp_size']}, loading at DP={dp_size} TP={tp_size}"
+        )
     return same, notes
 
 
@@ -219,28 +237,47 @@ def _save_failure(tmp: Path, err: BaseException) -> CheckpointSaveError:
             cause = os.strerror(seen.errno).lower()
         seen = seen.__cause__ or seen.__context__
     text = str(err)
-    for errno_name, words in ((28, "no space left on device"), (13, "permission denied"), (122, "disk quota exceeded"),
-                              (30, "read-only file system")):
+    for errno_name, words in (
+        (28, "no space left on device"),
+        (13, "permission denied"),
+        (122, "disk quota exceeded"),
+        (30, "read-only file system"),
+    ):
         if cause is None and (words in text.lower() or f"errno {errno_name}]" in text.lower()):
             cause = words
     first = text.strip().splitlines()[0][:300] if text.strip() else type(err).__name__
     where = f" (rank {err.rank})" if isinstance(err, CheckpointRankError) and cause else ""
-    advice = "free space or fix the permissions of checkpoint.dir, then relaunch to resume" if cause else \
-        "relaunch to resume from it"
-    return CheckpointSaveError(f"could not save the checkpoint to {tmp.parent}: {cause or first}{where}; the partial "
-                               f"folder was removed and the previous checkpoint is intact ({advice})")
+    advice = (
+        "free space or fix the permissions of checkpoint.dir, then relaunch to resume"
+        if cause
+        else "relaunch to resume from it"
+    )
+    return CheckpointSaveError(
+        f"could not save the checkpoint to {tmp.parent}: {cause or first}{where}; the partial "
+        f"folder was removed and the previous checkpoint is intact ({advice})"
+    )
 
 
 def state_failure(root: Path, step: int, err: BaseException) -> CheckpointSaveError:
     """The error of a save that failed before anything was written (building the state dict on some rank)."""
     text = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-    return CheckpointSaveError(f"could not save the checkpoint of step {step} to {root}: {text}; nothing was "
-                               f"written, the previous checkpoint and 'latest' are unchanged (relaunch to resume "
-                               f"from it)")
+    return CheckpointSaveError(
+        f"could not save the checkpoint of step {step} to {root}: {text}; nothing was "
+        f"written, the previous checkpoint and 'latest' are unchanged (relaunch to resume "
+        f"from it)"
+    )
 
 
-def save_checkpoint(root: Path, step: int, state: dict, meta: dict, keep_latest: int, group, is_main: bool,
-                    device: torch.device | None = None) -> Path:
+def save_checkpoint(
+    root: Path,
+    step: int,
+    state: dict,
+    meta: dict,
+    keep_latest: int,
+    group,
+    is_main: bool,
+    device: torch.device | None = None,
+) -> Path:
     """Write ``state`` (a DCP state dict; every rank its own part) as ``root/step_N`` and publish it.
 
     Collective over ``group`` (the world). ``device`` is ``pctx.device`` (the device of the rank-agreement
@@ -257,8 +294,11 @@ def save_checkpoint(root: Path, step: int, state: dict, meta: dict, keep_latest:
     import torch.distributed.checkpoint as dcp
 
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if C.required_device_type(group) == "cuda" \
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if C.required_device_type(group) == "cuda"
             else torch.device("cpu")
+        )
     name = step_dir_name(step)
     tmp, final = root / f".tmp-{name}", root / name
     err = None
@@ -288,8 +328,17 @@ def save_checkpoint(root: Path, step: int, state: dict, meta: dict, keep_latest:
     err, text = None, ""
     if is_main:
         try:
-            text = json.dumps(dict(meta, format=FORMAT, step=step, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                   save_seconds=round(time.perf_counter() - t0, 3), torch=torch.__version__), indent=1)
+            text = json.dumps(
+                dict(
+                    meta,
+                    format=FORMAT,
+                    step=step,
+                    saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                    save_seconds=round(time.perf_counter() - t0, 3),
+                    torch=torch.__version__,
+                ),
+                indent=1,
+            )
             _write_atomic(tmp / META, text)
         except Exception as e:  # noqa: BLE001 - the other ranks wait for meta.json
             shutil.rmtree(tmp, ignore_errors=True)
@@ -344,7 +393,8 @@ def _verify_before_publishing(tmp: Path, own: dict[str, int], group, device: tor
             f"could not save the checkpoint to {tmp.parent}: {e.message.splitlines()[0]}; nothing was published "
             f"('latest' and the older checkpoints are unchanged) and the partial folder was removed. checkpoint.dir "
             f"must be one folder that every node sees (a shared file system, not a node-local disk) with room for "
-            f"every rank's files: fix it, then relaunch to resume") from None
+            f"every rank's files: fix it, then relaunch to resume"
+        ) from None
 
 
 def abandon_later(root: Path, step: int) -> list[tuple[Path, Path]]:
@@ -354,9 +404,14 @@ def abandon_later(root: Path, step: int) -> list[tuple[Path, Path]]:
     remove it). Returns ``[(from, to or None when removed), ...]``."""
     if not root.is_dir():
         return []
-    later = [p for p in root.iterdir() if p.is_dir() and p.name.removeprefix(".tmp-").startswith("step_")
-             and p.name.removeprefix(".tmp-")[len("step_"):].isdigit()
-             and int(p.name.removeprefix(".tmp-")[len("step_"):]) > step]
+    later = [
+        p
+        for p in root.iterdir()
+        if p.is_dir()
+        and p.name.removeprefix(".tmp-").startswith("step_")
+        and p.name.removeprefix(".tmp-")[len("step_") :].isdigit()
+        and int(p.name.removeprefix(".tmp-")[len("step_") :]) > step
+    ]
     moved = []
     if later:
         aside = root / "abandoned"
@@ -391,6 +446,6 @@ def prune(root: Path, keep_latest: int) -> list[Path]:
                 removed.append(p)
     if latest is not None:
         for p in root.glob(".tmp-step_*"):
-            if p.name[len(".tmp-"):] < latest.name:
+            if p.name[len(".tmp-") :] < latest.name:
                 shutil.rmtree(p, ignore_errors=True)
     return removed

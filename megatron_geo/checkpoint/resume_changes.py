@@ -33,12 +33,25 @@ DATA_KEYS = {
     "data.train_prefix": "the training documents",
     "train.global_batch_size": "the samples per step",
 }
-SCHEDULE_KEYS = ("optimizer.lr", "optimizer.min_lr", "optimizer.adamw_lr", "train.warmup_steps",
-                 "train.lr_decay_style", "train.steps")
+SCHEDULE_KEYS = (
+    "optimizer.lr",
+    "optimizer.min_lr",
+    "optimizer.adamw_lr",
+    "train.warmup_steps",
+    "train.lr_decay_style",
+    "train.steps",
+)
 ALLOWABLE = tuple(DATA_KEYS) + SCHEDULE_KEYS
 # changed on resume only with a log line (they change the update but not which data or learning rate it sees)
-LOGGED_KEYS = ("optimizer.weight_decay", "optimizer.beta1", "optimizer.beta2", "optimizer.eps", "optimizer.clip_grad",
-               "optimizer.muon_momentum", "optimizer.muon_adjust_lr_fn")
+LOGGED_KEYS = (
+    "optimizer.weight_decay",
+    "optimizer.beta1",
+    "optimizer.beta2",
+    "optimizer.eps",
+    "optimizer.clip_grad",
+    "optimizer.muon_momentum",
+    "optimizer.muon_adjust_lr_fn",
+)
 _PATH_KEYS = ("data.train_prefix",)
 
 
@@ -53,8 +66,10 @@ def parse_allow_changes(text: str) -> set[str]:
         return set(ALLOWABLE)
     bad = sorted(keys - set(ALLOWABLE))
     if bad:
-        raise ConfigError(f"checkpoint.allow_changes names {', '.join(bad)}, which a resume never refuses; valid keys: "
-                          f"{', '.join(ALLOWABLE)} (or all)")
+        raise ConfigError(
+            f"checkpoint.allow_changes names {', '.join(bad)}, which a resume never refuses; valid keys: "
+            f"{', '.join(ALLOWABLE)} (or all)"
+        )
     return keys
 
 
@@ -74,8 +89,14 @@ def _lr(c: dict, step: int, which: str) -> float:
     base = o["lr"]
     if which == "adamw" and (o.get("adamw_lr") or -1.0) >= 0:
         base = o["adamw_lr"]
-    scale = lr_at(step, max_lr=1.0, min_lr=o["min_lr"] / o["lr"] if o["lr"] else 0.0,
-                  warmup_steps=t["warmup_steps"], total_steps=t["steps"], style=t["lr_decay_style"])
+    scale = lr_at(
+        step,
+        max_lr=1.0,
+        min_lr=o["min_lr"] / o["lr"] if o["lr"] else 0.0,
+        warmup_steps=t["warmup_steps"],
+        total_steps=t["steps"],
+        style=t["lr_decay_style"],
+    )
     return base * scale
 
 
@@ -138,8 +159,10 @@ def check_resume_changes(saved: dict, cfg: Config, start_step: int, kind: str) -
             notes.append(f"{changes} on resume: the learning rate of every remaining step is unchanged")
         else:
             step, a, b = diff
-            effect = (f"the learning rate of step {step + 1} becomes {b:.3e} where the saved schedule gives {a:.3e}"
-                      f"{' (it ended at step ' + str(saved['train']['steps']) + ')' if step >= saved['train']['steps'] else ''}")
+            effect = (
+                f"the learning rate of step {step + 1} becomes {b:.3e} where the saved schedule gives {a:.3e}"
+                f"{' (it ended at step ' + str(saved['train']['steps']) + ')' if step >= saved['train']['steps'] else ''}"
+            )
             line = f"{changes} on resume: {effect}"
             unallowed = [k for k in sched if k not in allowed]
             if kind == "resume" and unallowed:
@@ -153,5 +176,6 @@ def check_resume_changes(saved: dict, cfg: Config, start_step: int, kind: str) -
             "resuming would change this run's trajectory: " + "; ".join(refused) + ". Keep the checkpoint's values, "
             f"or accept the change with checkpoint.allow_changes={','.join(keys)} (to stop a run earlier without "
             f"changing its schedule use train.exit_interval; to start a new run from this checkpoint use a new "
-            f"train.run_dir with checkpoint.load=PATH)")
+            f"train.run_dir with checkpoint.load=PATH)"
+        )
     return notes

@@ -17,8 +17,12 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-_ALLOWED_MODULES = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                    "pathlib", "collections"}
+_ALLOWED_MODULES = {
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "pathlib",
+    "collections",
+}
 _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("torch", "device")}
 
 
@@ -28,11 +32,16 @@ class UnsafeCheckpointError(ValueError):
 
 class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        ok = (module in _ALLOWED_MODULES or (module, name) in _ALLOWED or
-              (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+        ok = (
+            module in _ALLOWED_MODULES
+            or (module, name) in _ALLOWED
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        )
         if not ok:
-            raise UnsafeCheckpointError(f"checkpoint metadata refers to {module}.{name}, which is not part of "
-                                        f"torch.distributed.checkpoint metadata; refusing to load it")
+            raise UnsafeCheckpointError(
+                f"checkpoint metadata refers to {module}.{name}, which is not part of "
+                f"torch.distributed.checkpoint metadata; refusing to load it"
+            )
         return super().find_class(module, name)
 
 
@@ -53,9 +62,11 @@ def _check_file_sizes(metadata: Metadata, metadata_path) -> None:
         size = os.path.getsize(p) if os.path.isfile(p) else -1
         if size < end:
             what = "is missing" if size < 0 else f"has {size:,} bytes but its entries end at byte {end:,}"
-            raise UnsafeCheckpointError(f"checkpoint data file {p} {what}: the checkpoint is truncated or "
-                                        f"incomplete; use an older one (checkpoint.load=PATH of another step_* "
-                                        f"folder) or start fresh (checkpoint.load=none)")
+            raise UnsafeCheckpointError(
+                f"checkpoint data file {p} {what}: the checkpoint is truncated or "
+                f"incomplete; use an older one (checkpoint.load=PATH of another step_* "
+                f"folder) or start fresh (checkpoint.load=none)"
+            )
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -66,11 +77,22 @@ class SafeFileSystemReader(FileSystemReader):
         with self.fs.create_stream(path, "rb") as f:
             try:
                 metadata = _RestrictedUnpickler(f).load()
-            except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError, KeyError,
-                    IndexError, UnicodeDecodeError) as e:  # garbage bytes fail in any of these ways
-                raise UnsafeCheckpointError(f"{path}: unreadable checkpoint metadata ({type(e).__name__}: {e}); the "
-                                            f"checkpoint is damaged: use an older one (checkpoint.load=PATH of another "
-                                            f"step_* folder) or start fresh (checkpoint.load=none)") from None
+            except (
+                pickle.UnpicklingError,
+                EOFError,
+                AttributeError,
+                ImportError,
+                ValueError,
+                TypeError,
+                KeyError,
+                IndexError,
+                UnicodeDecodeError,
+            ) as e:  # garbage bytes fail in any of these ways
+                raise UnsafeCheckpointError(
+                    f"{path}: unreadable checkpoint metadata ({type(e).__name__}: {e}); the "
+                    f"checkpoint is damaged: use an older one (checkpoint.load=PATH of another "
+                    f"step_* folder) or start fresh (checkpoint.load=none)"
+                ) from None
         if not isinstance(metadata, Metadata):
             raise UnsafeCheckpointError(f"{path} does not hold DCP metadata (got {type(metadata).__name__})")
         _check_file_sizes(metadata, path)

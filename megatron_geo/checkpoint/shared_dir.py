@@ -89,8 +89,10 @@ def check_shared_folder(root: Path, where: str, group, device: torch.device) -> 
     try:
         agreement.agree(err, group, device, f"writing a probe file into {where}")  # also the barrier
     except agreement.CheckpointRankError as e:
-        raise ConfigError(f"{where} {str(root)!r}: rank 0 cannot write into it ({e.message.splitlines()[0][:200]}); "
-                          f"choose a writable folder that every node mounts") from None
+        raise ConfigError(
+            f"{where} {str(root)!r}: rank 0 cannot write into it ({e.message.splitlines()[0][:200]}); "
+            f"choose a writable folder that every node mounts"
+        ) from None
     shared = agreement.all_gather_ints([token], group, device)[0][0]
     found = [f for (f,) in agreement.all_gather_ints([read_probe(root, shared)], group, device)]
     if me == 0:  # every rank has read it (the all-gather above)
@@ -102,11 +104,13 @@ def check_shared_folder(root: Path, where: str, group, device: torch.device) -> 
     if bad:
         ranks = ", ".join(f"{dist.get_global_rank(group, r)} ({_FOUND[found[r]]})" for r in bad[:16])
         more = f" and {len(bad) - 16} more" if len(bad) > 16 else ""
-        raise ConfigError(f"{where} {str(root)!r} (as rank {dist.get_global_rank(group, me)} sees it) is not one "
-                          f"folder that every rank sees: rank 0 wrote the probe file {probe_name(shared)} into it and "
-                          f"rank(s) {ranks}{more} could not read it there, so their checkpoint files would be "
-                          f"missing from rank 0's folder; set checkpoint.dir to a folder that every node mounts "
-                          f"(e.g. on the shared file system), not a node-local disk")
+        raise ConfigError(
+            f"{where} {str(root)!r} (as rank {dist.get_global_rank(group, me)} sees it) is not one "
+            f"folder that every rank sees: rank 0 wrote the probe file {probe_name(shared)} into it and "
+            f"rank(s) {ranks}{more} could not read it there, so their checkpoint files would be "
+            f"missing from rank 0's folder; set checkpoint.dir to a folder that every node mounts "
+            f"(e.g. on the shared file system), not a node-local disk"
+        )
 
 
 def check_checkpoint_dir(cfg: Config, pctx) -> None:

@@ -32,8 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config, ConfigError
-from .manager import (checkpoint_root, explicit_checkpoint, latest_checkpoint, latest_pointer_problem, read_meta,
-                      resolve_load)
+from .manager import (
+    checkpoint_root,
+    explicit_checkpoint,
+    latest_checkpoint,
+    latest_pointer_problem,
+    read_meta,
+    resolve_load,
+)
 
 KINDS = ("fresh", "resume", "init", "rollback")
 
@@ -111,9 +117,11 @@ def resolve_start(cfg: Config, log=None) -> StartPoint:
     own = latest_checkpoint(root)
     problem = latest_pointer_problem(root)
     if own is None and problem:
-        raise ConfigError(f"{problem}, and {root} holds no other complete checkpoint; this run folder's own "
-                          f"checkpoint is damaged, so checkpoint.load={mode} would silently start its timeline over: "
-                          f"repair or remove {root}, or use another train.run_dir")
+        raise ConfigError(
+            f"{problem}, and {root} holds no other complete checkpoint; this run folder's own "
+            f"checkpoint is damaged, so checkpoint.load={mode} would silently start its timeline over: "
+            f"repair or remove {root}, or use another train.run_dir"
+        )
     try:
         target = _explicit_target(mode)
     except ConfigError:
@@ -122,16 +130,34 @@ def resolve_start(cfg: Config, log=None) -> StartPoint:
         target = None  # the run's own checkpoint is resumed whatever the explicit path holds
     if own is None:
         if target is None:
-            raise ConfigError(f"checkpoint.load={mode!r} does not exist and {root} holds no checkpoint of this run; "
-                              f"fix the path, or use checkpoint.load=auto to start fresh")
-        return StartPoint(target, "init", f"initialising this run from {target} (checkpoint.load); relaunches "
-                                          f"resume the run's own checkpoints in {root}")
-    if target is not None and _inside(target, root) and target.resolve() != own.resolve() \
-            and not _started_from(own, target):
-        return StartPoint(target, "rollback", f"rolling back to {target} (checkpoint.load): a new timeline starts "
-                                              f"at its step; the later checkpoints of {root} are moved aside")
-    why = ("its timeline started from it" if target is not None and _started_from(own, target)
-           else "checkpoint.load only initialises a run folder that has no checkpoint of its own; use a new "
-                "train.run_dir to start another run from it")
-    return StartPoint(own, "resume", f"resuming this run from its own checkpoint {own}; checkpoint.load={mode} "
-                                     f"is not loaded ({why})")
+            raise ConfigError(
+                f"checkpoint.load={mode!r} does not exist and {root} holds no checkpoint of this run; "
+                f"fix the path, or use checkpoint.load=auto to start fresh"
+            )
+        return StartPoint(
+            target,
+            "init",
+            f"initialising this run from {target} (checkpoint.load); relaunches "
+            f"resume the run's own checkpoints in {root}",
+        )
+    if (
+        target is not None
+        and _inside(target, root)
+        and target.resolve() != own.resolve()
+        and not _started_from(own, target)
+    ):
+        return StartPoint(
+            target,
+            "rollback",
+            f"rolling back to {target} (checkpoint.load): a new timeline starts "
+            f"at its step; the later checkpoints of {root} are moved aside",
+        )
+    why = (
+        "its timeline started from it"
+        if target is not None and _started_from(own, target)
+        else "checkpoint.load only initialises a run folder that has no checkpoint of its own; use a new "
+        "train.run_dir to start another run from it"
+    )
+    return StartPoint(
+        own, "resume", f"resuming this run from its own checkpoint {own}; checkpoint.load={mode} is not loaded ({why})"
+    )

@@ -48,13 +48,20 @@ def rank_devices(pctx: ParallelContext) -> list[torch.device]:
     computes on the same device type.
     """
     idx = pctx.device.index if pctx.device.index is not None else -1
-    return [torch.device(pctx.device.type, i) if i >= 0 else torch.device(pctx.device.type)
-            for (i,) in all_gather_ints([idx], pctx.world_group, pctx.device)]
+    return [
+        torch.device(pctx.device.type, i) if i >= 0 else torch.device(pctx.device.type)
+        for (i,) in all_gather_ints([idx], pctx.world_group, pctx.device)
+    ]
 
 
-def _sharded_tensor(shards: list[tuple[tuple[int, ...], torch.Tensor]], size: tuple[int, ...],
-                    everyone: list[tuple[int, tuple[int, ...], tuple[int, ...]]], devices: list[torch.device],
-                    rank: int, group):
+def _sharded_tensor(
+    shards: list[tuple[tuple[int, ...], torch.Tensor]],
+    size: tuple[int, ...],
+    everyone: list[tuple[int, tuple[int, ...], tuple[int, ...]]],
+    devices: list[torch.device],
+    rank: int,
+    group,
+):
     """A ShardedTensor of global ``size`` (FP32) from this rank's ``(offsets, tensor)`` shards (not collective).
 
     ``everyone`` lists the ``(global rank, offsets, sizes)`` of every rank's shards (the global metadata,
@@ -76,20 +83,34 @@ def _sharded_tensor(shards: list[tuple[tuple[int, ...], torch.Tensor]], size: tu
         metas = [ShardMetadata(list(off), list(sz), f"rank:{r}/{devices[r]}") for r, off, sz in everyone]
         mine = [md for (r, _, _), md in zip(everyone, metas) if r == rank]
         if [tuple(md.shard_offsets) for md in mine] != [tuple(off) for off, _ in shards]:
-            raise RuntimeError(f"rank {rank}'s checkpoint shards start at {[tuple(off) for off, _ in shards]} but the "
-                               f"shard plan puts them at {[tuple(md.shard_offsets) for md in mine]}")
+            raise RuntimeError(
+                f"rank {rank}'s checkpoint shards start at {[tuple(off) for off, _ in shards]} but the "
+                f"shard plan puts them at {[tuple(md.shard_offsets) for md in mine]}"
+            )
         local = [Shard(t, md) for (_, t), md in zip(shards, mine)]
-        props = TensorProperties(dtype=torch.float32, layout=torch.strided, requires_grad=False,
-                                 memory_format=torch.contiguous_format, pin_memory=False)
+        props = TensorProperties(
+            dtype=torch.float32,
+            layout=torch.strided,
+            requires_grad=False,
+            memory_format=torch.contiguous_format,
+            pin_memory=False,
+        )
         return ShardedTensor._init_from_local_shards_and_global_metadata(
-            local, ShardedTensorMetadata(metas, torch.Size(size), props), process_group=group)
+            local, ShardedTensorMetadata(metas, torch.Size(size), props), process_group=group
+        )
 
 
 class StateLayout:
     """Which elements of which parameter this rank writes (and reads back), in global coordinates."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: DistributedOptimizer, pctx: ParallelContext,
-                 vocab_size: int, optimizer_name: str):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: DistributedOptimizer,
+        pctx: ParallelContext,
+        vocab_size: int,
+        optimizer_name: str,
+    ):
         self.pctx, self.optimizer = pctx, optimizer
         self.params = dict(model.named_parameters())
         self.padded_vocab = getattr(model, "padded_vocab", None)
@@ -129,8 +150,11 @@ class StateLayout:
         for d in range(self.pctx.dp_size):
             if not (self.optimizer.sharded or d == 0):
                 continue
-            spans = [(pc.param_start, pc.param_end) for pc in b.plan.pieces[d] if pc.index == i] \
-                if self.optimizer.sharded else [(0, p.numel())]
+            spans = (
+                [(pc.param_start, pc.param_end) for pc in b.plan.pieces[d] if pc.index == i]
+                if self.optimizer.sharded
+                else [(0, p.numel())]
+            )
             for t in range(self.pctx.tp_size):
                 if t != 0 and pdim is None:
                     continue
@@ -152,9 +176,15 @@ class StateLayout:
                 continue
             flat = tensor_of(m).reshape(-1)
             lo = m.param_start
-            for r in piece_rects(tuple(p.shape), self.partition_dim(p), self.pctx.tp_rank, lo,
-                                 lo + m.main.numel(), self.logical_rows(name, p)):
-                out.append((r.offsets, flat[r.flat_lo - lo:r.flat_hi - lo].view(r.sizes)))
+            for r in piece_rects(
+                tuple(p.shape),
+                self.partition_dim(p),
+                self.pctx.tp_rank,
+                lo,
+                lo + m.main.numel(),
+                self.logical_rows(name, p),
+            ):
+                out.append((r.offsets, flat[r.flat_lo - lo : r.flat_hi - lo].view(r.sizes)))
         return out
 
     @property
@@ -169,8 +199,9 @@ def optimizer_state_ready(optimizer: DistributedOptimizer, group) -> bool:
     return all(f for (f,) in all_gather_ints([1 if ok else 0], group, optimizer.pctx.device))
 
 
-def build_save_state(layout: StateLayout, reducer: GradientReducer, geo: GeoState | None,
-                     with_optimizer_state: bool) -> dict:
+def build_save_state(
+    layout: StateLayout, reducer: GradientReducer, geo: GeoState | None, with_optimizer_state: bool
+) -> dict:
     """The DCP state dict to save: this rank's part of every entry of the module docstring.
 
     Collective over the world group (every rank calls it, with the same model). Model and optimizer
@@ -202,14 +233,20 @@ def _save_entries(layout: StateLayout, reducer, geo, with_optimizer_state: bool,
         if not layout.params[name].requires_grad:
             continue
         size, everyone = layout.global_shape(name), layout.global_rects(name)
-        sd[f"model/{name}"] = _sharded_tensor(layout.shards(name, lambda m: m.main.detach()), size, everyone,
-                                              devices, pctx.rank, world)
+        sd[f"model/{name}"] = _sharded_tensor(
+            layout.shards(name, lambda m: m.main.detach()), size, everyone, devices, pctx.rank, world
+        )
         if not with_optimizer_state:
             continue
         for s in layout.state_names(name):
             sd[f"optim/{name}/{s}"] = _sharded_tensor(
-                layout.shards(name, lambda m, s=s: opt.optimizer_of(m).state[m.main][s]), size, everyone, devices,
-                pctx.rank, world)
+                layout.shards(name, lambda m, s=s: opt.optimizer_of(m).state[m.main][s]),
+                size,
+                everyone,
+                devices,
+                pctx.rank,
+                world,
+            )
         for m in layout.by_name.get(name, []):
             st = opt.optimizer_of(m).state[m.main]
             if "step" in st:
@@ -225,8 +262,9 @@ def _save_entries(layout: StateLayout, reducer, geo, with_optimizer_state: bool,
         sd[f"{tag}/ef/{name}"] = res.detach().clone()
     if geo is not None:
         g = geo.state_dict()
-        sd[f"{tag}/geo/hits"] = torch.tensor([g["hits"][n] for n in sorted(g["hits"])], dtype=torch.float64,
-                                             device="cpu")
+        sd[f"{tag}/geo/hits"] = torch.tensor(
+            [g["hits"][n] for n in sorted(g["hits"])], dtype=torch.float64, device="cpu"
+        )
         for name, t in g["transforms"].items():
             sd[f"tp{pctx.tp_rank}/geo/{name}/U"] = t["U"].detach().cpu().clone()
             sd[f"tp{pctx.tp_rank}/geo/{name}/d"] = t["d"].detach().cpu().clone()
@@ -242,7 +280,7 @@ def residual_views(layout: StateLayout, residuals: dict[int, torch.Tensor]) -> d
         if res is None:
             continue
         for name, p, off in zip(b.names, b.params, b.plan.offsets):
-            out[name] = res[off:off + p.numel()]
+            out[name] = res[off : off + p.numel()]
     return out
 
 
@@ -261,8 +299,16 @@ def _ensure_optimizer_state(layout: StateLayout) -> None:
             st["step"] = torch.zeros((), dtype=torch.float32, device=m.main.device if on_dev else "cpu")
 
 
-def load_state(path: str, layout: StateLayout, reducer: GradientReducer, geo: GeoState | None, same_layout: bool,
-               geo_meta: dict | None, log, same_tp: bool | None = None) -> None:
+def load_state(
+    path: str,
+    layout: StateLayout,
+    reducer: GradientReducer,
+    geo: GeoState | None,
+    same_layout: bool,
+    geo_meta: dict | None,
+    log,
+    same_tp: bool | None = None,
+) -> None:
     """Load a checkpoint written by :func:`build_save_state` into the live training state (collective over
     the world group).
 
@@ -308,8 +354,17 @@ def load_state(path: str, layout: StateLayout, reducer: GradientReducer, geo: Ge
     layout.optimizer.wait_param_gather()  # the loaded parameters are complete on return
 
 
-def _load_request(path: str, layout: StateLayout, reducer, geo, same_layout: bool, geo_meta: dict | None, log,
-                  same_tp: bool | None, devices: list[torch.device]) -> dict:
+def _load_request(
+    path: str,
+    layout: StateLayout,
+    reducer,
+    geo,
+    same_layout: bool,
+    geo_meta: dict | None,
+    log,
+    same_tp: bool | None,
+    devices: list[torch.device],
+) -> dict:
     """The state dict for DCP's read and where each loaded value goes (local: no collectives).
 
     Raises:
@@ -323,14 +378,18 @@ def _load_request(path: str, layout: StateLayout, reducer, geo, same_layout: boo
     names = [n for n, p in layout.params.items() if p.requires_grad]
     missing = [n for n in names if f"model/{n}" not in keys]
     if missing:
-        raise ValueError(f"checkpoint {path} has no entry for parameter(s) {', '.join(missing[:5])}: it was saved "
-                         f"from a different model")
+        raise ValueError(
+            f"checkpoint {path} has no entry for parameter(s) {', '.join(missing[:5])}: it was saved "
+            f"from a different model"
+        )
     with_state = all(f"optim/{n}/{s}" in keys for n in names for s in layout.state_names(n))
     if with_state:
         _ensure_optimizer_state(layout)
     elif any(k.startswith("optim/") for k in keys):
-        raise ValueError(f"checkpoint {path} holds optimizer state of another kind (e.g. AdamW vs Muon) than "
-                         f"optimizer.name selects; use the optimizer it was saved with")
+        raise ValueError(
+            f"checkpoint {path} holds optimizer state of another kind (e.g. AdamW vs Muon) than "
+            f"optimizer.name selects; use the optimizer it was saved with"
+        )
     else:
         log("checkpoint: no optimizer state saved (before the first update); the optimizer starts fresh")
 
@@ -341,8 +400,10 @@ def _load_request(path: str, layout: StateLayout, reducer, geo, same_layout: boo
         size, everyone = layout.global_shape(name), layout.global_rects(name)
         kinds = [(f"model/{name}", lambda m: m.main.data)]
         if with_state:
-            kinds += [(f"optim/{name}/{s}", lambda m, s=s: opt.optimizer_of(m).state[m.main][s])
-                      for s in layout.state_names(name)]
+            kinds += [
+                (f"optim/{name}/{s}", lambda m, s=s: opt.optimizer_of(m).state[m.main][s])
+                for s in layout.state_names(name)
+            ]
         for key, tensor_of in kinds:
             shards = []
             for off, view in layout.shards(name, tensor_of):
@@ -358,15 +419,22 @@ def _load_request(path: str, layout: StateLayout, reducer, geo, same_layout: boo
     live_geo = geo.state_dict() if geo is not None else None
     if same_layout:
         for k in ("rng/torch", "rng/cuda", "rng/reducer"):
-            if f"{tag}/{k}" in keys and (k != "rng/cuda" or pctx.device.type == "cuda") and \
-                    (k != "rng/reducer" or "generator" in red):
+            if (
+                f"{tag}/{k}" in keys
+                and (k != "rng/cuda" or pctx.device.type == "cuda")
+                and (k != "rng/reducer" or "generator" in red)
+            ):
                 sd[f"{tag}/{k}"] = torch.empty(keys[f"{tag}/{k}"].size, dtype=torch.uint8, device="cpu")
         for name in ef:
             if f"{tag}/ef/{name}" in keys:
                 sd[f"{tag}/ef/{name}"] = torch.empty_like(ef[name])
         n_hits = len(live_geo["hits"]) if live_geo is not None else 0
-        if geo is not None and f"{tag}/geo/hits" in keys and len(keys[f"{tag}/geo/hits"].size) == 1 and \
-                keys[f"{tag}/geo/hits"].size[0] == n_hits:
+        if (
+            geo is not None
+            and f"{tag}/geo/hits" in keys
+            and len(keys[f"{tag}/geo/hits"].size) == 1
+            and keys[f"{tag}/geo/hits"].size[0] == n_hits
+        ):
             sd[f"{tag}/geo/hits"] = torch.zeros(n_hits, dtype=torch.float64, device="cpu")
     geo_tp = f"tp{pctx.tp_rank}/geo/"
     same_tp = same_layout if same_tp is None else same_tp
@@ -375,8 +443,16 @@ def _load_request(path: str, layout: StateLayout, reducer, geo, same_layout: boo
             if f"{geo_tp}{name}/U" in keys:
                 sd[f"{geo_tp}{name}/U"] = torch.empty(keys[f"{geo_tp}{name}/U"].size, dtype=torch.float32, device="cpu")
                 sd[f"{geo_tp}{name}/d"] = torch.empty(keys[f"{geo_tp}{name}/d"].size, dtype=torch.float32, device="cpu")
-    return {"sd": sd, "copies": copies, "with_state": with_state, "ef": ef, "tag": tag, "geo_tp": geo_tp,
-            "residuals": red.get("residuals", {}), "live_geo": live_geo}
+    return {
+        "sd": sd,
+        "copies": copies,
+        "with_state": with_state,
+        "ef": ef,
+        "tag": tag,
+        "geo_tp": geo_tp,
+        "residuals": red.get("residuals", {}),
+        "live_geo": live_geo,
+    }
 
 
 def _apply_loaded(layout: StateLayout, reducer, geo, geo_meta: dict | None, same_layout: bool, log, req: dict) -> None:
@@ -411,8 +487,10 @@ def _apply_loaded(layout: StateLayout, reducer, geo, geo_meta: dict | None, same
             red["residuals"] = residuals
         reducer.load_state_dict(red)
         if ef and len(restored_ef) < len(ef):
-            log(f"checkpoint: error-feedback residuals of {len(ef) - len(restored_ef)} parameter(s) start at zero "
-                f"({'the DP x TP layout changed' if not same_layout else 'not in the checkpoint'})")
+            log(
+                f"checkpoint: error-feedback residuals of {len(ef) - len(restored_ef)} parameter(s) start at zero "
+                f"({'the DP x TP layout changed' if not same_layout else 'not in the checkpoint'})"
+            )
     if geo is not None:
         _restore_geo(geo, req["live_geo"], geo_meta, sd, req["geo_tp"], f"{tag}/geo/hits", log)
 
@@ -456,5 +534,7 @@ def _restore_geo(geo, live: dict, geo_meta: dict | None, sd: dict, geo_tp: str, 
         state["last_refresh"] = int(geo_meta["last_refresh"])
     geo.load_state_dict(state)
     if not loaded and geo_meta["last_refresh"] >= 0:
-        log("checkpoint: the TP size changed, so the GeoFP8 transforms restart from the identity until the next "
-            "scheduled refresh")
+        log(
+            "checkpoint: the TP size changed, so the GeoFP8 transforms restart from the identity until the next "
+            "scheduled refresh"
+        )

@@ -151,8 +151,11 @@ def verify_written(folder: Path, own: dict[str, int]) -> None:
     except FileNotFoundError:
         problems.append(FileProblem(DCP_METADATA, -1, 1))
     except (OSError, UnsafeCheckpointError) as e:
-        problems.append(FileProblem(DCP_METADATA, file_size(folder / DCP_METADATA), 1,
-                                    (getattr(e, "strerror", None) or str(e))[:120]))
+        problems.append(
+            FileProblem(
+                DCP_METADATA, file_size(folder / DCP_METADATA), 1, (getattr(e, "strerror", None) or str(e))[:120]
+            )
+        )
     else:
         problems += short_files(folder, required_sizes(metadata))
     if problems:

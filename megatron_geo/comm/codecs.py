@@ -43,7 +43,7 @@ _E2M1_SIGNED = _E2M1_GRID + tuple(-v for v in _E2M1_GRID)
 # Round-to-nearest boundaries: the midpoints between consecutive grid values, except that the
 # midpoints whose tie goes up to the even code (0.75, 1.75, 3.5) are replaced by the FP32 value just
 # below them (one FP32 ulp less: 2**-24, 2**-23, 2**-22).
-_E2M1_BOUNDS = (0.25, 0.75 - 2.0 ** -24, 1.25, 1.75 - 2.0 ** -23, 2.5, 3.5 - 2.0 ** -22, 5.0)
+_E2M1_BOUNDS = (0.25, 0.75 - 2.0**-24, 1.25, 1.75 - 2.0**-23, 2.5, 3.5 - 2.0**-22, 5.0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -158,8 +158,9 @@ def _fp8_bits(fmt: str) -> tuple[int, int, int, float, int]:
     return (126 + emin) << 23, 23 - mbits, (1 << mbits) - 1, 2.0 ** (emin - mbits), _FP8_SPECIAL[fmt]
 
 
-def fp8_encode(x: Tensor, scale: Tensor, fmt: str, rounding: str = "nearest",
-               generator: torch.Generator | None = None) -> Tensor:
+def fp8_encode(
+    x: Tensor, scale: Tensor, fmt: str, rounding: str = "nearest", generator: torch.Generator | None = None
+) -> Tensor:
     """Encode ``x / scale`` as FP8 codes.
 
     Args:
@@ -215,10 +216,10 @@ def fp8_codes(y: Tensor, fmt: str) -> Tensor:
     sign = (b >> 24) & 0x80
     a = b & 0x7FFFFFFF
     half = (1 << (shift - 1)) - 1
-    normal = ((a + half + ((a >> shift) & 1)) - bias) >> shift               # (exponent - bias diff, mantissa)
-    sub = torch.round(y.abs() * (1.0 / sub_step)).to(torch.int32)            # 0 .. 2**mbits (the smallest normal)
-    code = torch.where(a < bias + (1 << 23), sub, normal)                    # below 2**(1 - format bias): subnormal
-    code = torch.where(a > 0x7F800000, 0x7F, code)                           # NaN
+    normal = ((a + half + ((a >> shift) & 1)) - bias) >> shift  # (exponent - bias diff, mantissa)
+    sub = torch.round(y.abs() * (1.0 / sub_step)).to(torch.int32)  # 0 .. 2**mbits (the smallest normal)
+    code = torch.where(a < bias + (1 << 23), sub, normal)  # below 2**(1 - format bias): subnormal
+    code = torch.where(a > 0x7F800000, 0x7F, code)  # NaN
     return (code | sign).to(torch.uint8)
 
 
@@ -257,7 +258,7 @@ def fp8_values(codes: Tensor, fmt: str) -> Tensor:
     c = codes.to(torch.int32)
     mag = c & 0x7F
     bits = (mag << shift) + bias
-    bits = torch.where(mag >= special, bits | 0x7F800000, bits)          # inf / NaN
+    bits = torch.where(mag >= special, bits | 0x7F800000, bits)  # inf / NaN
     v = torch.where(mag <= sub_max, mag.float() * sub_step, bits.view(torch.float32))
     return torch.where((c & 0x80) != 0, -v, v)
 
@@ -274,8 +275,9 @@ def _global_rows(global_scale: Tensor, nblk: int) -> Tensor:
     try:
         return torch.broadcast_to(global_scale.float(), (nblk, 1))
     except RuntimeError as e:
-        raise ValueError(f"global_scale of shape {tuple(global_scale.shape)} is not broadcastable "
-                         f"to [nblk, 1] = [{nblk}, 1]") from e
+        raise ValueError(
+            f"global_scale of shape {tuple(global_scale.shape)} is not broadcastable to [nblk, 1] = [{nblk}, 1]"
+        ) from e
 
 
 def _e2m1_index(a: Tensor, rounding: str, generator: torch.Generator | None) -> Tensor:
@@ -314,11 +316,11 @@ def pack_nibbles(codes: Tensor) -> Tensor:
     if not _LITTLE_ENDIAN or not _compiling_on_cpu(codes):  # eager or GPU: the pairs directly
         pairs = codes.view(*codes.shape[:-1], codes.shape[-1] // 2, 2)
         return pairs[..., 0] | (pairs[..., 1] << 4)
-    v = codes.view(torch.int64)                                   # [..., n / 8], byte j = code j (< 16)
+    v = codes.view(torch.int64)  # [..., n / 8], byte j = code j (< 16)
     p = v & 0x0F
     for j in range(1, 8):  # code j (bits 8j..8j+3) -> bits 4j..4j+3
         p = p | ((v >> (4 * j)) & (0x0F << (4 * j)))
-    return p.to(torch.int32).view(torch.uint8)                     # the low 32 bits hold the 4 packed bytes
+    return p.to(torch.int32).view(torch.uint8)  # the low 32 bits hold the 4 packed bytes
 
 
 def unpack_nibbles(packed: Tensor) -> Tensor:
@@ -326,7 +328,7 @@ def unpack_nibbles(packed: Tensor) -> Tensor:
     low nibble first: the inverse of :func:`pack_nibbles`."""
     if not _LITTLE_ENDIAN or not _compiling_on_cpu(packed):  # eager or GPU: the two nibbles stacked
         return torch.stack((packed & 15, packed >> 4), dim=-1).view(*packed.shape[:-1], 2 * packed.shape[-1])
-    v = packed.view(torch.int32).to(torch.int64)                  # 4 packed bytes per word
+    v = packed.view(torch.int32).to(torch.int64)  # 4 packed bytes per word
     o = v & 0x0F
     for j in range(1, 8):  # nibble j (bits 4j..4j+3) -> byte j (bits 8j..8j+3)
         o = o | (((v >> (4 * j)) & 0x0F) << (8 * j))
@@ -351,14 +353,15 @@ def nvfp4_block_scales(block_amax: Tensor, global_scale: Tensor) -> tuple[Tensor
     s_units = block_amax / (_E2M1_MAX * global_scale)
     bad = ((block_amax - block_amax) != 0) | (s_units != s_units)  # amax inf or NaN, or NaN units
     s = torch.clamp(s_units, max=_E4M3_MAX).to(torch.float8_e4m3fn).float()
-    s = torch.where((s == 0) & (block_amax > 0), 2.0 ** -9, s)
+    s = torch.where((s == 0) & (block_amax > 0), 2.0**-9, s)
     s = torch.where(bad, math.nan, s)  # +NaN: the one NaN pattern 0x7F on every backend
     divisor = s * global_scale
     return s.to(torch.float8_e4m3fn).view(torch.uint8), s, torch.where(divisor == 0, 1.0, divisor)
 
 
-def nvfp4_element_codes(x: Tensor, divisor: Tensor, rounding: str = "nearest",
-                        generator: torch.Generator | None = None) -> Tensor:
+def nvfp4_element_codes(
+    x: Tensor, divisor: Tensor, rounding: str = "nearest", generator: torch.Generator | None = None
+) -> Tensor:
     """uint8 ``[nblk, 16]`` 4-bit E2M1 codes (sign bit 3 | magnitude index bits 0-2) of float32 ``x``
     ``[nblk, 16]`` divided by its block's ``divisor`` ``[nblk]`` (:func:`nvfp4_block_scales`), clamped to +-6.
 
@@ -370,8 +373,9 @@ def nvfp4_element_codes(x: Tensor, divisor: Tensor, rounding: str = "nearest",
     return codes.to(torch.uint8)
 
 
-def nvfp4_encode(x: Tensor, global_scale: Tensor, rounding: str = "nearest",
-                 generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+def nvfp4_encode(
+    x: Tensor, global_scale: Tensor, rounding: str = "nearest", generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor]:
     """Encode blocks of 16 FP32 values as NVFP4.
 
     Per block: ``s = block_amax / (6 * global)`` rounded to E4M3 (:func:`nvfp4_block_scales`), then elements
@@ -438,8 +442,10 @@ def nvfp4_decode(packed: Tensor, block_scale_codes: Tensor, global_scale: Tensor
     _check_u8(block_scale_codes, "block_scale_codes")
     half = NVFP4_BLOCK // 2
     if packed.dim() != 2 or packed.shape[1] != half or block_scale_codes.shape != packed.shape[:1]:
-        raise ValueError(f"expected packed [nblk, {half}] and block_scale_codes [nblk], got "
-                         f"{tuple(packed.shape)} and {tuple(block_scale_codes.shape)}")
+        raise ValueError(
+            f"expected packed [nblk, {half}] and block_scale_codes [nblk], got "
+            f"{tuple(packed.shape)} and {tuple(block_scale_codes.shape)}"
+        )
     nblk = packed.shape[0]
     g = _global_rows(global_scale, nblk)
     vals = e2m1_unpack(packed)

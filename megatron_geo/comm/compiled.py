@@ -17,7 +17,7 @@ backend divides exactly and does not contract, so CPU tests match with or withou
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -61,8 +61,8 @@ _EAGER_NUMERICS: dict[str, object] = {
     # keep every requested cast's rounding; on Triton also enable_fp_fusion=False: no FMA contraction
     "emulate_precision_casts": True,
     # FP32 x / y as IEEE division (Triton div_rn) instead of the approximate div.full
-    "eager_numerics.division_rounding": True,    # the name in newer torch
-    "emulate_divison_rounding": True,            # the same switch in older torch (spelled so there)
+    "eager_numerics.division_rounding": True,  # the name in newer torch
+    "emulate_divison_rounding": True,  # the same switch in older torch (spelled so there)
     # no flush of subnormals to zero in Triton's math library calls (eager CUDA keeps them)
     "eager_numerics.disable_ftz": True,
     # no fast-math variants even when TORCHINDUCTOR_USE_FAST_MATH=1 is set

@@ -133,23 +133,33 @@ class WireFormat:
         """
         if not self.scaled:
             scaled = ", ".join(f.name for f in FORMATS.values() if f.scaled)
-            for key, v, default in (("error_feedback", comm.error_feedback, False),
-                                    ("scale_sync", comm.scale_sync, "none"), ("rounding", comm.rounding, "nearest")):
+            for key, v, default in (
+                ("error_feedback", comm.error_feedback, False),
+                ("scale_sync", comm.scale_sync, "none"),
+                ("rounding", comm.rounding, "nearest"),
+            ):
                 if v != default:
-                    raise ConfigError(f"comm.{key}={str(v).lower()} needs a low-precision comm.dtype ({scaled}), got "
-                                      f"comm.dtype={self.name}; drop comm.{key} or change comm.dtype")
+                    raise ConfigError(
+                        f"comm.{key}={str(v).lower()} needs a low-precision comm.dtype ({scaled}), got "
+                        f"comm.dtype={self.name}; drop comm.{key} or change comm.dtype"
+                    )
         elif not self.block_scaling and comm.scaling != "tensor":
             why = f" ({self.fixed_scales})" if self.fixed_scales else ""
-            raise ConfigError(f"comm.scaling={comm.scaling} does not apply to comm.dtype={self.name}{why}; drop "
-                              f"comm.scaling or use an fp8 comm.dtype")
+            raise ConfigError(
+                f"comm.scaling={comm.scaling} does not apply to comm.dtype={self.name}{why}; drop "
+                f"comm.scaling or use an fp8 comm.dtype"
+            )
         if comm.reduce_op == "wire_sum" and not self.wire_sum:
             names = " or ".join(f.name for f in FORMATS.values() if f.wire_sum)
-            raise ConfigError(f"comm.reduce_op=wire_sum sums FP8 codes in the collective; it needs comm.dtype={names}, "
-                              f"got comm.dtype={self.name} (or use comm.reduce_op=fp32_sum)")
+            raise ConfigError(
+                f"comm.reduce_op=wire_sum sums FP8 codes in the collective; it needs comm.dtype={names}, "
+                f"got comm.dtype={self.name} (or use comm.reduce_op=fp32_sum)"
+            )
         if self.scaled and comm.scale_sync != "none" and not self.scale_sync:
             names = ", ".join(f.name for f in FORMATS.values() if f.scale_sync)
-            raise ConfigError(f"comm.scale_sync=max is supported for {names} only; use comm.scale_sync=none with "
-                              f"{self.name}")
+            raise ConfigError(
+                f"comm.scale_sync=max is supported for {names} only; use comm.scale_sync=none with {self.name}"
+            )
         if self.extra_check is not None:
             self.extra_check(comm)
 
@@ -208,9 +218,14 @@ def comm_view(settings: dict | None = None, **kw) -> SimpleNamespace:
 
 # -- the built-in formats -------------------------------------------------------------------------------------------
 
+
 def _cast(name: str, dtype: torch.dtype) -> WireFormat:
-    return WireFormat(name=name, make_wire=lambda comm, generator=None, compile=False: CastWire(dtype),
-                      bytes_per_element=lambda comm: float(dtype.itemsize), scaled=False)
+    return WireFormat(
+        name=name,
+        make_wire=lambda comm, generator=None, compile=False: CastWire(dtype),
+        bytes_per_element=lambda comm: float(dtype.itemsize),
+        scaled=False,
+    )
 
 
 def _fp8_alignment(comm) -> int:
@@ -224,23 +239,32 @@ def _fp8(name: str, underflow_below: float) -> WireFormat:
         make_wire=lambda comm, generator, compile: FP8Wire(name, comm.rounding, generator, compile),
         alignment=_fp8_alignment,
         bytes_per_element=lambda comm: 1.0 + (4.0 / comm.block_size if comm.scaling == "block" else 0.0),
-        block_scaling=True, scale_sync=True, wire_sum=True, fp8_max=fp8_max(name), underflow_below=underflow_below)
+        block_scaling=True,
+        scale_sync=True,
+        wire_sum=True,
+        fp8_max=fp8_max(name),
+        underflow_below=underflow_below,
+    )
 
 
 register_format(_cast("fp32", torch.float32))
 register_format(_cast("bf16", torch.bfloat16))
-register_format(_fp8("fp8_e4m3", 2.0 ** -10))
-register_format(_fp8("fp8_e5m2", 2.0 ** -17))
-register_format(WireFormat(
-    name="nvfp4",
-    make_wire=lambda comm, generator, compile: NVFP4Wire(comm.rounding, generator, compile),
-    alignment=lambda comm: NVFP4_BLOCK,
-    bytes_per_element=lambda comm: 0.5 + 1.0 / NVFP4_BLOCK,
-    granule=lambda comm: NVFP4_BLOCK,
-    fixed_scales="its scales are fixed: one E4M3 per 16 elements and one FP32 per parameter"))
+register_format(_fp8("fp8_e4m3", 2.0**-10))
+register_format(_fp8("fp8_e5m2", 2.0**-17))
+register_format(
+    WireFormat(
+        name="nvfp4",
+        make_wire=lambda comm, generator, compile: NVFP4Wire(comm.rounding, generator, compile),
+        alignment=lambda comm: NVFP4_BLOCK,
+        bytes_per_element=lambda comm: 0.5 + 1.0 / NVFP4_BLOCK,
+        granule=lambda comm: NVFP4_BLOCK,
+        fixed_scales="its scales are fixed: one E4M3 per 16 elements and one FP32 per parameter",
+    )
+)
 
 
 # -- reducers ---------------------------------------------------------------------------------------------------------
+
 
 def build_reducer(comm, dp_group, dp_size: int, dp_rank: int, seed: int = 0, device=None):
     """The reducer for a ``comm`` config section (or just a ``comm.dtype`` string).
@@ -265,9 +289,20 @@ def build_reducer(comm, dp_group, dp_size: int, dp_rank: int, seed: int = 0, dev
         r = CastReducer(dp_group, dp_size, dp_rank, torch.bfloat16)
         r.name = "bf16"
         return r
-    kw = {} if isinstance(comm, str) else dict(
-        scaling=comm.scaling, block_size=comm.block_size, rounding=comm.rounding,
-        error_feedback=comm.error_feedback, transform=comm.transform, hadamard_block=comm.hadamard_block,
-        scale_sync=comm.scale_sync, compile=comm.compile, reduce_op=comm.reduce_op,
-        wire_sum_prediv=comm.wire_sum_prediv)
+    kw = (
+        {}
+        if isinstance(comm, str)
+        else dict(
+            scaling=comm.scaling,
+            block_size=comm.block_size,
+            rounding=comm.rounding,
+            error_feedback=comm.error_feedback,
+            transform=comm.transform,
+            hadamard_block=comm.hadamard_block,
+            scale_sync=comm.scale_sync,
+            compile=comm.compile,
+            reduce_op=comm.reduce_op,
+            wire_sum_prediv=comm.wire_sum_prediv,
+        )
+    )
     return LowPrecisionReducer(dp_group, dp_size, dp_rank, dtype, seed=seed, device=device, **kw)

@@ -53,7 +53,7 @@ def hadamard_matrix(signs: Tensor) -> Tensor:
     h = torch.ones((1, 1), dtype=torch.float64, device="cpu")
     while h.shape[0] < b:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    m = signs.to(device="cpu", dtype=torch.float64).view(b, 1) * h * b ** -0.5
+    m = signs.to(device="cpu", dtype=torch.float64).view(b, 1) * h * b**-0.5
     return m.to(dtype=torch.float32, device=signs.device)
 
 
@@ -101,7 +101,7 @@ def block_hadamard(x: Tensor, signs: Tensor) -> Tensor:
         ValueError: ``x`` not 2-D, ``b`` not a power of two, or ``signs`` not ``[b]``.
     """
     b = _check(x, signs)
-    return _fwht((x * signs.to(x.dtype)).contiguous()).mul_(b ** -0.5)
+    return _fwht((x * signs.to(x.dtype)).contiguous()).mul_(b**-0.5)
 
 
 def block_hadamard_inverse(y: Tensor, signs: Tensor) -> Tensor:
@@ -111,4 +111,4 @@ def block_hadamard_inverse(y: Tensor, signs: Tensor) -> Tensor:
         ValueError: as :func:`block_hadamard`.
     """
     b = _check(y, signs)
-    return _fwht(y.clone(memory_format=torch.contiguous_format)).mul_(signs.to(y.dtype) * (b ** -0.5))
+    return _fwht(y.clone(memory_format=torch.contiguous_format)).mul_(signs.to(y.dtype) * (b**-0.5))

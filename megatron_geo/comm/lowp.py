@@ -60,24 +60,50 @@ class LowPrecisionReducer(Reducer):
 
     wire_dtype = torch.uint8
 
-    def __init__(self, dp_group, dp_size: int, dp_rank: int, fmt: str, scaling: str = "tensor",
-                 block_size: int = 128, rounding: str = "nearest", error_feedback: bool = False,
-                 transform: str = "none", hadamard_block: int = 128, scale_sync: str = "none", seed: int = 0,
-                 device=None, compile: str | bool = "auto", reduce_op: str = "fp32_sum", wire_sum_prediv: bool = True):
+    def __init__(
+        self,
+        dp_group,
+        dp_size: int,
+        dp_rank: int,
+        fmt: str,
+        scaling: str = "tensor",
+        block_size: int = 128,
+        rounding: str = "nearest",
+        error_feedback: bool = False,
+        transform: str = "none",
+        hadamard_block: int = 128,
+        scale_sync: str = "none",
+        seed: int = 0,
+        device=None,
+        compile: str | bool = "auto",
+        reduce_op: str = "fp32_sum",
+        wire_sum_prediv: bool = True,
+    ):
         super().__init__(dp_group, dp_size, dp_rank)
         wire_format = get_format(fmt)  # ValueError naming the registered formats
         if reduce_op not in REDUCE_OPS or (reduce_op == "wire_sum" and not wire_format.wire_sum):
-            raise ValueError(f"comm.reduce_op={reduce_op!r} with comm.dtype={fmt!r}: wire_sum needs fp8_e4m3 or "
-                             f"fp8_e5m2; otherwise use fp32_sum")
+            raise ValueError(
+                f"comm.reduce_op={reduce_op!r} with comm.dtype={fmt!r}: wire_sum needs fp8_e4m3 or "
+                f"fp8_e5m2; otherwise use fp32_sum"
+            )
         if wire_format.scaled and scale_sync != "none" and not wire_format.scale_sync:
             raise ValueError(f"comm.scale_sync=max is not supported for comm.dtype={fmt} (its block scales are data)")
         self.name, self.fmt, self.scaling, self.block_size = fmt, fmt, scaling, block_size
         self.rounding, self.error_feedback, self.transform_name = rounding, error_feedback, transform
         self.hadamard_block, self.scale_sync = hadamard_block, scale_sync
         self.reduce_op, self.wire_sum_prediv = reduce_op, wire_sum_prediv
-        self.comm = comm_view(dtype=fmt, scaling=scaling, block_size=block_size, rounding=rounding,
-                              error_feedback=error_feedback, transform=transform, hadamard_block=hadamard_block,
-                              scale_sync=scale_sync, reduce_op=reduce_op, wire_sum_prediv=wire_sum_prediv)
+        self.comm = comm_view(
+            dtype=fmt,
+            scaling=scaling,
+            block_size=block_size,
+            rounding=rounding,
+            error_feedback=error_feedback,
+            transform=transform,
+            hadamard_block=hadamard_block,
+            scale_sync=scale_sync,
+            reduce_op=reduce_op,
+            wire_sum_prediv=wire_sum_prediv,
+        )
         # comm.reduce_op=wire_sum on an NCCL with FP8 reductions: its own reduce-scatter; else the exact emulation
         self.native_wire_sum = reduce_op == "wire_sum" and C.supports_fp8_sum(dp_group)
         self.layouts: dict[int, ScaleLayout] = {}
@@ -113,8 +139,9 @@ class LowPrecisionReducer(Reducer):
         extents = [n if a == 1 or n == 0 else -(-n // a) * a for n in numels]
         # the block tables' granule: NVFP4 reads its buffer as 16-element blocks whatever the alignment (a
         # Hadamard rotation aligns parameters to 128, and the 128-multiples are whole 16-element blocks)
-        self.layouts[key] = build_scale_layout(offsets, extents, bounds, self.dp_size, scaling, self.block_size,
-                                               device, granule=layout_granule(self.comm))
+        self.layouts[key] = build_scale_layout(
+            offsets, extents, bounds, self.dp_size, scaling, self.block_size, device, granule=layout_granule(self.comm)
+        )
         self._registered[key] = (list(offsets), list(numels), device)
         self.transform.register_bucket(key, offsets, numels, bounds, device)
         if self.error_feedback:
@@ -130,8 +157,10 @@ class LowPrecisionReducer(Reducer):
         """
         a = self.alignment()
         if a % transform.alignment():
-            raise ValueError(f"transform {transform.name} needs {transform.alignment()}-element alignment; the "
-                             f"buckets were laid out for {a}")
+            raise ValueError(
+                f"transform {transform.name} needs {transform.alignment()}-element alignment; the "
+                f"buckets were laid out for {a}"
+            )
         for key, (offsets, numels, device) in self._registered.items():
             transform.register_bucket(key, offsets, numels, self.bounds[key], device)
         transform.track_residuals(self.residuals)
@@ -157,8 +186,9 @@ class LowPrecisionReducer(Reducer):
         """
         for key, t in sd.get("residuals", {}).items():
             if key not in self.residuals:
-                raise KeyError(f"bucket {key!r} has no error-feedback residual here (comm.error_feedback=false or "
-                               f"not registered)")
+                raise KeyError(
+                    f"bucket {key!r} has no error-feedback residual here (comm.error_feedback=false or not registered)"
+                )
             res = self.residuals[key]
             if t.numel() != res.numel():
                 raise ValueError(f"bucket {key!r}: residual of {t.numel()} elements, the bucket has {res.numel()}")
@@ -226,7 +256,7 @@ class LowPrecisionReducer(Reducer):
             works.append(C.all_to_all_single(recv_scales, scales, self.group, async_op=True))
             self.bytes_sent += (dp - 1) * scales.shape[1] * 4
         if shared is not None:  # every rank derived the same scales, so this range's are known locally
-            recv_scales = shared[r:r + 1].expand(dp, -1)
+            recv_scales = shared[r : r + 1].expand(dp, -1)
 
         def epilogue():
             for w in works:
@@ -234,7 +264,8 @@ class LowPrecisionReducer(Reducer):
             if keep_wire:  # all-reduce: the gather stage re-encodes the shard in wire coordinates and then
                 # overwrites all of buf (even chunks may cut GeoFP8 rows)
                 self._shard_in_wire_coords[key] = self.wire.decode_own(
-                    recvs, recv_scales, layout, r, torch.empty(own, dtype=torch.float32, device=buf.device))
+                    recvs, recv_scales, layout, r, torch.empty(own, dtype=torch.float32, device=buf.device)
+                )
                 return
             # the mean lands where the transform wants it (the bucket's own range, or a scratch to rotate back from)
             avg = self.wire.decode_own(recvs, recv_scales, layout, r, self.transform.decode_target(buf, lo, own))
@@ -261,15 +292,19 @@ class LowPrecisionReducer(Reducer):
         # bound hits: this rank's non-zero inputs that its codes flush to zero (counted before the collective,
         # which may reduce into ``send`` in place)
         if self.telemetry is not None:
-            self.telemetry.append((f"bound_hits/flushed/bucket{key}",
-                                   ((send.view(f8).float() == 0) & (x != 0)).sum().float(),
-                                   (x != 0).sum().float()))
+            self.telemetry.append(
+                (
+                    f"bound_hits/flushed/bucket{key}",
+                    ((send.view(f8).float() == 0) & (x != 0)).sum().float(),
+                    (x != 0).sum().float(),
+                )
+            )
         if self.native_wire_sum:
             if self._even(buf, key):
                 out = torch.empty(own, dtype=torch.uint8, device=buf.device)
                 work = C.reduce_scatter_into(out.view(f8), send.view(f8), self.group, async_op=True)
             else:  # whole-parameter owners: one reduce per range, in place
-                out = send[lo:lo + own]
+                out = send[lo : lo + own]
                 work = C.reduce_ranges(send.view(f8), bounds, self.group, async_op=True)
             self._count_sent(buf, key, torch.uint8)
         else:
@@ -285,13 +320,19 @@ class LowPrecisionReducer(Reducer):
             else:
                 total, saturated = ring_sum(out.view(dp, own), r, self.fmt)
             if self.telemetry is not None:
-                self.telemetry.append((f"bound_hits/saturated/bucket{key}", saturated.sum().float(),
-                                       torch.full((), float(max(own, 1)), device=buf.device)))
-            scale = shared[r]                                                                   # [K]
+                self.telemetry.append(
+                    (
+                        f"bound_hits/saturated/bucket{key}",
+                        saturated.sum().float(),
+                        torch.full((), float(max(own, 1)), device=buf.device),
+                    )
+                )
+            scale = shared[r]  # [K]
             if keep_wire:  # all-reduce: gather the summed codes as they are, with the shared scale s itself
                 # (the gather's decode then divides by N, as below; s / N may be an FP32 subnormal)
                 self._shard_in_wire_coords[key] = torch.cat(
-                    [total.view(1, -1), scale.view(1, -1).view(torch.uint8)], dim=1)
+                    [total.view(1, -1), scale.view(1, -1).view(torch.uint8)], dim=1
+                )
                 return
             g = layout.granule
             avg = ring_mean(self.wire.decode(total.view(-1, g), layout.row_block_values(scale, r)), dp)

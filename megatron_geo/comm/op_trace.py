@@ -18,15 +18,47 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 # views and metadata ops launch no kernel: not counted as work
-_VIEWS = {"aten::view", "aten::slice", "aten::select", "aten::alias", "aten::as_strided", "aten::_reshape_alias",
-          "aten::expand", "aten::t", "aten::transpose", "aten::unsqueeze", "aten::squeeze", "aten::detach",
-          "aten::reshape", "aten::permute", "aten::_unsafe_view", "aten::unbind", "aten::split", "aten::chunk",
-          "aten::narrow", "aten::view_as", "aten::numpy_T", "aten::expand_as", "aten::unflatten", "aten::flatten"}
+_VIEWS = {
+    "aten::view",
+    "aten::slice",
+    "aten::select",
+    "aten::alias",
+    "aten::as_strided",
+    "aten::_reshape_alias",
+    "aten::expand",
+    "aten::t",
+    "aten::transpose",
+    "aten::unsqueeze",
+    "aten::squeeze",
+    "aten::detach",
+    "aten::reshape",
+    "aten::permute",
+    "aten::_unsafe_view",
+    "aten::unbind",
+    "aten::split",
+    "aten::chunk",
+    "aten::narrow",
+    "aten::view_as",
+    "aten::numpy_T",
+    "aten::expand_as",
+    "aten::unflatten",
+    "aten::flatten",
+}
 # allocations touch no memory: no traffic
 _ALLOC = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided"}
-_SYNC = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique_dim",
-         "aten::_unique2", "aten::unique_consecutive", "aten::equal", "aten::is_nonzero", "aten::item",
-         "aten::lift_fresh", "aten::masked_scatter"}
+_SYNC = {
+    "aten::_local_scalar_dense",
+    "aten::nonzero",
+    "aten::masked_select",
+    "aten::unique_dim",
+    "aten::_unique2",
+    "aten::unique_consecutive",
+    "aten::equal",
+    "aten::is_nonzero",
+    "aten::item",
+    "aten::lift_fresh",
+    "aten::masked_scatter",
+}
 
 
 class OpRecorder(TorchDispatchMode):
@@ -56,6 +88,7 @@ class OpRecorder(TorchDispatchMode):
         distinct tensor arguments and results, each once (what a one-pass compiled graph of ``fn`` reads and
         writes). Ops outside such regions count there as they do in ``traffic_bytes``; ``ops``, ``bad`` and
         ``traffic_bytes`` still see every op inside."""
+
         def wrapper(*args, **kwargs):
             self._fused_depth += 1
             try:
@@ -65,17 +98,20 @@ class OpRecorder(TorchDispatchMode):
             if self._fused_depth == 0:
                 self.fused_traffic_bytes += _distinct_bytes(tree_flatten((args, kwargs, out))[0])
             return out
+
         return wrapper
 
     def collective(self, fn):
         """``fn`` wrapped so that its ops are left out of ``fused_traffic_bytes``: the data movement of a collective
         emulated with aten ops (the fake backend's loopback), not codec work."""
+
         def wrapper(*args, **kwargs):
             before = self.fused_traffic_bytes
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.fused_traffic_bytes = before
+
         return wrapper
 
     def mark(self, label: str) -> None:
@@ -102,11 +138,16 @@ class OpRecorder(TorchDispatchMode):
             self.events.append((kind, name if kind != "sync" else f"{name} at {_call_site()}", _in_backward()))
         if name in _SYNC:
             self.bad.append(name)
-        elif name == "aten::repeat_interleave" and isinstance(args[1] if len(args) > 1 else None, torch.Tensor) \
-                and kwargs.get("output_size") is None and (len(args) < 4 or args[3] is None):
+        elif (
+            name == "aten::repeat_interleave"
+            and isinstance(args[1] if len(args) > 1 else None, torch.Tensor)
+            and kwargs.get("output_size") is None
+            and (len(args) < 4 or args[3] is None)
+        ):
             self.bad.append("repeat_interleave without output_size")
         elif name in ("aten::index", "aten::index_put", "aten::index_put_") and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or [])):
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or [])
+        ):
             self.bad.append(f"{name} with a boolean mask")
         out = func(*args, **kwargs)
         if name not in _VIEWS and name not in _ALLOC and not name.startswith("c10d::"):

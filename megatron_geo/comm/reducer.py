@@ -112,8 +112,9 @@ class Reducer:
             ValueError: a residual's size differs from the registered bucket's.
         """
         if sd.get("residuals"):
-            raise KeyError(f"{self.name} reducer keeps no error-feedback residuals; got buckets "
-                           f"{sorted(sd['residuals'])}")
+            raise KeyError(
+                f"{self.name} reducer keeps no error-feedback residuals; got buckets {sorted(sd['residuals'])}"
+            )
 
     # -- accounting -------------------------------------------------------------------------------
     def _count(self, chunk_numel: int, dtype: torch.dtype) -> None:
@@ -135,7 +136,7 @@ class Reducer:
     def _chunk(self, buf: torch.Tensor, key=None) -> torch.Tensor:
         """This rank's range of ``buf``."""
         b = self._bounds(buf, key)
-        return buf[b[self.dp_rank]:b[self.dp_rank + 1]]
+        return buf[b[self.dp_rank] : b[self.dp_rank + 1]]
 
     def _even(self, buf: torch.Tensor, key) -> bool:
         b = self._bounds(buf, key)
@@ -146,8 +147,10 @@ class Reducer:
             raise ValueError(f"reducer expects a flat float32 buffer, got {buf.dtype} {tuple(buf.shape)}")
         b = self.bounds.get(key)
         if b is None and buf.numel() % self.dp_size:
-            raise ValueError(f"reducer expects a flat float32 buffer of dp_size x chunk elements, got "
-                             f"{buf.dtype} {tuple(buf.shape)} with dp_size={self.dp_size}")
+            raise ValueError(
+                f"reducer expects a flat float32 buffer of dp_size x chunk elements, got "
+                f"{buf.dtype} {tuple(buf.shape)} with dp_size={self.dp_size}"
+            )
         if b is not None and b[-1] != buf.numel():
             raise ValueError(f"bucket {key!r} was registered with {b[-1]} elements but the buffer has {buf.numel()}")
 
@@ -160,8 +163,9 @@ class Reducer:
         if isinstance(bounds, int):
             bounds = [r * bounds for r in range(self.dp_size + 1)]
         if len(bounds) != self.dp_size + 1 or bounds[0] != 0 or any(a > b for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(f"bucket {key}: bounds {bounds[:4]}... must be {self.dp_size + 1} non-decreasing "
-                             f"offsets starting at 0")
+            raise ValueError(
+                f"bucket {key}: bounds {bounds[:4]}... must be {self.dp_size + 1} non-decreasing offsets starting at 0"
+            )
         self.bounds[key] = list(bounds)
 
     def alignment(self) -> int:

@@ -37,8 +37,15 @@ from .formats import FORMATS, comm_view, get_format
 from .hadamard import exact_fp32, hadamard_matrix, hadamard_signs
 from .scale_layout import ScaleLayout, build_scale_layout
 
-CODEC_DEFAULTS = {"dtype": "fp32", "scaling": "tensor", "block_size": 128, "transform": "none",
-                  "hadamard_block": 128, "rounding": "nearest", "seed": 0}
+CODEC_DEFAULTS = {
+    "dtype": "fp32",
+    "scaling": "tensor",
+    "block_size": 128,
+    "transform": "none",
+    "hadamard_block": 128,
+    "rounding": "nearest",
+    "seed": 0,
+}
 
 
 def is_pow2(v: int) -> bool:
@@ -59,9 +66,12 @@ def normalize_codec(codec: dict | str) -> dict:
     if unknown:
         raise ValueError(f"unknown codec keys {sorted(unknown)}; valid keys: {sorted(CODEC_DEFAULTS)}")
     c = {**CODEC_DEFAULTS, **codec}
-    for key, choices in (("dtype", tuple(FORMATS)), ("scaling", ("tensor", "block")),
-                         ("transform", ("none", "hadamard")),
-                         ("rounding", ("nearest", "stochastic"))):
+    for key, choices in (
+        ("dtype", tuple(FORMATS)),
+        ("scaling", ("tensor", "block")),
+        ("transform", ("none", "hadamard")),
+        ("rounding", ("nearest", "stochastic")),
+    ):
         if c[key] not in choices:
             raise ValueError(f"codec {key}={c[key]!r} is not supported; choose one of {', '.join(choices)}")
     c["block_size"], c["hadamard_block"], c["seed"] = int(c["block_size"]), int(c["hadamard_block"]), int(c["seed"])
@@ -85,8 +95,9 @@ def parse_codec(spec: str) -> dict:
     for p in parts[1:]:
         m = re.fullmatch(r"(tensor|block|hadamard|stochastic|nearest|seed)(\d*)", p)
         if not m:
-            raise ValueError(f"codec spec {spec!r}: unknown part {p!r} (use tensor, blockN, hadamardN, "
-                             f"stochastic, nearest, seedN)")
+            raise ValueError(
+                f"codec spec {spec!r}: unknown part {p!r} (use tensor, blockN, hadamardN, stochastic, nearest, seedN)"
+            )
         word, num = m.groups()
         if word == "tensor":
             c["scaling"] = "tensor"
@@ -198,8 +209,9 @@ def tensor_layout(c: dict, numel: int, device) -> ScaleLayout:
     """
     fmt = get_format(c["dtype"])
     comm = comm_view(c, transform="none")
-    return _one_parameter_layout(numel, fmt.layout_scaling(comm), int(c["block_size"]), tensor_granule(c, numel),
-                                 str(torch.device(device)))
+    return _one_parameter_layout(
+        numel, fmt.layout_scaling(comm), int(c["block_size"]), tensor_granule(c, numel), str(torch.device(device))
+    )
 
 
 def tensor_wire(c: dict, rank: int, device):

@@ -83,8 +83,7 @@ class ScaleLayout:
         """Max per segment of range ``r`` alone, float32 ``[K]`` (empty segments 0), from the per-block amax
         of that range ``[blocks of r]``."""
         out = torch.zeros(self.K, dtype=torch.float32, device=block_amax.device)
-        return out.scatter_reduce_(0, self.block_seg[self.row_blocks(r)], block_amax, reduce="amax",
-                                   include_self=True)
+        return out.scatter_reduce_(0, self.block_seg[self.row_blocks(r)], block_amax, reduce="amax", include_self=True)
 
     def segment_values(self, group_values: torch.Tensor) -> torch.Tensor:
         """``[dp, K]`` per-segment values (e.g. scales) from per-group values; padded segments get 1."""
@@ -101,8 +100,9 @@ class ScaleLayout:
         return seg_vals.index_select(-1, self.block_seg[self.row_blocks(r)])
 
 
-def build_scale_layout(offsets: list[int], numels: list[int], bounds, dp_size: int, scaling: str,
-                       block_size: int, device, granule: int = 1) -> ScaleLayout:
+def build_scale_layout(
+    offsets: list[int], numels: list[int], bounds, dp_size: int, scaling: str, block_size: int, device, granule: int = 1
+) -> ScaleLayout:
     """Segment and block tables for a bucket whose parameter i occupies ``[offsets[i], offsets[i] + numels[i])``
     (``numels[i]`` may include the alignment padding after it: its scale group then covers that padding).
 
@@ -128,8 +128,9 @@ def build_scale_layout(offsets: list[int], numels: list[int], bounds, dp_size: i
         k = max(1, max(sizes) // block_size)
         n_blocks = bounds[-1] // block_size
         pad_group = n_blocks
-        rows = [[(block_size, bounds[r] // block_size + j) for j in range(sizes[r] // block_size)]
-                for r in range(dp_size)]
+        rows = [
+            [(block_size, bounds[r] // block_size + j) for j in range(sizes[r] // block_size)] for r in range(dp_size)
+        ]
     elif scaling == "tensor":
         pad_group = len(numels)
         rows = []
@@ -150,9 +151,11 @@ def build_scale_layout(offsets: list[int], numels: list[int], bounds, dp_size: i
             rows.append(row)
         bad = [(r, n) for r, row in enumerate(rows) for n, _ in row if n % granule]
         if bad:
-            raise ValueError(f"range {bad[0][0]} has a scale segment of {bad[0][1]} elements, not a multiple of "
-                             f"the codec granule {granule}: parameter offsets, extents and rank ranges must be "
-                             f"aligned to the reducer's alignment() (plan the bucket with align={granule})")
+            raise ValueError(
+                f"range {bad[0][0]} has a scale segment of {bad[0][1]} elements, not a multiple of "
+                f"the codec granule {granule}: parameter offsets, extents and rank ranges must be "
+                f"aligned to the reducer's alignment() (plan the bucket with align={granule})"
+            )
         k = max(1, max(len(r) for r in rows))
     else:
         raise ValueError(f"comm.scaling={scaling!r} is not supported; choose tensor or block")
@@ -160,14 +163,24 @@ def build_scale_layout(offsets: list[int], numels: list[int], bounds, dp_size: i
     groups = torch.full((dp_size, k), pad_group, dtype=torch.int64, device="cpu")
     for r, row in enumerate(rows):
         if row:
-            lengths[r, :len(row)] = torch.tensor([n for n, _ in row], device="cpu")
-            groups[r, :len(row)] = torch.tensor([g for _, g in row], device="cpu")
-    nblk = (lengths // granule).reshape(-1)                              # blocks per segment
-    total = sum(n // granule for row in rows for n, _ in row)            # known on the host: no data-dependent shape
+            lengths[r, : len(row)] = torch.tensor([n for n, _ in row], device="cpu")
+            groups[r, : len(row)] = torch.tensor([g for _, g in row], device="cpu")
+    nblk = (lengths // granule).reshape(-1)  # blocks per segment
+    total = sum(n // granule for row in rows for n, _ in row)  # known on the host: no data-dependent shape
     block_group = groups.reshape(-1).repeat_interleave(nblk, output_size=total)
     block_seg = torch.arange(k, device="cpu").expand(dp_size, k).reshape(-1).repeat_interleave(nblk, output_size=total)
     block_flat = torch.arange(dp_size * k, device="cpu").repeat_interleave(nblk, output_size=total)
     block_bounds = [b // granule for b in bounds]
-    return ScaleLayout(lengths.to(device), groups.to(device), pad_group + 1, chunk,
-                       block_size if scaling == "block" else None, sizes, granule, block_group.to(device),
-                       block_seg.to(device), block_flat.to(device), block_bounds)
+    return ScaleLayout(
+        lengths.to(device),
+        groups.to(device),
+        pad_group + 1,
+        chunk,
+        block_size if scaling == "block" else None,
+        sizes,
+        granule,
+        block_group.to(device),
+        block_seg.to(device),
+        block_flat.to(device),
+        block_bounds,
+    )

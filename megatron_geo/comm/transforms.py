@@ -87,10 +87,10 @@ class IdentityTransform:
         return y
 
     def decode_target(self, buf, start, n):
-        return buf[start:start + n]
+        return buf[start : start + n]
 
     def write_back(self, buf, start, y, key) -> None:
-        dest = buf[start:start + y.numel()]
+        dest = buf[start : start + y.numel()]
         if not _same_memory(dest, y):
             dest.copy_(y)
 
@@ -159,7 +159,7 @@ class HadamardTransform:
     def write_back(self, buf, start, y, key) -> None:
         """The inverse rotation writes straight into ``buf``'s range."""
         b = self.block
-        dest = buf[start:start + y.numel()]
+        dest = buf[start : start + y.numel()]
         with exact_fp32():
             torch.mm(y.view(-1, b), self.rotation_t, out=dest.view(-1, b))
 

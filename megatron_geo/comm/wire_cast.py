@@ -48,5 +48,5 @@ class CastWire:
     def saturated(self, x: Tensor, payload: Tensor, layout: ScaleLayout) -> Tensor:
         """bool ``[numel]``: finite elements of ``x`` that the cast in the :meth:`encode_chunk` payload ``[1, bytes]``
         turned into +-inf (bf16 overflow; never for fp32)."""
-        wire = payload.view(self.dtype).reshape(-1)[:x.numel()]
+        wire = payload.view(self.dtype).reshape(-1)[: x.numel()]
         return torch.isinf(wire) & torch.isfinite(x)

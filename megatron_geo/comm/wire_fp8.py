@@ -31,6 +31,7 @@ def _encoder(fmt: str):
     def encode(x: Tensor, scale: Tensor) -> Tensor:
         """uint8 codes ``[nb, granule]`` of float32 ``x`` ``[nb, granule]`` with one scale per row ``[nb]``."""
         return fp8_encode(x, scale.unsqueeze(1), fmt)
+
     return encode
 
 
@@ -40,6 +41,7 @@ def _encoder_ef(fmt: str):
         codes = fp8_encode(x, scale.unsqueeze(1), fmt)
         residual.copy_(x - fp8_decode(codes, scale.unsqueeze(1), fmt))
         return codes
+
     return encode_ef
 
 
@@ -50,6 +52,7 @@ def _decoder_sum(fmt: str):
         once). ``out`` may be the bucket's own range: a compiled graph writes there directly."""
         dp = codes.shape[0]
         return out.copy_(fp8_decode(codes, scale.unsqueeze(2), fmt).sum(dim=0).div_(dp).view(-1))
+
     return decode_sum
 
 
@@ -57,6 +60,7 @@ def _decoder(fmt: str):
     def decode(codes: Tensor, scale: Tensor) -> Tensor:
         """float32 ``[nb * granule]`` of ``codes`` ``[nb, granule]`` with one scale per row ``[nb]``."""
         return fp8_decode(codes, scale.unsqueeze(1), fmt).view(-1)
+
     return decode
 
 
@@ -107,7 +111,7 @@ class FP8Wire:
         amax = layout.group_amax(self.amax(x2))
         if sync_amax is not None:
             amax = sync_amax(amax)
-        seg = layout.segment_values(self.scales(amax))                                     # [dp, K]
+        seg = layout.segment_values(self.scales(amax))  # [dp, K]
         codes = self._encode(x2, layout.block_values(seg), None if residual is None else residual.view(-1, g))
         codes = [(codes.view(-1), list(layout.sizes))]
         if sync_amax is not None:
@@ -134,7 +138,7 @@ class FP8Wire:
         followed by its own per-segment scales ``[K]`` (amax of this range alone)."""
         g = layout.granule
         x2 = x.view(-1, g)
-        seg = self.scales(layout.row_segment_amax(self.amax(x2), r))                       # [K]
+        seg = self.scales(layout.row_segment_amax(self.amax(x2), r))  # [K]
         codes = self._encode(x2, layout.row_block_values(seg, r), None)
         return torch.cat([codes.view(1, -1), seg.view(1, -1).view(torch.uint8)], dim=1)
 
@@ -147,5 +151,5 @@ class FP8Wire:
     def saturated(self, x: Tensor, payload: Tensor, layout: ScaleLayout) -> Tensor:
         """bool ``[numel]``: the elements whose code in the :meth:`encode_chunk` payload ``[1, bytes]`` of ``x``
         ``[numel]`` is +-fp8_max (clipped, or rounded onto the top of the range)."""
-        codes = payload[0, :x.numel()]
+        codes = payload[0, : x.numel()]
         return codes.view(FP8_FORMATS[self.fmt]).float().abs() == fp8_max(self.fmt)

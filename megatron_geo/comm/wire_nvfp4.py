@@ -18,8 +18,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .codecs import (NVFP4_BLOCK, _e2m1_values, nvfp4_block_scales, nvfp4_decode, nvfp4_element_codes,
-                     nvfp4_encode, nvfp4_global_scale, pack_nibbles, unpack_nibbles)
+from .codecs import (
+    NVFP4_BLOCK,
+    _e2m1_values,
+    nvfp4_block_scales,
+    nvfp4_decode,
+    nvfp4_element_codes,
+    nvfp4_encode,
+    nvfp4_global_scale,
+    pack_nibbles,
+    unpack_nibbles,
+)
 from .compiled import maybe_compile
 from .scale_layout import ScaleLayout
 from .wire_fp8 import block_amax
@@ -98,10 +107,11 @@ class NVFP4Wire:
         shared scales: ``sync_amax`` must be None). Two payloads travel: packed codes and block scale codes."""
         assert sync_amax is None, "comm.scale_sync=max is fp8 only"
         x2 = x.view(-1, NVFP4_BLOCK)
-        bamax = self.amax(x2)                                                               # [nb]
-        seg = layout.segment_values(nvfp4_global_scale(layout.group_amax(bamax)))           # [dp, K]
-        packed, bscale = self._encode(x2, bamax, layout.block_values(seg),
-                                      None if residual is None else residual.view(-1, NVFP4_BLOCK))
+        bamax = self.amax(x2)  # [nb]
+        seg = layout.segment_values(nvfp4_global_scale(layout.group_amax(bamax)))  # [dp, K]
+        packed, bscale = self._encode(
+            x2, bamax, layout.block_values(seg), None if residual is None else residual.view(-1, NVFP4_BLOCK)
+        )
         sizes = layout.sizes
         codes = [(packed.view(-1), [n // 2 for n in sizes]), (bscale.view(-1), [n // NVFP4_BLOCK for n in sizes])]
         return codes, seg.contiguous(), None
@@ -118,7 +128,7 @@ class NVFP4Wire:
         """``out`` (FP32 ``[own]``, returned) <- the mean over sources of range ``r`` (packed codes ``recv[0]``, block
         scales ``recv[1]``, every source's global scales ``scales`` ``[dp, K]``)."""
         dp = scales.shape[0]
-        g = layout.row_block_values(scales, r)                                            # [dp, nb]
+        g = layout.row_block_values(scales, r)  # [dp, nb]
         if recv[0].device.type != "cpu":
             return self.sum_packed(recv[0].view(dp, -1, NVFP4_BLOCK // 2), recv[1].view(dp, -1), g, out)
         codes = self.unpack(recv[0]).view(dp, -1, NVFP4_BLOCK)
@@ -129,7 +139,7 @@ class NVFP4Wire:
         per-segment global scales ``[K]`` (amax of this range alone)."""
         x2 = x.view(-1, NVFP4_BLOCK)
         bamax = self.amax(x2)
-        seg = nvfp4_global_scale(layout.row_segment_amax(bamax, r))                       # [K]
+        seg = nvfp4_global_scale(layout.row_segment_amax(bamax, r))  # [K]
         packed, bscale = self._encode(x2, bamax, layout.row_block_values(seg, r), None)
         return torch.cat([packed.view(1, -1), bscale.view(1, -1), seg.view(1, -1).view(torch.uint8)], dim=1)
 
@@ -138,12 +148,12 @@ class NVFP4Wire:
         c = layout.chunk
         nb = c // NVFP4_BLOCK
         packed = out[:, : c // 2].reshape(-1, NVFP4_BLOCK // 2)
-        bscale = out[:, c // 2: c // 2 + nb].reshape(-1)
-        seg = out[:, c // 2 + nb:].clone(memory_format=torch.contiguous_format).view(torch.float32)  # [dp, K]
+        bscale = out[:, c // 2 : c // 2 + nb].reshape(-1)
+        seg = out[:, c // 2 + nb :].clone(memory_format=torch.contiguous_format).view(torch.float32)  # [dp, K]
         return self.decode(packed, bscale, layout.block_values(seg))
 
     def saturated(self, x: Tensor, payload: Tensor, layout: ScaleLayout) -> Tensor:
         """bool ``[numel]``: the elements whose E2M1 code in the :meth:`encode_chunk` payload ``[1, bytes]`` of ``x``
         ``[numel]`` is the top magnitude 6.0 (times its block scale)."""
-        packed = payload[0, :x.numel() // 2]
+        packed = payload[0, : x.numel() // 2]
         return torch.stack([packed & 7, (packed >> 4) & 7], dim=-1).view(-1) == _E2M1_TOP

@@ -112,7 +112,7 @@ def simulate_wire_sum(rank_grads: list[Tensor], fmt: str, prediv: bool = True) -
     if not rank_grads or any(g.shape != rank_grads[0].shape for g in rank_grads):
         raise ValueError("simulate_wire_sum needs one or more gradients of one shape")
     n = len(rank_grads)
-    x = torch.stack([g.detach().float().reshape(-1) for g in rank_grads])            # [N, numel]
+    x = torch.stack([g.detach().float().reshape(-1) for g in rank_grads])  # [N, numel]
     scale = wire_sum_scale(x.abs().amax(), fmt, n, prediv)
     codes = fp8_encode(x, scale, fmt)
     flushed = ((codes.view(FP8_FORMATS[fmt]).float() == 0) & (x != 0)).sum() / x.numel()

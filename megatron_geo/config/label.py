@@ -30,9 +30,16 @@ PRESET_DIR = "comm"  # a YAML file in a folder of this name is a comm preset (co
 # comm keys that say how the run executes or reports, not what travels on the wire: not part of the label
 NOT_LABELLED = ("label", "compile", "telemetry_interval")
 # geo keys shown inside geo(...) when they differ from the defaults (rank, power and select have their own forms)
-_GEO_SHORT = {"layers": "layers", "num_layers": "n", "profile_steps": "profile", "damping": "damp",
-              "refresh_interval": "refresh", "ef_on_refresh": "ef_refresh", "statistics": "stats",
-              "sketch_size": "sketch"}
+_GEO_SHORT = {
+    "layers": "layers",
+    "num_layers": "n",
+    "profile_steps": "profile",
+    "damping": "damp",
+    "refresh_interval": "refresh",
+    "ef_on_refresh": "ef_refresh",
+    "statistics": "stats",
+    "sketch_size": "sketch",
+}
 
 
 def preset_name(path: str | Path) -> str | None:
@@ -101,8 +108,9 @@ def reset_comm_sections(cfg: Config) -> None:
     cfg.comm, cfg.geo = CommConfig(), GeoConfig()
 
 
-def resolve_label(cfg: Config, explicit: str | None, file_label: tuple[str, dict] | None,
-                  presets: list[tuple[str, Config]]) -> str:
+def resolve_label(
+    cfg: Config, explicit: str | None, file_label: tuple[str, dict] | None, presets: list[tuple[str, Config]]
+) -> str:
     """The label of ``cfg`` by the rules of the module docstring.
 
     Args:

@@ -17,9 +17,9 @@ Errors are :class:`ConfigError` with a message that names the offending file/key
 from __future__ import annotations
 
 import dataclasses
-import functools
 import decimal
 import difflib
+import functools
 import os
 import re
 import typing
@@ -44,7 +44,11 @@ def _suggest(name: str, options, prefix: str = "") -> str:
     return f" Did you mean '{prefix}{close[0]}'?" if close else f" Valid keys: {', '.join(sorted(options))}."
 
 
-_LIST_KEYS = ("geo.layers", "geo.power_search", "checkpoint.allow_changes")  # comma-separated strings that may be written as YAML lists
+_LIST_KEYS = (
+    "geo.layers",
+    "geo.power_search",
+    "checkpoint.allow_changes",
+)  # comma-separated strings that may be written as YAML lists
 _AUTO_BOOL_KEYS = ("parallel.overlap_param_gather", "comm.compile")  # str keys whose values are auto, true or false
 
 
@@ -155,8 +159,10 @@ def expand_path(value: str, key: str) -> str:
     for m in _VAR.finditer(home):
         name = m.group(1).strip("{}")
         if name not in os.environ:
-            raise ConfigError(f"{key}={value!r}: the environment variable {name!r} is not set; set it (export "
-                              f"{name or 'NAME'}=...) or write the path out")
+            raise ConfigError(
+                f"{key}={value!r}: the environment variable {name!r} is not set; set it (export "
+                f"{name or 'NAME'}=...) or write the path out"
+            )
     return os.path.expandvars(home)
 
 
@@ -213,7 +219,9 @@ def _presets(preset: tuple[str, str] | None) -> list[tuple[str, Config]]:
     folder = Path(preset[1]).parent if preset is not None else _PRESET_FOLDER
     paths = [Path(preset[1])] if preset is not None else []
     if folder.is_dir():
-        paths += [p for p in sorted(folder.glob("*.yaml")) if preset is None or p.resolve() != Path(preset[1]).resolve()]
+        paths += [
+            p for p in sorted(folder.glob("*.yaml")) if preset is None or p.resolve() != Path(preset[1]).resolve()
+        ]
     out = []
     for p in paths:
         try:
@@ -242,9 +250,11 @@ def _build(files, overrides):
         name = preset_name(path)
         if name is not None:
             if preset is not None:
-                raise ConfigError(f"config files '{preset[1]}' and '{f}' are both comm presets; a preset sets the "
-                                  f"whole comm and geo sections, so pass one and change keys with overrides "
-                                  f"(e.g. comm.error_feedback=true)")
+                raise ConfigError(
+                    f"config files '{preset[1]}' and '{f}' are both comm presets; a preset sets the "
+                    f"whole comm and geo sections, so pass one and change keys with overrides "
+                    f"(e.g. comm.error_feedback=true)"
+                )
             preset = (name, f)
             reset_comm_sections(cfg)  # a preset replaces comm and geo (never a silent merge with earlier files)
         try:
@@ -253,8 +263,10 @@ def _build(files, overrides):
         except yaml.YAMLError as e:
             raise ConfigError(f"config file '{f}' is not valid YAML: {e}") from None
         except UnicodeDecodeError as e:
-            raise ConfigError(f"config file '{f}' is not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); "
-                              f"save it as UTF-8 (e.g. iconv -f UTF-16 -t UTF-8)") from None
+            raise ConfigError(
+                f"config file '{f}' is not UTF-8 text (byte {e.start}: {e.object[e.start : e.start + 1]!r}); "
+                f"save it as UTF-8 (e.g. iconv -f UTF-16 -t UTF-8)"
+            ) from None
         data = {} if data is None else data
         if not isinstance(data, dict):
             raise ConfigError(f"config file '{f}': top level must be a mapping of sections, got {type(data).__name__}")
@@ -262,9 +274,11 @@ def _build(files, overrides):
         # a model config after a preset would silently replace part of it (an overlay of comm/geo keys alone is
         # a deliberate change and allowed)
         if preset is not None and name is None and "model" in data and ({"comm", "geo"} & set(data)):
-            raise ConfigError(f"model config '{f}' sets {'/'.join(sorted({'comm', 'geo'} & set(data)))} keys after the "
-                              f"comm preset '{preset[1]}', which would silently replace part of it; pass the preset "
-                              f"last (--config MODEL.yaml --config {preset[1]}) or change keys with overrides")
+            raise ConfigError(
+                f"model config '{f}' sets {'/'.join(sorted({'comm', 'geo'} & set(data)))} keys after the "
+                f"comm preset '{preset[1]}', which would silently replace part of it; pass the preset "
+                f"last (--config MODEL.yaml --config {preset[1]}) or change keys with overrides"
+            )
         for section, body in data.items():
             if body is None:  # `train:` with every key commented out
                 continue

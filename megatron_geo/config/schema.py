@@ -114,18 +114,18 @@ class DataConfig:
 class CommConfig:
     """Gradient-reduction wire format and its options (docs/configuration.md, ``comm``; orthogonal keys)."""
 
-    dtype: str = "fp32"            # a format registered in comm/formats.py: fp32, bf16, fp8_e4m3, fp8_e5m2, nvfp4
-    scaling: str = "tensor"        # tensor (one FP32 scale per parameter) | block (one per block_size elements)
-    block_size: int = 128          # elements per scale with scaling=block
-    rounding: str = "nearest"      # nearest | stochastic (unbiased, seeded)
-    error_feedback: bool = False   # keep what quantisation lost and add it back next step
-    transform: str = "none"        # none | hadamard (fixed block-Hadamard rotation) | geo (GeoFP8, see geo.*)
-    hadamard_block: int = 128      # rotation block (power of two)
-    scale_sync: str = "none"       # none (per-rank scales, sent with the payload) | max (shared MAX scales)
+    dtype: str = "fp32"  # a format registered in comm/formats.py: fp32, bf16, fp8_e4m3, fp8_e5m2, nvfp4
+    scaling: str = "tensor"  # tensor (one FP32 scale per parameter) | block (one per block_size elements)
+    block_size: int = 128  # elements per scale with scaling=block
+    rounding: str = "nearest"  # nearest | stochastic (unbiased, seeded)
+    error_feedback: bool = False  # keep what quantisation lost and add it back next step
+    transform: str = "none"  # none | hadamard (fixed block-Hadamard rotation) | geo (GeoFP8, see geo.*)
+    hadamard_block: int = 128  # rotation block (power of two)
+    scale_sync: str = "none"  # none (per-rank scales, sent with the payload) | max (shared MAX scales)
     # fp32_sum: every rank's codes decoded and summed in FP32 (default) | wire_sum: the paper's Euclidean
     # collective, codes with one DP-shared scale summed in FP8 inside the reduce-scatter (fp8 only)
     reduce_op: str = "fp32_sum"
-    wire_sum_prediv: bool = True   # wire_sum: divide by the DP size before the sum (in the scale), not after
+    wire_sum_prediv: bool = True  # wire_sum: divide by the DP size before the sum (in the scale), not after
     # torch.compile(fullgraph=True) each codec's encode and decode (codes bitwise equal to eager);
     # auto = on with CUDA, off on CPU (where a C++ compiler and a first-call compile are needed)
     compile: str = "auto"
@@ -149,23 +149,25 @@ class GeoConfig:
     """
 
     layers: str = "layers.*.mlp.down_proj.weight"
-    select: str = "layers"         # layers: use geo.layers | auto: profile bound hits, then pick the top |
-                                   # gain: at every refresh, the num_layers candidates with the largest
-                                   # positive predicted gain (geometry/refresh_stats.py; others stay Euclidean)
-    num_layers: int = 13           # auto / gain: how many layers get the transform (paper: 13)
-    profile_steps: int = 100       # auto: Euclidean steps profiled before choosing (paper: 100)
+    select: str = "layers"  # layers: use geo.layers | auto: profile bound hits, then pick the top |
+    # gain: at every refresh, the num_layers candidates with the largest
+    # positive predicted gain (geometry/refresh_stats.py; others stay Euclidean)
+    num_layers: int = 13  # auto / gain: how many layers get the transform (paper: 13)
+    profile_steps: int = 100  # auto: Euclidean steps profiled before choosing (paper: 100)
     rank: int = 32
     damping: float = 1e-3
     # D = ((lambda_ref + damping) / (lambda_i + damping)) ** power: a number in (0, 1] (0.5 whitens, the paper's
     # form) or auto: p = clip(s / 4, 0, 1/2) per layer at each refresh from the slope s of the gradient energy
     # against A's eigenvalues (no trial quantisation; p = 0 keeps the layer Euclidean)
     power: str = "0.5"
-    power_search: str = ""         # e.g. "0.5,0.25,0": at each refresh every layer takes the power (0 = Euclidean)
-                                   # with the smallest DP-summed round-trip error of its gradient; overrides power
+    power_search: str = ""  # e.g. "0.5,0.25,0": at each refresh every layer takes the power (0 = Euclidean)
+    # with the smallest DP-summed round-trip error of its gradient; overrides power
     refresh_interval: int = 50
     ef_on_refresh: str = "rebase"  # rebase: R <- R T_old^-1 T_new | reset: R <- 0
-    statistics: str = "auto"       # full A (d_in^2) | sketch A·Omega (d_in x sketch_size) | auto: sketch if d_in > 4 x sketch_size
-    sketch_size: int = 64          # columns of Omega (>= rank; 2 x rank is a good choice)
+    statistics: str = (
+        "auto"  # full A (d_in^2) | sketch A·Omega (d_in x sketch_size) | auto: sketch if d_in > 4 x sketch_size
+    )
+    sketch_size: int = 64  # columns of Omega (>= rank; 2 x rank is a good choice)
 
 
 @dataclass

@@ -76,8 +76,10 @@ class _Converter:
 
     def enter(self, node: Node, path: str) -> None:
         if id(node) in self.open:
-            raise ConfigError(f"{self.at(node)}: '{path or 'the top level'}' contains itself through an alias; "
-                              f"an alias may only repeat a finished block")
+            raise ConfigError(
+                f"{self.at(node)}: '{path or 'the top level'}' contains itself through an alias; "
+                f"an alias may only repeat a finished block"
+            )
         self.open.add(id(node))
 
     def value(self, node: Node, path: str) -> Any:
@@ -94,8 +96,9 @@ class _Converter:
     def key(self, node: Node, path: str) -> str:
         if not isinstance(node, ScalarNode) or node.tag == _NULL_TAG:
             shown = "an empty (null)" if isinstance(node, ScalarNode) else f"a {node.id}"
-            raise ConfigError(f"{self.at(node)}: {shown} key in '{path or 'the top level'}'; keys are plain names "
-                              f"(e.g. steps: 20)")
+            raise ConfigError(
+                f"{self.at(node)}: {shown} key in '{path or 'the top level'}'; keys are plain names (e.g. steps: 20)"
+            )
         return node.value
 
     def pairs(self, node: MappingNode, path: str) -> dict[str, Node]:
@@ -106,9 +109,11 @@ class _Converter:
         for key_node, value_node in node.value:
             key = self.key(key_node, path)
             if key in first:
-                raise ConfigError(f"{self.at(key_node)}: duplicate key '{_join(path, key)}' (first at "
-                                  f"{_place(first[key], key_node)}); a YAML reader keeps only the last one, so write "
-                                  f"each key once")
+                raise ConfigError(
+                    f"{self.at(key_node)}: duplicate key '{_join(path, key)}' (first at "
+                    f"{_place(first[key], key_node)}); a YAML reader keeps only the last one, so write "
+                    f"each key once"
+                )
             first[key] = key_node
             if key_node.tag != _MERGE_TAG:
                 own[key] = value_node
@@ -125,6 +130,8 @@ class _Converter:
     def merge_sources(self, node: Node, path: str) -> list[MappingNode]:
         items = node.value if isinstance(node, SequenceNode) else [node]
         if not all(isinstance(n, MappingNode) for n in items):
-            raise ConfigError(f"{self.at(node)}: the merge key '<<' in '{path or 'the top level'}' takes a mapping or "
-                              f"a list of mappings (e.g. <<: *defaults or <<: [*a, *b])")
+            raise ConfigError(
+                f"{self.at(node)}: the merge key '<<' in '{path or 'the top level'}' takes a mapping or "
+                f"a list of mappings (e.g. <<: *defaults or <<: [*a, *b])"
+            )
         return items

@@ -77,10 +77,10 @@ def read_document(path: str) -> str:
         text = f.read().replace("\r\n", "\n").replace("\r", "\n")
     start, end = _GUTENBERG_START.search(text), _GUTENBERG_END.search(text)
     if start:
-        text = text[start.end():]
+        text = text[start.end() :]
         end = _GUTENBERG_END.search(text)
     if end:
-        text = text[:end.start()]
+        text = text[: end.start()]
     return text.strip("\n") + "\n"
 
 
@@ -115,10 +115,9 @@ def _paths(root: str) -> CorpusPaths:
 
 def _build_split(tok: Tokenizer, files: list[str], prefix: str, desc: str) -> dict:
     n_tokens, chunk = 0, 8
-    with IndexedDatasetBuilder(prefix, tok.vocab_size) as builder, \
-            tqdm(total=len(files), desc=desc, unit="doc") as bar:
+    with IndexedDatasetBuilder(prefix, tok.vocab_size) as builder, tqdm(total=len(files), desc=desc, unit="doc") as bar:
         for i in range(0, len(files), chunk):
-            for ids in tok.encode_batch([read_document(p) for p in files[i:i + chunk]]):
+            for ids in tok.encode_batch([read_document(p) for p in files[i : i + chunk]]):
                 ids.append(tok.eod_id)
                 builder.add_document(ids)
                 n_tokens += len(ids)
@@ -139,7 +138,10 @@ def _build(root: str, vocab_size: int, val_fraction: float, seed: int) -> None:
     os.remove(train_txt)
     tok = Tokenizer(paths.tokenizer_model)
     meta = {
-        "format": CORPUS_FORMAT, "vocab_size": vocab_size, "val_fraction": val_fraction, "seed": seed,
+        "format": CORPUS_FORMAT,
+        "vocab_size": vocab_size,
+        "val_fraction": val_fraction,
+        "seed": seed,
         "train": _build_split(tok, train, paths.train_prefix, "tokenizing train"),
         "valid": _build_split(tok, valid, paths.valid_prefix, "tokenizing valid"),
         "seconds": round(time.time() - t0, 2),
@@ -149,8 +151,7 @@ def _build(root: str, vocab_size: int, val_fraction: float, seed: int) -> None:
     open(os.path.join(root, "DONE"), "w").close()
 
 
-def prepare_default_corpus(cache_dir: str, vocab_size: int, val_fraction: float = 0.1,
-                           seed: int = 1234) -> CorpusPaths:
+def prepare_default_corpus(cache_dir: str, vocab_size: int, val_fraction: float = 0.1, seed: int = 1234) -> CorpusPaths:
     """Tokenizer + train/valid indexed datasets for the Shakespeare corpus, cached.
 
     Output lives in ``cache_dir/shakespeare_v{vocab_size}/`` (a non-default ``val_fraction``

@@ -77,7 +77,7 @@ class GPTDataset(torch.utils.data.Dataset):
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range [0, {self.num_samples}).")
         start = int(i) * self.seq_length
-        window = self.indexed.tokens[start:start + self.seq_length + 1]
+        window = self.indexed.tokens[start : start + self.seq_length + 1]
         window = torch.from_numpy(np.asarray(window, dtype=np.int64))
         return {
             "tokens": window[:-1],
@@ -115,8 +115,9 @@ class GPTDataset(torch.utils.data.Dataset):
         return collate([self[self.sample_index(g)] for g in global_samples])
 
 
-def dp_batch_indices(consumed_samples: int, global_batch_size: int, micro_batch_size: int,
-                     dp_rank: int, dp_size: int) -> list[list[int]]:
+def dp_batch_indices(
+    consumed_samples: int, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int
+) -> list[list[int]]:
     """Global sample counters of one training step for data-parallel rank ``dp_rank``.
 
     The step covers counters ``consumed_samples .. consumed_samples + G - 1``; rank ``r``

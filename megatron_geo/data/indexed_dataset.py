@@ -116,7 +116,7 @@ class IndexedDatasetBuilder:
             if os.path.exists(p):
                 os.remove(p)
 
-    def __enter__(self) -> "IndexedDatasetBuilder":
+    def __enter__(self) -> IndexedDatasetBuilder:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -152,34 +152,43 @@ def read_index_header(idx_path: str, prefix: str) -> IndexHeader:
     idx_len = os.path.getsize(idx_path)
     with open(idx_path, "rb") as f:
         head = f.read(_HEADER.size)
-    if head[:len(MEGATRON_LM_MAGIC)] == MEGATRON_LM_MAGIC:
-        raise ValueError(f"{idx_path!r} is a Megatron-LM indexed dataset (magic {MEGATRON_LM_MAGIC!r}), a format "
-                         f"megatron-geo does not read (yet); tokenize the text again with tools/preprocess_data.py "
-                         f"--output-prefix {prefix}")
+    if head[: len(MEGATRON_LM_MAGIC)] == MEGATRON_LM_MAGIC:
+        raise ValueError(
+            f"{idx_path!r} is a Megatron-LM indexed dataset (magic {MEGATRON_LM_MAGIC!r}), a format "
+            f"megatron-geo does not read (yet); tokenize the text again with tools/preprocess_data.py "
+            f"--output-prefix {prefix}"
+        )
     if len(head) < _HEADER.size:
-        raise ValueError(f"{idx_path!r} is truncated: {idx_len} bytes, shorter than the {_HEADER.size}-byte header; "
-                         f"{_fix(prefix)}")
+        raise ValueError(
+            f"{idx_path!r} is truncated: {idx_len} bytes, shorter than the {_HEADER.size}-byte header; {_fix(prefix)}"
+        )
     magic, version, code, vocab_size, num_docs = _HEADER.unpack(head)
     if magic != MAGIC:
-        raise ValueError(f"{idx_path!r} is not a megatron-geo index (bad magic {magic!r}, expected {MAGIC!r}); "
-                         f"{_fix(prefix)}")
+        raise ValueError(
+            f"{idx_path!r} is not a megatron-geo index (bad magic {magic!r}, expected {MAGIC!r}); {_fix(prefix)}"
+        )
     if version != VERSION:
         raise ValueError(f"{idx_path!r} has format version {version}, expected {VERSION}; {_fix(prefix)}")
     if code not in _DTYPES:
-        raise ValueError(f"{idx_path!r} has unknown dtype code {code}, expected 1 (uint16) or 2 (int32); "
-                         f"{_fix(prefix)}")
+        raise ValueError(
+            f"{idx_path!r} has unknown dtype code {code}, expected 1 (uint16) or 2 (int32); {_fix(prefix)}"
+        )
     try:
         expected_dtype = dtype_for_vocab(vocab_size)
     except ValueError:
         expected_dtype = None
     if _DTYPES[code] != expected_dtype:
-        raise ValueError(f"{idx_path!r} records vocab_size={vocab_size} with dtype code {code} "
-                         f"({_DTYPES[code].name}); the writer stores a vocabulary of 1..65536 ids as code 1 and up to "
-                         f"2**31 as code 2 (corrupt header); {_fix(prefix)}")
+        raise ValueError(
+            f"{idx_path!r} records vocab_size={vocab_size} with dtype code {code} "
+            f"({_DTYPES[code].name}); the writer stores a vocabulary of 1..65536 ids as code 1 and up to "
+            f"2**31 as code 2 (corrupt header); {_fix(prefix)}"
+        )
     expected = _HEADER.size + 16 * num_docs
     if idx_len != expected:
-        raise ValueError(f"{idx_path!r} is truncated or corrupt: {idx_len} bytes, expected {expected} "
-                         f"({_HEADER.size}-byte header + 16 bytes x {num_docs} documents); {_fix(prefix)}")
+        raise ValueError(
+            f"{idx_path!r} is truncated or corrupt: {idx_len} bytes, expected {expected} "
+            f"({_HEADER.size}-byte header + 16 bytes x {num_docs} documents); {_fix(prefix)}"
+        )
     return IndexHeader(_DTYPES[code], int(vocab_size), int(num_docs))
 
 
@@ -203,8 +212,10 @@ def check_document_table(idx_path: str, prefix: str, sizes: np.ndarray, offsets:
             starts = np.concatenate(([0], np.cumsum(sizes[:-1], dtype=np.int64)))
             bad = np.flatnonzero(offsets != starts)
         if bad.size:
-            raise ValueError(f"{idx_path!r} has inconsistent document sizes/offsets (first at document {bad[0]}: size "
-                             f"{sizes[bad[0]]}, offset {offsets[bad[0]]}); {_fix(prefix)}")
+            raise ValueError(
+                f"{idx_path!r} has inconsistent document sizes/offsets (first at document {bad[0]}: size "
+                f"{sizes[bad[0]]}, offset {offsets[bad[0]]}); {_fix(prefix)}"
+            )
     return int(sizes.sum())
 
 
@@ -216,9 +227,11 @@ def check_bin_size(bin_path: str, idx_path: str, prefix: str, num_tokens: int, d
     """
     bin_len = os.path.getsize(bin_path)
     if bin_len != num_tokens * dtype.itemsize:
-        raise ValueError(f"{bin_path!r} is truncated or corrupt: {bin_len} bytes, but {idx_path!r} lists "
-                         f"{num_tokens} tokens x {dtype.itemsize} bytes = {num_tokens * dtype.itemsize} bytes; "
-                         f"{_fix(prefix)}")
+        raise ValueError(
+            f"{bin_path!r} is truncated or corrupt: {bin_len} bytes, but {idx_path!r} lists "
+            f"{num_tokens} tokens x {dtype.itemsize} bytes = {num_tokens * dtype.itemsize} bytes; "
+            f"{_fix(prefix)}"
+        )
 
 
 def _open_checked(prefix: str) -> tuple[IndexHeader, np.ndarray, np.ndarray, int]:
@@ -252,8 +265,9 @@ def check_dataset_files(key: str, prefix: str) -> None:
     except ValueError as e:
         raise ConfigError(f"{key}={prefix!r}: {e}") from None
     except OSError as e:
-        raise ConfigError(f"{key}={prefix!r}: cannot read {e.filename!r} ({e.strerror or e}); fix its permissions or "
-                          f"{_fix(prefix)}") from None
+        raise ConfigError(
+            f"{key}={prefix!r}: cannot read {e.filename!r} ({e.strerror or e}); fix its permissions or {_fix(prefix)}"
+        ) from None
 
 
 class IndexedDataset:
@@ -284,8 +298,9 @@ class IndexedDataset:
         header, self.sizes, self.offsets, self.num_tokens = _open_checked(self.prefix)
         self.dtype = header.dtype
         self.vocab_size = header.vocab_size
-        self.tokens = (np.memmap(bin_path, dtype=self.dtype, mode="r") if self.num_tokens
-                       else np.empty(0, dtype=self.dtype))
+        self.tokens = (
+            np.memmap(bin_path, dtype=self.dtype, mode="r") if self.num_tokens else np.empty(0, dtype=self.dtype)
+        )
 
     def __len__(self) -> int:
         """Number of documents."""
@@ -310,12 +325,12 @@ class IndexedDataset:
         if offset < 0 or length < 0 or offset + length > size:
             raise ValueError(f"span offset={offset} length={length} outside document {doc} of {size} tokens.")
         start = int(self.offsets[doc]) + offset
-        return self.tokens[start:start + length]
+        return self.tokens[start : start + length]
 
     def max_token_id(self) -> int:
         """Largest token id in the data (-1 if empty); scans the ``.bin`` in chunks."""
         chunk = 1 << 24
-        return max((int(self.tokens[i:i + chunk].max()) for i in range(0, self.num_tokens, chunk)), default=-1)
+        return max((int(self.tokens[i : i + chunk].max()) for i in range(0, self.num_tokens, chunk)), default=-1)
 
     def __getstate__(self):  # pickle by path, never the mapped data
         return {"prefix": self.prefix}
@@ -324,5 +339,7 @@ class IndexedDataset:
         self.__init__(state["prefix"])
 
     def __repr__(self) -> str:
-        return (f"IndexedDataset({self.prefix!r}, docs={len(self)}, tokens={self.num_tokens}, "
-                f"vocab_size={self.vocab_size}, dtype={self.dtype.name})")
+        return (
+            f"IndexedDataset({self.prefix!r}, docs={len(self)}, tokens={self.num_tokens}, "
+            f"vocab_size={self.vocab_size}, dtype={self.dtype.name})"
+        )

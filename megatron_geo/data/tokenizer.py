@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import sentencepiece as spm
 
@@ -129,7 +129,10 @@ def train_tokenizer(
             vocab_size=vocab_size,
             model_type=model_type,
             byte_fallback=byte_fallback,
-            unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=-1,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            pad_id=-1,
             user_defined_symbols=["\n"],
             normalization_rule_name="identity",
             remove_extra_whitespaces=False,
@@ -215,6 +218,5 @@ class Tokenizer:
         n = self.vocab_size
         bad = [i for i in ids if not 0 <= i < n]
         if bad:
-            raise ValueError(f"Tokenizer.decode: ids {bad[:5]} are outside [0, {n}); "
-                             f"wrong tokenizer for this data?")
+            raise ValueError(f"Tokenizer.decode: ids {bad[:5]} are outside [0, {n}); wrong tokenizer for this data?")
         return self._sp.decode(ids)

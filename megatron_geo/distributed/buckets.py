@@ -41,8 +41,15 @@ def default_flops(p: nn.Parameter) -> float:
     return ADAMW_FLOPS_PER_ELEMENT * p.numel()
 
 
-def build_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_size: int, dp_size: int,
-                  atomic_fn, align: int = 1, flops_fn=default_flops, granule_fn=None) -> list[Bucket]:
+def build_buckets(
+    named_params: list[tuple[str, nn.Parameter]],
+    bucket_size: int,
+    dp_size: int,
+    atomic_fn,
+    align: int = 1,
+    flops_fn=default_flops,
+    granule_fn=None,
+) -> list[Bucket]:
     """Group parameters into buckets and move them into contiguous buffers.
 
     Args:
@@ -56,8 +63,10 @@ def build_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_size: int
             (default 1: anywhere).
     """
     group = [(n, p) for n, p in reversed(named_params) if p.requires_grad]
-    specs = [ParamSpec(p.numel(), bool(atomic_fn(p)), float(flops_fn(p)), int(granule_fn(p)) if granule_fn else 1)
-             for _, p in group]
+    specs = [
+        ParamSpec(p.numel(), bool(atomic_fn(p)), float(flops_fn(p)), int(granule_fn(p)) if granule_fn else 1)
+        for _, p in group
+    ]
     buckets = []
     for bi, (idx, plan) in enumerate(plan_model(specs, bucket_size, dp_size, align)):
         params = [group[i][1] for i in idx]
@@ -66,9 +75,9 @@ def build_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_size: int
         param_data = torch.zeros(plan.buffer_numel, dtype=dtype, device=dev)
         for p, off in zip(params, plan.offsets):
             n = p.numel()
-            view = param_data[off:off + n].view_as(p)
+            view = param_data[off : off + n].view_as(p)
             view.copy_(p.data)
             p.data = view
-            p.main_grad = grad_data[off:off + n].view_as(p)
+            p.main_grad = grad_data[off : off + n].view_as(p)
         buckets.append(Bucket(bi, params, [group[i][0] for i in idx], plan, grad_data, param_data))
     return buckets

@@ -32,14 +32,23 @@ class GradSync:
     sees the finished reduction; every temporary of the reducer is allocated and freed on the side stream.
     """
 
-    def __init__(self, buckets: list[Bucket], reducer: GradientReducer, sharded: bool, overlap: bool = True,
-                 comm_stream: bool | None = None):
+    def __init__(
+        self,
+        buckets: list[Bucket],
+        reducer: GradientReducer,
+        sharded: bool,
+        overlap: bool = True,
+        comm_stream: bool | None = None,
+    ):
         self.buckets, self.reducer, self.sharded, self.overlap = buckets, reducer, sharded, overlap
         on_cuda = bool(buckets) and buckets[0].grad_data.is_cuda
         if comm_stream and not on_cuda:
             raise ValueError("comm_stream=True needs gradient buffers on a CUDA device; use comm_stream=None or False")
-        self._stream = torch.cuda.Stream(device=buckets[0].grad_data.device) \
-            if (on_cuda if comm_stream is None else comm_stream) else None
+        self._stream = (
+            torch.cuda.Stream(device=buckets[0].grad_data.device)
+            if (on_cuda if comm_stream is None else comm_stream)
+            else None
+        )
         self._pending: dict[int, PendingReduction] = {}
         self._remaining: dict[int, int] = {}
         self._ready: set[int] = set()
@@ -60,6 +69,7 @@ class GradSync:
                 if self._remaining[bucket.index] == 0:
                     self._ready.add(bucket.index)
                     self._launch_ready()
+
         return hook
 
     def _launch_ready(self) -> None:
@@ -108,7 +118,7 @@ class GradSync:
 
     def finish(self) -> None:
         """Launch the buckets not launched yet (unused parameters, overlap off) in bucket order, then wait all."""
-        for b in self.buckets[self._next:]:
+        for b in self.buckets[self._next :]:
             self._launch(b)
         self._next = len(self.buckets)
         if self._stream is None:

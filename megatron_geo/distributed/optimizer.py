@@ -24,8 +24,8 @@ import torch
 from ..config.schema import OptimizerConfig
 from ..optim import build_muon
 from ..parallel import ParallelContext
-from .buckets import Bucket
 from ..parallel import collectives as C
+from .buckets import Bucket
 
 
 @dataclass
@@ -47,7 +47,7 @@ def _make_main(bucket: Bucket, idx: int, start: int, end: int, buffer_start: int
     whole = start == 0 and end == p.numel()
     flat = p.detach().reshape(-1)[start:end]
     main = flat.float().clone().view_as(p) if whole else flat.float().clone()
-    g = bucket.grad_data[buffer_start:buffer_start + (end - start)]
+    g = bucket.grad_data[buffer_start : buffer_start + (end - start)]
     main.grad = g.view_as(main)
     # TP-replicated parameters (norm weights) hold identical grads on all TP ranks: count once.
     count = bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0
@@ -57,18 +57,25 @@ def _make_main(bucket: Bucket, idx: int, start: int, end: int, buffer_start: int
 class DistributedOptimizer:
     """Owns main params, the torch optimizers, global-norm clipping and the param all-gather."""
 
-    def __init__(self, buckets: list[Bucket], cfg: OptimizerConfig, pctx: ParallelContext, sharded: bool,
-                 overlap_param_gather: bool = False):
+    def __init__(
+        self,
+        buckets: list[Bucket],
+        cfg: OptimizerConfig,
+        pctx: ParallelContext,
+        sharded: bool,
+        overlap_param_gather: bool = False,
+    ):
         self.buckets, self.cfg, self.pctx, self.sharded = buckets, cfg, pctx, sharded
         self.overlap_param_gather = overlap_param_gather and sharded and pctx.dp_size > 1
-        self._gathers: dict[int, object] = {}   # bucket index -> in-flight parameter gather
+        self._gathers: dict[int, object] = {}  # bucket index -> in-flight parameter gather
         self._hooks = []
         self.mains: list[MainParam] = []
         for b in buckets:
             if sharded:
                 for pc in b.plan.pieces[pctx.dp_rank]:
-                    self.mains.append(_make_main(b, pc.index, pc.param_start, pc.param_end, pc.buffer_start,
-                                                 pctx.tp_rank))
+                    self.mains.append(
+                        _make_main(b, pc.index, pc.param_start, pc.param_end, pc.buffer_start, pctx.tp_rank)
+                    )
             else:
                 for i, p in enumerate(b.params):
                     self.mains.append(_make_main(b, i, 0, p.numel(), b.plan.offsets[i], pctx.tp_rank))
@@ -88,15 +95,29 @@ class DistributedOptimizer:
                 no_decay.append(m.main)
         opts: list[torch.optim.Optimizer] = []
         adam_lr = c.lr if c.adamw_lr < 0 else c.adamw_lr
-        groups = [g for g in ({"params": decay, "weight_decay": c.weight_decay, "base_lr": adam_lr},
-                              {"params": no_decay, "weight_decay": 0.0, "base_lr": adam_lr}) if g["params"]]
+        groups = [
+            g
+            for g in (
+                {"params": decay, "weight_decay": c.weight_decay, "base_lr": adam_lr},
+                {"params": no_decay, "weight_decay": 0.0, "base_lr": adam_lr},
+            )
+            if g["params"]
+        ]
         if groups:
             fused = all(m.main.is_cuda for m in self.mains)
             opts.append(torch.optim.AdamW(groups, lr=adam_lr, betas=(c.beta1, c.beta2), eps=c.eps, fused=fused or None))
         if muon:
-            opts.append(build_muon([{"params": muon, "base_lr": c.lr}], on_cuda=self.pctx.device.type == "cuda",
-                                   ns_dtype=c.muon_ns_dtype, lr=c.lr, weight_decay=c.weight_decay,
-                                   momentum=c.muon_momentum, adjust_lr_fn=c.muon_adjust_lr_fn))
+            opts.append(
+                build_muon(
+                    [{"params": muon, "base_lr": c.lr}],
+                    on_cuda=self.pctx.device.type == "cuda",
+                    ns_dtype=c.muon_ns_dtype,
+                    lr=c.lr,
+                    weight_decay=c.weight_decay,
+                    momentum=c.muon_momentum,
+                    adjust_lr_fn=c.muon_adjust_lr_fn,
+                )
+            )
         return opts
 
     # ---------------------------------------------------------------------------------------------
@@ -155,17 +176,18 @@ class DistributedOptimizer:
         with torch.no_grad():
             for m in self.mains:
                 n = m.main.numel()
-                m.bucket.param_data[m.buffer_start:m.buffer_start + n].copy_(m.main.reshape(-1))
+                m.bucket.param_data[m.buffer_start : m.buffer_start + n].copy_(m.main.reshape(-1))
             if self.sharded and self.pctx.dp_size > 1:
                 for b in reversed(self.buckets):
-                    self._gathers[b.index] = C.all_gather_ranges(b.param_data, b.plan.bounds, self.pctx.dp_group,
-                                                                 async_op=True)
+                    self._gathers[b.index] = C.all_gather_ranges(
+                        b.param_data, b.plan.bounds, self.pctx.dp_group, async_op=True
+                    )
                 if not self.overlap_param_gather:
                     self.wait_param_gather()
 
     def wait_param_gather(self, bucket_indices=None) -> None:
         """Finish the in-flight parameter gathers of ``bucket_indices`` (all when None)."""
-        for i in (list(self._gathers) if bucket_indices is None else bucket_indices):
+        for i in list(self._gathers) if bucket_indices is None else bucket_indices:
             w = self._gathers.pop(i, None)
             if w is not None:
                 w.wait()
@@ -197,8 +219,7 @@ class DistributedOptimizer:
                 continue
             idx = sorted({where[id(p)] for p in mod.parameters(recurse=False) if id(p) in where})
             if idx:
-                self._hooks.append(mod.register_forward_pre_hook(
-                    lambda _m, _a, idx=idx: self.wait_param_gather(idx)))
+                self._hooks.append(mod.register_forward_pre_hook(lambda _m, _a, idx=idx: self.wait_param_gather(idx)))
 
     def optimizer_of(self, m: MainParam) -> torch.optim.Optimizer:
         """The torch optimizer that updates ``m.main``."""

@@ -26,8 +26,9 @@ ParamInfo = tuple[str, tuple[int, ...], bool]
 """``(name, local shape, use_muon)`` of one parameter (``use_muon``: Muon's orthogonalised group)."""
 
 
-def param_specs(cfg, names_shapes: Sequence[ParamInfo], alignment: int,
-                geo_layers: Collection[str] = ()) -> list[ParamSpec]:
+def param_specs(
+    cfg, names_shapes: Sequence[ParamInfo], alignment: int, geo_layers: Collection[str] = ()
+) -> list[ParamSpec]:
     """The planner's view of every parameter, in the order of ``names_shapes``.
 
     Args:
@@ -63,5 +64,6 @@ def param_specs(cfg, names_shapes: Sequence[ParamInfo], alignment: int,
 def param_infos(model) -> list[ParamInfo]:
     """``(name, shape, use_muon)`` of every parameter of ``model`` (an ``nn.Module``, any device, ``meta``
     included) that needs a gradient, in registration order."""
-    return [(n, tuple(p.shape), bool(getattr(p, "use_muon", False))) for n, p in model.named_parameters()
-            if p.requires_grad]
+    return [
+        (n, tuple(p.shape), bool(getattr(p, "use_muon", False))) for n, p in model.named_parameters() if p.requires_grad
+    ]

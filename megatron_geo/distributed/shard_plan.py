@@ -192,7 +192,7 @@ def newton_schulz_flops(shape: tuple[int, ...], steps: int = 5) -> float:
     """
     m, n = shape[0], math.prod(shape[1:]) if len(shape) > 1 else 1
     k, big = min(m, n), max(m, n)
-    return float(steps) * (4.0 * k * k * big + 2.0 * k ** 3)
+    return float(steps) * (4.0 * k * k * big + 2.0 * k**3)
 
 
 @dataclass
@@ -204,7 +204,7 @@ class ParamSpec:
     numel: int
     atomic: bool
     flops: float
-    granule: int = 1   # splittable only at multiples of this many elements from the start (e.g. a row)
+    granule: int = 1  # splittable only at multiples of this many elements from the start (e.g. a row)
 
 
 def group_in_buckets(indices: list[int], numels: list[int], bucket_size: int) -> list[list[int]]:
@@ -234,8 +234,15 @@ def assign_owners(specs: list[ParamSpec], dp_size: int) -> list[int]:
     owner = [-1] * len(specs)
     for i in sorted((i for i, s in enumerate(specs) if s.atomic), key=lambda i: (-specs[i].flops, -specs[i].numel, i)):
         s = specs[i]
-        r = min(range(dp_size), key=lambda r: (max((F[r] + s.flops) / mean_fl, (B[r] + s.numel) / mean_el),
-                                               F[r] + s.flops, B[r] + s.numel, r))
+        r = min(
+            range(dp_size),
+            key=lambda r: (
+                max((F[r] + s.flops) / mean_fl, (B[r] + s.numel) / mean_el),
+                F[r] + s.flops,
+                B[r] + s.numel,
+                r,
+            ),
+        )
         owner[i] = r
         F[r] += s.flops
         B[r] += s.numel
@@ -283,8 +290,9 @@ def _atomic_bucket(idx: list[int], specs: list[ParamSpec], owner: list[int], dp:
     return ShardPlan(bounds, offsets, pieces)
 
 
-def _splittable_bucket(idx: list[int], specs: list[ParamSpec], stream_start: int, cuts: list[int], align: int
-                       ) -> ShardPlan:
+def _splittable_bucket(
+    idx: list[int], specs: list[ParamSpec], stream_start: int, cuts: list[int], align: int
+) -> ShardPlan:
     # granular parameters start and end aligned (padding around them), so a cut between two of their
     # granules is also a cut at the alignment, and rounding a cut elsewhere down to the alignment never
     # lands inside them
@@ -296,7 +304,7 @@ def _splittable_bucket(idx: list[int], specs: list[ParamSpec], stream_start: int
         pos = _ceil_to(pos + specs[i].numel, align) if g else pos + specs[i].numel
     padded = _ceil_to(pos, align)
     dp = len(cuts) - 1
-    starts, seen = [], 0   # where each parameter starts in the splittable stream (no padding there)
+    starts, seen = [], 0  # where each parameter starts in the splittable stream (no padding there)
     for i in idx:
         starts.append(seen)
         seen += specs[i].numel
@@ -316,7 +324,7 @@ def _splittable_bucket(idx: list[int], specs: list[ParamSpec], stream_start: int
                 b = offsets[j] + within
                 if g <= 1:
                     return b // align * align
-                return _ceil_to(b, align) if within == n else b   # the end: into the padding after it
+                return _ceil_to(b, align) if within == n else b  # the end: into the padding after it
         return padded
 
     bounds = [0] + [min(to_buffer(cuts[r]), padded) for r in range(1, dp)] + [padded]
@@ -332,8 +340,9 @@ def _splittable_bucket(idx: list[int], specs: list[ParamSpec], stream_start: int
     return ShardPlan(bounds, offsets, pieces)
 
 
-def plan_model(specs: list[ParamSpec], bucket_size: int, dp_size: int, align: int = 1
-               ) -> list[tuple[list[int], ShardPlan]]:
+def plan_model(
+    specs: list[ParamSpec], bucket_size: int, dp_size: int, align: int = 1
+) -> list[tuple[list[int], ShardPlan]]:
     """Group the model's parameters into buckets and lay each bucket out over the DP ranks.
 
     Args:
@@ -356,8 +365,10 @@ def plan_model(specs: list[ParamSpec], bucket_size: int, dp_size: int, align: in
     numels = [s.numel for s in specs]
     order = list(range(len(specs)))
     if dp_size == 1 or not any(s.atomic or s.granule > 1 for s in specs):
-        return [(g, plan_shards([numels[i] for i in g], [False] * len(g), dp_size, align))
-                for g in group_in_buckets(order, numels, bucket_size)]
+        return [
+            (g, plan_shards([numels[i] for i in g], [False] * len(g), dp_size, align))
+            for g in group_in_buckets(order, numels, bucket_size)
+        ]
     owner = assign_owners(specs, dp_size)
     atomic_el = [0] * dp_size
     for i, r in enumerate(owner):

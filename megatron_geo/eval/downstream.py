@@ -14,8 +14,22 @@ import statistics
 from pathlib import Path
 
 # The paper's 14 downstream tasks (lm-eval task names; rte is the RTE of GLUE/SuperGLUE, wsc SuperGLUE's WSC).
-PAPER_TASKS = ["boolq", "cb", "copa", "multirc", "record", "rte", "wic", "wsc", "lambada_openai",
-               "lambada_standard", "race", "mathqa", "piqa", "winogrande"]
+PAPER_TASKS = [
+    "boolq",
+    "cb",
+    "copa",
+    "multirc",
+    "record",
+    "rte",
+    "wic",
+    "wsc",
+    "lambada_openai",
+    "lambada_standard",
+    "race",
+    "mathqa",
+    "piqa",
+    "winogrande",
+]
 # Metric reported per task in the table: the first of these that the task produces.
 PRIMARY_METRICS = ("acc", "f1", "em", "exact_match", "mcc")
 
@@ -57,9 +71,18 @@ def primary_metric(metrics: dict[str, float]) -> str | None:
     return names[0] if names else None
 
 
-def evaluate_checkpoint(path: str, tasks: list[str], tokenizer: str | None = None, include_path: str | None = None,
-                        include_defaults: bool = True, num_fewshot: int | None = None, limit: float | None = None,
-                        batch_size: int = 8, device: str = "cpu", seed: int = 1234) -> dict:
+def evaluate_checkpoint(
+    path: str,
+    tasks: list[str],
+    tokenizer: str | None = None,
+    include_path: str | None = None,
+    include_defaults: bool = True,
+    num_fewshot: int | None = None,
+    limit: float | None = None,
+    batch_size: int = 8,
+    device: str = "cpu",
+    seed: int = 1234,
+) -> dict:
     """Evaluate one consolidated checkpoint, or a Hugging Face folder (``tools/convert_checkpoint.py --to hf``,
     scored by lm-eval's own ``hf`` model, :mod:`.hf_lm`), on ``tasks``.
 
@@ -76,8 +99,10 @@ def evaluate_checkpoint(path: str, tasks: list[str], tokenizer: str | None = Non
 
     if is_hf_folder(path):
         if tokenizer:
-            raise ValueError(f"--tokenizer applies to consolidated checkpoints; the Hugging Face folder '{path}' is "
-                             f"evaluated with its own tokenizer")
+            raise ValueError(
+                f"--tokenizer applies to consolidated checkpoints; the Hugging Face folder '{path}' is "
+                f"evaluated with its own tokenizer"
+            )
         cfg, tok_path, lm = None, str(path), load_hf_lm(path, batch_size, device)
     else:
         cfg, tok_path, lm = _our_lm(path, tokenizer, batch_size, device)
@@ -85,15 +110,35 @@ def evaluate_checkpoint(path: str, tasks: list[str], tokenizer: str | None = Non
     known = set(tm.all_tasks)
     unknown = [t for t in tasks if t not in known]
     if unknown:
-        raise ValueError(f"unknown lm-eval task(s) {unknown}; check the names (`lm_eval ls tasks`) or pass the "
-                         f"folder of your task YAML with --include-path")
-    res = simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=tm,
-                          log_samples=False, bootstrap_iters=1000, random_seed=seed, numpy_random_seed=seed,
-                          torch_random_seed=seed, fewshot_random_seed=seed)
-    n = {t: int(v.get("effective", v.get("original", 0))) if isinstance(v, dict) else int(v)
-         for t, v in (res.get("n-samples") or {}).items()}
-    return {"checkpoint": str(path), "label": checkpoint_label(path, cfg), "seed": cfg.train.seed if cfg else None,
-            "tokenizer": tok_path, "metrics": parse_results(res), "n_samples": n}
+        raise ValueError(
+            f"unknown lm-eval task(s) {unknown}; check the names (`lm_eval ls tasks`) or pass the "
+            f"folder of your task YAML with --include-path"
+        )
+    res = simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        num_fewshot=num_fewshot,
+        limit=limit,
+        task_manager=tm,
+        log_samples=False,
+        bootstrap_iters=1000,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+    )
+    n = {
+        t: int(v.get("effective", v.get("original", 0))) if isinstance(v, dict) else int(v)
+        for t, v in (res.get("n-samples") or {}).items()
+    }
+    return {
+        "checkpoint": str(path),
+        "label": checkpoint_label(path, cfg),
+        "seed": cfg.train.seed if cfg else None,
+        "tokenizer": tok_path,
+        "metrics": parse_results(res),
+        "n_samples": n,
+    }
 
 
 def _our_lm(path: str, tokenizer: str | None, batch_size: int, device: str):
@@ -129,10 +174,16 @@ def summarize(evals: list[dict], baseline: str | None = None) -> dict:
     for lab in labels:
         table[lab] = {}
         for t in tasks:
-            vals = [e["metrics"][t][metric[t]] for e in evals
-                    if e["label"] == lab and t in e["metrics"] and metric[t] in e["metrics"][t]]
-            table[lab][t] = {"mean": _mean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else math.nan,
-                             "n": len(vals)}
+            vals = [
+                e["metrics"][t][metric[t]]
+                for e in evals
+                if e["label"] == lab and t in e["metrics"] and metric[t] in e["metrics"][t]
+            ]
+            table[lab][t] = {
+                "mean": _mean(vals),
+                "std": statistics.stdev(vals) if len(vals) > 1 else math.nan,
+                "n": len(vals),
+            }
     for lab in labels:
         for t in tasks:
             b = table.get(baseline, {}).get(t, {}).get("mean", math.nan)
@@ -148,16 +199,22 @@ def markdown(summary: dict, evals: list[dict]) -> str:
     """Two tables: every checkpoint's primary metric per task, and per label mean ± std with the delta to
     the baseline label."""
     tasks, metric, table = summary["tasks"], summary["metric"], summary["table"]
-    lines = ["| checkpoint | label | seed | " + " | ".join(f"{t} ({metric[t]})" for t in tasks) + " |",
-             "|" + "---|" * (3 + len(tasks))]
+    lines = [
+        "| checkpoint | label | seed | " + " | ".join(f"{t} ({metric[t]})" for t in tasks) + " |",
+        "|" + "---|" * (3 + len(tasks)),
+    ]
     for e in evals:
         cells = [_f(e["metrics"].get(t, {}).get(metric[t], math.nan), ".4f") for t in tasks]
         seed = "n/a" if e["seed"] is None else e["seed"]
         lines.append(f"| {e['checkpoint']} | {e['label']} | {seed} | " + " | ".join(cells) + " |")
     b = summary["baseline"]
-    lines += ["", f"| task (metric) | " + " | ".join(f"{lab} (n={max(v['n'] for v in table[lab].values())})"
-                                                     for lab in summary["labels"]) + " |",
-              "|" + "---|" * (1 + len(summary["labels"]))]
+    lines += [
+        "",
+        "| task (metric) | "
+        + " | ".join(f"{lab} (n={max(v['n'] for v in table[lab].values())})" for lab in summary["labels"])
+        + " |",
+        "|" + "---|" * (1 + len(summary["labels"])),
+    ]
     for t in tasks:
         cells = []
         for lab in summary["labels"]:

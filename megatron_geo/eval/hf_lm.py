@@ -32,8 +32,9 @@ def _check_weight_files(path: Path) -> None:
             with safe_open(str(f), "pt"):
                 pass
         except (SafetensorError, OSError) as e:
-            raise ValueError(f"'{f}' could not be read ({e}); the file is damaged or incomplete: export the folder "
-                             f"again") from None
+            raise ValueError(
+                f"'{f}' could not be read ({e}); the file is damaged or incomplete: export the folder again"
+            ) from None
 
 
 def load_hf_lm(path: str | Path, batch_size: int = 8, device: str = "cpu"):
@@ -48,17 +49,30 @@ def load_hf_lm(path: str | Path, batch_size: int = 8, device: str = "cpu"):
         from tokenizers import processors
         from transformers import AutoTokenizer
     except ImportError as e:
-        raise ValueError(f"evaluating a Hugging Face folder needs transformers ({e.name} is missing): "
-                         f"pip install -e '.[hf]'") from None
+        raise ValueError(
+            f"evaluating a Hugging Face folder needs transformers ({e.name} is missing): pip install -e '.[hf]'"
+        ) from None
     path = Path(path)
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer.model").is_file():
         raise ValueError(f"'{path}' has no tokenizer (tokenizer.json); export it again without --no-tokenizer")
     _check_weight_files(path)
     tok = AutoTokenizer.from_pretrained(str(path))
     if tok.eos_token_id is None:
-        raise ValueError(f"the tokenizer of '{path}' has no EOS token; export it with tools/convert_checkpoint.py --to hf")
+        raise ValueError(
+            f"the tokenizer of '{path}' has no EOS token; export it with tools/convert_checkpoint.py --to hf"
+        )
     tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{tok.eos_token} $A", special_tokens=[(tok.eos_token, tok.eos_token_id)])
+        single=f"{tok.eos_token} $A", special_tokens=[(tok.eos_token, tok.eos_token_id)]
+    )
     max_len = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
-    return HFLM(pretrained=str(path), tokenizer=tok, backend="causal", batch_size=batch_size, device=device,
-                dtype="float32", add_bos_token=True, prefix_token_id=tok.eos_token_id, max_length=max_len)
+    return HFLM(
+        pretrained=str(path),
+        tokenizer=tok,
+        backend="causal",
+        batch_size=batch_size,
+        device=device,
+        dtype="float32",
+        add_bos_token=True,
+        prefix_token_id=tok.eos_token_id,
+        max_length=max_len,
+    )

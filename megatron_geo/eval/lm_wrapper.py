@@ -25,7 +25,7 @@ vocabulary columns are excluded (set to -inf) as in the training loss.
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -75,8 +75,10 @@ class MegatronGeoLM(LM):
     def __init__(self, model: Llama, tokenizer: Tokenizer, batch_size: int = 8, device=None):
         super().__init__()
         if tokenizer.vocab_size != model.cfg.vocab_size:
-            raise ValueError(f"tokenizer '{tokenizer.model_path}' has {tokenizer.vocab_size} pieces but the model was "
-                             f"built for model.vocab_size={model.cfg.vocab_size}; pass the training tokenizer")
+            raise ValueError(
+                f"tokenizer '{tokenizer.model_path}' has {tokenizer.vocab_size} pieces but the model was "
+                f"built for model.vocab_size={model.cfg.vocab_size}; pass the training tokenizer"
+            )
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         self.model, self.tok, self.batch_size = model.eval(), tokenizer, batch_size
@@ -93,15 +95,15 @@ class MegatronGeoLM(LM):
         order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
         out: list[tuple[float, bool] | None] = [None] * len(pairs)
         for start in range(0, len(order), self.batch_size):
-            idx = order[start:start + self.batch_size]
+            idx = order[start : start + self.batch_size]
             seqs, conts = [], []
             for i in idx:
                 ctx, cont = pairs[i]
                 if not ctx or not cont:
                     raise ValueError("score_tokens: context and continuation must both be non-empty")
-                full = (ctx + cont)[-(self.max_length + 1):]
+                full = (ctx + cont)[-(self.max_length + 1) :]
                 seqs.append(full[:-1])
-                conts.append(cont[-(len(full) - 1):] if len(cont) >= len(full) else cont)
+                conts.append(cont[-(len(full) - 1) :] if len(cont) >= len(full) else cont)
             width = max(len(s) for s in seqs)
             inp = torch.zeros(len(seqs), width, dtype=torch.long)
             for j, s in enumerate(seqs):
@@ -110,7 +112,7 @@ class MegatronGeoLM(LM):
             for j, i in enumerate(idx):
                 n, c = len(seqs[j]), torch.tensor(conts[j])
                 # only the positions that predict the continuation tokens go through the output layer
-                lp = torch.log_softmax(output_logits(self.model, hidden[j, n - len(c): n]), dim=-1).cpu()
+                lp = torch.log_softmax(output_logits(self.model, hidden[j, n - len(c) : n]), dim=-1).cpu()
                 out[i] = (float(lp.gather(1, c[:, None]).sum()), bool((lp.argmax(-1) == c).all()))
         return out  # type: ignore[return-value]
 
@@ -118,7 +120,7 @@ class MegatronGeoLM(LM):
         """Token ids ``(ctx, cont)`` of a loglikelihood request (see the module docstring); ``ctx`` starts
         with the EOS prefix."""
         stripped = context.rstrip(" ")
-        continuation = context[len(stripped):] + continuation
+        continuation = context[len(stripped) :] + continuation
         whole = self.tok.encode(stripped + continuation)
         ctx = self.tok.encode(stripped) if stripped else []
         n = 0
@@ -139,8 +141,10 @@ class MegatronGeoLM(LM):
         for r in requests:
             (text,) = r.args
             ids = self.tok.encode(text)
-            windows = [make_disjoint_window(w) for w in
-                       get_rolling_token_windows(ids, self.prefix_id, self.max_length, context_len=1)]
+            windows = [
+                make_disjoint_window(w)
+                for w in get_rolling_token_windows(ids, self.prefix_id, self.max_length, context_len=1)
+            ]
             total = sum(lp for lp, _ in self.score_tokens(windows)) if windows else 0.0
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
             out.append(total)
@@ -173,7 +177,7 @@ class MegatronGeoLM(LM):
         new: list[int] = []
         text = ""
         for _ in range(max_new_tokens):
-            window = (ids + new)[-self.max_length:]
+            window = (ids + new)[-self.max_length :]
             hidden = llama_hidden(self.model, torch.tensor([window], device=self._device))
             nxt = int(output_logits(self.model, hidden[0, -1]).argmax())
             if nxt == self.prefix_id:
@@ -181,7 +185,7 @@ class MegatronGeoLM(LM):
             new.append(nxt)
             # decode with the context: SentencePiece drops the leading space of a string's first piece
             full = self.tok.decode(ctx + new)
-            text = full[len(base):] if full.startswith(base) else self.tok.decode(new)
+            text = full[len(base) :] if full.startswith(base) else self.tok.decode(new)
             hits = [text.find(u) for u in until if u and u in text]
             if hits:
                 return text[: min(hits)]

@@ -5,5 +5,13 @@ from .geo import GeoState, TransformMismatchError, select_parameters
 from .stats import InputStats
 from .transform import LowRankTransform, build_transform, identity_transform
 
-__all__ = ["GeoState", "GeoTransform", "InputStats", "LowRankTransform", "TransformMismatchError", "build_transform",
-           "identity_transform", "select_parameters"]
+__all__ = [
+    "GeoState",
+    "GeoTransform",
+    "InputStats",
+    "LowRankTransform",
+    "TransformMismatchError",
+    "build_transform",
+    "identity_transform",
+    "select_parameters",
+]

@@ -42,8 +42,9 @@ class GeoTransform:
         # bucket key -> (parameter name, offset in the bucket buffer, rows, cols) of every candidate in it
         self.slots: dict[int, list[tuple[str, int, int, int]]] = {}
         for b in buckets:
-            slots = [(want[id(p)], off, p.shape[0], p.shape[1]) for p, off in zip(b.params, b.plan.offsets)
-                     if id(p) in want]
+            slots = [
+                (want[id(p)], off, p.shape[0], p.shape[1]) for p, off in zip(b.params, b.plan.offsets) if id(p) in want
+            ]
             if slots:
                 self.slots[b.index] = slots
         self._residuals: dict[int, torch.Tensor] = {}
@@ -62,8 +63,9 @@ class GeoTransform:
         """
         for name, off, rows, cols in self.slots.get(key, []):
             if off + rows * cols > bounds[-1]:
-                raise ValueError(f"GeoFP8 layer {name} ends at {off + rows * cols}, past bucket {key} "
-                                 f"({bounds[-1]} elements)")
+                raise ValueError(
+                    f"GeoFP8 layer {name} ends at {off + rows * cols}, past bucket {key} ({bounds[-1]} elements)"
+                )
 
     def to_wire(self, x: torch.Tensor, key, record: bool = True) -> torch.Tensor:
         """``x`` with each selected layer's slot replaced by ``G T``, in place (``x`` is the bucket's gradient
@@ -76,13 +78,13 @@ class GeoTransform:
         if geo.profiling:
             if record:
                 for name, off, rows, cols in slots:
-                    geo.record_bound_hits(name, x[off:off + rows * cols])
+                    geo.record_bound_hits(name, x[off : off + rows * cols])
             return x
         with exact_fp32():  # G T in IEEE FP32: one precision switch for the bucket's layers
             for name, off, rows, cols in slots:
                 if name not in geo.selected:
                     continue
-                geo.transforms[name].apply_(x[off:off + rows * cols].view(rows, cols))
+                geo.transforms[name].apply_(x[off : off + rows * cols].view(rows, cols))
         return x
 
     def from_wire(self, y: torch.Tensor, key, start: int) -> torch.Tensor:
@@ -103,17 +105,19 @@ class GeoTransform:
                 if name not in geo.selected or lo >= hi:
                     continue
                 if (lo - off) % cols or (hi - off) % cols:
-                    raise RuntimeError(f"GeoFP8 layer {name} is cut inside a row by the shard plan; its rows must "
-                                       f"stay whole on their owner (granule {cols})")
-                geo.transforms[name].apply_inverse_(y[lo - start:hi - start].view(-1, cols))  # rows independent
+                    raise RuntimeError(
+                        f"GeoFP8 layer {name} is cut inside a row by the shard plan; its rows must "
+                        f"stay whole on their owner (granule {cols})"
+                    )
+                geo.transforms[name].apply_inverse_(y[lo - start : hi - start].view(-1, cols))  # rows independent
         return y
 
     def decode_target(self, buf: torch.Tensor, start: int, n: int) -> torch.Tensor:
         """The bucket's own range: the inverse maps it back in place."""
-        return buf[start:start + n]
+        return buf[start : start + n]
 
     def write_back(self, buf: torch.Tensor, start: int, y: torch.Tensor, key) -> None:
-        dest = buf[start:start + y.numel()]
+        dest = buf[start : start + y.numel()]
         out = self.from_wire(y, key, start)
         if not _same_memory(dest, out):
             dest.copy_(out)
@@ -146,7 +150,7 @@ class GeoTransform:
             for name, off, rows, cols in slots:
                 if name not in new:
                     continue
-                view = res[off:off + rows * cols].view(rows, cols)
+                view = res[off : off + rows * cols].view(rows, cols)
                 if self.geo.ef_on_refresh == "reset":
                     view.zero_()
                 else:

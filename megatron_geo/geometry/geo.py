@@ -45,8 +45,7 @@ from ..parallel.precision import exact_fp32
 from . import refresh_stats as RS
 from .power_search import pick_powers, roundtrip_errors, with_power
 from .stats import InputStats
-from .transform import (LowRankTransform, build_transform, build_transform_from_sketch, identity_transform,
-                        sketch_matrix)
+from .transform import LowRankTransform, build_transform, build_transform_from_sketch, identity_transform, sketch_matrix
 
 
 class TransformMismatchError(RuntimeError):
@@ -90,25 +89,43 @@ class GeoState:
         ValueError: a ``geo.layers`` pattern matches no linear weight.
     """
 
-    def __init__(self, model: nn.Module, patterns: str, rank: int, damping: float, refresh_interval: int,
-                 ef_on_refresh: str, dp_group, auto_layers: int = 0, profile_steps: int = 0, fp8_max: float = 448.0,
-                 underflow_below: float = 2.0 ** -10, log=print, statistics: str = "full", sketch_size: int = 64,
-                 power: float | str = 0.5, power_search: tuple[float, ...] = (), select_gain: bool = False,
-                 roundtrip: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 run_eagerly: Callable[[Iterable[nn.Module]], ContextManager] = _no_bypass):
+    def __init__(
+        self,
+        model: nn.Module,
+        patterns: str,
+        rank: int,
+        damping: float,
+        refresh_interval: int,
+        ef_on_refresh: str,
+        dp_group,
+        auto_layers: int = 0,
+        profile_steps: int = 0,
+        fp8_max: float = 448.0,
+        underflow_below: float = 2.0**-10,
+        log=print,
+        statistics: str = "full",
+        sketch_size: int = 64,
+        power: float | str = 0.5,
+        power_search: tuple[float, ...] = (),
+        select_gain: bool = False,
+        roundtrip: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        run_eagerly: Callable[[Iterable[nn.Module]], ContextManager] = _no_bypass,
+    ):
         self.candidates = select_parameters(model, patterns)
         # every module on the path from the model to each candidate (the model and the candidate included):
         # the ones compiled in place run eagerly while the statistics are armed
-        self._enclosing = {n: [model.get_submodule(".".join(n.split(".")[:i])) for i in range(n.count(".") + 1)]
-                           for n in self.candidates}
+        self._enclosing = {
+            n: [model.get_submodule(".".join(n.split(".")[:i])) for i in range(n.count(".") + 1)]
+            for n in self.candidates
+        }
         self._run_eagerly = run_eagerly
         self._eager: ContextManager | None = None
         params = dict(model.named_parameters())
-        self.params = {n: params[n] for n in self.candidates}   # rows of every candidate stay whole on their owner
+        self.params = {n: params[n] for n in self.candidates}  # rows of every candidate stay whole on their owner
         self.auto_layers, self.profile_steps, self.fp8_max, self.log = auto_layers, profile_steps, fp8_max, log
         self.underflow_below = underflow_below  # half the format's smallest subnormal: rounds to zero
-        self.hits = {n: 0.0 for n in self.candidates}            # summed bound-hit fractions while profiling
-        self._hits_dev: dict[str, list[torch.Tensor]] = {}       # ... per step, not yet folded in (device)
+        self.hits = {n: 0.0 for n in self.candidates}  # summed bound-hit fractions while profiling
+        self._hits_dev: dict[str, list[torch.Tensor]] = {}  # ... per step, not yet folded in (device)
         self.profiled = 0
         # geo.select=gain: statistics of every candidate at each refresh, the transform for the best auto_layers
         self.select_gain = select_gain
@@ -116,14 +133,15 @@ class GeoState:
         self.rank, self.damping, self.interval, self.ef_on_refresh = rank, damping, refresh_interval, ef_on_refresh
         self.dp_group = dp_group
         self.statistics, self.sketch_size, self.power = statistics, sketch_size, power
-        self.power_search = tuple(power_search)   # non-empty: p chosen per layer at each refresh
-        self.powers: dict[str, float] = {}         # power_search / auto: the p chosen per layer at the last refresh
+        self.power_search = tuple(power_search)  # non-empty: p chosen per layer at each refresh
+        self.powers: dict[str, float] = {}  # power_search / auto: the p chosen per layer at the last refresh
         self.diagnostics: dict[str, dict[str, float]] = {}  # per layer, from the last refresh (host floats)
         self.roundtrip = roundtrip  # the codec's quantize-dequantize (power_search)
         self.grad_of = lambda name: self.params[name].main_grad  # the local gradient at a refresh
         self.stats = self._make_stats()
         self.transforms: dict[str, LowRankTransform] = {
-            n: identity_transform(p.shape[1], p.device) for n, p in self.params.items()}
+            n: identity_transform(p.shape[1], p.device) for n, p in self.params.items()
+        }
         self.last_refresh = -1
         self._listeners: list[Callable[[dict, dict], None]] = []  # see add_refresh_listener
 
@@ -173,7 +191,7 @@ class GeoState:
         amax = g.abs().max()
         ok = torch.isfinite(amax) & (amax > 0)  # an all-zero or non-finite gradient counts no hits
         y = g / torch.where(ok, amax / self.fp8_max, torch.ones_like(amax))
-        hits = ((y.abs() >= self.fp8_max).sum() + ((y.abs() <= self.underflow_below) & (g != 0)).sum())
+        hits = (y.abs() >= self.fp8_max).sum() + ((y.abs() <= self.underflow_below) & (g != 0)).sum()
         frac = torch.where(ok, hits.double() / g.numel(), torch.zeros((), dtype=torch.float64, device=g.device))
         # kept on the device (no host sync inside the backward hooks); folded into hits at _choose
         self._hits_dev.setdefault(name, []).append(frac)
@@ -201,9 +219,15 @@ class GeoState:
         top = [names[i] for i in order[: self.auto_layers]]
         self.selected = {n: self.candidates[n] for n in top}
         self.stats = self._make_stats()
-        self.log("geo.select=auto: after %d profiled steps the transform goes to %s" % (
-            self.profiled, ", ".join(f"{n} ({rates[names.index(n)].item() / dist.get_world_size(self.dp_group):.2e})"
-                                      for n in top)))
+        self.log(
+            "geo.select=auto: after %d profiled steps the transform goes to %s"
+            % (
+                self.profiled,
+                ", ".join(
+                    f"{n} ({rates[names.index(n)].item() / dist.get_world_size(self.dp_group):.2e})" for n in top
+                ),
+            )
+        )
 
     def arm(self) -> None:
         """Collect input statistics of the selected layers in the following forward(s) until :meth:`disarm`.
@@ -246,17 +270,18 @@ class GeoState:
         # searched or auto: D ** p derived from D at power 1
         power = 1.0 if self.power_search or self.power == "auto" else self.power
         built = {}
-        for pname in sorted(self.selected):   # every owner decomposes its layers (in parallel across ranks) ...
+        for pname in sorted(self.selected):  # every owner decomposes its layers (in parallel across ranks) ...
             A = factors[pname]
             if isinstance(A, tuple):  # sketch: (Y = A Omega, trace A)
                 Y, trace = A
                 damping = self.damping * max(trace / Y.shape[0], 1e-30)
-                built[pname] = build_transform_from_sketch(Y, self.stats.sketches[pname], trace, self.rank, damping,
-                                                           power)
+                built[pname] = build_transform_from_sketch(
+                    Y, self.stats.sketches[pname], trace, self.rank, damping, power
+                )
             elif A is not None:
                 damping = self.damping * max(float(A.diagonal().mean()), 1e-30)
                 built[pname] = build_transform(A, self.rank, damping, power)
-        for pname in sorted(self.selected):   # ... then the results are broadcast
+        for pname in sorted(self.selected):  # ... then the results are broadcast
             new[pname] = self._broadcast_transform(pname, built.get(pname), owners[pname])
         moments, d1, ipr = self._summed_moments(new, power)
         if self.power == "auto" and not self.power_search:
@@ -282,11 +307,11 @@ class GeoState:
             buf = torch.cat([t.U.reshape(-1), t.d])
         else:  # overwritten by the broadcast; an identity transform (U = 0, d = 1) where none arrives (fake backend)
             buf = torch.zeros(d_in * r + r, dtype=torch.float32, device=p.device)
-            buf[d_in * r:] = 1.0
+            buf[d_in * r :] = 1.0
         C.broadcast(buf, self.dp_group, owner)
         if t is not None:
             return t
-        return LowRankTransform(buf[: d_in * r].view(d_in, r).clone(), buf[d_in * r:].clone())
+        return LowRankTransform(buf[: d_in * r].view(d_in, r).clone(), buf[d_in * r :].clone())
 
     def _summed_moments(self, transforms: dict[str, LowRankTransform], power: float) -> tuple[dict, dict, dict]:
         """Per layer, on the host: ``(e [r], E, sum_r G_r U [d_out, r], ranks)`` summed over DP
@@ -300,18 +325,19 @@ class GeoState:
         dev = transforms[names[0]].U.device
         buf = torch.cat(parts).to(dev)
         C.all_reduce(buf, self.dp_group)
-        d1_dev = [transforms[n].d.double() if power == 1.0 else transforms[n].d.double() ** (1.0 / power)
-                  for n in names]
+        d1_dev = [
+            transforms[n].d.double() if power == 1.0 else transforms[n].d.double() ** (1.0 / power) for n in names
+        ]
         local = torch.cat(d1_dev + [RS.eigvec_ipr(transforms[n].U, d).view(1) for n, d in zip(names, d1_dev)])
         host, local = buf.cpu(), local.cpu()
         world = dist.get_world_size(self.dp_group)
         moments, d1, off, off_d = {}, {}, 0, 0
         for n, p in zip(names, parts):
             r = transforms[n].U.shape[1]
-            seg = host[off:off + p.numel()]
+            seg = host[off : off + p.numel()]
             off += p.numel()
-            moments[n] = (seg[:r], seg[r], seg[r + 1:].view(-1, r), world)
-            d1[n] = local[off_d:off_d + r]
+            moments[n] = (seg[:r], seg[r], seg[r + 1 :].view(-1, r), world)
+            d1[n] = local[off_d : off_d + r]
             off_d += r
         ipr = dict(zip(names, local[off_d:].tolist()))
         return moments, d1, ipr
@@ -321,11 +347,16 @@ class GeoState:
         for n, (e, total, _, _) in moments.items():
             s = RS.energy_slope(e, total, d1[n], self.params[n].shape[1])
             p = float(RS.auto_power(s))
-            transforms[n] = with_power(transforms[n], p) if p > 0 else identity_transform(
-                self.params[n].shape[1], transforms[n].U.device)
+            transforms[n] = (
+                with_power(transforms[n], p)
+                if p > 0
+                else identity_transform(self.params[n].shape[1], transforms[n].U.device)
+            )
             self.powers[n] = p
-        self.log(f"step {step + 1}: geo.power=auto " + ", ".join(
-            f"{n.removesuffix('.weight')}={p:.3g}" for n, p in sorted(self.powers.items()) if n in moments))
+        self.log(
+            f"step {step + 1}: geo.power=auto "
+            + ", ".join(f"{n.removesuffix('.weight')}={p:.3g}" for n, p in sorted(self.powers.items()) if n in moments)
+        )
 
     def _record_diagnostics(self, transforms: dict, moments: dict, d1: dict, ipr: dict, step: int) -> None:
         """:attr:`diagnostics` of every layer (module docstring) from a second small all-reduce (bound hits and
@@ -340,16 +371,22 @@ class GeoState:
         for n in names:
             g = self.grad_of(n).float()
             wire = transforms[n].apply(g)
-            parts.append(torch.cat([RS.wire_bound_hits(wire, self.fp8_max, self.underflow_below),
-                                    RS.wire_bound_hits(g, self.fp8_max, self.underflow_below),
-                                    wire.double().pow(2).sum(0)]))
+            parts.append(
+                torch.cat(
+                    [
+                        RS.wire_bound_hits(wire, self.fp8_max, self.underflow_below),
+                        RS.wire_bound_hits(g, self.fp8_max, self.underflow_below),
+                        wire.double().pow(2).sum(0),
+                    ]
+                )
+            )
         buf = torch.cat(parts).to(transforms[names[0]].U.device)
         C.all_reduce(buf, self.dp_group)
         rows, off = [], 0
-        for n, part in zip(names, parts):   # per layer: 8 bound-hit counts and sum_k c_k q_k (relative model)
-            h = buf[off:off + part.numel()]
+        for n, part in zip(names, parts):  # per layer: 8 bound-hit counts and sum_k c_k q_k (relative model)
+            h = buf[off : off + part.numel()]
             off += part.numel()
-            t = transforms[n]   # sum_k c_k q_k: the relative-precision model's error energy
+            t = transforms[n]  # sum_k c_k q_k: the relative-precision model's error energy
             rows.append(torch.cat([h[:8], (h[8:] * RS.inverse_row_norms2(t.U, t.d)).sum().view(1)]))
         host = torch.stack(rows).cpu().tolist()
         diag, kept_euclidean = {}, []
@@ -359,17 +396,26 @@ class GeoState:
             p = self.powers[n] if self.power_search or self.power == "auto" else self.power
             tot = float(total)
             gain = 1.0 - (c[8] / tot) ** 0.5 if tot > 0 and transforms[n].U.shape[1] else 0.0
-            if auto and p > 0 and gain < RS.MIN_AUTO_GAIN:   # predicted to gain nothing: stay Euclidean
+            if auto and p > 0 and gain < RS.MIN_AUTO_GAIN:  # predicted to gain nothing: stay Euclidean
                 transforms[n] = identity_transform(self.params[n].shape[1], transforms[n].U.device)
                 self.powers[n] = p = 0.0
                 kept_euclidean.append(n)
-            diag[n] = {"slope": float(RS.energy_slope(e, total, d1[n], self.params[n].shape[1])), "power": float(p),
-                       "ipr": ipr[n], "cancel": float(RS.cancellation(e, gu, world)), "pred_gain": gain,
-                       "sat": c[0] / max(c[3], 1), "flush": c[1] / max(c[2], 1),
-                       "sat_euclid": c[4] / max(c[7], 1), "flush_euclid": c[5] / max(c[6], 1)}
+            diag[n] = {
+                "slope": float(RS.energy_slope(e, total, d1[n], self.params[n].shape[1])),
+                "power": float(p),
+                "ipr": ipr[n],
+                "cancel": float(RS.cancellation(e, gu, world)),
+                "pred_gain": gain,
+                "sat": c[0] / max(c[3], 1),
+                "flush": c[1] / max(c[2], 1),
+                "sat_euclid": c[4] / max(c[7], 1),
+                "flush_euclid": c[5] / max(c[6], 1),
+            }
         if kept_euclidean:
-            self.log(f"step {step + 1}: geo.power=auto keeps Euclidean (predicted gain < {RS.MIN_AUTO_GAIN:g}): "
-                     + ", ".join(n.removesuffix(".weight") for n in kept_euclidean))
+            self.log(
+                f"step {step + 1}: geo.power=auto keeps Euclidean (predicted gain < {RS.MIN_AUTO_GAIN:g}): "
+                + ", ".join(n.removesuffix(".weight") for n in kept_euclidean)
+            )
         if self.select_gain and self.auto_layers:
             # among the layers geo.power=auto did not already keep Euclidean
             ranked = sorted((n for n in diag if n not in kept_euclidean), key=lambda n: (-diag[n]["pred_gain"], n))
@@ -378,19 +424,27 @@ class GeoState:
                 if n not in keep:
                     transforms[n] = identity_transform(self.params[n].shape[1], transforms[n].U.device)
                 diag[n]["active"] = float(n in keep)
-            self.log(f"step {step + 1}: geo.select=gain keeps " + (", ".join(
-                f"{n.removesuffix('.weight')} ({diag[n]['pred_gain']:+.2f})" for n in ranked if n in keep) or "none"))
+            self.log(
+                f"step {step + 1}: geo.select=gain keeps "
+                + (
+                    ", ".join(f"{n.removesuffix('.weight')} ({diag[n]['pred_gain']:+.2f})" for n in ranked if n in keep)
+                    or "none"
+                )
+            )
         self.diagnostics = diag
 
     def _search_powers(self, transforms: dict[str, LowRankTransform], step: int) -> None:
         """Replace each selected layer's power-1 transform by the candidate power with the smallest
         DP-summed round-trip error of the current local gradients (:mod:`.power_search`)."""
         if self.roundtrip is None:
-            raise RuntimeError("geo.power_search needs the codec round trip (GeoState(roundtrip=...), given by "
-                               "megatron_geo.training.geo_setup.build_geo)")
+            raise RuntimeError(
+                "geo.power_search needs the codec round trip (GeoState(roundtrip=...), given by "
+                "megatron_geo.training.geo_setup.build_geo)"
+            )
         names = sorted(self.selected)
-        errs = torch.stack([roundtrip_errors(self.grad_of(n), transforms[n], list(self.power_search), self.roundtrip)
-                            for n in names])
+        errs = torch.stack(
+            [roundtrip_errors(self.grad_of(n), transforms[n], list(self.power_search), self.roundtrip) for n in names]
+        )
         dev = transforms[names[0]].U.device if names else torch.device("cpu")
         errs = errs.to(dev)
         C.all_reduce(errs, self.dp_group)
@@ -399,9 +453,15 @@ class GeoState:
             transforms[n] = with_power(transforms[n], p)
             self.powers[n] = p
         counts = {p: chosen.count(p) for p in self.power_search if chosen.count(p)}
-        self.log(f"step {step + 1}: geo.power_search " + ", ".join(f"p={p:g} x{c}" for p, c in counts.items())
-                 + (" (" + ", ".join(f"{n.removesuffix('.weight')}={p:g}" for n, p in zip(names, chosen)) + ")"
-                    if len(names) <= 16 else ""))
+        self.log(
+            f"step {step + 1}: geo.power_search "
+            + ", ".join(f"p={p:g} x{c}" for p, c in counts.items())
+            + (
+                " (" + ", ".join(f"{n.removesuffix('.weight')}={p:g}" for n, p in zip(names, chosen)) + ")"
+                if len(names) <= 16
+                else ""
+            )
+        )
 
     def check_consistent(self, transforms: dict[str, LowRankTransform]) -> None:
         """Compare a 63-bit digest of every transform across the DP group; raise on any difference."""
@@ -417,7 +477,8 @@ class GeoState:
         if bad:
             raise TransformMismatchError(
                 f"GeoFP8 transform differs across DP ranks for layer(s) {', '.join(bad)}: the input statistics "
-                f"or the eigendecomposition were not identical on every rank (checksum mismatch)")
+                f"or the eigendecomposition were not identical on every rank (checksum mismatch)"
+            )
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this state keeps between steps, for memory accounting: each candidate's ``U`` and ``d``, then
@@ -435,9 +496,13 @@ class GeoState:
           references to the live tensors.
         """
         self._fold_hits()
-        return {"last_refresh": self.last_refresh, "selected": sorted(self.selected), "hits": dict(self.hits),
-                "profiled": self.profiled,
-                "transforms": {n: {"U": t.U, "d": t.d} for n, t in self.transforms.items()}}
+        return {
+            "last_refresh": self.last_refresh,
+            "selected": sorted(self.selected),
+            "hits": dict(self.hits),
+            "profiled": self.profiled,
+            "transforms": {n: {"U": t.U, "d": t.d} for n, t in self.transforms.items()},
+        }
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore what :meth:`state_dict` returned; every key is optional (absent ones keep their value), and so

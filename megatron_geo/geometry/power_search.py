@@ -20,7 +20,7 @@ Cost per refresh: ``len(powers)`` extra transform pairs and quantizations of eac
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -47,8 +47,9 @@ def with_power(base: LowRankTransform, p: float) -> LowRankTransform:
     return LowRankTransform(base.U, (base.d.double() ** p).float())
 
 
-def roundtrip_errors(grad: torch.Tensor, base: LowRankTransform, powers: list[float],
-                     roundtrip: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def roundtrip_errors(
+    grad: torch.Tensor, base: LowRankTransform, powers: list[float], roundtrip: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
     """``|| T_p^-1 Q(G T_p) - G ||_F^2`` for each p of ``powers`` (FP64 ``[len(powers)]``, gradient units
     squared). Non-finite errors become +inf.
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-OUTLIER_D1 = 0.5     # an outlier eigen-direction: (lambda + damping) >= 2 (lambda_ref + damping)
+OUTLIER_D1 = 0.5  # an outlier eigen-direction: (lambda + damping) >= 2 (lambda_ref + damping)
 MAX_AUTO_POWER = 0.5  # the paper's whitening
 # geo.power=auto keeps a layer Euclidean (p = 0) unless the relative-precision model predicts a RelL2 at least
 # this much lower: a transform predicted to gain nothing (outliers confined to single input channels, i.i.d.

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..parallel.precision import exact_fp32
 from ..parallel import collectives as C
+from ..parallel.precision import exact_fp32
 
 
 class InputStats:
@@ -65,6 +65,7 @@ class InputStats:
                     self.counts[name] += a.shape[0]
                 else:
                     self.sums[name], self.counts[name] = s, float(a.shape[0])
+
         return hook
 
     def reduce(self, dp_group, owners: dict[str, int] | None = None) -> dict[str, torch.Tensor | None]:
@@ -90,9 +91,11 @@ class InputStats:
         me = dist.get_rank(dp_group)
         for name in sorted(self.modules):
             if name not in self.sums:
-                raise RuntimeError(f"no input statistics were collected for {name}; was the module used in forward? "
-                                   f"(a block compiled in place must run eagerly while the statistics are armed: "
-                                   f"GeoState.arm does that)")
+                raise RuntimeError(
+                    f"no input statistics were collected for {name}; was the module used in forward? "
+                    f"(a block compiled in place must run eagerly while the statistics are armed: "
+                    f"GeoState.arm does that)"
+                )
             s = self.sums[name].to(torch.float32)
             # one collective per layer: the FP32 sums, then the token count and trace (FP32 holds the count
             # exactly up to 2^24 tokens summed over the DP group per refresh; the trace only scales the damping)

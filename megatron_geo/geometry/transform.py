@@ -84,8 +84,9 @@ class LowRankTransform:
 
 def identity_transform(d_in: int, device=None) -> LowRankTransform:
     """T = I (r = 0): used before the first refresh. float32 ``U [d_in, 0]`` and ``d [0]`` on ``device``."""
-    return LowRankTransform(torch.zeros(d_in, 0, dtype=torch.float32, device=device),
-                            torch.ones(0, dtype=torch.float32, device=device))
+    return LowRankTransform(
+        torch.zeros(d_in, 0, dtype=torch.float32, device=device), torch.ones(0, dtype=torch.float32, device=device)
+    )
 
 
 def build_transform(A: torch.Tensor, rank: int, damping: float, power: float = 0.5) -> LowRankTransform:
@@ -114,7 +115,7 @@ def build_transform(A: torch.Tensor, rank: int, damping: float, power: float = 0
 
 def _build_transform(A: torch.Tensor, r: int, damping: float, power: float) -> LowRankTransform:
     A64 = A.double()
-    evals, evecs = torch.linalg.eigh(0.5 * (A64 + A64.T))      # ascending
+    evals, evecs = torch.linalg.eigh(0.5 * (A64 + A64.T))  # ascending
     evals = evals.flip(0).clamp(min=0.0)
     evecs = evecs.flip(1)
     rest = evals[r:]
@@ -145,8 +146,9 @@ def sketch_shift(Y: torch.Tensor) -> float:
     return torch.finfo(torch.float32).eps * max(float(Y.double().norm()), 1e-300) * Y.shape[0] ** 0.5
 
 
-def build_transform_from_sketch(Y: torch.Tensor, omega: torch.Tensor, trace: float, rank: int,
-                                damping: float, power: float = 0.5) -> LowRankTransform:
+def build_transform_from_sketch(
+    Y: torch.Tensor, omega: torch.Tensor, trace: float, rank: int, damping: float, power: float = 0.5
+) -> LowRankTransform:
     """The transform of :func:`build_transform` from a randomized sketch ``Y = A Omega`` instead of A.
 
     Nystrom approximation of a PSD matrix from a sketch (Tropp, Yurtsever, Udell & Cevher 2017,
@@ -169,8 +171,9 @@ def build_transform_from_sketch(Y: torch.Tensor, omega: torch.Tensor, trace: flo
         return _build_transform_from_sketch(Y, omega, trace, r, damping, power)
 
 
-def _build_transform_from_sketch(Y: torch.Tensor, omega: torch.Tensor, trace: float, r: int, damping: float,
-                                 power: float) -> LowRankTransform:
+def _build_transform_from_sketch(
+    Y: torch.Tensor, omega: torch.Tensor, trace: float, r: int, damping: float, power: float
+) -> LowRankTransform:
     d_in = Y.shape[0]
     Y64, O64 = Y.double(), omega.to(device=Y.device, dtype=torch.float64)
     # shift by the precision of the sketch itself (FP32 accumulation), so B stays positive definite
@@ -178,9 +181,9 @@ def _build_transform_from_sketch(Y: torch.Tensor, omega: torch.Tensor, trace: fl
     Yn = Y64 + nu * O64
     B = O64.T @ Yn
     C = torch.linalg.cholesky(0.5 * (B + B.T))
-    F = torch.linalg.solve_triangular(C, Yn.T, upper=False).T        # Yn C^-T
+    F = torch.linalg.solve_triangular(C, Yn.T, upper=False).T  # Yn C^-T
     U, S, _ = torch.linalg.svd(F, full_matrices=False)
-    lam = (S ** 2 - nu).clamp(min=0.0)
+    lam = (S**2 - nu).clamp(min=0.0)
     top = lam[:r]
     lam_ref = max(trace - float(top.sum()), 0.0) / (d_in - r) if d_in > r else 0.0
     d = ((lam_ref + damping) / (top + damping)) ** power

@@ -25,8 +25,9 @@ from __future__ import annotations
 from torch import nn
 
 
-def compile_blocks(model: nn.Module, backend: str = "inductor", mode: str | None = None,
-                   dynamic: bool | None = False) -> int:
+def compile_blocks(
+    model: nn.Module, backend: str = "inductor", mode: str | None = None, dynamic: bool | None = False
+) -> int:
     """Compile every module in ``model.layers`` in place; returns how many were compiled.
 
     ``backend``/``mode``/``dynamic`` go to ``torch.compile`` (``backend="eager"`` checks the tracing
@@ -37,8 +38,10 @@ def compile_blocks(model: nn.Module, backend: str = "inductor", mode: str | None
     """
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise ValueError(f"compile_blocks needs a model with a non-empty `layers` ModuleList (a megatron_geo "
-                         f"Llama), got {type(model).__name__}")
+        raise ValueError(
+            f"compile_blocks needs a model with a non-empty `layers` ModuleList (a megatron_geo "
+            f"Llama), got {type(model).__name__}"
+        )
     for block in layers:
         block.compile(backend=backend, mode=mode, dynamic=dynamic)
     return len(layers)
@@ -67,7 +70,7 @@ class eager_calls:  # noqa: N801 - used like a function: ``with eager_calls(modu
         self.modules = list({id(m): m for m in modules}.values())
         self._saved: list[tuple[nn.Module, object]] = []
 
-    def __enter__(self) -> "eager_calls":
+    def __enter__(self) -> eager_calls:
         if self._saved:
             raise RuntimeError("eager_calls is already active; exit it before entering it again")
         for m in self.modules:

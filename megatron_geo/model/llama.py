@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -22,8 +22,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..config.schema import ModelConfig
-from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                               vocab_parallel_cross_entropy)
+from ..tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
@@ -75,8 +79,9 @@ class Attention(nn.Module):
         self.q_proj = col(h, cfg.num_attention_heads * hd, init_fn=_init(seed, prefix + "q_proj", "trunc", std))
         self.k_proj = col(h, cfg.num_kv_heads * hd, init_fn=_init(seed, prefix + "k_proj", "trunc", std))
         self.v_proj = col(h, cfg.num_kv_heads * hd, init_fn=_init(seed, prefix + "v_proj", "trunc", std))
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, h, group,
-                                        _init(seed, prefix + "o_proj", "trunc", out_std), dtype, device)
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * hd, h, group, _init(seed, prefix + "o_proj", "trunc", out_std), dtype, device
+        )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -95,12 +100,15 @@ class SwiGLU(nn.Module):
         super().__init__()
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        self.gate_proj = ColumnParallelLinear(h, f, group, _init(seed, prefix + "gate_proj", "trunc", std), dtype=dtype,
-                                              device=device)
-        self.up_proj = ColumnParallelLinear(h, f, group, _init(seed, prefix + "up_proj", "trunc", std), dtype=dtype,
-                                            device=device)
-        self.down_proj = RowParallelLinear(f, h, group, _init(seed, prefix + "down_proj", "trunc", out_std), dtype,
-                                           device)
+        self.gate_proj = ColumnParallelLinear(
+            h, f, group, _init(seed, prefix + "gate_proj", "trunc", std), dtype=dtype, device=device
+        )
+        self.up_proj = ColumnParallelLinear(
+            h, f, group, _init(seed, prefix + "up_proj", "trunc", std), dtype=dtype, device=device
+        )
+        self.down_proj = RowParallelLinear(
+            f, h, group, _init(seed, prefix + "down_proj", "trunc", out_std), dtype, device
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -133,14 +141,26 @@ class Llama(nn.Module):
         self.cfg, self.tp_group = cfg, tp_group
         tp = dist.get_world_size(tp_group)
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
-        self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, tp_group,
-                                            _init(seed, "embed", "normal", 1.0), dtype, device,
-                                            vocab_size=cfg.vocab_size)
+        self.embed = VocabParallelEmbedding(
+            self.padded_vocab,
+            cfg.hidden_size,
+            tp_group,
+            _init(seed, "embed", "normal", 1.0),
+            dtype,
+            device,
+            vocab_size=cfg.vocab_size,
+        )
         self.layers = nn.ModuleList(Block(cfg, tp_group, seed, i, dtype, device) for i in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype, device=device)
-        self.output = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab, tp_group,
-                                           _init(seed, "output", "trunc3", cfg.hidden_size ** -0.5), dtype=dtype,
-                                           device=device, valid_out_features=cfg.vocab_size)
+        self.output = ColumnParallelLinear(
+            cfg.hidden_size,
+            self.padded_vocab,
+            tp_group,
+            _init(seed, "output", "trunc3", cfg.hidden_size**-0.5),
+            dtype=dtype,
+            device=device,
+            valid_out_features=cfg.vocab_size,
+        )
         cos, sin = rope_tables(cfg.seq_length, cfg.hidden_size // cfg.num_attention_heads, cfg.rope_theta)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)

@@ -24,7 +24,8 @@ def load_transformer_engine():
         raise ConfigError(
             f"model.transformer_impl=transformer_engine but Transformer Engine cannot be imported "
             f"({type(e).__name__}: {e}); use the NGC PyTorch container (see the Dockerfile) or "
-            f"pip install 'transformer_engine[pytorch]', or set model.transformer_impl=local") from None
+            f"pip install 'transformer_engine[pytorch]', or set model.transformer_impl=local"
+        ) from None
     return te_pt
 
 
@@ -43,8 +44,10 @@ def use_transformer_engine(model: nn.Module, te_pt=None, require_cuda: bool = Tr
     te_pt = te_pt or load_transformer_engine()
     dev = next(model.parameters()).device
     if require_cuda and dev.type != "cuda":
-        raise ConfigError(f"model.transformer_impl=transformer_engine needs CUDA, but the model is on {dev}; "
-                          f"set model.transformer_impl=local for CPU runs")
+        raise ConfigError(
+            f"model.transformer_impl=transformer_engine needs CUDA, but the model is on {dev}; "
+            f"set model.transformer_impl=local for CPU runs"
+        )
     swapped = 0
     for module in list(model.modules()):
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
@@ -56,8 +59,12 @@ def use_transformer_engine(model: nn.Module, te_pt=None, require_cuda: bool = Tr
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.RMSNorm):
-                norm = te_pt.RMSNorm(child.weight.shape[0], eps=child.eps if child.eps is not None else 1e-5,
-                                     params_dtype=child.weight.dtype, device=dev)
+                norm = te_pt.RMSNorm(
+                    child.weight.shape[0],
+                    eps=child.eps if child.eps is not None else 1e-5,
+                    params_dtype=child.weight.dtype,
+                    device=dev,
+                )
                 norm.weight = child.weight
                 setattr(parent, name, norm)
                 swapped += 1

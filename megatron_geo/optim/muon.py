@@ -20,8 +20,9 @@ import math
 import torch
 
 
-def newton_schulz5(u: torch.Tensor, coeffs: tuple[float, float, float], steps: int, eps: float,
-                   dtype: torch.dtype) -> torch.Tensor:
+def newton_schulz5(
+    u: torch.Tensor, coeffs: tuple[float, float, float], steps: int, eps: float, dtype: torch.dtype
+) -> torch.Tensor:
     """Approximate orthogonalisation ``U (U^T U)^{-1/2}`` of a 2-D ``u`` (any float dtype) computed in ``dtype``.
 
     Returns a tensor of ``u``'s shape in ``dtype``. Iterates ``X <- a X + (b A + c A^2) X`` with

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 
 
-def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, total_steps: int,
-          style: str = "cosine") -> float:
+def lr_at(
+    step: int, *, max_lr: float, min_lr: float, warmup_steps: int, total_steps: int, style: str = "cosine"
+) -> float:
     """Learning rate of optimizer step ``step`` (0-based).
 
     Warmup: ``max_lr * (step + 1) / warmup_steps`` for ``step < warmup_steps`` (never 0, so the first

@@ -122,15 +122,18 @@ def check_devices(op: str, group, *tensors: torch.Tensor) -> None:
             raise CollectiveDeviceError(
                 f"{op}: tensor {i} ({t.dtype}, shape {tuple(t.shape)}) is on {t.device} but this process's NCCL "
                 f"collectives run on cuda:{index}; create it with device=pctx.device (the indexed device, not "
-                f"'cuda' or another GPU)")
+                f"'cuda' or another GPU)"
+            )
         if dev == "meta" or (need is not None and dev != need):
             raise CollectiveDeviceError(
                 f"{op}: tensor {i} ({t.dtype}, shape {tuple(t.shape)}) is on {t.device} but the process group's "
                 f"backend ({dist.get_backend(group)}) needs {need or 'real'} tensors; create it with "
-                f"device=pctx.device (or move it with .to(device)) before the collective")
+                f"device=pctx.device (or move it with .to(device)) before the collective"
+            )
 
 
 # -- even collectives -------------------------------------------------------------------------------------------
+
 
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
     check_devices("all_reduce", group, t)
@@ -168,8 +171,14 @@ def all_gather_list(parts: list[torch.Tensor], t: torch.Tensor, group, async_op:
     return dist.all_gather(parts, t, group=group, async_op=async_op)
 
 
-def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group, out_splits: list[int] | None = None,
-                      in_splits: list[int] | None = None, async_op: bool = False):
+def all_to_all_single(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    group,
+    out_splits: list[int] | None = None,
+    in_splits: list[int] | None = None,
+    async_op: bool = False,
+):
     """``torch.distributed.all_to_all_single`` (split sizes in elements of dim 0, ``None`` = even)."""
     check_devices("all_to_all", group, out, inp)
     work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
@@ -188,7 +197,7 @@ def _loopback(out: torch.Tensor, inp: torch.Tensor, group, out_splits, in_splits
     lo, pos = sum(ins[:me]), sum(outs[:me])
     out.zero_()
     if outs[me] == ins[me]:
-        out[pos:pos + outs[me]].copy_(inp[lo:lo + ins[me]])
+        out[pos : pos + outs[me]].copy_(inp[lo : lo + ins[me]])
 
 
 def barrier(group) -> None:
@@ -196,6 +205,7 @@ def barrier(group) -> None:
 
 
 # -- uneven collectives over contiguous owner ranges --------------------------------------------------------------
+
 
 def coalesces(group, device: torch.device) -> bool:
     """Whether ``group``'s backend for ``device`` groups several collectives into one launch (NCCL: one
@@ -230,10 +240,10 @@ def reduce_ranges(buf: torch.Tensor, bounds: list[int], group, async_op: bool = 
     if len(owners) > 1 and coalesces(group, buf.device):
         with dist._coalescing_manager(group, buf.device, async_ops=True) as cm:
             for r in owners:
-                reduce(buf[bounds[r]:bounds[r + 1]], group, r, async_op=True)
+                reduce(buf[bounds[r] : bounds[r + 1]], group, r, async_op=True)
         w = _Works(cm.works)
     else:
-        w = _Works([reduce(buf[bounds[r]:bounds[r + 1]], group, r, async_op=True) for r in owners])
+        w = _Works([reduce(buf[bounds[r] : bounds[r + 1]], group, r, async_op=True) for r in owners])
     if not async_op:
         w.wait()
     return w
@@ -245,16 +255,20 @@ def all_gather_ranges(buf: torch.Tensor, bounds: list[int], group, async_op: boo
     world = len(bounds) - 1
     sizes = [bounds[r + 1] - bounds[r] for r in range(world)]
     if len(set(sizes)) == 1:  # even: one all-gather
-        w = all_gather_into(buf[bounds[0]:bounds[-1]], buf[bounds[dist.get_rank(group)]:
-                                                           bounds[dist.get_rank(group) + 1]].clone(),
-                            group, async_op=True)
+        w = all_gather_into(
+            buf[bounds[0] : bounds[-1]],
+            buf[bounds[dist.get_rank(group)] : bounds[dist.get_rank(group) + 1]].clone(),
+            group,
+            async_op=True,
+        )
     elif dist.get_backend(group) == "nccl":  # torch coalesces uneven all-gathers into grouped broadcasts
         me = dist.get_rank(group)
-        parts = [buf[bounds[r]:bounds[r + 1]] for r in range(world)]
+        parts = [buf[bounds[r] : bounds[r + 1]] for r in range(world)]
         w = all_gather_list(parts, parts[me].clone(), group, async_op=True)
     else:
-        w = _Works([broadcast(buf[bounds[r]:bounds[r + 1]], group, r, async_op=True)
-                    for r in range(world) if sizes[r]])
+        w = _Works(
+            [broadcast(buf[bounds[r] : bounds[r + 1]], group, r, async_op=True) for r in range(world) if sizes[r]]
+        )
     if not async_op:
         w.wait()
     return w
@@ -262,8 +276,20 @@ def all_gather_ranges(buf: torch.Tensor, bounds: list[int], group, async_op: boo
 
 # -- the CPU test mode ----------------------------------------------------------------------------------------------
 
-_FACTORIES = {torch.tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange,
-              torch.rand, torch.randn, torch.randint, torch.randperm, torch.eye, torch.linspace}
+_FACTORIES = {
+    torch.tensor,
+    torch.zeros,
+    torch.ones,
+    torch.empty,
+    torch.full,
+    torch.arange,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+    torch.eye,
+    torch.linspace,
+}
 
 
 class _ImplicitToMeta(TorchFunctionMode):

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .launch_env import (RENDEZVOUS_TIMEOUT_VARIABLE, LaunchEnv, LaunchError, detect_launch_env,
-                         require_cuda_if_allotted)
+from .launch_env import RENDEZVOUS_TIMEOUT_VARIABLE, LaunchEnv, LaunchError, detect_launch_env, require_cuda_if_allotted
 
 
 @dataclass
@@ -82,8 +81,19 @@ def build_groups(rank: int, world_size: int, tp_size: int, device: torch.device,
         g = dist.new_group(ranks)
         if rank in ranks:
             dp_group = g
-    return ParallelContext(rank, world_size, rank % tp_size, tp_size, rank // tp_size, dp_size, tp_group, dp_group,
-                           dist.group.WORLD, device, backend)
+    return ParallelContext(
+        rank,
+        world_size,
+        rank % tp_size,
+        tp_size,
+        rank // tp_size,
+        dp_size,
+        tp_group,
+        dp_group,
+        dist.group.WORLD,
+        device,
+        backend,
+    )
 
 
 def _backends_of(group=None) -> set[str]:
@@ -107,10 +117,12 @@ def check_default_group(backend: str) -> None:
         return
     have = _backends_of()
     if backend.lower() not in have:
-        raise LaunchError(f"a default process group with backend {dist.get_backend()!r} is already initialised, but "
-                          f"init_parallel would use {backend!r} (its TP/DP groups would silently be "
-                          f"{dist.get_backend()!r} groups); call torch.distributed.destroy_process_group() first, or "
-                          f"ask for parallel.backend={sorted(have)[0]} with a matching train.device")
+        raise LaunchError(
+            f"a default process group with backend {dist.get_backend()!r} is already initialised, but "
+            f"init_parallel would use {backend!r} (its TP/DP groups would silently be "
+            f"{dist.get_backend()!r} groups); call torch.distributed.destroy_process_group() first, or "
+            f"ask for parallel.backend={sorted(have)[0]} with a matching train.device"
+        )
 
 
 _STORE_HOST_GRACE_S = 3.0
@@ -126,8 +138,11 @@ class _RendezvousIncomplete(Exception):
 
 def _launch_variables(launcher: str) -> str:
     """``NAME=value`` of the launch variables set in this process's environment, comma-separated."""
-    names = (("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_STEP_ID")
-             if launcher == "slurm" else ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"))
+    names = (
+        ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_STEP_ID")
+        if launcher == "slurm"
+        else ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")
+    )
     seen = [f"{n}={os.environ[n]}" for n in (*names, "MASTER_ADDR", "MASTER_PORT") if n in os.environ]
     return ", ".join(seen) or "no launch variables"
 
@@ -135,16 +150,22 @@ def _launch_variables(launcher: str) -> str:
 def _rendezvous_hint(env: LaunchEnv) -> str:
     """What to do when the processes of ``env`` did not all meet."""
     if env.launcher == "slurm":
-        return (f"launch with srun (one task per GPU), e.g. `srun python pretrain_llama.py ...` in the sbatch script "
-                f"or salloc shell: python started directly reads the job's SLURM_NTASKS={env.world_size} but is one "
-                f"process; if srun did start every task, check that {env.master_addr} (MASTER_ADDR) is the job's "
-                f"first node and reachable from every node")
+        return (
+            f"launch with srun (one task per GPU), e.g. `srun python pretrain_llama.py ...` in the sbatch script "
+            f"or salloc shell: python started directly reads the job's SLURM_NTASKS={env.world_size} but is one "
+            f"process; if srun did start every task, check that {env.master_addr} (MASTER_ADDR) is the job's "
+            f"first node and reachable from every node"
+        )
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        return ("start torchrun on every node with the same --nnodes and --master-addr/--master-port (or "
-                f"--rdzv-endpoint), and check that {env.master_addr} is reachable from every node")
-    return (f"RANK/WORLD_SIZE say {env.world_size} processes but no launcher started the others: start them with "
-            f"torchrun (--nproc-per-node, and --nnodes with --master-addr on every node), or unset RANK and "
-            f"WORLD_SIZE to run one process; check MASTER_ADDR={env.master_addr}")
+        return (
+            "start torchrun on every node with the same --nnodes and --master-addr/--master-port (or "
+            f"--rdzv-endpoint), and check that {env.master_addr} is reachable from every node"
+        )
+    return (
+        f"RANK/WORLD_SIZE say {env.world_size} processes but no launcher started the others: start them with "
+        f"torchrun (--nproc-per-node, and --nnodes with --master-addr on every node), or unset RANK and "
+        f"WORLD_SIZE to run one process; check MASTER_ADDR={env.master_addr}"
+    )
 
 
 def _rendezvous_cause(env: LaunchEnv, cause: BaseException) -> tuple[str, str, str | None]:
@@ -154,8 +175,11 @@ def _rendezvous_cause(env: LaunchEnv, cause: BaseException) -> tuple[str, str, s
     if "EADDRINUSE" in text or "address already in use" in text.lower():
         import socket
 
-        return (f"MASTER_PORT={env.master_port} is already in use on {socket.gethostname()}", "",
-                "another job or run on this host holds it: set MASTER_PORT to a free port")
+        return (
+            f"MASTER_PORT={env.master_port} is already in use on {socket.gethostname()}",
+            "",
+            "another job or run on this host holds it: set MASTER_PORT to a free port",
+        )
     if isinstance(cause, _RendezvousIncomplete):
         return text, cause.why, None
     return f"{type(cause).__name__}: {text}", "", None
@@ -166,11 +190,15 @@ def _rendezvous_error(env: LaunchEnv, cause: BaseException) -> LaunchError:
     what, why, fix = _rendezvous_cause(env, cause)
     if fix is None:
         what += f" within {env.rendezvous_timeout_s:g} s"
-        fix = (f"{_rendezvous_hint(env)}; {RENDEZVOUS_TIMEOUT_VARIABLE}=SECONDS waits longer for processes that "
-               f"start slowly")
+        fix = (
+            f"{_rendezvous_hint(env)}; {RENDEZVOUS_TIMEOUT_VARIABLE}=SECONDS waits longer for processes that "
+            f"start slowly"
+        )
     seen = "; ".join(part for part in (why, f"{env.launcher} launch", _launch_variables(env.launcher)) if part)
-    return LaunchError(f"rank {env.rank}: the rendezvous of {env.world_size} processes at {env.master_addr}:"
-                       f"{env.master_port} failed: {what} ({seen}); {fix}")
+    return LaunchError(
+        f"rank {env.rank}: the rendezvous of {env.world_size} processes at {env.master_addr}:"
+        f"{env.master_port} failed: {what} ({seen}); {fix}"
+    )
 
 
 def _remaining(deadline: float) -> datetime.timedelta:
@@ -193,9 +221,10 @@ def _wait_until_listening(addr: str, port: int, deadline: float) -> None:
         except OSError as e:
             last = e
         if time.monotonic() >= deadline:
-            raise _RendezvousIncomplete(f"no answer from rank 0's store at {addr}:{port}",
-                                        f"{last.strerror or last}: rank 0 never started, or MASTER_ADDR/MASTER_PORT "
-                                        f"point elsewhere")
+            raise _RendezvousIncomplete(
+                f"no answer from rank 0's store at {addr}:{port}",
+                f"{last.strerror or last}: rank 0 never started, or MASTER_ADDR/MASTER_PORT point elsewhere",
+            )
         time.sleep(0.2)
 
 
@@ -241,8 +270,15 @@ def rendezvous_store(env: LaunchEnv, collective_timeout: datetime.timedelta) -> 
     try:
         if not hosts:
             _wait_until_listening(env.master_addr, env.master_port, deadline)
-        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=hosts,
-                              timeout=_remaining(deadline), wait_for_workers=False, multi_tenant=True)
+        store = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            env.world_size,
+            is_master=hosts,
+            timeout=_remaining(deadline),
+            wait_for_workers=False,
+            multi_tenant=True,
+        )
         _join_barrier(store, env, deadline)
     except (dist.DistError, RuntimeError, OSError, ValueError, _RendezvousIncomplete) as e:
         raise _rendezvous_error(env, e) from None
@@ -259,17 +295,25 @@ def _init_default_group(backend: str, env: LaunchEnv, dev: torch.device, timeout
     store = rendezvous_store(env, timeout)
     kwargs = {"device_id": dev} if dev.type == "cuda" else {}
     try:
-        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout,
-                                **kwargs)
+        dist.init_process_group(
+            backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs
+        )
     except (dist.DistError, RuntimeError) as e:
-        raise LaunchError(f"rank {env.rank}: the {backend} process group of {env.world_size} processes could not be "
-                          f"created after they met at {env.master_addr}:{env.master_port} ({type(e).__name__}: "
-                          f"{' '.join(str(e).split())}); another process probably stopped during start-up: see its "
-                          f"error") from None
+        raise LaunchError(
+            f"rank {env.rank}: the {backend} process group of {env.world_size} processes could not be "
+            f"created after they met at {env.master_addr}:{env.master_port} ({type(e).__name__}: "
+            f"{' '.join(str(e).split())}); another process probably stopped during start-up: see its "
+            f"error"
+        ) from None
 
 
-def init_parallel(tp_size: int, device: str = "auto", backend: str = "auto", timeout_minutes: float = 30.0,
-                  env: LaunchEnv | None = None) -> ParallelContext:
+def init_parallel(
+    tp_size: int,
+    device: str = "auto",
+    backend: str = "auto",
+    timeout_minutes: float = 30.0,
+    env: LaunchEnv | None = None,
+) -> ParallelContext:
     """Initialise torch.distributed from the launcher environment and build the TP x DP context.
 
     ``device=auto`` picks CUDA (``cuda:LOCAL_RANK``) when available, else CPU -- but not where the launcher

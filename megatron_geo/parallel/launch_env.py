@@ -104,7 +104,7 @@ def _parse_host_expression(expr: str) -> tuple[list[str], list[list[str]]]:
     Raises:
         ValueError: text after the last bracket group (Slurm refuses it too), or a bad range.
     """
-    pieces = re.split(r"\[([^\]]*)\]", expr)   # text, group, text, group, ..., text
+    pieces = re.split(r"\[([^\]]*)\]", expr)  # text, group, text, group, ..., text
     texts, groups = pieces[0::2], [_expand_range_set(body) for body in pieces[1::2]]
     if groups and texts[-1]:
         raise ValueError(f"text {texts[-1]!r} after the last bracket of {expr!r}")
@@ -121,7 +121,7 @@ def _expand_host_expression(texts: list[str], groups: list[list[str]]):
     if not groups:
         yield texts[0]
         return
-    order = list(range(len(groups) - 2, -1, -1)) + [len(groups) - 1]   # slowest first
+    order = list(range(len(groups) - 2, -1, -1)) + [len(groups) - 1]  # slowest first
     for values in itertools.product(*(groups[g] for g in order)):
         chosen = dict(zip(order, values))
         yield "".join(texts[g] + chosen[g] for g in range(len(groups)))
@@ -176,8 +176,9 @@ def slurm_master_addr(nodelist: str) -> str:
     """Hostname of the first node of the job (``scontrol show hostnames`` when available)."""
     if shutil.which("scontrol"):
         try:
-            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                                 timeout=30, check=True).stdout.split()
+            out = subprocess.run(
+                ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30, check=True
+            ).stdout.split()
             if out:
                 return out[0]
         except (subprocess.SubprocessError, OSError):
@@ -192,8 +193,9 @@ def _int_env(name: str, default: int | None = None) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise LaunchError(f"environment variable {name}={raw!r} is not an integer; unset it or fix the launcher "
-                          f"that sets it") from None
+        raise LaunchError(
+            f"environment variable {name}={raw!r} is not an integer; unset it or fix the launcher that sets it"
+        ) from None
 
 
 def rendezvous_timeout_s() -> float:
@@ -210,9 +212,11 @@ def rendezvous_timeout_s() -> float:
     except ValueError:
         value = float("nan")
     if not (math.isfinite(value) and value > 0):
-        raise LaunchError(f"{RENDEZVOUS_TIMEOUT_VARIABLE}={raw!r} is not a positive number of seconds; set it to "
-                          f"how long the processes may take to start and connect (default "
-                          f"{DEFAULT_RENDEZVOUS_TIMEOUT_S:g}), or unset it")
+        raise LaunchError(
+            f"{RENDEZVOUS_TIMEOUT_VARIABLE}={raw!r} is not a positive number of seconds; set it to "
+            f"how long the processes may take to start and connect (default "
+            f"{DEFAULT_RENDEZVOUS_TIMEOUT_S:g}), or unset it"
+        )
     return value
 
 
@@ -271,12 +275,16 @@ def require_cuda_if_allotted(device: str = "auto") -> None:
         why = f"this torch ({torch.__version__}) is a CPU-only build"
         fix = "install a CUDA build of torch"
     else:
-        why = (f"torch {torch.__version__} (built for CUDA {torch.version.cuda}) finds no usable GPU: the NVIDIA "
-               f"driver is missing or older than CUDA {torch.version.cuda} needs, or no device is visible")
+        why = (
+            f"torch {torch.__version__} (built for CUDA {torch.version.cuda}) finds no usable GPU: the NVIDIA "
+            f"driver is missing or older than CUDA {torch.version.cuda} needs, or no device is visible"
+        )
         fix = "fix the NVIDIA driver (nvidia-smi must work) or install a torch built for the driver's CUDA"
-    raise LaunchError(f"{name}={value!r} gives this process GPUs on {socket.gethostname()}, but {why}, so "
-                      f"train.device=auto would train on the CPU with gloo (orders of magnitude slower); {fix}, or "
-                      f"set train.device=cpu to run on the CPU on purpose")
+    raise LaunchError(
+        f"{name}={value!r} gives this process GPUs on {socket.gethostname()}, but {why}, so "
+        f"train.device=auto would train on the CPU with gloo (orders of magnitude slower); {fix}, or "
+        f"set train.device=cpu to run on the CPU on purpose"
+    )
 
 
 def detect_launch_env() -> LaunchEnv:
@@ -296,20 +304,29 @@ def detect_launch_env() -> LaunchEnv:
         have, lack = ("RANK", "WORLD_SIZE") if "RANK" in os.environ else ("WORLD_SIZE", "RANK")
         raise LaunchError(f"{have} is set but {lack} is not; launch with torchrun (which sets both), or unset {have}")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        env = LaunchEnv(_int_env("RANK"), _int_env("WORLD_SIZE"), _int_env("LOCAL_RANK", 0),
-                        os.environ.get("MASTER_ADDR", "127.0.0.1"), _int_env("MASTER_PORT", 29500), "torchrun")
+        env = LaunchEnv(
+            _int_env("RANK"),
+            _int_env("WORLD_SIZE"),
+            _int_env("LOCAL_RANK", 0),
+            os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            _int_env("MASTER_PORT", 29500),
+            "torchrun",
+        )
     elif "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
         nodelist = os.environ.get("SLURM_JOB_NODELIST", os.environ.get("SLURM_NODELIST", "127.0.0.1"))
         addr = os.environ.get("MASTER_ADDR") or slurm_master_addr(nodelist)
         job = _int_env("SLURM_JOB_ID", 0)
         port = _int_env("MASTER_PORT", 29500 + job % 1000)
-        env = LaunchEnv(_int_env("SLURM_PROCID"), _int_env("SLURM_NTASKS"), _int_env("SLURM_LOCALID", 0),
-                        addr, port, "slurm")
+        env = LaunchEnv(
+            _int_env("SLURM_PROCID"), _int_env("SLURM_NTASKS"), _int_env("SLURM_LOCALID", 0), addr, port, "slurm"
+        )
     else:
         env = LaunchEnv(0, 1, 0, "127.0.0.1", 0, "single")
     if env.world_size < 1 or not 0 <= env.rank < env.world_size:
-        raise LaunchError(f"rank {env.rank} is outside world size {env.world_size} ({env.launcher} launch); check the "
-                          f"launcher's RANK/WORLD_SIZE or SLURM_PROCID/SLURM_NTASKS")
+        raise LaunchError(
+            f"rank {env.rank} is outside world size {env.world_size} ({env.launcher} launch); check the "
+            f"launcher's RANK/WORLD_SIZE or SLURM_PROCID/SLURM_NTASKS"
+        )
     if not 0 < env.master_port < 65536 and env.launcher != "single":
         raise LaunchError(f"MASTER_PORT={env.master_port} is not a TCP port (1-65535)")
     if env.world_size == 1:  # e.g. one Slurm task: nothing to rendezvous with

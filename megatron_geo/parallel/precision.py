@@ -17,12 +17,21 @@ import torch
 # device types whose autocast :func:`exact_fp32` switches off where it is active
 _AUTOCAST_DEVICE_TYPES = ("cuda", "cpu", "xpu", "mps", "hpu", "mtia", "maia", "xla")
 # torch >= 2.9 per-backend FP32 precision settings (``fp32_precision``), parents before children
-_FP32_PRECISION_PATHS = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul",
-                         "mkldnn.conv", "mkldnn.rnn")
+_FP32_PRECISION_PATHS = (
+    "",
+    "cuda.matmul",
+    "cudnn",
+    "cudnn.conv",
+    "cudnn.rnn",
+    "mkldnn",
+    "mkldnn.matmul",
+    "mkldnn.conv",
+    "mkldnn.rnn",
+)
 
 
-_precision_objects: list | None = None      # the backend modules with an ``fp32_precision`` (cached)
-_inside = threading.local()                 # .depth: how many exact_fp32 bodies this thread is in
+_precision_objects: list | None = None  # the backend modules with an ``fp32_precision`` (cached)
+_inside = threading.local()  # .depth: how many exact_fp32 bodies this thread is in
 
 
 def _active_autocast() -> list[str]:
@@ -74,9 +83,11 @@ def _read(getter):
 def _legacy_flags() -> list[tuple]:
     """``(name, getter, setter)`` of the legacy switches, the global matmul precision first."""
     cuda_mm, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    return [("float32_matmul_precision", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
-            ("cuda.matmul.allow_tf32", lambda: cuda_mm.allow_tf32, lambda v: setattr(cuda_mm, "allow_tf32", v)),
-            ("cudnn.allow_tf32", lambda: cudnn.allow_tf32, lambda v: setattr(cudnn, "allow_tf32", v))]
+    return [
+        ("float32_matmul_precision", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+        ("cuda.matmul.allow_tf32", lambda: cuda_mm.allow_tf32, lambda v: setattr(cuda_mm, "allow_tf32", v)),
+        ("cudnn.allow_tf32", lambda: cudnn.allow_tf32, lambda v: setattr(cudnn, "allow_tf32", v)),
+    ]
 
 
 @contextlib.contextmanager
@@ -124,7 +135,7 @@ def exact_fp32() -> Iterator[None]:
             yield
         finally:
             _inside.depth = 0
-            for name, old, get, set_ in legacy:
+            for _name, old, get, set_ in legacy:
                 # the first restores the others' defaults; set one again only where it now reads differently
                 # (setting a legacy switch that already matches would mix the legacy and new APIs)
                 if old is not None and _read(get) != old:

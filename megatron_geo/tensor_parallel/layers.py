@@ -8,7 +8,7 @@ it to count every parameter once over TP x DP.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,8 +28,9 @@ def _local_matmul(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, layer.weight) if te is None else te(x)
 
 
-def _sharded_param(full_shape: tuple[int, int], dim: int, group, init_fn: InitFn, dtype, device,
-                   valid_rows: int | None = None) -> nn.Parameter:
+def _sharded_param(
+    full_shape: tuple[int, int], dim: int, group, init_fn: InitFn, dtype, device, valid_rows: int | None = None
+) -> nn.Parameter:
     if device is not None and torch.device(device).type == "meta":  # shapes only (plans, memory accounting)
         full = torch.empty(full_shape, dtype=torch.float32, device="meta")
     else:
@@ -53,12 +54,20 @@ class ColumnParallelLinear(nn.Module):
     ``[..., out_features]`` with ``gather_output=True``.
     """
 
-    def __init__(self, in_features: int, out_features: int, group, init_fn: InitFn, gather_output: bool = False,
-                 dtype=torch.float32, device=None, valid_out_features: int | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group,
+        init_fn: InitFn,
+        gather_output: bool = False,
+        dtype=torch.float32,
+        device=None,
+        valid_out_features: int | None = None,
+    ):
         super().__init__()
         self.group, self.gather_output = group, gather_output
-        self.weight = _sharded_param((out_features, in_features), 0, group, init_fn, dtype, device,
-                                     valid_out_features)
+        self.weight = _sharded_param((out_features, in_features), 0, group, init_fn, dtype, device, valid_out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _local_matmul(self, copy_to_tp(x, self.group))
@@ -89,8 +98,16 @@ class VocabParallelEmbedding(nn.Module):
     Rows ``vocab_size .. padded_vocab - 1`` (padding) are initialised to zero.
     """
 
-    def __init__(self, padded_vocab: int, dim: int, group, init_fn: InitFn, dtype=torch.float32, device=None,
-                 vocab_size: int | None = None):
+    def __init__(
+        self,
+        padded_vocab: int,
+        dim: int,
+        group,
+        init_fn: InitFn,
+        dtype=torch.float32,
+        device=None,
+        vocab_size: int | None = None,
+    ):
         super().__init__()
         self.group = group
         self.weight = _sharded_param((padded_vocab, dim), 0, group, init_fn, dtype, device, vocab_size)

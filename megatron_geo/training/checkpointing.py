@@ -11,8 +11,14 @@ from pathlib import Path
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..checkpoint.agreement import CheckpointRankError, agree, all_gather_ints
-from ..checkpoint.manager import (abandon_later, check_compatible, checkpoint_root, read_meta, save_checkpoint,
-                                  state_failure)
+from ..checkpoint.manager import (
+    abandon_later,
+    check_compatible,
+    checkpoint_root,
+    read_meta,
+    save_checkpoint,
+    state_failure,
+)
 from ..checkpoint.resume_changes import check_resume_changes
 from ..checkpoint.shared_dir import check_checkpoint_dir
 from ..checkpoint.start import StartPoint, resolve_start, timeline_of
@@ -35,8 +41,10 @@ def _record_config(cfg: Config) -> dict:
 def resume_hint(cfg: Config) -> str:
     """How to continue this run from the checkpoint just saved."""
     if cfg.checkpoint.load == "none":
-        return ("relaunch with checkpoint.load=auto to resume (checkpoint.load=none starts this folder over at every "
-                "launch)")
+        return (
+            "relaunch with checkpoint.load=auto to resume (checkpoint.load=none starts this folder over at every "
+            "launch)"
+        )
     return "relaunch with the same train.run_dir to resume"
 
 
@@ -93,15 +101,18 @@ class Checkpointer:
                 raise err from None  # this rank's own message, which names the value and the fix
             raise ConfigError(f"resuming failed on rank {e.rank}: {e.message}") from None
         # every rank must load the same checkpoint (a checkpoint.dir on node-local disks is not the same folder)
-        names = all_gather_ints([-1 if path is None else zlib.crc32(path.name.encode()), meta["step"] if meta else -1],
-                                world, dev)
+        names = all_gather_ints(
+            [-1 if path is None else zlib.crc32(path.name.encode()), meta["step"] if meta else -1], world, dev
+        )
         if len({tuple(v) for v in names}) > 1:
             others = [r for r, v in enumerate(names) if v != names[pctx.rank]]
-            raise ConfigError(f"the ranks resolved different checkpoints from checkpoint.load="
-                              f"{self.cfg.checkpoint.load}: rank {pctx.rank} found "
-                              f"{path if path is not None else 'none'}, rank(s) {', '.join(map(str, others[:8]))} "
-                              f"another; checkpoint.dir must be one folder that every node sees (not a node-local "
-                              f"disk), or point checkpoint.load at the same step_* folder on each") from None
+            raise ConfigError(
+                f"the ranks resolved different checkpoints from checkpoint.load="
+                f"{self.cfg.checkpoint.load}: rank {pctx.rank} found "
+                f"{path if path is not None else 'none'}, rank(s) {', '.join(map(str, others[:8]))} "
+                f"another; checkpoint.dir must be one folder that every node sees (not a node-local "
+                f"disk), or point checkpoint.load at the same step_* folder on each"
+            ) from None
         self.start = start
         self.timeline = timeline_of(meta, start.kind, path)
         if path is None:
@@ -109,28 +120,41 @@ class Checkpointer:
             self.log(f"checkpoint: {start.reason}")
             return 0, 0, 0
         try:
-            load_state(str(path), self.layout, self.reducer, self.geo, same, meta.get("geo"), self.log,
-                       same_tp=meta["tp_size"] == pctx.tp_size)
+            load_state(
+                str(path),
+                self.layout,
+                self.reducer,
+                self.geo,
+                same,
+                meta.get("geo"),
+                self.log,
+                same_tp=meta["tp_size"] == pctx.tp_size,
+            )
         except CheckpointRankError as e:  # raised on every rank alike
             if e.kind == "value":  # includes UnsafeCheckpointError: the message names the mismatch and the fix
                 raise ConfigError(e.message if e.rank == pctx.rank else f"rank {e.rank}: {e.message}") from None
             if e.kind == "io":
-                raise ConfigError(f"checkpoint {path} could not be read on rank {e.rank} ({e.error_type}: "
-                                  f"{e.message.splitlines()[0][:300]}); it is damaged or incomplete, or not visible "
-                                  f"from every node: load an older one (checkpoint.load=PATH of another step_* "
-                                  f"folder) or start fresh (checkpoint.load=none)") from None
-            raise ConfigError(f"checkpoint {path} could not be loaded: {e.phase} failed on rank {e.rank} with "
-                              f"{e.error_type}: {e.message.splitlines()[0][:300]} (the checkpoint itself passed its "
-                              f"checks); start fresh (checkpoint.load=none) or report this error") from None
+                raise ConfigError(
+                    f"checkpoint {path} could not be read on rank {e.rank} ({e.error_type}: "
+                    f"{e.message.splitlines()[0][:300]}); it is damaged or incomplete, or not visible "
+                    f"from every node: load an older one (checkpoint.load=PATH of another step_* "
+                    f"folder) or start fresh (checkpoint.load=none)"
+                ) from None
+            raise ConfigError(
+                f"checkpoint {path} could not be loaded: {e.phase} failed on rank {e.rank} with "
+                f"{e.error_type}: {e.message.splitlines()[0][:300]} (the checkpoint itself passed its "
+                f"checks); start fresh (checkpoint.load=none) or report this error"
+            ) from None
         except (CheckpointException, OSError, RuntimeError) as e:  # DCP raises on every rank alike
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ConfigError(f"checkpoint {path} could not be read ({type(e).__name__}: {first[:300]}); it is damaged "
-                              f"or incomplete: load an older one (checkpoint.load=PATH of another step_* folder) or "
-                              f"start fresh (checkpoint.load=none)") from None
+            raise ConfigError(
+                f"checkpoint {path} could not be read ({type(e).__name__}: {first[:300]}); it is damaged "
+                f"or incomplete: load an older one (checkpoint.load=PATH of another step_* folder) or "
+                f"start fresh (checkpoint.load=none)"
+            ) from None
         self.last_saved_step = meta["step"]
         self._abandon(meta["step"])
-        self.log(f"checkpoint: {start.reason}, at step {meta['step']} ({meta['consumed_samples']:,} samples "
-                 f"consumed)")
+        self.log(f"checkpoint: {start.reason}, at step {meta['step']} ({meta['consumed_samples']:,} samples consumed)")
         return meta["step"], meta["consumed_samples"], meta.get("skipped_in_a_row", 0)
 
     def _abandon(self, step: int) -> None:
@@ -144,16 +168,26 @@ class Checkpointer:
                 err = e
             at = "a fresh start" if step < 0 else f"resumed at step {step}"
             for src, dest in moved:
-                self.log(f"checkpoint: {src.name} belongs to an abandoned timeline ({at}); "
-                         + (f"moved to {dest}" if dest else "removed (an interrupted save)"))
+                self.log(
+                    f"checkpoint: {src.name} belongs to an abandoned timeline ({at}); "
+                    + (f"moved to {dest}" if dest else "removed (an interrupted save)")
+                )
         try:
             agree(err, self.pctx.world_group, self.pctx.device, "moving the abandoned timeline aside")  # a barrier
         except CheckpointRankError as e:
-            raise ConfigError(f"{e}; fix the permissions of {self.root} (or move its later step_* folders away) and "
-                              f"relaunch") from None
+            raise ConfigError(
+                f"{e}; fix the permissions of {self.root} (or move its later step_* folders away) and relaunch"
+            ) from None
 
-    def maybe_save(self, step: int, consumed: int, skipped_in_a_row: int, stop: int | None = None,
-                   fatal: Exception | None = None, timer=None) -> bool:
+    def maybe_save(
+        self,
+        step: int,
+        consumed: int,
+        skipped_in_a_row: int,
+        stop: int | None = None,
+        fatal: Exception | None = None,
+        timer=None,
+    ) -> bool:
         """After optimizer step ``step`` (1-based): save when this step is a save point, and say whether the loop
         ends here (collective: every rank calls it after every step with the same arguments).
 
@@ -188,8 +222,9 @@ class Checkpointer:
         if exiting:
             self.log(f"step {step}: exiting (train.exit_interval={t.exit_interval}); {resume_hint(self.cfg)}")
         elif stop is not None:
-            raise StopRequested(f"stopped by signal {stop} after step {step}; checkpoint saved to {self.root}; "
-                                f"{resume_hint(self.cfg)}")
+            raise StopRequested(
+                f"stopped by signal {stop} after step {step}; checkpoint saved to {self.root}; {resume_hint(self.cfg)}"
+            )
         return exiting
 
     def save(self, step: int, consumed: int, skipped_in_a_row: int = 0) -> Path | None:
@@ -203,13 +238,27 @@ class Checkpointer:
         except CheckpointRankError as e:  # raised on every rank alike, before anything is written
             raise state_failure(self.root, step, e) from None
         geo = self.geo
-        meta = {"consumed_samples": consumed, "dp_size": self.pctx.dp_size, "tp_size": self.pctx.tp_size,
-                "skipped_in_a_row": skipped_in_a_row, "timeline": self.timeline,
-                "config": _record_config(self.cfg),
-                "geo": None if geo is None else {"last_refresh": geo.last_refresh, "selected": sorted(geo.selected),
-                                                 "profiled": geo.profiled}}
-        path = save_checkpoint(self.root, step, state, meta, self.cfg.checkpoint.keep_latest,
-                               self.pctx.world_group, self.pctx.is_main, device=self.pctx.device)
+        meta = {
+            "consumed_samples": consumed,
+            "dp_size": self.pctx.dp_size,
+            "tp_size": self.pctx.tp_size,
+            "skipped_in_a_row": skipped_in_a_row,
+            "timeline": self.timeline,
+            "config": _record_config(self.cfg),
+            "geo": None
+            if geo is None
+            else {"last_refresh": geo.last_refresh, "selected": sorted(geo.selected), "profiled": geo.profiled},
+        }
+        path = save_checkpoint(
+            self.root,
+            step,
+            state,
+            meta,
+            self.cfg.checkpoint.keep_latest,
+            self.pctx.world_group,
+            self.pctx.is_main,
+            device=self.pctx.device,
+        )
         self.last_saved_step = step
         self.last_path = str(path)
         self.log(f"step {step}: checkpoint saved to {path}")

@@ -21,19 +21,25 @@ import torch.distributed as dist
 
 from ..checkpoint.manager import CheckpointSaveError
 from ..config import Config, ConfigError, dump_config, load_config
-from .validate import validate_config
-from .validate import check_inputs
 from ..parallel import LaunchError, destroy_parallel, detect_launch_env, init_parallel
 from .checkpointing import StopRequested
 from .trainer import NonFiniteGradientError, train
+from .validate import check_inputs, validate_config
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """``--config FILE`` (repeatable), ``--print-config`` and ``section.key=value`` overrides, in any order."""
-    p = argparse.ArgumentParser(description="Pretrain a Llama with TP x DP and pluggable gradient reduction.",
-                                epilog="Overrides: section.key=value, e.g. train.steps=20 comm.dtype=bf16")
-    p.add_argument("--config", action="append", default=[], metavar="FILE",
-                   help="YAML config; repeat to merge several in order (e.g. a model file, then a comm preset)")
+    p = argparse.ArgumentParser(
+        description="Pretrain a Llama with TP x DP and pluggable gradient reduction.",
+        epilog="Overrides: section.key=value, e.g. train.steps=20 comm.dtype=bf16",
+    )
+    p.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="YAML config; repeat to merge several in order (e.g. a model file, then a comm preset)",
+    )
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("overrides", nargs="*", help="dotted section.key=value overrides applied last")
     return p.parse_intermixed_args(argv)  # --config may come after overrides too
@@ -48,17 +54,19 @@ def prepare_output_dirs(cfg: Config) -> None:
     """
     from ..checkpoint.manager import checkpoint_root
 
-    for key, path in (("train.run_dir", Path(cfg.train.run_dir)),
-                      ("checkpoint.dir" if cfg.checkpoint.dir else "train.run_dir (its checkpoints/)",
-                       checkpoint_root(cfg))):
+    for key, path in (
+        ("train.run_dir", Path(cfg.train.run_dir)),
+        ("checkpoint.dir" if cfg.checkpoint.dir else "train.run_dir (its checkpoints/)", checkpoint_root(cfg)),
+    ):
         try:
             path.mkdir(parents=True, exist_ok=True)
             probe = path / f".write-test-{os.getpid()}"
             probe.write_text("")
             probe.unlink()
         except OSError as e:
-            raise ConfigError(f"{key}: cannot create or write {str(path)!r} ({e.strerror or e}); choose a writable "
-                              f"folder") from None
+            raise ConfigError(
+                f"{key}: cannot create or write {str(path)!r} ({e.strerror or e}); choose a writable folder"
+            ) from None
 
 
 def _is_collective_failure(e: BaseException) -> bool:
@@ -95,11 +103,14 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(5.0)
         return 2
     if env.world_size > 1 and env.rank == 0:
-        print(f"waiting for {env.world_size} processes ({env.launcher} launch) at {env.master_addr}:{env.master_port}",
-              flush=True)
+        print(
+            f"waiting for {env.world_size} processes ({env.launcher} launch) at {env.master_addr}:{env.master_port}",
+            flush=True,
+        )
     try:
-        pctx = init_parallel(cfg.parallel.tensor, cfg.train.device, cfg.parallel.backend,
-                             cfg.parallel.timeout_minutes, env)
+        pctx = init_parallel(
+            cfg.parallel.tensor, cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_minutes, env
+        )
     except LaunchError as e:  # a rendezvous that did not complete: every process says what it saw
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -122,8 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     except (dist.DistError, RuntimeError) as e:
         if not isinstance(e, dist.DistError) and not _is_collective_failure(e):
             raise
-        print(f"error (rank {pctx.rank}): a collective failed: another rank died or did not answer within "
-              f"parallel.timeout_minutes={cfg.parallel.timeout_minutes} ({type(e).__name__}: {e})", file=sys.stderr)
+        print(
+            f"error (rank {pctx.rank}): a collective failed: another rank died or did not answer within "
+            f"parallel.timeout_minutes={cfg.parallel.timeout_minutes} ({type(e).__name__}: {e})",
+            file=sys.stderr,
+        )
         return 5
     finally:
         destroy_parallel()

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
 from ..config import Config, ConfigError
 from ..data import GPTDataset, IndexedDataset, Tokenizer, collate, dp_batch_indices, prepare_default_corpus
 from ..parallel import ParallelContext
@@ -38,8 +36,10 @@ def build_data(cfg: Config, pctx: ParallelContext) -> DataBundle:
         tok_path, train_prefix, valid_prefix = d.tokenizer_model, d.train_prefix, d.valid_prefix
     tok = Tokenizer(tok_path)
     if tok.vocab_size != m.vocab_size:
-        raise ConfigError(f"tokenizer {tok_path} has vocab {tok.vocab_size} but model.vocab_size={m.vocab_size}; "
-                          f"set model.vocab_size={tok.vocab_size} or use a matching tokenizer")
+        raise ConfigError(
+            f"tokenizer {tok_path} has vocab {tok.vocab_size} but model.vocab_size={m.vocab_size}; "
+            f"set model.vocab_size={tok.vocab_size} or use a matching tokenizer"
+        )
     seed = cfg.train.seed
     prefixes = {"train": train_prefix, "valid": valid_prefix}
     sets = {"train": IndexedDataset(train_prefix)}
@@ -47,18 +47,22 @@ def build_data(cfg: Config, pctx: ParallelContext) -> DataBundle:
         sets["valid"] = IndexedDataset(valid_prefix)
     for split, ds in sets.items():
         if ds.vocab_size != tok.vocab_size:
-            raise ConfigError(f"the {split} dataset {prefixes[split]} was tokenized with a "
-                              f"{ds.vocab_size}-token vocab but the tokenizer {tok_path} has {tok.vocab_size}; rebuild it "
-                              f"with tools/preprocess_data.py --tokenizer-model {tok_path}")
+            raise ConfigError(
+                f"the {split} dataset {prefixes[split]} was tokenized with a "
+                f"{ds.vocab_size}-token vocab but the tokenizer {tok_path} has {tok.vocab_size}; rebuild it "
+                f"with tools/preprocess_data.py --tokenizer-model {tok_path}"
+            )
     try:
         train = GPTDataset(sets["train"], m.seq_length, seed, eod_id=tok.eod_id)
         valid = GPTDataset(sets["valid"], m.seq_length, seed + 1, eod_id=tok.eod_id) if valid_prefix else None
     except ValueError as e:  # documents without the tokenizer's end-of-document token, a bad seed
         raise ConfigError(f"data: {e}") from None
     if cfg.train.global_batch_size > len(train):
-        raise ConfigError(f"train.global_batch_size={cfg.train.global_batch_size} is larger than the whole training "
-                          f"set ({len(train):,} samples of model.seq_length={m.seq_length} tokens in {train_prefix}); "
-                          f"lower train.global_batch_size or use more data")
+        raise ConfigError(
+            f"train.global_batch_size={cfg.train.global_batch_size} is larger than the whole training "
+            f"set ({len(train):,} samples of model.seq_length={m.seq_length} tokens in {train_prefix}); "
+            f"lower train.global_batch_size or use more data"
+        )
     return DataBundle(train, valid, tok_path)
 
 

@@ -118,11 +118,20 @@ class RunTimer:
 
     KINDS = ("eval", "save")
 
-    def __init__(self, total_steps: int, start_step: int = 0, eval_interval: int = 0, checkpoint_interval: int = 0,
-                 save_at_end: bool = False, clock=time.perf_counter):
+    def __init__(
+        self,
+        total_steps: int,
+        start_step: int = 0,
+        eval_interval: int = 0,
+        checkpoint_interval: int = 0,
+        save_at_end: bool = False,
+        clock=time.perf_counter,
+    ):
         self.clock = clock
-        self.planned = {"eval": planned_evals(start_step, total_steps, eval_interval),
-                        "save": planned_saves(start_step, total_steps, checkpoint_interval, save_at_end)}
+        self.planned = {
+            "eval": planned_evals(start_step, total_steps, eval_interval),
+            "save": planned_saves(start_step, total_steps, checkpoint_interval, save_at_end),
+        }
         self.durations: dict[str, list[float]] = {k: [] for k in self.KINDS}
 
     def add(self, kind: str, seconds: float) -> None:
@@ -151,15 +160,17 @@ class RunTimer:
 
     def phases(self) -> PhaseTimes:
         """Means so far and the counts still to come (planned minus done, never below 0)."""
+
         def mean(d):
             return sum(d) / len(d) if d else None
+
         ev, sv = self.durations["eval"], self.durations["save"]
-        return PhaseTimes(mean(ev), max(0, self.planned["eval"] - len(ev)), mean(sv),
-                          max(0, self.planned["save"] - len(sv)))
+        return PhaseTimes(
+            mean(ev), max(0, self.planned["eval"] - len(ev)), mean(sv), max(0, self.planned["save"] - len(sv))
+        )
 
 
-def remaining_seconds(step: int, total_steps: int, seconds_per_step: float,
-                      phases: PhaseTimes | None = None) -> float:
+def remaining_seconds(step: int, total_steps: int, seconds_per_step: float, phases: PhaseTimes | None = None) -> float:
     """:func:`eta_seconds` plus the evaluations and checkpoint saves still to come (:class:`PhaseTimes`)."""
     return eta_seconds(step, total_steps, seconds_per_step) + (phases.seconds() if phases is not None else 0.0)
 
@@ -174,8 +185,14 @@ def eta_text(step: int, total_steps: int, seconds_per_step: float, phases: Phase
     return text + "".join(f"+{SHORT[k]}" for k in (phases.excluded() if phases is not None else []))
 
 
-def eta_line(step: int, total_steps: int, recent_step_times: list[float], tokens_per_step: float,
-             now: float | None = None, phases: PhaseTimes | None = None) -> str:
+def eta_line(
+    step: int,
+    total_steps: int,
+    recent_step_times: list[float],
+    tokens_per_step: float,
+    now: float | None = None,
+    phases: PhaseTimes | None = None,
+) -> str:
     """One log line: progress, mean step time of ``recent_step_times`` (seconds; pass the last ~20 steps,
     excluding the first step's warm-up), global tokens/s and the remaining time (steps, and with ``phases``
     the evaluations and checkpoint saves still to come) with the wall-clock finish time (local time;
@@ -195,9 +212,12 @@ def eta_line(step: int, total_steps: int, recent_step_times: list[float], tokens
     finish = time.strftime("%Y-%m-%d %H:%M", time.localtime(now + left))
     tps = tokens_per_step / spt if spt > 0 else float("inf")
     missing = phases.excluded() if phases is not None else []
-    return (f"step {step}/{total_steps} ({100.0 * step / total_steps:.1f}%) | {spt:.3f} s/step | "
-            f"{tps:,.0f} tok/s | ETA {format_duration(left)} (finish {finish}"
-            + (f"; excludes {' and '.join(missing)}, none timed yet" if missing else "") + ")")
+    return (
+        f"step {step}/{total_steps} ({100.0 * step / total_steps:.1f}%) | {spt:.3f} s/step | "
+        f"{tps:,.0f} tok/s | ETA {format_duration(left)} (finish {finish}"
+        + (f"; excludes {' and '.join(missing)}, none timed yet" if missing else "")
+        + ")"
+    )
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -265,16 +285,21 @@ def phases_from_records(records: list[dict], total_steps: int, schedule: Schedul
     done_evals = sum(1 for r in records if "val_loss" in r)
     eval_s = [float(r["eval_time_s"]) for r in records if isinstance(r.get("eval_time_s"), (int, float))]
     saves = sum(int(r["checkpoints_saved"]) for r in records if isinstance(r.get("checkpoints_saved"), int))
-    save_s = sum(float(r["checkpoint_time_s"]) for r in records
-                 if isinstance(r.get("checkpoint_time_s"), (int, float)) and isinstance(r.get("checkpoints_saved"), int))
+    save_s = sum(
+        float(r["checkpoint_time_s"])
+        for r in records
+        if isinstance(r.get("checkpoint_time_s"), (int, float)) and isinstance(r.get("checkpoints_saved"), int)
+    )
     evals_left = max(0, planned_evals(0, total_steps, schedule.eval_interval) - done_evals)
     saves_left = max(0, planned_saves(0, total_steps, schedule.checkpoint_interval, schedule.save_at_end) - saves)
-    return PhaseTimes(sum(eval_s) / len(eval_s) if eval_s else None, evals_left,
-                      save_s / saves if saves else None, saves_left)
+    return PhaseTimes(
+        sum(eval_s) / len(eval_s) if eval_s else None, evals_left, save_s / saves if saves else None, saves_left
+    )
 
 
-def metrics_eta_line(records: list[dict], total_steps: int, window: int = 20, now: float | None = None,
-                     schedule: Schedule | None = None) -> str | None:
+def metrics_eta_line(
+    records: list[dict], total_steps: int, window: int = 20, now: float | None = None, schedule: Schedule | None = None
+) -> str | None:
     """:func:`eta_line` from ``metrics.jsonl`` records (``step``, ``step_time_s``, ``tokens_per_sec``):
     the mean over the last ``window`` logged steps (the first step is left out when others exist), and with
     ``schedule`` the evaluations and saves still to come (:func:`phases_from_records`; without it the line
@@ -285,14 +310,18 @@ def metrics_eta_line(records: list[dict], total_steps: int, window: int = 20, no
     tail = recs[1:] if len(recs) > 1 and recs[0]["step"] == 1 else recs
     tail = tail[-window:]
     times = [float(r["step_time_s"]) for r in tail]
-    tokens = [float(r["tokens_per_sec"]) * float(r["step_time_s"]) for r in tail
-              if isinstance(r.get("tokens_per_sec"), (int, float))]
+    tokens = [
+        float(r["tokens_per_sec"]) * float(r["step_time_s"])
+        for r in tail
+        if isinstance(r.get("tokens_per_sec"), (int, float))
+    ]
     tokens_per_step = sum(tokens) / len(tokens) if tokens else 0.0
     step = min(int(recs[-1]["step"]), total_steps)
     if schedule is None:
         return eta_line(step, total_steps, times, tokens_per_step, now=now) + " [optimizer steps only]"
-    return eta_line(step, total_steps, times, tokens_per_step, now=now,
-                    phases=phases_from_records(records, total_steps, schedule))
+    return eta_line(
+        step, total_steps, times, tokens_per_step, now=now, phases=phases_from_records(records, total_steps, schedule)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

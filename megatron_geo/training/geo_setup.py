@@ -12,10 +12,10 @@ import torch
 from ..comm.formats import get_format
 from ..comm.roundtrip import quantize_roundtrip
 from ..config import Config, ConfigError
-from .validate import parse_power, parse_power_search
 from ..geometry import GeoState, GeoTransform
 from ..model.compile import eager_calls
 from ..parallel import ParallelContext
+from .validate import parse_power, parse_power_search
 
 # limits for a wire without FP8 codes (fp32 / bf16 / nvfp4 behind GeoFP8): the bound-hit profile counts E4M3's
 _DEFAULT_FP8 = "fp8_e4m3"
@@ -30,8 +30,9 @@ def codec_roundtrip(comm):
     """``x -> decode(encode(x))`` of one tensor through ``comm``'s codec (round to nearest, its own tensor or block
     scales, no reduce; :func:`~megatron_geo.comm.roundtrip.quantize_roundtrip`): what ``geo.power_search`` scores
     candidate transforms with. Float tensor in, FP32 tensor of the same shape out."""
-    return functools.partial(quantize_roundtrip,
-                             codec={"dtype": comm.dtype, "scaling": comm.scaling, "block_size": comm.block_size})
+    return functools.partial(
+        quantize_roundtrip, codec={"dtype": comm.dtype, "scaling": comm.scaling, "block_size": comm.block_size}
+    )
 
 
 def fp8_limits(comm) -> tuple[float, float]:
@@ -54,16 +55,34 @@ def build_geo(cfg: Config, model: torch.nn.Module, pctx: ParallelContext) -> Geo
     g, auto = cfg.geo, cfg.geo.select in ("auto", "gain")
     search, power = parse_power_search(g.power_search), parse_power(g.power)
     if search and power != 0.5:
-        _log0(pctx, f"note: geo.power={g.power} is not used: geo.power_search={g.power_search} chooses the power "
-                    f"per layer at every refresh")
+        _log0(
+            pctx,
+            f"note: geo.power={g.power} is not used: geo.power_search={g.power_search} chooses the power "
+            f"per layer at every refresh",
+        )
     fp8_max, underflow_below = fp8_limits(cfg.comm)
     try:
-        return GeoState(model, g.layers, g.rank, g.damping, g.refresh_interval, g.ef_on_refresh, pctx.dp_group,
-                        auto_layers=g.num_layers if auto else 0, profile_steps=g.profile_steps if auto else 0,
-                        fp8_max=fp8_max, underflow_below=underflow_below,
-                        log=lambda m: _log0(pctx, m), statistics=g.statistics, sketch_size=g.sketch_size,
-                        power=power, power_search=search, select_gain=g.select == "gain",
-                        roundtrip=codec_roundtrip(cfg.comm), run_eagerly=eager_calls)
+        return GeoState(
+            model,
+            g.layers,
+            g.rank,
+            g.damping,
+            g.refresh_interval,
+            g.ef_on_refresh,
+            pctx.dp_group,
+            auto_layers=g.num_layers if auto else 0,
+            profile_steps=g.profile_steps if auto else 0,
+            fp8_max=fp8_max,
+            underflow_below=underflow_below,
+            log=lambda m: _log0(pctx, m),
+            statistics=g.statistics,
+            sketch_size=g.sketch_size,
+            power=power,
+            power_search=search,
+            select_gain=g.select == "gain",
+            roundtrip=codec_roundtrip(cfg.comm),
+            run_eagerly=eager_calls,
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -25,8 +25,9 @@ def use_progress_bar(progress: bool, stream) -> bool:
     return bool(progress) and callable(isatty) and bool(isatty())
 
 
-def log_line(record: dict, total_steps: int, recent_step_times: list[float], skipped_total: int,
-             phases: PhaseTimes | None = None) -> str:
+def log_line(
+    record: dict, total_steps: int, recent_step_times: list[float], skipped_total: int, phases: PhaseTimes | None = None
+) -> str:
     """One line for the metrics ``record`` of a step (keys ``step``, ``loss``, ``lr``, ``grad_norm``,
     ``tokens_per_sec``, ``step_time_s``, ``comm_bytes``; ``val_loss`` when evaluated).
 
@@ -66,8 +67,9 @@ class StepOutput:
         if is_main and use_progress_bar(train.progress, sys.stdout):  # a log file gets lines, not \r updates
             from tqdm import tqdm
 
-            self.bar = tqdm(total=train.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
-                            file=sys.stdout)
+            self.bar = tqdm(
+                total=train.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout
+            )
 
     def step(self, record: dict, log_step: bool, stats, phases: PhaseTimes | None = None) -> None:
         """After a step: its metrics ``record`` (``loss`` present when it was read), ``log_step`` (a log-interval or

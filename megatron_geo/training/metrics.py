@@ -17,7 +17,6 @@ from ..parallel import ParallelContext
 from .checkpointing import launch_neutral
 from .mfu import gpu_flops_metrics
 
-
 ID_FILE = "wandb_run_id"
 
 
@@ -68,8 +67,10 @@ def choose_wandb_id(run_dir: Path, resume_step: int, mode: str = "auto") -> tupl
     kept, origin = read_wandb_id(run_dir) if resume_step > 0 else (None, None)
     if mode == "must":
         if kept is None:
-            raise ConfigError(f"logging.wandb_resume=must but {run_dir / ID_FILE} holds no wandb run id to continue; "
-                             f"use logging.wandb_resume=auto")
+            raise ConfigError(
+                f"logging.wandb_resume=must but {run_dir / ID_FILE} holds no wandb run id to continue; "
+                f"use logging.wandb_resume=auto"
+            )
         return kept, f"wandb: continuing run {kept} (logging.wandb_resume=must)"
     new = uuid.uuid4().hex[:12]  # wandb accepts any [a-z0-9] id; its generate_id moved in 0.31
     if kept is None or mode == "never":
@@ -77,8 +78,10 @@ def choose_wandb_id(run_dir: Path, resume_step: int, mode: str = "auto") -> tupl
     here = _folder_identity(run_dir)
     if origin is None or origin.get("run_dir") == here["run_dir"] or origin.get("inode") == here["inode"]:
         return kept, f"wandb: continuing run {kept}"
-    return new, (f"wandb: new run {new}: this folder is a copy of {origin.get('run_dir')}, whose run is {kept} "
-                 f"(logging.wandb_resume=must continues that one instead)")
+    return new, (
+        f"wandb: new run {new}: this folder is a copy of {origin.get('run_dir')}, whose run is {kept} "
+        f"(logging.wandb_resume=must continues that one instead)"
+    )
 
 
 class MetricsLogger:
@@ -93,8 +96,20 @@ class MetricsLogger:
     different comm modes line up in one project.
     """
 
-    def __init__(self, run_dir: str, enabled: bool, wandb_mode: str, project: str, group: str, name: str,
-                 tags: list[str], config: dict, resume_step: int = 0, wandb_resume: str = "auto", log=None):
+    def __init__(
+        self,
+        run_dir: str,
+        enabled: bool,
+        wandb_mode: str,
+        project: str,
+        group: str,
+        name: str,
+        tags: list[str],
+        config: dict,
+        resume_step: int = 0,
+        wandb_resume: str = "auto",
+        log=None,
+    ):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self._wandb = None
@@ -125,9 +140,18 @@ class MetricsLogger:
             tmp_id = folder / (ID_FILE + ".tmp")
             tmp_id.write_text(json.dumps({"id": run_id, **_folder_identity(folder)}) + "\n")
             os.replace(tmp_id, folder / ID_FILE)
-            self._wandb = wandb.init(project=project, group=group or None, name=name or None, tags=tags,
-                                     config=config, dir=run_dir, mode=wandb_mode, reinit=True, id=run_id,
-                                     resume="allow")
+            self._wandb = wandb.init(
+                project=project,
+                group=group or None,
+                name=name or None,
+                tags=tags,
+                config=config,
+                dir=run_dir,
+                mode=wandb_mode,
+                reinit=True,
+                id=run_id,
+                resume="allow",
+            )
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -155,11 +179,26 @@ def open_run_outputs(cfg: Config, pctx: ParallelContext, start_step: int, log) -
     if pctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(launch_neutral(cfg)))
-    tags = [f"comm={label}", f"comm.dtype={cfg.comm.dtype}", f"opt={cfg.optimizer.name}", f"tp={pctx.tp_size}",
-            f"dp={pctx.dp_size}"]
-    return MetricsLogger(str(run_dir), pctx.is_main, lg.wandb, lg.wandb_project, lg.wandb_group or label,
-                         lg.wandb_name or f"{label}-seed{t.seed}", tags, config_to_dict(cfg), resume_step=start_step,
-                         wandb_resume=lg.wandb_resume, log=log)
+    tags = [
+        f"comm={label}",
+        f"comm.dtype={cfg.comm.dtype}",
+        f"opt={cfg.optimizer.name}",
+        f"tp={pctx.tp_size}",
+        f"dp={pctx.dp_size}",
+    ]
+    return MetricsLogger(
+        str(run_dir),
+        pctx.is_main,
+        lg.wandb,
+        lg.wandb_project,
+        lg.wandb_group or label,
+        lg.wandb_name or f"{label}-seed{t.seed}",
+        tags,
+        config_to_dict(cfg),
+        resume_step=start_step,
+        wandb_resume=lg.wandb_resume,
+        log=log,
+    )
 
 
 class StepRecords:
@@ -173,21 +212,45 @@ class StepRecords:
         self.flops_tok = flops_per_token(cfg.model)
         self.gpu_name = torch.cuda.get_device_name(pctx.device) if pctx.device.type == "cuda" else None
 
-    def make(self, step: int, lr_scale: float, res, dt: float, consumed: int, comm_bytes: float, *extras: dict,
-             refreshed: bool = False) -> dict:
+    def make(
+        self,
+        step: int,
+        lr_scale: float,
+        res,
+        dt: float,
+        consumed: int,
+        comm_bytes: float,
+        *extras: dict,
+        refreshed: bool = False,
+    ) -> dict:
         """The record of step ``step`` (0-based) from its :class:`~.step.StepResult` ``res`` and ``dt`` seconds."""
-        record = {"step": step + 1, "lr": self.lr * lr_scale, "grad_norm": res.grad_norm,
-                  "tokens_per_sec": res.tokens / dt, "comm_bytes": comm_bytes, "step_time_s": dt,
-                  "consumed_samples": consumed, "skipped": res.skipped}
+        record = {
+            "step": step + 1,
+            "lr": self.lr * lr_scale,
+            "grad_norm": res.grad_norm,
+            "tokens_per_sec": res.tokens / dt,
+            "comm_bytes": comm_bytes,
+            "step_time_s": dt,
+            "consumed_samples": consumed,
+            "skipped": res.skipped,
+        }
         for extra in extras:
             record.update(extra)
         if self.geo is not None:
             record["geo_refresh"] = refreshed
             if refreshed:  # per-layer refresh diagnostics (host floats, read once at the refresh)
-                record.update({f"geo/{n.removesuffix('.weight')}/{k}": v
-                               for n, d in self.geo.diagnostics.items() for k, v in d.items()})
+                record.update(
+                    {
+                        f"geo/{n.removesuffix('.weight')}/{k}": v
+                        for n, d in self.geo.diagnostics.items()
+                        for k, v in d.items()
+                    }
+                )
         if self.gpu_name is not None:  # MFU and memory (docs/design.md section 4, Metrics)
             fl = gpu_flops_metrics(record["tokens_per_sec"], self.pctx.world_size, self.flops_tok, self.gpu_name)
-            record.update(tflops_per_gpu=fl["tflops_per_gpu"], mfu=fl["mfu"],
-                          max_memory_gib=torch.cuda.max_memory_allocated(self.pctx.device) / 2**30)
+            record.update(
+                tflops_per_gpu=fl["tflops_per_gpu"],
+                mfu=fl["mfu"],
+                max_memory_gib=torch.cuda.max_memory_allocated(self.pctx.device) / 2**30,
+            )
         return record

@@ -65,8 +65,13 @@ def mfu(tokens_per_sec_per_gpu: float, flops_per_token: float, peak_flops: float
     return tflops_per_gpu(tokens_per_sec_per_gpu, flops_per_token) * 1e12 / peak_flops
 
 
-def gpu_flops_metrics(tokens_per_sec_global: float, num_gpus: int, flops_per_token: float, device_name: str,
-                      peak_flops: float | None = None) -> dict:
+def gpu_flops_metrics(
+    tokens_per_sec_global: float,
+    num_gpus: int,
+    flops_per_token: float,
+    device_name: str,
+    peak_flops: float | None = None,
+) -> dict:
     """``tflops_per_gpu``, ``mfu`` (None when the peak is unknown), ``peak_tflops`` and ``gpu`` (table name).
 
     ``tokens_per_sec_global`` counts every token of the global batch once (TP ranks share tokens, so
@@ -83,6 +88,9 @@ def gpu_flops_metrics(tokens_per_sec_global: float, num_gpus: int, flops_per_tok
     if peak_flops is None and found is not None:
         peak_flops = found[1]
     name = found[0] if found else device_name
-    return {"tflops_per_gpu": tflops_per_gpu(per_gpu, flops_per_token),
-            "mfu": mfu(per_gpu, flops_per_token, peak_flops) if peak_flops else None,
-            "peak_tflops": peak_flops / 1e12 if peak_flops else None, "gpu": name}
+    return {
+        "tflops_per_gpu": tflops_per_gpu(per_gpu, flops_per_token),
+        "mfu": mfu(per_gpu, flops_per_token, peak_flops) if peak_flops else None,
+        "peak_tflops": peak_flops / 1e12 if peak_flops else None,
+        "gpu": name,
+    }

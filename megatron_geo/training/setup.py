@@ -17,8 +17,9 @@ from ..parallel import ParallelContext
 from .geo_setup import attach_geo, build_geo
 
 
-def build_grad_buckets(cfg: Config, model: torch.nn.Module, dp_size: int, alignment: int,
-                       geo_layers: Collection[str] = ()) -> list[Bucket]:
+def build_grad_buckets(
+    cfg: Config, model: torch.nn.Module, dp_size: int, alignment: int, geo_layers: Collection[str] = ()
+) -> list[Bucket]:
     """``model``'s parameters in buckets of ``parallel.bucket_size`` elements over ``dp_size`` DP ranks, laid out by
     :func:`~megatron_geo.distributed.ownership.param_specs` (atomic Muon matrices, whole GeoFP8 rows, FLOP
     balance) with every range a multiple of ``alignment`` elements; ``param.data`` and ``param.main_grad``
@@ -26,9 +27,15 @@ def build_grad_buckets(cfg: Config, model: torch.nn.Module, dp_size: int, alignm
     infos = param_infos(model)
     spec = dict(zip((n for n, _, _ in infos), param_specs(cfg, infos, alignment, geo_layers)))
     of = {id(p): spec[n] for n, p in model.named_parameters() if p.requires_grad}
-    return build_buckets(list(model.named_parameters()), cfg.parallel.bucket_size, dp_size,
-                         atomic_fn=lambda p: of[id(p)].atomic, align=alignment, flops_fn=lambda p: of[id(p)].flops,
-                         granule_fn=lambda p: of[id(p)].granule)
+    return build_buckets(
+        list(model.named_parameters()),
+        cfg.parallel.bucket_size,
+        dp_size,
+        atomic_fn=lambda p: of[id(p)].atomic,
+        align=alignment,
+        flops_fn=lambda p: of[id(p)].flops,
+        granule_fn=lambda p: of[id(p)].granule,
+    )
 
 
 def build_model_and_optimizer(cfg: Config, pctx: ParallelContext):
@@ -43,8 +50,9 @@ def build_model_and_optimizer(cfg: Config, pctx: ParallelContext):
     dtype = torch.bfloat16 if cfg.train.param_dtype == "bf16" else torch.float32
     model = Llama(cfg.model, pctx.tp_group, cfg.train.seed, dtype=dtype, device=pctx.device)
     geo = build_geo(cfg, model, pctx) if cfg.comm.transform == "geo" else None
-    reducer = build_reducer(cfg.comm, pctx.dp_group, pctx.dp_size, pctx.dp_rank, seed=cfg.train.seed,
-                            device=pctx.device)
+    reducer = build_reducer(
+        cfg.comm, pctx.dp_group, pctx.dp_size, pctx.dp_rank, seed=cfg.train.seed, device=pctx.device
+    )
     sharded = cfg.parallel.distributed_optimizer
     buckets = build_grad_buckets(cfg, model, pctx.dp_size, reducer.alignment(), set(geo.params) if geo else ())
     for b in buckets:
@@ -72,14 +80,18 @@ def startup_text(cfg: Config, pctx: ParallelContext, buckets: list[Bucket], opti
     buckets, and a note when DP = 1 makes the comm mode irrelevant."""
     pad = sum(b.plan.padding([p.numel() for p in b.params]) for b in buckets)
     uneven = sum(1 for b in buckets if not b.plan.even)
-    lines = [f"parameters: {n_params:,}",
-             f"parallel: world={pctx.world_size} TP={pctx.tp_size} DP={pctx.dp_size} backend={pctx.backend} "
-             f"device={pctx.device} | {len(buckets)} buckets ({uneven} with uneven owner ranges), shard padding {pad} "
-             f"elements | comm={cfg.comm.label} (comm.dtype={cfg.comm.dtype}) "
-             f"distributed_optimizer={cfg.parallel.distributed_optimizer} "
-             f"overlap_param_gather={optimizer.overlap_param_gather}"]
+    lines = [
+        f"parameters: {n_params:,}",
+        f"parallel: world={pctx.world_size} TP={pctx.tp_size} DP={pctx.dp_size} backend={pctx.backend} "
+        f"device={pctx.device} | {len(buckets)} buckets ({uneven} with uneven owner ranges), shard padding {pad} "
+        f"elements | comm={cfg.comm.label} (comm.dtype={cfg.comm.dtype}) "
+        f"distributed_optimizer={cfg.parallel.distributed_optimizer} "
+        f"overlap_param_gather={optimizer.overlap_param_gather}",
+    ]
     if pctx.dp_size == 1 and (cfg.comm.dtype != "fp32" or cfg.comm.transform != "none"):
-        lines.append(f"note: DP=1: no gradient is sent between data-parallel ranks, so comm={cfg.comm.label} "
-                     f"(comm.dtype={cfg.comm.dtype}, comm.transform={cfg.comm.transform}) changes nothing in this "
-                     f"run; launch several data-parallel ranks to compare communication modes")
+        lines.append(
+            f"note: DP=1: no gradient is sent between data-parallel ranks, so comm={cfg.comm.label} "
+            f"(comm.dtype={cfg.comm.dtype}, comm.transform={cfg.comm.transform}) changes nothing in this "
+            f"run; launch several data-parallel ranks to compare communication modes"
+        )
     return "\n".join(lines)

@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from ..distributed import DistributedOptimizer, GradSync
 from ..parallel import ParallelContext
@@ -26,9 +25,9 @@ class StepResult:
     log steps); ``grad_norm`` is the step's single host read (the skip / clip decision)."""
 
     loss_sum: torch.Tensor  # float64 [] on the device: sum of per-token losses over the global batch (nats)
-    grad_norm: float        # global L2 norm before clipping
-    tokens: int             # valid tokens in the global batch
-    skipped: bool           # True when the gradient was not finite and no update was made
+    grad_norm: float  # global L2 norm before clipping
+    tokens: int  # valid tokens in the global batch
+    skipped: bool  # True when the gradient was not finite and no update was made
     stop_flags: list[float] = field(default_factory=list)  # ``stop_flags`` summed over all ranks (see train_step)
 
     @property
@@ -46,10 +45,20 @@ def autocast_context(pctx: ParallelContext, autocast_dtype: str):
     return contextlib.nullcontext()
 
 
-def train_step(model: torch.nn.Module, micro_batches: list[dict], grad_sync: GradSync,
-               optimizer: DistributedOptimizer, pctx: ParallelContext, lr_scale: float, clip_grad: float,
-               autocast_dtype: str = "auto", geo=None, step: int = 0, global_tokens: int | None = None,
-               stop_flags=None) -> StepResult:
+def train_step(
+    model: torch.nn.Module,
+    micro_batches: list[dict],
+    grad_sync: GradSync,
+    optimizer: DistributedOptimizer,
+    pctx: ParallelContext,
+    lr_scale: float,
+    clip_grad: float,
+    autocast_dtype: str = "auto",
+    geo=None,
+    step: int = 0,
+    global_tokens: int | None = None,
+    stop_flags=None,
+) -> StepResult:
     """Run one step over this rank's ``micro_batches`` (dicts of ``tokens``, ``labels`` int64 ``[m, s]``
     and ``loss_mask`` float ``[m, s]``) and update the parameters unless the gradient is non-finite.
 
@@ -108,8 +117,9 @@ def train_step(model: torch.nn.Module, micro_batches: list[dict], grad_sync: Gra
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, micro_batches: list[dict], pctx: ParallelContext,
-             autocast_dtype: str = "auto") -> float:
+def evaluate(
+    model: torch.nn.Module, micro_batches: list[dict], pctx: ParallelContext, autocast_dtype: str = "auto"
+) -> float:
     """Mean per-token validation loss over all ranks' ``micro_batches`` (nats)."""
     model.eval()
     acc = torch.zeros(2, dtype=torch.float64, device=pctx.device)

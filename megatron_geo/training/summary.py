@@ -41,7 +41,7 @@ class RunStats:
     def unlogged_saves(self, save_times: list[float]) -> dict:
         """``checkpoint_time_s`` (s) and ``checkpoints_saved`` of the periodic saves (``save_times``, all of this
         launch) that no metrics record reported yet; empty when there are none."""
-        new = save_times[self.saves_logged:]
+        new = save_times[self.saves_logged :]
         return {"checkpoint_time_s": sum(new), "checkpoints_saved": len(new)} if new else {}
 
     def add(self, step: int, record: dict, res) -> None:
@@ -59,37 +59,53 @@ class RunStats:
         per rank, ``run_dir``, ``checkpoint``: the last one saved or None)."""
         tps = self.tokens_per_sec
         return {
-            "parameters": n_params, "steps": self.last["step"], "start_loss": self.first_loss,
-            "final_loss": self.last_res.loss, "val_loss": self.val_loss,
+            "parameters": n_params,
+            "steps": self.last["step"],
+            "start_loss": self.first_loss,
+            "final_loss": self.last_res.loss,
+            "val_loss": self.val_loss,
             "tokens_per_sec": sum(tps) / len(tps) if tps else self.last["tokens_per_sec"],
-            "comm_bytes_per_step": sum(self.comm_bytes) / len(self.comm_bytes), "run_dir": run_dir,
-            "checkpoint": checkpoint, "comm": comm, "start_step": self.start_step,
+            "comm_bytes_per_step": sum(self.comm_bytes) / len(self.comm_bytes),
+            "run_dir": run_dir,
+            "checkpoint": checkpoint,
+            "comm": comm,
+            "start_step": self.start_step,
         }
 
 
 def nothing_to_do(n_params: int, start_step: int, run_dir: str) -> dict:
     """The summary of a launch whose checkpoint is already at ``train.steps``."""
-    return {"parameters": n_params, "steps": start_step, "start_loss": None, "final_loss": None,
-            "val_loss": None, "tokens_per_sec": 0.0, "comm_bytes_per_step": 0.0,
-            "run_dir": run_dir, "checkpoint": None, "start_step": start_step}
+    return {
+        "parameters": n_params,
+        "steps": start_step,
+        "start_loss": None,
+        "final_loss": None,
+        "val_loss": None,
+        "tokens_per_sec": 0.0,
+        "comm_bytes_per_step": 0.0,
+        "run_dir": run_dir,
+        "checkpoint": None,
+        "start_step": start_step,
+    }
 
 
 def format_summary(s: dict, cfg: Config) -> str:
     """The summary block rank 0 prints at the end of a run (``s``: :meth:`RunStats.summary`)."""
     val = f"{s['val_loss']:.4f}" if s["val_loss"] is not None else "n/a"
-    return "\n".join([
-        "=" * 72,
-        f"summary: {s['steps']} steps{'' if s['steps'] == cfg.train.steps else f' of train.steps={cfg.train.steps}'}, "
-        f"{s['parameters']:,} parameters, comm={cfg.comm.label} (comm.dtype={cfg.comm.dtype})",
-        f"  train loss      {s['start_loss']:.4f} (step {s.get('start_step', 0) + 1}"
-        f"{', first of this run' if s.get('start_step') else ', first step'}) -> {s['final_loss']:.4f} (last step)",
-        f"  validation loss {val}",
-        f"  throughput      {s['tokens_per_sec']:,.1f} tokens/s (global"
-        f"{', excluding the first step' if s['steps'] > 1 else ''})",
-        f"  DP grad comm    {s['comm_bytes_per_step']:,.0f} bytes sent per step per rank",
-        f"  outputs         {s['run_dir']}/ (config.yaml, metrics.jsonl"
-        f"{', wandb/' if cfg.logging.wandb != 'disabled' else ''})",
-        *([f"  checkpoint      {s['checkpoint']} ({resume_hint(cfg)})"]
-          if s.get("checkpoint") else []),
-        "=" * 72,
-    ])
+    return "\n".join(
+        [
+            "=" * 72,
+            f"summary: {s['steps']} steps{'' if s['steps'] == cfg.train.steps else f' of train.steps={cfg.train.steps}'}, "
+            f"{s['parameters']:,} parameters, comm={cfg.comm.label} (comm.dtype={cfg.comm.dtype})",
+            f"  train loss      {s['start_loss']:.4f} (step {s.get('start_step', 0) + 1}"
+            f"{', first of this run' if s.get('start_step') else ', first step'}) -> {s['final_loss']:.4f} (last step)",
+            f"  validation loss {val}",
+            f"  throughput      {s['tokens_per_sec']:,.1f} tokens/s (global"
+            f"{', excluding the first step' if s['steps'] > 1 else ''})",
+            f"  DP grad comm    {s['comm_bytes_per_step']:,.0f} bytes sent per step per rank",
+            f"  outputs         {s['run_dir']}/ (config.yaml, metrics.jsonl"
+            f"{', wandb/' if cfg.logging.wandb != 'disabled' else ''})",
+            *([f"  checkpoint      {s['checkpoint']} ({resume_hint(cfg)})"] if s.get("checkpoint") else []),
+            "=" * 72,
+        ]
+    )

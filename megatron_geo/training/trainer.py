@@ -11,6 +11,7 @@ import torch
 
 from ..config import Config
 from ..model import count_parameters
+from ..optim.schedule import lr_at
 from ..parallel import ParallelContext
 from . import telemetry
 from .checkpointing import Checkpointer
@@ -18,7 +19,6 @@ from .data_setup import build_data, train_global_tokens, train_micro_batches, va
 from .eta import RunTimer
 from .log_line import StepOutput
 from .metrics import StepRecords, open_run_outputs
-from ..optim.schedule import lr_at
 from .setup import build_model_and_optimizer, compile_model, startup_text
 from .signals import StopRequest
 from .step import evaluate, train_step
@@ -29,25 +29,29 @@ class NonFiniteGradientError(RuntimeError):
     """The global gradient norm was non-finite and ``train.nonfinite=stop``."""
 
 
-def nonfinite_error(step: int, grad_norm: float, action: str, in_a_row: int = 1,
-                    max_in_a_row: int = 10**9) -> NonFiniteGradientError | None:
+def nonfinite_error(
+    step: int, grad_norm: float, action: str, in_a_row: int = 1, max_in_a_row: int = 10**9
+) -> NonFiniteGradientError | None:
     """The error that ends the run after step ``step`` (1-based) whose gradient norm is non-finite:
     ``action="stop"`` or ``in_a_row >= max_in_a_row`` (``train.max_skipped_steps``); None when the step is only
     skipped."""
     if action == "stop":
         return NonFiniteGradientError(
             f"step {step}: the gradient norm is {grad_norm} (non-finite) on every rank; stopping because "
-            f"train.nonfinite=stop (set train.nonfinite=skip to skip such steps instead)")
+            f"train.nonfinite=stop (set train.nonfinite=skip to skip such steps instead)"
+        )
     if in_a_row >= max_in_a_row:
         return NonFiniteGradientError(
             f"step {step}: {in_a_row} consecutive steps had a non-finite gradient norm (train.max_skipped_steps="
             f"{max_in_a_row}); stopping. The last checkpoint holds the last good parameters; lower optimizer.lr or "
-            f"check the data before resuming")
+            f"check the data before resuming"
+        )
     return None
 
 
-def handle_nonfinite(step: int, grad_norm: float, action: str, reducer, in_a_row: int = 1,
-                     max_in_a_row: int = 10**9) -> None:
+def handle_nonfinite(
+    step: int, grad_norm: float, action: str, reducer, in_a_row: int = 1, max_in_a_row: int = 10**9
+) -> None:
     """What every rank does after a step whose (all-reduced, hence identical) gradient norm is non-finite.
 
     Raises :func:`nonfinite_error`'s error when there is one; otherwise (the update was already skipped) the
@@ -73,8 +77,14 @@ def should_eval(train, step: int, valid_batches: list) -> bool:
 def lr_scale(cfg: Config, step: int) -> float:
     """The learning rate of step ``step`` (0-based) as a fraction of ``optimizer.lr``."""
     t = cfg.train
-    return lr_at(step, max_lr=1.0, min_lr=cfg.optimizer.min_lr / cfg.optimizer.lr, warmup_steps=t.warmup_steps,
-                 total_steps=t.steps, style=t.lr_decay_style)
+    return lr_at(
+        step,
+        max_lr=1.0,
+        min_lr=cfg.optimizer.min_lr / cfg.optimizer.lr,
+        warmup_steps=t.warmup_steps,
+        total_steps=t.steps,
+        style=t.lr_decay_style,
+    )
 
 
 def train(cfg: Config, pctx: ParallelContext) -> dict:
@@ -98,16 +108,23 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
     ckpt = Checkpointer(cfg, pctx, model, optimizer, reducer, geo, log)
     start_step, consumed, skipped_in_a_row = ckpt.resume()
     if start_step >= t.steps:  # nothing to train: write nothing (no checkpoint, metrics untouched)
-        log(f"nothing to do: the checkpoint is at step {start_step} and train.steps={t.steps}; raise train.steps to "
-            f"train on")
+        log(
+            f"nothing to do: the checkpoint is at step {start_step} and train.steps={t.steps}; raise train.steps to "
+            f"train on"
+        )
         return nothing_to_do(n_params, start_step, str(Path(t.run_dir).resolve()))
     logger = open_run_outputs(cfg, pctx, start_step, log)
     valid_batches = valid_micro_batches(data.valid, cfg, pctx) if data.valid and t.eval_batches else []
     output, stop, records = StepOutput(t, start_step, pctx.is_main), StopRequest(), StepRecords(cfg, pctx, geo)
     # measured evaluations and periodic saves: the ETA adds the ones still to come; a save's seconds go into the
     # next logged record (checkpoint_time_s, checkpoints_saved) for the metrics.jsonl watcher
-    timer = RunTimer(t.steps, start_step, t.eval_interval if valid_batches else 0, cfg.checkpoint.interval,
-                     cfg.checkpoint.save_at_end)
+    timer = RunTimer(
+        t.steps,
+        start_step,
+        t.eval_interval if valid_batches else 0,
+        cfg.checkpoint.interval,
+        cfg.checkpoint.save_at_end,
+    )
     stats = RunStats(start_step, skipped_in_a_row)
     try:
         for step in range(start_step, t.steps):
@@ -117,9 +134,20 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
             # the global token count comes from the sampler and the stop flags ride on the gradient-norm
             # all-reduce: nothing on the DP group runs between the previous step's parameter all-gathers and
             # this forward, and the step reads the device once (the norm), outside log steps
-            res = train_step(model, batches, grad_sync, optimizer, pctx, scale, cfg.optimizer.clip_grad,
-                             t.autocast_dtype, geo=geo, step=step,
-                             global_tokens=train_global_tokens(data.train, consumed, cfg), stop_flags=stop.flags)
+            res = train_step(
+                model,
+                batches,
+                grad_sync,
+                optimizer,
+                pctx,
+                scale,
+                cfg.optimizer.clip_grad,
+                t.autocast_dtype,
+                geo=geo,
+                step=step,
+                global_tokens=train_global_tokens(data.train, consumed, cfg),
+                stop_flags=stop.flags,
+            )
             stopping = stop.agree(res.stop_flags)
             rel_err = telemetry.collect(reducer, pctx.dp_group, pctx.dp_size) if measuring else {}
             consumed += t.global_batch_size
@@ -127,17 +155,31 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
             refreshed = geo is not None and geo.last_refresh == step
             if refreshed and (not stats.refresh_logged or t.progress is False or step % 500 == 0):
                 stats.refresh_logged = True  # the first refresh of the run is always logged
-                log(f"step {step + 1}: GeoFP8 refresh of {len(geo.selected)} layer(s) (rank {cfg.geo.rank}); "
-                    f"transform checksums equal on all {pctx.dp_size} DP ranks")
-            record = records.make(step, scale, res, dt, consumed, reducer.reset_bytes(), rel_err,
-                                  stats.unlogged_saves(timer.durations["save"]), refreshed=refreshed)
+                log(
+                    f"step {step + 1}: GeoFP8 refresh of {len(geo.selected)} layer(s) (rank {cfg.geo.rank}); "
+                    f"transform checksums equal on all {pctx.dp_size} DP ranks"
+                )
+            record = records.make(
+                step,
+                scale,
+                res,
+                dt,
+                consumed,
+                reducer.reset_bytes(),
+                rel_err,
+                stats.unlogged_saves(timer.durations["save"]),
+                refreshed=refreshed,
+            )
             fatal = None
             if stats.count_skip(res.skipped):
                 record["loss"] = res.loss
-                log(f"step {step + 1}: non-finite gradient norm ({res.grad_norm}); update skipped on all ranks "
-                    f"({stats.skipped_in_a_row} in a row)")
-                fatal = nonfinite_error(step + 1, res.grad_norm, t.nonfinite, stats.skipped_in_a_row,
-                                        t.max_skipped_steps)
+                log(
+                    f"step {step + 1}: non-finite gradient norm ({res.grad_norm}); update skipped on all ranks "
+                    f"({stats.skipped_in_a_row} in a row)"
+                )
+                fatal = nonfinite_error(
+                    step + 1, res.grad_norm, t.nonfinite, stats.skipped_in_a_row, t.max_skipped_steps
+                )
                 if fatal is None:
                     reducer.reset_error_feedback()  # the residuals may hold the non-finite values
                 else:
@@ -156,8 +198,9 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
                     stats.saves_logged = len(timer.durations["save"])
                 stats.add(step, record, res)
                 output.step(record, should_log(t, step), stats, timer.phases())
-            if ckpt.maybe_save(step + 1, consumed, stats.skipped_in_a_row, stop.signal if stopping else None, fatal,
-                               timer):
+            if ckpt.maybe_save(
+                step + 1, consumed, stats.skipped_in_a_row, stop.signal if stopping else None, fatal, timer
+            ):
                 break
     finally:
         optimizer.wait_param_gather()  # the model's parameters are complete when train() returns

@@ -39,11 +39,21 @@ _CHOICES = {
 }
 
 _POSITIVE = [
-    ("model", "hidden_size"), ("model", "num_layers"), ("model", "num_attention_heads"),
-    ("model", "num_kv_heads"), ("model", "ffn_hidden_size"), ("model", "seq_length"),
-    ("model", "vocab_size"), ("model", "make_vocab_size_divisible_by"), ("parallel", "tensor"),
-    ("parallel", "bucket_size"), ("train", "steps"), ("train", "global_batch_size"),
-    ("train", "micro_batch_size"), ("train", "eval_interval"), ("train", "log_interval"),
+    ("model", "hidden_size"),
+    ("model", "num_layers"),
+    ("model", "num_attention_heads"),
+    ("model", "num_kv_heads"),
+    ("model", "ffn_hidden_size"),
+    ("model", "seq_length"),
+    ("model", "vocab_size"),
+    ("model", "make_vocab_size_divisible_by"),
+    ("parallel", "tensor"),
+    ("parallel", "bucket_size"),
+    ("train", "steps"),
+    ("train", "global_batch_size"),
+    ("train", "micro_batch_size"),
+    ("train", "eval_interval"),
+    ("train", "log_interval"),
 ]
 
 
@@ -84,11 +94,13 @@ def validate_config(cfg: Config, world_size: int) -> None:
     g = cfg.geo
     if c.transform == "geo":
         if g.select == "auto" and (g.num_layers < 1 or g.profile_steps < 1):
-            raise ConfigError(f"geo.select=auto needs geo.num_layers={g.num_layers} >= 1 and "
-                              f"geo.profile_steps={g.profile_steps} >= 1")
+            raise ConfigError(
+                f"geo.select=auto needs geo.num_layers={g.num_layers} >= 1 and geo.profile_steps={g.profile_steps} >= 1"
+            )
         if g.select == "gain" and g.num_layers < 1:
-            raise ConfigError(f"geo.select=gain needs geo.num_layers={g.num_layers} >= 1 (how many layers keep the "
-                              f"transform)")
+            raise ConfigError(
+                f"geo.select=gain needs geo.num_layers={g.num_layers} >= 1 (how many layers keep the transform)"
+            )
         if fmt.fp8_max is None and g.select == "auto":
             from ..comm.formats import FORMATS
 
@@ -105,24 +117,32 @@ def validate_config(cfg: Config, world_size: int) -> None:
     parse_power(g.power)
     parse_power_search(g.power_search)
     if c.reduce_op != "wire_sum" and not c.wire_sum_prediv:
-        raise ConfigError("comm.wire_sum_prediv=false only changes comm.reduce_op=wire_sum; set comm.reduce_op="
-                          "wire_sum as well, or drop comm.wire_sum_prediv")
+        raise ConfigError(
+            "comm.wire_sum_prediv=false only changes comm.reduce_op=wire_sum; set comm.reduce_op="
+            "wire_sum as well, or drop comm.wire_sum_prediv"
+        )
     if t.warmup_steps < 0 or t.eval_batches < 0:
         raise ConfigError("train.warmup_steps and train.eval_batches must be >= 0")
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(
-            f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}"
+        )
     if (m.hidden_size // m.num_attention_heads) % 2:
         raise ConfigError(f"head dim {m.hidden_size // m.num_attention_heads} must be even for RoPE")
     if m.num_attention_heads % m.num_kv_heads:
         raise ConfigError(
-            f"model.num_attention_heads={m.num_attention_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
+            f"model.num_attention_heads={m.num_attention_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}"
+        )
     if world_size % p.tensor:
         raise ConfigError(
             f"world size {world_size} is not divisible by parallel.tensor={p.tensor}; launch a multiple of "
-            f"{p.tensor} processes or change parallel.tensor")
-    for name, v in (("num_attention_heads", m.num_attention_heads), ("num_kv_heads", m.num_kv_heads),
-                    ("ffn_hidden_size", m.ffn_hidden_size)):
+            f"{p.tensor} processes or change parallel.tensor"
+        )
+    for name, v in (
+        ("num_attention_heads", m.num_attention_heads),
+        ("num_kv_heads", m.num_kv_heads),
+        ("ffn_hidden_size", m.ffn_hidden_size),
+    ):
         if v % p.tensor:
             raise ConfigError(f"model.{name}={v} is not divisible by parallel.tensor={p.tensor}")
     dp = world_size // p.tensor
@@ -130,11 +150,13 @@ def validate_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
             f"{t.micro_batch_size} x data-parallel size {dp} (= {t.micro_batch_size * dp}); pick a global batch "
-            f"that is a multiple of {t.micro_batch_size * dp}")
+            f"that is a multiple of {t.micro_batch_size * dp}"
+        )
     if cfg.optimizer.name == "muon" and p.tensor > 1:
         raise ConfigError(
             "optimizer.name=muon with parallel.tensor>1 is not supported: Muon orthogonalizes whole matrices and this "
-            "release does not gather TP shards for it. Use parallel.tensor=1 with muon, or optimizer.name=adamw with TP")
+            "release does not gather TP shards for it. Use parallel.tensor=1 with muon, or optimizer.name=adamw with TP"
+        )
     if p.backend == "nccl" and t.device == "cpu":
         raise ConfigError("parallel.backend=nccl needs CUDA; use parallel.backend=gloo (or auto) with train.device=cpu")
     for name, path in (("train.run_dir", t.run_dir), ("data.cache_dir", cfg.data.cache_dir)):
@@ -150,8 +172,10 @@ def validate_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"comm.telemetry_interval={cfg.comm.telemetry_interval} must be >= 0 (0 disables it)")
     for key in ("interval", "keep_latest"):
         if getattr(ck, key) < 0:
-            raise ConfigError(f"checkpoint.{key}={getattr(ck, key)} must be >= 0 (checkpoint.interval=0: no periodic "
-                              f"saves; checkpoint.keep_latest=0: keep all)")
+            raise ConfigError(
+                f"checkpoint.{key}={getattr(ck, key)} must be >= 0 (checkpoint.interval=0: no periodic "
+                f"saves; checkpoint.keep_latest=0: keep all)"
+            )
     if not 0 <= t.seed < 2**63:  # torch.manual_seed and the data shuffle's numpy generator take this range
         raise ConfigError(f"train.seed={t.seed} must be in [0, 2**63); choose another seed")
     if t.max_skipped_steps < 1:
@@ -159,16 +183,20 @@ def validate_config(cfg: Config, world_size: int) -> None:
     if not ck.load:
         raise ConfigError("checkpoint.load is empty; use auto, latest, none or a checkpoint folder")
     if ck.load not in ("auto", "latest", "none") and not os.path.isdir(ck.load) and not _has_own_checkpoint(cfg):
-        raise ConfigError(f"checkpoint.load={ck.load!r} is not a folder; use auto, latest, none or the path of a "
-                          f"checkpoint folder (e.g. {t.run_dir}/checkpoints/step_00000100)")
+        raise ConfigError(
+            f"checkpoint.load={ck.load!r} is not a folder; use auto, latest, none or the path of a "
+            f"checkpoint folder (e.g. {t.run_dir}/checkpoints/step_00000100)"
+        )
     from ..checkpoint.resume_changes import parse_allow_changes
 
     parse_allow_changes(ck.allow_changes)
     if not (math.isfinite(p.timeout_minutes) and p.timeout_minutes > 0):
         raise ConfigError(f"parallel.timeout_minutes={p.timeout_minutes} must be a positive number of minutes")
     if cfg.data.source == "indexed" and not (cfg.data.train_prefix and cfg.data.tokenizer_model):
-        raise ConfigError("data.source=indexed needs data.train_prefix and data.tokenizer_model "
-                          "(make them with tools/train_tokenizer.py and tools/preprocess_data.py)")
+        raise ConfigError(
+            "data.source=indexed needs data.train_prefix and data.tokenizer_model "
+            "(make them with tools/train_tokenizer.py and tools/preprocess_data.py)"
+        )
 
 
 def wire_format(comm):
@@ -197,8 +225,7 @@ def output_file_problem(flag: str, path: str | None) -> str | None:
     """Why a tool could not write ``path`` given by ``flag`` (its folder is missing), or None: checked before
     any work so that a long run does not fail at its end."""
     if path and not os.path.isdir(os.path.dirname(os.path.abspath(os.path.expanduser(path)))):
-        return (f"{flag} {path}: the folder {os.path.dirname(path)!r} does not exist; create it or choose another "
-                f"path")
+        return f"{flag} {path}: the folder {os.path.dirname(path)!r} does not exist; create it or choose another path"
     return None
 
 
@@ -227,25 +254,32 @@ def check_inputs(cfg: Config, devices: bool = True) -> None:
                 continue
             missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
             if missing:
-                raise ConfigError(f"{key}={prefix!r}: {' and '.join(repr(m) for m in missing)} not found; write them with "
-                                  f"tools/preprocess_data.py --output-prefix {prefix} or fix the path")
+                raise ConfigError(
+                    f"{key}={prefix!r}: {' and '.join(repr(m) for m in missing)} not found; write them with "
+                    f"tools/preprocess_data.py --output-prefix {prefix} or fix the path"
+                )
             from ..data.indexed_dataset import check_dataset_files
 
             check_dataset_files(key, prefix)  # format, header and sizes of both files
         if d.tokenizer_model and not os.path.isfile(d.tokenizer_model):
-            raise ConfigError(f"data.tokenizer_model={d.tokenizer_model!r} not found; train one with "
-                              f"tools/train_tokenizer.py or fix the path")
+            raise ConfigError(
+                f"data.tokenizer_model={d.tokenizer_model!r} not found; train one with "
+                f"tools/train_tokenizer.py or fix the path"
+            )
     ck = cfg.checkpoint.load
     if ck not in ("auto", "latest", "none", "") and not os.path.isdir(ck) and not _has_own_checkpoint(cfg):
-        raise ConfigError(f"checkpoint.load={ck!r} is not a folder; use auto, latest, none or an existing checkpoint "
-                          f"folder")
+        raise ConfigError(
+            f"checkpoint.load={ck!r} is not a folder; use auto, latest, none or an existing checkpoint folder"
+        )
     if cfg.logging.wandb != "disabled":
         import importlib.util
 
         if importlib.util.find_spec("wandb") is None:
-            raise ConfigError(f"logging.wandb={cfg.logging.wandb} needs the wandb package, which this Python does not "
-                              f"have; install it (pip install 'wandb>=0.17') or set logging.wandb=disabled "
-                              f"(metrics.jsonl is written either way)")
+            raise ConfigError(
+                f"logging.wandb={cfg.logging.wandb} needs the wandb package, which this Python does not "
+                f"have; install it (pip install 'wandb>=0.17') or set logging.wandb=disabled "
+                f"(metrics.jsonl is written either way)"
+            )
     if devices:
         import torch
 
@@ -255,18 +289,25 @@ def check_inputs(cfg: Config, devices: bool = True) -> None:
         wants_cuda = cfg.train.device == "cuda" or cfg.parallel.backend == "nccl"
         if wants_cuda and not torch.cuda.is_available():
             key = "train.device=cuda" if cfg.train.device == "cuda" else "parallel.backend=nccl"
-            raise ConfigError(f"{key} but CUDA is not available on this machine (torch {torch.__version__}); run on a "
-                              f"GPU node with a CUDA build of torch, or use train.device=cpu and parallel.backend=auto "
-                              f"(or gloo)")
+            raise ConfigError(
+                f"{key} but CUDA is not available on this machine (torch {torch.__version__}); run on a "
+                f"GPU node with a CUDA build of torch, or use train.device=cpu and parallel.backend=auto "
+                f"(or gloo)"
+            )
         if wire_format(cfg.comm).scaled:  # the scaled codecs are what comm.compile compiles
             from ..comm.compiled import compiler_problem, resolve_compile
 
-            dev = "cuda" if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()) \
+            dev = (
+                "cuda"
+                if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
                 else "cpu"
+            )
             problem = compiler_problem(dev) if resolve_compile(cfg.comm.compile, dev) else None
             if problem:
-                raise ConfigError(f"comm.compile={cfg.comm.compile}: {problem}; install g++ (or point CXX at a C++ "
-                                  f"compiler) or use comm.compile=false")
+                raise ConfigError(
+                    f"comm.compile={cfg.comm.compile}: {problem}; install g++ (or point CXX at a C++ "
+                    f"compiler) or use comm.compile=false"
+                )
 
 
 def _inert_rules(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
@@ -274,50 +315,106 @@ def _inert_rules(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
     c, g, d, o, t = cfg.comm, cfg.geo, cfg.data, cfg.optimizer, cfg.train
     rules = []
     if d.source == "shakespeare":
-        rules.append((("data.train_prefix", "data.valid_prefix", "data.tokenizer_model"),
-                      "data.source=shakespeare (the embedded corpus)",
-                      "set data.source=indexed to train on your files"))
+        rules.append(
+            (
+                ("data.train_prefix", "data.valid_prefix", "data.tokenizer_model"),
+                "data.source=shakespeare (the embedded corpus)",
+                "set data.source=indexed to train on your files",
+            )
+        )
     if d.source == "indexed":
-        rules.append((("data.cache_dir",), "data.source=indexed (only the embedded corpus is prepared there)",
-                      "set data.source=shakespeare"))
+        rules.append(
+            (
+                ("data.cache_dir",),
+                "data.source=indexed (only the embedded corpus is prepared there)",
+                "set data.source=shakespeare",
+            )
+        )
     fmt = wire_format(c)
     if not fmt.scaled:
         rules.append((("comm.scaling",), f"comm.dtype={c.dtype} (sent unscaled)", "use an fp8 comm.dtype"))
     if not (c.scaling == "block" and fmt.block_scaling):
-        rules.append((("comm.block_size",), f"comm.scaling={c.scaling} and comm.dtype={c.dtype}",
-                      "set comm.scaling=block with an fp8 comm.dtype"))
+        rules.append(
+            (
+                ("comm.block_size",),
+                f"comm.scaling={c.scaling} and comm.dtype={c.dtype}",
+                "set comm.scaling=block with an fp8 comm.dtype",
+            )
+        )
     if c.transform != "hadamard":
         rules.append((("comm.hadamard_block",), f"comm.transform={c.transform}", "set comm.transform=hadamard"))
     if c.transform != "geo":
-        rules.append((tuple(f"geo.{f.name}" for f in dataclasses.fields(g)), f"comm.transform={c.transform}",
-                      "set comm.transform=geo"))
+        rules.append(
+            (
+                tuple(f"geo.{f.name}" for f in dataclasses.fields(g)),
+                f"comm.transform={c.transform}",
+                "set comm.transform=geo",
+            )
+        )
     else:
         if g.select == "layers":
-            rules.append((("geo.num_layers",), "geo.select=layers (geo.layers alone chooses)",
-                          "set geo.select=auto or gain"))
+            rules.append(
+                (("geo.num_layers",), "geo.select=layers (geo.layers alone chooses)", "set geo.select=auto or gain")
+            )
         if g.select != "auto":
-            rules.append((("geo.profile_steps",), f"geo.select={g.select} (nothing is profiled)",
-                          "set geo.select=auto"))
+            rules.append(
+                (("geo.profile_steps",), f"geo.select={g.select} (nothing is profiled)", "set geo.select=auto")
+            )
         if parse_power_search(g.power_search):
-            rules.append((("geo.power",), f"geo.power_search={g.power_search} (the search picks each layer's power)",
-                          "drop geo.power_search"))
+            rules.append(
+                (
+                    ("geo.power",),
+                    f"geo.power_search={g.power_search} (the search picks each layer's power)",
+                    "drop geo.power_search",
+                )
+            )
         if g.statistics == "full":
             rules.append((("geo.sketch_size",), "geo.statistics=full", "set geo.statistics=sketch or auto"))
         if not c.error_feedback:
-            rules.append((("geo.ef_on_refresh",), "comm.error_feedback=false (no residual to carry over)",
-                          "set comm.error_feedback=true"))
+            rules.append(
+                (
+                    ("geo.ef_on_refresh",),
+                    "comm.error_feedback=false (no residual to carry over)",
+                    "set comm.error_feedback=true",
+                )
+            )
     if o.name == "adamw":
-        rules.append((("optimizer.muon_momentum", "optimizer.muon_adjust_lr_fn", "optimizer.muon_ns_dtype",
-                       "optimizer.adamw_lr"), "optimizer.name=adamw", "set optimizer.name=muon"))
+        rules.append(
+            (
+                (
+                    "optimizer.muon_momentum",
+                    "optimizer.muon_adjust_lr_fn",
+                    "optimizer.muon_ns_dtype",
+                    "optimizer.adamw_lr",
+                ),
+                "optimizer.name=adamw",
+                "set optimizer.name=muon",
+            )
+        )
     if not cfg.parallel.distributed_optimizer:
-        rules.append((("parallel.overlap_param_gather",), "parallel.distributed_optimizer=false (nothing is gathered)",
-                      "set parallel.distributed_optimizer=true"))
+        rules.append(
+            (
+                ("parallel.overlap_param_gather",),
+                "parallel.distributed_optimizer=false (nothing is gathered)",
+                "set parallel.distributed_optimizer=true",
+            )
+        )
     if t.nonfinite == "stop":
-        rules.append((("train.max_skipped_steps",), "train.nonfinite=stop (the first non-finite step stops the run)",
-                      "set train.nonfinite=skip"))
+        rules.append(
+            (
+                ("train.max_skipped_steps",),
+                "train.nonfinite=stop (the first non-finite step stops the run)",
+                "set train.nonfinite=skip",
+            )
+        )
     if t.device == "cpu":
-        rules.append((("train.autocast_dtype",), "train.device=cpu (autocast runs on CUDA only)",
-                      "set train.device=auto or cuda"))
+        rules.append(
+            (
+                ("train.autocast_dtype",),
+                "train.device=cpu (autocast runs on CUDA only)",
+                "set train.device=auto or cuda",
+            )
+        )
     return rules
 
 
@@ -367,8 +464,10 @@ def parse_power(spec, key: str = "geo.power") -> float | str:
     except ValueError:
         v = float("nan")
     if not (math.isfinite(v) and 0 < v <= 1):
-        raise ConfigError(f"{key}={spec!r} must be a number in (0, 1] (0.5 whitens the top-r directions, 0.25 "
-                          f"goes halfway) or auto (p = clip(s / 4, 0, 1/2) per layer from the refresh's statistics)")
+        raise ConfigError(
+            f"{key}={spec!r} must be a number in (0, 1] (0.5 whitens the top-r directions, 0.25 "
+            f"goes halfway) or auto (p = clip(s / 4, 0, 1/2) per layer from the refresh's statistics)"
+        )
     return v
 
 
@@ -394,13 +493,17 @@ def parse_power_search(spec, key: str = "geo.power_search") -> tuple[float, ...]
             v = float("nan")
         if not (math.isfinite(v) and 0.0 <= v <= 1.0):
             shown = repr(part) if part else "an empty element"
-            raise ConfigError(f"{key}={spec!r}: {shown} is not a power in [0, 1]; give comma-separated "
-                              f"exponents such as {key}=0.5,0.25,0 (0 = Euclidean), or an empty value to "
-                              f"turn the search off")
+            raise ConfigError(
+                f"{key}={spec!r}: {shown} is not a power in [0, 1]; give comma-separated "
+                f"exponents such as {key}=0.5,0.25,0 (0 = Euclidean), or an empty value to "
+                f"turn the search off"
+            )
         if v in out:
             raise ConfigError(f"{key}={spec!r} repeats {v:g}; list each power once")
         out.append(v)
     if len(out) > 8:
-        raise ConfigError(f"{key}={spec!r} has {len(out)} powers; at most 8 (each costs a trial "
-                          f"quantization of every selected gradient at every refresh)")
+        raise ConfigError(
+            f"{key}={spec!r} has {len(out)} powers; at most 8 (each costs a trial "
+            f"quantization of every selected gradient at every refresh)"
+        )
     return tuple(out)
