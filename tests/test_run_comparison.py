@@ -221,7 +221,7 @@ def test_ctrl_c_during_a_sweep_is_one_line_and_exit_130(tmp_path):
 
     fake = tmp_path / "bin" / "sbatch"
     fake.parent.mkdir()
-    fake.write_text("#!/bin/sh\nsleep 30\n")
+    fake.write_text("#!/bin/sh\nsleep 600\n")  # outlives a slow start-up on a loaded machine
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
     p = subprocess.Popen(
@@ -232,9 +232,10 @@ def test_ctrl_c_during_a_sweep_is_one_line_and_exit_130(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300
     while not (tmp_path / "sw" / "fp8-seed1" / "sweep_args.json").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
+    assert (tmp_path / "sw" / "fp8-seed1" / "sweep_args.json").exists(), "the sweep never reached its first submit"
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 130 and "interrupted; run the same command again" in err and "Traceback" not in err
