@@ -18,14 +18,16 @@ presets in the same run (median of ``--repeats``).
 Per preset and mode: ``ms``, ``memcpy_ms``, ``ratio_to_memcpy`` (= ms / memcpy_ms), and from one run under
 :class:`megatron_geo.comm.op_trace.OpRecorder`: ``ops_per_bucket`` (kernel-launching aten ops the dispatcher
 sees; traced on the eager path only, because ``torch.compile`` cannot run under a dispatch mode: compiled
-rows have timings and ``bitwise_equal_eager`` only), ``syncs_per_bucket`` (ops that force a host sync or a data-dependent shape),
+rows have timings and ``bitwise_equal_eager`` only), ``syncs_per_bucket`` (ops that force a host sync or a
+data-dependent shape),
 ``traffic_bytes_per_element`` (bytes of the inputs and outputs of those ops per bucket element: what an
 unfused eager execution moves), ``fused_traffic_bytes_per_element`` (the same with each codec step that
 ``comm.compile`` compiles counted as one pass over its arguments and results) and
 ``traffic_bound_ratio_to_memcpy`` (that over the 8 bytes per element of a copy: the best ratio a device whose
 codec kernels run at copy bandwidth reaches; a projection, not a GPU measurement). Compiled rows also say
 whether the reduced shard is bitwise equal to eager (``bitwise_equal_eager``: the shards of two consecutive
-reductions, so that error feedback's residual is part of the comparison). GeoFP8 presets are left out (their transform cost is
+reductions, so that error feedback's residual is part of the comparison). GeoFP8 presets are left out (their transform
+cost is
 ``benchmarks/geo_overhead.py``'s). The JSON holds ``presets_eager`` and/or ``presets_compiled`` and, as
 ``presets``, the first mode run (eager unless ``--compile compiled``). ``tools/project_scaling.py --codec-output
 OUT.json`` reads the JSON.

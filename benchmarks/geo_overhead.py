@@ -285,7 +285,8 @@ def main() -> None:
     mem = geo_memory(cfg)
     print(
         f"memory ({args.memory_config}, {mem['parameters']:,} parameters, {mem['layers']} GeoFP8 layers, "
-        f"rank {cfg.geo.rank}, geo.statistics={cfg.geo.statistics}): persistent state {mem['persistent_bytes'] / 2**20:.1f} MiB = "
+        f"rank {cfg.geo.rank}, geo.statistics={cfg.geo.statistics}): "
+        f"persistent state {mem['persistent_bytes'] / 2**20:.1f} MiB = "
         f"{100 * mem['persistent_bytes'] / mem['training_bytes_excl_activations']:.3f}% of "
         f"{mem['training_bytes_excl_activations'] / 2**30:.2f} GiB training state (FP32 params, grads, main params, "
         f"2 moments; activations excluded, so the true share is lower); K-FAC factors during a refresh "

@@ -216,7 +216,7 @@ class Runner:
         self.parts = self.work / "parts"
         self.logs.mkdir()
         self.parts.mkdir()
-        self.runlog = open(self.logs / "gpu_check.log", "w")
+        self.runlog = open(self.logs / "gpu_check.log", "w")  # noqa: SIM115 -- the run log, open for the whole run
         self.state: dict = {
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "dry_run": dry_run,

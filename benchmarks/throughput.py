@@ -103,7 +103,8 @@ def main() -> None:
         f"median step {mo * 1e3:8.1f} ms  {tokens / mo:10,.0f} tokens/s  ({sent:,.0f} grad bytes sent/step/rank)"
     )
     print(
-        f"plain PyTorch DDP (fp32 all-reduce, AdamW):          median step {mr * 1e3:8.1f} ms  {tokens / mr:10,.0f} tokens/s"
+        f"plain PyTorch DDP (fp32 all-reduce, AdamW):          "
+        f"median step {mr * 1e3:8.1f} ms  {tokens / mr:10,.0f} tokens/s"
     )
     print(f"ratio megatron-geo / DDP tokens/s: {mr / mo:.3f}  (target >= 0.9)")
 

@@ -90,7 +90,8 @@ def test_cli_writes_tables_and_plots(sweep, tmp_path):
         text=True,
     )
     assert res.returncode == 0, res.stderr
-    rows = list(csv.DictReader(open(out / "results.csv")))
+    with open(out / "results.csv") as fh:
+        rows = list(csv.DictReader(fh))
     assert [r["mode"] for r in rows] == ["bf16", "fp8"]
     assert float(rows[1]["gap_sigma"]) == pytest.approx(2.0) and float(rows[1]["bytes_rel"]) == pytest.approx(0.55)
     md = (out / "results.md").read_text()

@@ -65,7 +65,7 @@ def test_files_from_the_writer_pass(dataset):
 
 def test_every_truncation_of_the_index_is_named(dataset):
     idx = dataset + ".idx"
-    full = open(idx, "rb").read()
+    full = Path(idx).read_bytes()
     for cut in range(len(full)):
         with open(idx, "wb") as f:
             f.write(full[:cut])
@@ -80,7 +80,7 @@ def test_every_truncation_of_the_index_is_named(dataset):
 @pytest.mark.parametrize("delta", [-1, -2, -6, 2, 4])
 def test_bin_size_disagreeing_with_the_index(dataset, delta):
     bin_path = dataset + ".bin"
-    data = open(bin_path, "rb").read()
+    data = Path(bin_path).read_bytes()
     with open(bin_path, "wb") as f:
         f.write(data[:delta] if delta < 0 else data + b"\0" * delta)
     tokens = sum(map(len, DOCS))

@@ -51,7 +51,6 @@ def _reference_fp8(world, fmt, scaling, block, sync, plan) -> torch.Tensor:
     bufs = [_to_buffer(x, plan) for x in _rank_grads(world)]
 
     def group_scales(buf):
-        s = torch.ones_like(buf)
         if scaling == "block":
             amax = buf.view(-1, block).abs().amax(1)
             sc = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))

@@ -137,7 +137,8 @@ def test_the_tables_and_the_csv_name_the_diverged_run(sweep, tmp_path):
     md = (out / "results.md").read_text()
     assert f"| fp8 | 2 | {mean:+.4f} | [{lo:+.4f}, {hi:+.4f}] (t) | **worse** |" in md
     assert "1 diverged: seed 3 |" in md and "| fp8 | 3 (1 diverged: seed 3) |" in md
-    rows = {r["mode"]: r for r in csv.DictReader(open(out / "results.csv"))}
+    with open(out / "results.csv") as fh:
+        rows = {r["mode"]: r for r in csv.DictReader(fh)}
     assert rows["fp8"]["diverged"] == "1" and rows["fp8"]["diverged_seeds"] == "3"
     assert float(rows["fp8"]["paired_gap"]) == pytest.approx(mean) and rows["fp8"]["verdict"] == "worse"
 

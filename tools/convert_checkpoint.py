@@ -12,7 +12,8 @@ full tensor. The output format is :mod:`megatron_geo.checkpoint.consolidated` (r
 ``load_consolidated``; ``tools/eval_downstream.py`` takes it directly). ``--to hf`` writes a folder that
 ``transformers.AutoModelForCausalLM`` and ``AutoTokenizer.from_pretrained`` load (:mod:`megatron_geo.checkpoint.hf_io`);
 ``--from hf`` turns such a folder (a plain Llama) into a step folder that ``checkpoint.load=PATH`` starts a new run
-from (its relaunches resume the run's own checkpoints), with the rest of the training config from ``--config`` files. Both need ``pip install -e .[hf]``. Exit code 2 on bad input.
+from (its relaunches resume the run's own checkpoints), with the rest of the training config from ``--config`` files.
+Both need ``pip install -e .[hf]``. Exit code 2 on bad input.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
     python tools/plan_report.py --config configs/llama_600m.yaml --dp 64 [--tp 1] [--json OUT] [key=value ...]
     python tools/plan_report.py --config configs/llama_600m.yaml --dp 8 16 64 128 --markdown
 
-Prints rank 0, the rank with the most wire bytes and the rank with the most persistent memory (figures defined in ``megatron_geo/analysis/plan_report.py``); ``--json``
+Prints rank 0, the rank with the most wire bytes and the rank with the most persistent memory (figures defined in
+``megatron_geo/analysis/plan_report.py``); ``--json``
 writes one object per DP size (a list when several are given).
 """
 
@@ -36,7 +37,8 @@ def _fmt_rank(tag: str, r: dict) -> list[str]:
         f"{b['param_buffer'] / GiB:.2f}, main params {b['main_params'] / GiB:.2f}, optimizer state "
         f"{b['optimizer_state'] / GiB:.2f}, error feedback {b['error_feedback'] / GiB:.2f}, GeoFP8 "
         f"{b['geo_state'] / GiB:.3f})",
-        f"         reduce sends {r['reduce_sent_bytes'] / 1e9:.3f} GB, receives {r['reduce_received_bytes'] / 1e9:.3f} GB;"
+        f"         reduce sends {r['reduce_sent_bytes'] / 1e9:.3f} GB, "
+        f"receives {r['reduce_received_bytes'] / 1e9:.3f} GB;"
         f" gather sends {r['gather_sent_bytes'] / 1e9:.3f} GB per step",
     ]
 
@@ -48,7 +50,8 @@ def report_text(f: dict) -> str:
         f"  parameters {f['parameters']:,}; {f['buckets']} buckets ({f['uneven_buckets']} with uneven owner ranges); "
         f"buffer {f['buffer_elements_per_rank']:,} elements per rank; padding_ratio {f['padding_ratio']:.4f}",
         f"  wire bytes per rank per step (reduce) {f['wire_bytes_per_rank'] / 1e9:.3f} GB vs even reduce-scatter "
-        f"{f['even_reduce_scatter_bytes'] / 1e9:.3f} GB (x{f['wire_bytes_per_rank'] / max(f['even_reduce_scatter_bytes'], 1):.3f});"
+        f"{f['even_reduce_scatter_bytes'] / 1e9:.3f} GB "
+        f"(x{f['wire_bytes_per_rank'] / max(f['even_reduce_scatter_bytes'], 1):.3f});"
         f" gather {f['gather_bytes_per_rank'] / 1e9:.3f} GB vs {f['even_all_gather_bytes'] / 1e9:.3f} GB",
         f"  optimizer FLOPs max/mean {f['optimizer_flops_max_over_mean']:.3f}; owned elements max/mean "
         f"{f['elements_owned_max_over_mean']:.3f}; codec scratch (largest bucket, transient) "

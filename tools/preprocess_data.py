@@ -118,7 +118,8 @@ def _json_lines(path: str):
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise InputError(
-                    f"{where}: not valid JSON ({e.msg.removesuffix(' at')}, column {e.colno}); each line must be one JSON "
+                    f"{where}: not valid JSON ({e.msg.removesuffix(' at')}, column {e.colno}); "
+                    f"each line must be one JSON "
                     f'object such as {{"text": "..."}}'
                 ) from None
             if not isinstance(row, dict):

@@ -18,7 +18,8 @@ Model (docs/design.md section 6), TP = 1, data parallel over all n GPUs, per ste
 - codec: two quantize+dequantize round trips of the N-element gradient per step (the reduce stage encodes
   the whole buffer and decodes every source's chunk, the all-gather stage the same for the averaged shard),
   time = 2 * 4N / (ratio_to_copy * ``--copy-gbs``), ``ratio_to_copy`` = the mode's codec throughput over a
-  plain memory copy measured on the reducer's own path by ``benchmarks/codec.py --json`` (so the CPU measurement is carried to the GPU as a
+  plain memory copy measured on the reducer's own path by ``benchmarks/codec.py --json`` (so the CPU measurement is
+  carried to the GPU as a
   fraction of its copy bandwidth); Hadamard adds two rotations (forward and inverse), error feedback one
   extra copy-speed pass;
 - GeoFP8 / GeoNVFP4 = the Euclidean mode with error feedback times (1 + o), o = the added step time measured
@@ -592,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     if costs.geo_added_s_per_layer:
         for name, sec in costs.geo_added_s_per_layer.items():
             print(
-                f"  GeoFP8 added {sec * 1e3:.3f} ms per transformed layer and step ({name}) | {costs.sources['geo_layer']}"
+                f"  GeoFP8 added {sec * 1e3:.3f} ms per transformed layer and step ({name}) | "
+                f"{costs.sources['geo_layer']}"
             )
     print(
         f"  GeoFP8 added step time {costs.geo_overhead:+.2%} of fp8+EF | {costs.sources['geo']} (measured on the "

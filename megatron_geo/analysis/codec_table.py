@@ -96,7 +96,8 @@ def format_table(results: list[dict], per_layer: bool = False) -> str:
         lines.append(
             f"{res['codec']:<30} {res['bytes_per_element']:>6.3f} {fmt_value(o['rel_l2'], '.3e'):>10} "
             f"{fmt_value(o['mean_layer_rel_l2'], '.3e'):>11} {fmt_value(o['sqnr_db'], '.2f'):>8} "
-            f"{fmt_value(o['cosine'], '.6f'):>9} {fmt_value(o['max_err'], '.2e'):>9} {fmt_value(o['saturation'], '.2e'):>9} "
+            f"{fmt_value(o['cosine'], '.6f'):>9} {fmt_value(o['max_err'], '.2e'):>9} "
+            f"{fmt_value(o['saturation'], '.2e'):>9} "
             f"{fmt_value(o['underflow'], '.2e'):>9} {fmt_value(o['mean_layer_dir_err_top'], '.2e'):>9} "
             f"{fmt_value(o['mean_layer_dir_err_tail'], '.2e'):>9}"
         )

@@ -143,7 +143,8 @@ def run_scenario(opts) -> dict:
             summ["window"] = _window(steps, cap.names, cap.names, side, search, opts.geo_fp8_codec)
         runs.append({"seed": seed, "summary": summ, "geo": geo})
         print(
-            f"  seed {seed}: Euclidean {summ['euclidean_rel_l2']:.3e}, geo default {summ['geo_default_change_pct']:+.1f}%"
+            f"  seed {seed}: Euclidean {summ['euclidean_rel_l2']:.3e}, "
+            f"geo default {summ['geo_default_change_pct']:+.1f}%"
             f" ({time.perf_counter() - t0:.1f} s)",
             flush=True,
         )

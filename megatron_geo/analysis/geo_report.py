@@ -113,7 +113,8 @@ def geo_report(out: dict, markdown: bool = False) -> str:
         f"{st['transform_precision']}. RelL2 / SQNR / cosine: concatenated layers of the scope; layer RelL2, dir "
         f"top / tail: means over layers of the per-layer values (medians over the first / last quarter of each "
         f"gradient's singular directions); gain vs E %: RelL2 reduction against the row's Euclidean baseline (same "
-        f"codec, same capture; positive = better, the opposite sign of the summary's change); tail E/geo: baseline tail error / this row's."
+        f"codec, same capture; positive = better, the opposite sign of the summary's change); "
+        f"tail E/geo: baseline tail error / this row's."
     )
     sel_t = format_geo_table(g["rows"], "selected", markdown)
     all_t = format_geo_table(g["rows"], "all_linear", markdown)

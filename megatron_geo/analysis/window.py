@@ -1,4 +1,5 @@
-"""Windowed fidelity with error feedback (docs/design.md section 4, windowed RelL2): RelL2 of the sum of K consecutive reduced steps.
+"""Windowed fidelity with error feedback (docs/design.md section 4, windowed RelL2): RelL2 of the sum of K consecutive
+reduced steps.
 
 For steps k = 1..K with rank gradients ``G_{k,r}`` and a coordinate transform ``T`` fixed over the window
 (GeoFP8 refreshes every 50 steps; ``T = I`` is Euclidean), each rank sends

@@ -44,7 +44,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, f, hd = cfg.hidden_size, cfg.ffn_hidden_size, cfg.hidden_size // cfg.num_attention_heads
     q, kv = cfg.num_attention_heads * hd, cfg.num_kv_heads * hd
     pv = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, 1)
-    shapes = {"embed.weight": (pv, h)}
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (pv, h)}
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         shapes.update(
@@ -64,7 +64,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_state(state: dict, cfg: ModelConfig, where: str) -> dict[str, torch.Tensor]:
+def _check_state(state: object, cfg: ModelConfig, where: str) -> dict[str, torch.Tensor]:
     """FP32 CPU copy of ``state`` with unpadded vocab rows padded; CheckpointError on a name/shape mismatch."""
     if not isinstance(state, dict):
         raise CheckpointError(f"{where}: model state must be a dict of tensors, got {type(state).__name__}")

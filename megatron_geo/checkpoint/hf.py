@@ -199,6 +199,11 @@ def _rope_type(c: dict) -> tuple[str, object] | None:
     return None
 
 
+def _positive_int(v: object) -> bool:
+    """``v`` is an int (not a bool) of at least 1."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
 def model_overrides_from_hf(c: dict, where: str) -> dict:
     """Our ``model.*`` values from a Hugging Face ``config.json`` dict.
 
@@ -222,7 +227,7 @@ def model_overrides_from_hf(c: dict, where: str) -> dict:
     if c.get("model_type") != "llama":
         bad("model_type", c.get("model_type"), "'llama'")
     required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-    missing = [k for k in required if not isinstance(c.get(k), int) or isinstance(c.get(k), bool) or c.get(k) < 1]
+    missing = [k for k in required if not _positive_int(c.get(k))]
     if missing:
         raise HFConversionError(f"{where}: config.json lacks a positive integer {missing[0]}; it is damaged")
     checks = (

@@ -66,8 +66,8 @@ def piece_rects(
         off = tp_rank * local_shape[0] if partition_dim == 0 else 0
         rects = [Rect((off + lo,), (hi - lo,), lo, hi)] if hi > lo else []
         if logical_rows is not None:
-            rects = [_clip1(r, logical_rows) for r in rects]
-            rects = [r for r in rects if r is not None]
+            clipped = [_clip1(r, logical_rows) for r in rects]
+            rects = [r for r in clipped if r is not None]
         return rects
     if len(local_shape) != 2:
         raise ValueError(f"only 1-D and 2-D parameters are supported, got shape {tuple(local_shape)}")

@@ -231,7 +231,8 @@ class CheckpointSaveError(RuntimeError):
 def _save_failure(tmp: Path, err: BaseException) -> CheckpointSaveError:
     """One line naming the folder and the cause (``no space left on device`` and the like, from the errno of
     the first OSError in the exception chain or the message DCP gathered from the failing rank)."""
-    cause, seen = None, err
+    cause: str | None = None
+    seen: BaseException | None = err
     while seen is not None and cause is None:
         if isinstance(seen, OSError) and seen.errno:
             cause = os.strerror(seen.errno).lower()
@@ -397,7 +398,7 @@ def _verify_before_publishing(tmp: Path, own: dict[str, int], group, device: tor
         ) from None
 
 
-def abandon_later(root: Path, step: int) -> list[tuple[Path, Path]]:
+def abandon_later(root: Path, step: int) -> list[tuple[Path, Path | None]]:
     """Start a new timeline at ``step``: move every complete checkpoint of ``root`` with a later step into
     ``root/abandoned/`` (and remove later partial ``.tmp-step_*`` folders) so that retention and
     ``checkpoint.load=auto`` never see them, and point ``latest`` at the newest checkpoint that remains (or
@@ -412,7 +413,7 @@ def abandon_later(root: Path, step: int) -> list[tuple[Path, Path]]:
         and p.name.removeprefix(".tmp-")[len("step_") :].isdigit()
         and int(p.name.removeprefix(".tmp-")[len("step_") :]) > step
     ]
-    moved = []
+    moved: list[tuple[Path, Path | None]] = []
     if later:
         aside = root / "abandoned"
         stamp = time.strftime("%Y%m%d-%H%M%S")

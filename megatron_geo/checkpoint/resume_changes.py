@@ -159,9 +159,10 @@ def check_resume_changes(saved: dict, cfg: Config, start_step: int, kind: str) -
             notes.append(f"{changes} on resume: the learning rate of every remaining step is unchanged")
         else:
             step, a, b = diff
+            saved_steps = saved["train"]["steps"]
             effect = (
                 f"the learning rate of step {step + 1} becomes {b:.3e} where the saved schedule gives {a:.3e}"
-                f"{' (it ended at step ' + str(saved['train']['steps']) + ')' if step >= saved['train']['steps'] else ''}"
+                f"{' (it ended at step ' + str(saved_steps) + ')' if step >= saved_steps else ''}"
             )
             line = f"{changes} on resume: {effect}"
             unallowed = [k for k in sched if k not in allowed]

@@ -96,7 +96,8 @@ class SafeFileSystemReader(FileSystemReader):
         if not isinstance(metadata, Metadata):
             raise UnsafeCheckpointError(f"{path} does not hold DCP metadata (got {type(metadata).__name__})")
         _check_file_sizes(metadata, path)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata

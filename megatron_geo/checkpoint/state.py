@@ -26,6 +26,7 @@ the GeoFP8 state's (``megatron_geo.geometry.GeoState``).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -122,7 +123,7 @@ class StateLayout:
         self.place = {n: (b, i) for b in optimizer.buckets for i, n in enumerate(b.names)}  # name -> (bucket, index)
 
     def partition_dim(self, p: torch.nn.Parameter) -> int | None:
-        return p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+        return p.partition_dim if getattr(p, "tensor_model_parallel", False) else None  # type: ignore[attr-defined]
 
     def logical_rows(self, name: str, p: torch.nn.Parameter) -> int | None:
         if self.padded_vocab is not None and name in ("embed.weight", "output.weight"):
@@ -336,6 +337,7 @@ def load_state(
     except Exception as e:  # noqa: BLE001 - every rank must learn of it before DCP's collectives
         err = e
     agree(err, world, dev, "preparing the checkpoint load")
+    assert req is not None  # agree raised on every rank when _load_request failed on any
     sd = req["sd"]
 
     with warnings.catch_warnings():
@@ -352,6 +354,15 @@ def load_state(
         _broadcast_non_writers(layout, req["with_state"])
     layout.optimizer.publish()
     layout.optimizer.wait_param_gather()  # the loaded parameters are complete on return
+
+
+def _tensor_size(keys, key: str) -> torch.Size:
+    """The size of the tensor entry ``key`` of a DCP checkpoint's ``state_dict_metadata`` ``keys``."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = keys[key]
+    assert isinstance(meta, TensorStorageMetadata), key  # these entries are saved as tensors
+    return meta.size
 
 
 def _load_request(
@@ -398,7 +409,7 @@ def _load_request(
     world = pctx.world_group
     for name in names:
         size, everyone = layout.global_shape(name), layout.global_rects(name)
-        kinds = [(f"model/{name}", lambda m: m.main.data)]
+        kinds: list[tuple[str, Callable[..., torch.Tensor]]] = [(f"model/{name}", lambda m: m.main.data)]
         if with_state:
             kinds += [
                 (f"optim/{name}/{s}", lambda m, s=s: opt.optimizer_of(m).state[m.main][s])
@@ -424,7 +435,7 @@ def _load_request(
                 and (k != "rng/cuda" or pctx.device.type == "cuda")
                 and (k != "rng/reducer" or "generator" in red)
             ):
-                sd[f"{tag}/{k}"] = torch.empty(keys[f"{tag}/{k}"].size, dtype=torch.uint8, device="cpu")
+                sd[f"{tag}/{k}"] = torch.empty(_tensor_size(keys, f"{tag}/{k}"), dtype=torch.uint8, device="cpu")
         for name in ef:
             if f"{tag}/ef/{name}" in keys:
                 sd[f"{tag}/ef/{name}"] = torch.empty_like(ef[name])
@@ -432,17 +443,19 @@ def _load_request(
         if (
             geo is not None
             and f"{tag}/geo/hits" in keys
-            and len(keys[f"{tag}/geo/hits"].size) == 1
-            and keys[f"{tag}/geo/hits"].size[0] == n_hits
+            and len(_tensor_size(keys, f"{tag}/geo/hits")) == 1
+            and _tensor_size(keys, f"{tag}/geo/hits")[0] == n_hits
         ):
             sd[f"{tag}/geo/hits"] = torch.zeros(n_hits, dtype=torch.float64, device="cpu")
     geo_tp = f"tp{pctx.tp_rank}/geo/"
     same_tp = same_layout if same_tp is None else same_tp
     if geo is not None and geo_meta is not None and same_tp:
+        assert live_geo is not None  # geo.state_dict() above
         for name in live_geo["transforms"]:
             if f"{geo_tp}{name}/U" in keys:
-                sd[f"{geo_tp}{name}/U"] = torch.empty(keys[f"{geo_tp}{name}/U"].size, dtype=torch.float32, device="cpu")
-                sd[f"{geo_tp}{name}/d"] = torch.empty(keys[f"{geo_tp}{name}/d"].size, dtype=torch.float32, device="cpu")
+                for part in ("U", "d"):
+                    part_key = f"{geo_tp}{name}/{part}"
+                    sd[part_key] = torch.empty(_tensor_size(keys, part_key), dtype=torch.float32, device="cpu")
     return {
         "sd": sd,
         "copies": copies,

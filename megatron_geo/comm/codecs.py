@@ -285,7 +285,8 @@ def _e2m1_index(a: Tensor, rounding: str, generator: torch.Generator | None) -> 
 
     Nearest: the number of rounding boundaries strictly below ``a``: ``torch.bucketize`` in eager mode, and in a
     compiled graph ``7 - #(a <= boundary)`` (seven comparisons that vectorise; a NaN compares false with every
-    boundary, so it gets 7 without an ``isnan`` pass). At the midpoints whose tie goes up to the even code (0.75 -> 1.0, 1.75 -> 2.0,
+    boundary, so it gets 7 without an ``isnan`` pass). At the midpoints whose tie goes up to the even code (0.75 -> 1.0,
+    1.75 -> 2.0,
     3.5 -> 4.0) the boundary is the FP32 value just below the midpoint, so "a > boundary" means
     "a >= midpoint"; the other ties stay down (even code).
     """

@@ -18,6 +18,7 @@ backend divides exactly and does not contract, so CPU tests match with or withou
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -57,7 +58,7 @@ def compiler_problem(device) -> str | None:
 
 # Inductor settings under which a compiled graph rounds like eager, by the names torch releases have used
 # (torch/_inductor/config.py); eager_numerics_options keeps those the running torch knows.
-_EAGER_NUMERICS: dict[str, object] = {
+_EAGER_NUMERICS: dict[str, str | int | bool] = {
     # keep every requested cast's rounding; on Triton also enable_fp_fusion=False: no FMA contraction
     "emulate_precision_casts": True,
     # FP32 x / y as IEEE division (Triton div_rn) instead of the approximate div.full
@@ -72,7 +73,7 @@ _EAGER_NUMERICS: dict[str, object] = {
 }
 
 
-def eager_numerics_options() -> dict[str, object]:
+def eager_numerics_options() -> dict[str, str | int | bool | Callable[..., Any]]:
     """The ``torch.compile(options=...)`` that make Inductor compute a codec graph like eager, limited to the names
     (and value types) the running torch's ``torch._inductor.config`` knows: torch rejects unknown options, and
     the division-rounding switch has been renamed between releases.
@@ -113,5 +114,5 @@ def maybe_compile(fn: Callable, enabled: bool, static: dict[int, tuple[int, ...]
                 mark(args[i], d)
         return compiled(*args)
 
-    call.__wrapped__ = fn
+    call.__wrapped__ = fn  # type: ignore[attr-defined]
     return call

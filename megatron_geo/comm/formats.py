@@ -220,9 +220,12 @@ def comm_view(settings: dict | None = None, **kw) -> SimpleNamespace:
 
 
 def _cast(name: str, dtype: torch.dtype) -> WireFormat:
+    def make_wire(comm, generator: torch.Generator | None = None, compile: bool = False) -> Wire:
+        return CastWire(dtype)
+
     return WireFormat(
         name=name,
-        make_wire=lambda comm, generator=None, compile=False: CastWire(dtype),
+        make_wire=make_wire,
         bytes_per_element=lambda comm: float(dtype.itemsize),
         scaled=False,
     )

@@ -215,6 +215,7 @@ class LowPrecisionReducer(Reducer):
         bucket, and for each selected GeoFP8 layer also through the plain Euclidean codec. Tensors only (no host
         sync here); the trainer reduces them over DP once per telemetry step."""
         layout, out, t = self.layouts[key], self.telemetry, self.transform
+        assert out is not None  # called only while telemetry is armed
         # record=False: the trial round trip leaves no trace (GeoFP8's bound-hit profile counts reductions only)
         err = t.from_wire(self.wire.roundtrip(t.to_wire(buf.clone(), key, record=False), layout), key, 0).sub_(buf)
         out.append((f"rel_err/bucket{key}", err.square().sum(), buf.square().sum()))

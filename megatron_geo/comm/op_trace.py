@@ -12,6 +12,7 @@ Used by ``tests/test_sync_free.py`` and ``benchmarks/codec.py``.
 from __future__ import annotations
 
 from collections import Counter
+from types import FrameType
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -170,7 +171,8 @@ def _call_site() -> str:
     (``torch.optim.adamw:_single_tensor_adamw < megatron_geo.distributed.optimizer:step``)."""
     import sys
 
-    f, optim = sys._getframe(2), None
+    f: FrameType | None = sys._getframe(2)
+    optim: str | None = None
     while f is not None:
         mod = f.f_globals.get("__name__", "")
         if mod.startswith("torch.optim") and optim is None:

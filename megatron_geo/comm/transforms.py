@@ -1,7 +1,8 @@
 """Coordinate transforms of the low-precision reducer: the coordinates a bucket's FP32 gradient is quantised in.
 
 The reducer holds exactly one :class:`CoordinateTransform` and calls it around the codec:
-:meth:`~CoordinateTransform.to_wire` before the encode (error feedback is added and kept in those coordinates), :meth:`~CoordinateTransform.decode_target`
+:meth:`~CoordinateTransform.to_wire` before the encode (error feedback is added and kept in those coordinates),
+:meth:`~CoordinateTransform.decode_target`
 and :meth:`~CoordinateTransform.write_back` after the decode of the reduced mean. Implementations here:
 
 - :class:`IdentityTransform`: the gradient itself (``comm.transform=none``, and ``geo`` until the GeoFP8 state is

@@ -71,7 +71,7 @@ class FP8Wire:
     compiled graph); ``compile`` applies to the rest.
     """
 
-    def __init__(self, fmt: str, rounding: str, generator: torch.Generator, compile: bool):
+    def __init__(self, fmt: str, rounding: str, generator: torch.Generator | None, compile: bool):
         self.fmt, self.rounding, self.generator = fmt, rounding, generator
         # static: the granule (last dim of [nb, granule] views) and the DP size; the number of blocks varies
         self.amax = maybe_compile(block_amax, compile, {0: (1,)})
@@ -112,8 +112,8 @@ class FP8Wire:
         if sync_amax is not None:
             amax = sync_amax(amax)
         seg = layout.segment_values(self.scales(amax))  # [dp, K]
-        codes = self._encode(x2, layout.block_values(seg), None if residual is None else residual.view(-1, g))
-        codes = [(codes.view(-1), list(layout.sizes))]
+        encoded = self._encode(x2, layout.block_values(seg), None if residual is None else residual.view(-1, g))
+        codes = [(encoded.view(-1), list(layout.sizes))]
         if sync_amax is not None:
             return codes, None, seg
         return codes, seg.contiguous(), None

@@ -74,7 +74,7 @@ def _decode(packed: Tensor, bscale: Tensor, g: Tensor) -> Tensor:
 class NVFP4Wire:
     """Encode / decode of bucket buffers in NVFP4 (``rounding="stochastic"`` runs eagerly with ``generator``)."""
 
-    def __init__(self, rounding: str, generator: torch.Generator, compile: bool):
+    def __init__(self, rounding: str, generator: torch.Generator | None, compile: bool):
         self.rounding, self.generator = rounding, generator
         # separate graphs: the per-block scale arithmetic vectorises over blocks only on its own (fused into the
         # element loop it runs once per 16 elements, scalar), and the nibble (un)packing goes through an integer

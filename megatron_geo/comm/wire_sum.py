@@ -12,7 +12,8 @@ sum back to FP8 at every hop of the ring. This module is the numerics of that su
 - ring order: the chunk owned by rank ``o`` starts at rank ``o + 1`` and visits ``o + 2, ..., o`` (mod N),
   as in a ring reduce-scatter; at each hop ``p <- RNE_sat(p + c_r)``, where ``RNE_sat`` rounds to nearest,
   ties to even, and clamps to ``[-max, max]`` (NCCL's saturating FP8 conversion);
-- result: ``p * s / N`` in FP32 (the one division by N: the documented exception to invariant 1 of docs/design.md section 3), in
+- result: ``p * s / N`` in FP32 (the one division by N: the documented exception to invariant 1 of docs/design.md
+  section 3), in
   that order: the summed codes are decoded with ``s`` itself and the FP32 product divided by N
   (:func:`ring_mean`), on the reduce-scatter path and on the all-reduce path alike (there the summed codes
   travel with ``s``, not with ``s / N``: a pre-divided scale below 2^-126 is an FP32 subnormal with fewer

@@ -71,7 +71,8 @@ def derive_label(cfg: Config) -> str:
     """A compact label of the counted comm and geo keys that differ from the defaults.
 
     ``dtype`` first, then ``block<N>`` (block scaling), ``sr`` (stochastic rounding), ``ef`` (error feedback),
-    ``shared`` (MAX-shared scales), ``wiresum`` / ``wiresum-noprediv`` (FP8 sum in the collective), ``had<N>`` (Hadamard rotation), ``geo(r<rank>,p=<power>|auto,...)`` (GeoFP8;
+    ``shared`` (MAX-shared scales), ``wiresum`` / ``wiresum-noprediv`` (FP8 sum in the collective), ``had<N>`` (Hadamard
+    rotation), ``geo(r<rank>,p=<power>|auto,...)`` (GeoFP8;
     ``search`` with ``geo.power_search``, ``auto`` with ``geo.power=auto``; ``sel=auto`` / ``sel=gain`` with
     profiled / predicted-gain layer selection; any other geo key that
     differs from its default as ``short=value``), joined by ``+``.

@@ -53,7 +53,8 @@ _AUTO_BOOL_KEYS = ("parallel.overlap_param_gather", "comm.compile")  # str keys 
 
 
 def _int_from_text(text: str) -> int | None:
-    """``"20"``, ``"4_000_000"``, ``"1e3"``, ``"2.0"`` -> int; ``"2.5e0"``, ``"2.5"``, ``"x"`` -> None (never truncated)."""
+    """``"20"``, ``"4_000_000"``, ``"1e3"``, ``"2.0"`` -> int; ``"2.5e0"``, ``"2.5"``, ``"x"`` -> None (never
+    truncated)."""
     t = text.strip()
     try:
         return int(t, 10)

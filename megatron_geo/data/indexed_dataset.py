@@ -60,7 +60,7 @@ class IndexedDatasetBuilder:
         tag = f".tmp-{os.getpid()}"
         self._tmp_bin = self.prefix + ".bin" + tag
         self._tmp_idx = self.prefix + ".idx" + tag
-        self._bin = open(self._tmp_bin, "wb")
+        self._bin = open(self._tmp_bin, "wb")  # noqa: SIM115 -- written by add_document until finalize closes it
         self._sizes: list[int] = []
 
     def add_document(self, ids) -> None:

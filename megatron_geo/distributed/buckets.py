@@ -78,6 +78,6 @@ def build_buckets(
             view = param_data[off : off + n].view_as(p)
             view.copy_(p.data)
             p.data = view
-            p.main_grad = grad_data[off : off + n].view_as(p)
+            p.main_grad = grad_data[off : off + n].view_as(p)  # type: ignore[attr-defined]
         buckets.append(Bucket(bi, params, [group[i][0] for i in idx], plan, grad_data, param_data))
     return buckets

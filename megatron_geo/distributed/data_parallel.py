@@ -26,7 +26,8 @@ class GradSync:
 
     ``comm_stream``: run each bucket's reduction (encode, collectives, decode and FP32 sum) on a separate
     CUDA stream, all queued when the bucket is launched, so the codec kernels of low-precision reducers overlap
-    the rest of backward instead of queueing behind it or waiting for :meth:`finish`. ``None`` (default) turns it on when the gradient buffers are on CUDA; on CPU nothing changes.
+    the rest of backward instead of queueing behind it or waiting for :meth:`finish`. ``None`` (default) turns it on
+    when the gradient buffers are on CUDA; on CPU nothing changes.
     The side stream waits for the compute stream before each launch (the bucket's gradients are
     complete), and the compute stream waits for the side stream in :meth:`finish`, so the optimizer
     sees the finished reduction; every temporary of the reducer is allocated and freed on the side stream.
@@ -62,7 +63,7 @@ class GradSync:
 
     def _make_hook(self, bucket: Bucket):
         def hook(p: torch.nn.Parameter) -> None:
-            p.main_grad.add_(p.grad)
+            p.main_grad.add_(p.grad)  # type: ignore[attr-defined]
             p.grad = None
             if self._last and self.overlap and not self._defer:
                 self._remaining[bucket.index] -= 1

@@ -18,14 +18,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ..config.schema import OptimizerConfig
 from ..optim import build_muon
 from ..parallel import ParallelContext
 from ..parallel import collectives as C
 from .buckets import Bucket
+
+
+class _Work(Protocol):
+    """An in-flight collective (a ``torch.distributed`` work handle or a group of them)."""
+
+    def wait(self) -> object: ...
 
 
 @dataclass
@@ -67,8 +75,8 @@ class DistributedOptimizer:
     ):
         self.buckets, self.cfg, self.pctx, self.sharded = buckets, cfg, pctx, sharded
         self.overlap_param_gather = overlap_param_gather and sharded and pctx.dp_size > 1
-        self._gathers: dict[int, object] = {}  # bucket index -> in-flight parameter gather
-        self._hooks = []
+        self._gathers: dict[int, _Work] = {}  # bucket index -> in-flight parameter gather
+        self._hooks: list[RemovableHandle] = []
         self.mains: list[MainParam] = []
         for b in buckets:
             if sharded:
@@ -135,7 +143,9 @@ class DistributedOptimizer:
         sq = buf[0]
         for m in self.mains:
             if m.count_in_norm:
-                sq += m.main.grad.double().pow(2).sum()
+                grad = m.main.grad
+                assert grad is not None  # set by _make_main: a view of the bucket's gradient buffer
+                sq += grad.double().pow(2).sum()
         for i, v in enumerate(extra or []):
             if v:
                 buf[1 + i].fill_(float(v))  # a scalar kernel argument, no host-to-device copy
@@ -154,7 +164,9 @@ class DistributedOptimizer:
         if max_norm > 0 and norm > max_norm:
             coef = max_norm / (norm + 1e-6)
             for m in self.mains:
-                m.main.grad.mul_(coef)
+                grad = m.main.grad
+                assert grad is not None  # set by _make_main: a view of the bucket's gradient buffer
+                grad.mul_(coef)
 
     def step(self, lr_scale: float) -> None:
         """One optimizer step at ``lr = base_lr * lr_scale``, then publish the new params to every rank."""

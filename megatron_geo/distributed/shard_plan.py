@@ -354,7 +354,8 @@ def plan_model(
 
     Returns:
         ``[(indices into specs, plan), ...]`` in launch order (by each bucket's last parameter in backward
-        order, i.e. when it is ready); plan offsets and pieces index into that bucket's ``indices``. Even plans when no parameter is
+        order, i.e. when it is ready); plan offsets and pieces index into that bucket's ``indices``. Even plans when no
+        parameter is
         atomic or ``dp_size == 1`` (see the module docstring), whole-parameter plans otherwise.
 
     Raises:

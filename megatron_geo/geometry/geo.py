@@ -219,15 +219,10 @@ class GeoState:
         top = [names[i] for i in order[: self.auto_layers]]
         self.selected = {n: self.candidates[n] for n in top}
         self.stats = self._make_stats()
-        self.log(
-            "geo.select=auto: after %d profiled steps the transform goes to %s"
-            % (
-                self.profiled,
-                ", ".join(
-                    f"{n} ({rates[names.index(n)].item() / dist.get_world_size(self.dp_group):.2e})" for n in top
-                ),
-            )
+        per_rank = ", ".join(
+            f"{n} ({rates[names.index(n)].item() / dist.get_world_size(self.dp_group):.2e})" for n in top
         )
+        self.log(f"geo.select=auto: after {self.profiled} profiled steps the transform goes to {per_rank}")
 
     def arm(self) -> None:
         """Collect input statistics of the selected layers in the following forward(s) until :meth:`disarm`.

@@ -22,7 +22,8 @@ For one layer with the refresh's transform at power 1, ``U`` (``[d_in, r]``, A's
   ``ratio^2 = sum_k c_k q_k / E`` with ``c_k = sum_r ||G_r T e_k||^2`` the wire's column energies and
   ``q_k = ||e_k^T T^-1||^2 = 1 + sum_i U_ki^2 (d_i^-2 - 1)``. The white-noise model cannot see that a
   transform along one input channel gains nothing in a relative-precision format (``docs/design.md``, "When
-  geometry helps"); the relative-precision one can, and is the ``pred_gain = 1 - ratio`` that ``geo.select=gain`` ranks by.
+  geometry helps"); the relative-precision one can, and is the ``pred_gain = 1 - ratio`` that ``geo.select=gain`` ranks
+  by.
 - spread of A's outlier eigenvectors: inverse participation ratio ``IPR(u) = sum_j u_j^4`` (1: one input
   channel; 1/k: k channels equally; ~3 / d_in: a dense Gaussian direction), averaged over the eigenvectors
   whose eigenvalue is at least twice the rest's (``d1 <= 1/2``; the top one if none is).

@@ -64,7 +64,7 @@ def _precision_backends() -> list:
             for part in filter(None, path.split(".")):
                 obj = getattr(obj, part, None)
             try:
-                obj.fp32_precision
+                _ = obj.fp32_precision
                 objs.append(obj)
             except (AttributeError, RuntimeError):
                 continue

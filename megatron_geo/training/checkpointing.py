@@ -119,6 +119,7 @@ class Checkpointer:
             self._abandon(-1)  # a fresh start in a folder with checkpoints begins a new timeline
             self.log(f"checkpoint: {start.reason}")
             return 0, 0, 0
+        assert meta is not None and same is not None  # read with the path above (agree raised otherwise)
         try:
             load_state(
                 str(path),

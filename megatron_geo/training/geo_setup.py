@@ -41,6 +41,7 @@ def fp8_limits(comm) -> tuple[float, float]:
     fmt = get_format(comm.dtype)
     if fmt.fp8_max is None:
         fmt = get_format(_DEFAULT_FP8)
+    assert fmt.fp8_max is not None and fmt.underflow_below is not None  # an FP8 format has both
     return fmt.fp8_max, fmt.underflow_below
 
 

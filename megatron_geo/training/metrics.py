@@ -8,6 +8,7 @@ import math
 import os
 import uuid
 from pathlib import Path
+from typing import Literal, cast
 
 import torch
 
@@ -16,6 +17,8 @@ from ..model import flops_per_token
 from ..parallel import ParallelContext
 from .checkpointing import launch_neutral
 from .mfu import gpu_flops_metrics
+
+_WandbMode = Literal["online", "offline", "disabled", "shared"]  # wandb.init(mode=...)
 
 ID_FILE = "wandb_run_id"
 
@@ -128,7 +131,7 @@ class MetricsLogger:
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, self.path)
-        self._file = open(self.path, "a", buffering=1)
+        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 -- appended to until close()
         if wandb_mode != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
@@ -147,7 +150,7 @@ class MetricsLogger:
                 tags=tags,
                 config=config,
                 dir=run_dir,
-                mode=wandb_mode,
+                mode=cast(_WandbMode, wandb_mode),
                 reinit=True,
                 id=run_id,
                 resume="allow",

@@ -60,8 +60,8 @@ def build_model_and_optimizer(cfg: Config, pctx: ParallelContext):
     if geo is not None:
         attach_geo(reducer, geo, buckets)
     grad_sync = GradSync(buckets, reducer, sharded=sharded, overlap=cfg.parallel.overlap_grad_reduce)
-    overlap = cfg.parallel.overlap_param_gather
-    overlap = pctx.device.type == "cuda" if overlap == "auto" else overlap == "true"
+    overlap_setting = cfg.parallel.overlap_param_gather
+    overlap = pctx.device.type == "cuda" if overlap_setting == "auto" else overlap_setting == "true"
     optimizer = DistributedOptimizer(buckets, cfg.optimizer, pctx, sharded=sharded, overlap_param_gather=overlap)
     optimizer.register_forward_hooks(model)
     return model, buckets, reducer, grad_sync, optimizer

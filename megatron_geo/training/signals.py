@@ -1,5 +1,6 @@
 """Stop requests: SIGTERM / SIGUSR1 from the scheduler (Slurm sends them before preemption or the time
-limit, e.g. ``#SBATCH --signal=USR1@120``) and SIGINT (Ctrl-C) from a user. The first one only sets a flag; the loop checks it after each
+limit, e.g. ``#SBATCH --signal=USR1@120``) and SIGINT (Ctrl-C) from a user. The first one only sets a flag; the loop
+checks it after each
 step: every rank's flags ride on the step's gradient-norm all-reduce (:meth:`StopRequest.flags` /
 :meth:`StopRequest.agree`, no collective or host read of their own), so all ranks agree, a checkpoint is saved and
 the process exits with code 4. A second

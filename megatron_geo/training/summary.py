@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..config import Config
 from .checkpointing import resume_hint
+
+if TYPE_CHECKING:
+    from .step import StepResult
 
 
 @dataclass
@@ -25,7 +29,7 @@ class RunStats:
     skipped_total: int = 0
     first_loss: float | None = None
     last: dict | None = None
-    last_res: object = None
+    last_res: StepResult | None = None
     val_loss: float | None = None
     tokens_per_sec: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
@@ -58,6 +62,8 @@ class RunStats:
         """The run's summary dict (``steps``, losses in nats, ``tokens_per_sec`` global, ``comm_bytes_per_step``
         per rank, ``run_dir``, ``checkpoint``: the last one saved or None)."""
         tps = self.tokens_per_sec
+        # called after at least one add (a launch with no step to run uses nothing_to_do)
+        assert self.last is not None and self.last_res is not None
         return {
             "parameters": n_params,
             "steps": self.last["step"],
@@ -95,7 +101,8 @@ def format_summary(s: dict, cfg: Config) -> str:
     return "\n".join(
         [
             "=" * 72,
-            f"summary: {s['steps']} steps{'' if s['steps'] == cfg.train.steps else f' of train.steps={cfg.train.steps}'}, "
+            f"summary: {s['steps']} steps"
+            f"{'' if s['steps'] == cfg.train.steps else f' of train.steps={cfg.train.steps}'}, "
             f"{s['parameters']:,} parameters, comm={cfg.comm.label} (comm.dtype={cfg.comm.dtype})",
             f"  train loss      {s['start_loss']:.4f} (step {s.get('start_step', 0) + 1}"
             f"{', first of this run' if s.get('start_step') else ', first step'}) -> {s['final_loss']:.4f} (last step)",

@@ -313,7 +313,7 @@ def check_inputs(cfg: Config, devices: bool = True) -> None:
 def _inert_rules(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
     """``(keys, the setting that gives them no effect, how to give them one)`` for the settings of ``cfg``."""
     c, g, d, o, t = cfg.comm, cfg.geo, cfg.data, cfg.optimizer, cfg.train
-    rules = []
+    rules: list[tuple[tuple[str, ...], str, str]] = []
     if d.source == "shakespeare":
         rules.append(
             (
