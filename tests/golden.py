@@ -18,6 +18,7 @@ import hashlib
 import json
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -141,14 +142,15 @@ def make_corpus_into(root: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(GOLDEN))
-    ap.add_argument("--work", default="/tmp/golden-work")
+    ap.add_argument("--work", default=None, help="scratch folder for the runs (default: a new temporary folder)")
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
     from dist_harness import run_distributed
 
-    out, work = Path(args.out), Path(args.work)
+    out = Path(args.out).resolve()
+    work = Path(args.work).resolve() if args.work else Path(tempfile.mkdtemp(prefix="golden-"))
     shutil.rmtree(work, ignore_errors=True)
-    corpus = out / "corpus"
+    corpus = out / "corpus"  # absolute: the checkpoints' meta.json gets the placeholder in its place
     if not (corpus / "tok.model").exists():
         make_corpus_into(corpus)
     records = {}

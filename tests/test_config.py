@@ -62,7 +62,7 @@ def test_missing_and_bad_files(tmp_path):
             "model.num_attention_heads=4 is not divisible by parallel.tensor=8",
         ),
         (["train.global_batch_size=10", "train.micro_batch_size=4"], 2, "not divisible by train.micro_batch_size=4"),
-        (["comm.dtype=fp16"], 1, "comm.dtype='fp16' is not supported"),
+        (["comm.dtype=fp7"], 1, "comm.dtype='fp7' is not supported"),
         (["optimizer.name=muon", "parallel.tensor=2"], 2, "muon with parallel.tensor>1"),
         (["model.hidden_size=130"], 1, "not divisible by model.num_attention_heads"),
     ],

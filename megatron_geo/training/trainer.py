@@ -109,8 +109,9 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
     start_step, consumed, skipped_in_a_row = ckpt.resume()
     if start_step >= t.steps:  # nothing to train: write nothing (no checkpoint, metrics untouched)
         log(
-            f"nothing to do: the checkpoint is at step {start_step} and train.steps={t.steps}; raise train.steps to "
-            f"train on"
+            f"nothing to do: the checkpoint is at step {start_step} and train.steps={t.steps}; to train on, relaunch "
+            f"with a larger train.steps and checkpoint.allow_changes=train.steps (a longer schedule changes the "
+            f"learning rate of the steps after {start_step})"
         )
         return nothing_to_do(n_params, start_step, str(Path(t.run_dir).resolve()))
     logger = open_run_outputs(cfg, pctx, start_step, log)
