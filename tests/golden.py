@@ -43,33 +43,27 @@ RUN_TOKEN = "@RUN@"
 
 
 def overrides(corpus: Path, run_dir: Path, preset: str, extra: list[str]) -> list[str]:
-    return [
-        "model.hidden_size=32",
-        "model.num_layers=2",
-        "model.num_attention_heads=4",
-        "model.num_kv_heads=2",
-        "model.ffn_hidden_size=64",
-        "model.seq_length=16",
-        "model.make_vocab_size_divisible_by=1",
-        "parallel.bucket_size=3000",
-        "train.global_batch_size=8",
-        "train.micro_batch_size=2",
-        "train.warmup_steps=2",
-        "train.eval_batches=0",
-        "train.progress=false",
-        "logging.wandb=disabled",
-        f"train.steps={STEPS}",
-        "geo.refresh_interval=2",
-        f"train.run_dir={run_dir}",
+    """The small test model of ``ckpt_helpers.tiny_train_overrides`` on the committed corpus, without validation,
+    for ``STEPS`` steps with a GeoFP8 refresh every 2, under the preset ``configs/comm/<preset>``."""
+    from ckpt_helpers import tiny_train_overrides
+
+    data = [
         "data.source=indexed",
         f"data.train_prefix={corpus}/train",
         f"data.valid_prefix={corpus}/valid",
         f"data.tokenizer_model={corpus}/tok.model",
         "model.vocab_size=96",
+    ]
+    return tiny_train_overrides(
+        run_dir,
+        data,
+        "train.eval_batches=0",
+        f"train.steps={STEPS}",
+        "geo.refresh_interval=2",
         "--config",
         str(ROOT / "configs" / "comm" / preset),
         *extra,
-    ]
+    )
 
 
 def _digest(t: torch.Tensor) -> str:
