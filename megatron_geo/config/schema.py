@@ -108,6 +108,19 @@ class DataConfig:
     train_prefix: str = path_field("", required=False)
     valid_prefix: str = path_field("", required=False)
     tokenizer_model: str = path_field("", required=False)
+    # Megatron-LM's --data-path spelling: "0.3 PREFIX_A 0.7 PREFIX_B" (weights normalised) or prefixes alone
+    # (weights = their sample counts); mixed by Megatron's greedy blending index (data/blending.py)
+    train_blend: str = ""
+    valid_blend: str = ""
+    # "969,30,1": train / valid / test parts of every training prefix, by sequence, as Megatron's --split;
+    # empty: the whole prefix trains
+    split: str = ""
+    # megatron: per-epoch sequence shuffle, sample index over that order, sample shuffle (Megatron-LM's
+    # GPTDataset) | stream: windows of the unshuffled token stream, shuffled per epoch
+    sample_order: str = "megatron"
+    eod_mask_loss: bool = False  # no loss where the input token is the end-of-document token (Megatron's)
+    reset_position_ids: bool = False  # positions restart at 0 after each end-of-document token
+    reset_attention_mask: bool = False  # no attention across an end-of-document token (SDPA boolean mask)
 
 
 @dataclass
@@ -204,6 +217,16 @@ class LoggingConfig:
 
 
 @dataclass
+class ProfilingConfig:
+    """``steps``: ``START:END`` profiles optimizer steps START..END-1 (a half-open range, as a Python slice) with
+    ``torch.profiler`` into ``<train.run_dir>/profile/``; empty: off. ``memory_snapshot``: also record a CUDA
+    memory snapshot over the same steps (on a GPU)."""
+
+    steps: str = ""
+    memory_snapshot: bool = False
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -214,3 +237,4 @@ class Config:
     geo: GeoConfig = field(default_factory=GeoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
