@@ -53,6 +53,7 @@ def overrides(corpus: Path, run_dir: Path, preset: str, extra: list[str]) -> lis
         f"data.valid_prefix={corpus}/valid",
         f"data.tokenizer_model={corpus}/tok.model",
         "model.vocab_size=96",
+        "data.sample_order=stream",  # the order the records were made with (before Megatron's became the default)
     ]
     return tiny_train_overrides(
         run_dir,

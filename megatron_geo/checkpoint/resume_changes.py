@@ -5,7 +5,10 @@ the trajectory the checkpoint was on. Keys that would silently change it are ref
 ``checkpoint.allow_changes`` names them:
 
 - the data order: ``train.seed`` (the per-epoch shuffle of the sample index), ``model.seq_length`` (the
-  sample boundaries), ``data.source`` / ``data.train_prefix`` (the documents);
+  sample boundaries), ``data.source`` / ``data.train_prefix`` / ``data.train_blend`` / ``data.split`` (the
+  documents), ``data.sample_order``; what the model sees of them: ``data.eod_mask_loss``,
+  ``data.reset_position_ids``, ``data.reset_attention_mask``. A checkpoint saved before a key existed is compared
+  as what that code ran with (:data:`LEGACY_VALUES`), so a new default never slips into a resumed run;
 - the samples per step: ``train.global_batch_size``;
 - the learning-rate schedule: ``optimizer.lr``, ``optimizer.min_lr``, ``optimizer.adamw_lr``,
   ``train.warmup_steps``, ``train.lr_decay_style``, ``train.steps``. These are compared by their effect: a
@@ -31,7 +34,23 @@ DATA_KEYS = {
     "model.seq_length": "the sample boundaries, hence the data order",
     "data.source": "the training documents",
     "data.train_prefix": "the training documents",
+    "data.train_blend": "the training documents and their weights",
+    "data.split": "which sequences train",
+    "data.sample_order": "the data order",
+    "data.eod_mask_loss": "which tokens carry loss",
+    "data.reset_position_ids": "the positions the model sees",
+    "data.reset_attention_mask": "what each token attends to",
     "train.global_batch_size": "the samples per step",
+}
+# What a checkpoint saved before a key existed ran with: a missing key means this value, never today's default
+# (data.sample_order was a stream of windows before Megatron's order became the default).
+LEGACY_VALUES = {
+    "data.train_blend": "",
+    "data.split": "",
+    "data.sample_order": "stream",
+    "data.eod_mask_loss": False,
+    "data.reset_position_ids": False,
+    "data.reset_attention_mask": False,
 }
 SCHEDULE_KEYS = (
     "optimizer.lr",
@@ -78,9 +97,31 @@ def _get(d: dict, key: str):
     return d.get(sec, {}).get(name)
 
 
+def _saved(d: dict, key: str):
+    """The saved value of ``key``; for a checkpoint written before the key existed, what that code ran with."""
+    value = _get(d, key)
+    if value is None and key in LEGACY_VALUES and key.split(".")[0] in d:
+        return LEGACY_VALUES[key]
+    return value
+
+
+def _abs(path: str) -> str:
+    return os.path.abspath(os.path.expandvars(os.path.expanduser(path)))
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
 def _norm(key: str, v):
     if key in _PATH_KEYS and isinstance(v, str) and v:
-        return os.path.abspath(os.path.expandvars(os.path.expanduser(v)))
+        return _abs(v)
+    if key == "data.train_blend" and isinstance(v, str):  # weights as numbers, prefixes as absolute paths
+        return " ".join(str(float(t)) if _is_number(t) else _abs(t) for t in v.split())
     return v
 
 
@@ -135,7 +176,7 @@ def check_resume_changes(saved: dict, cfg: Config, start_step: int, kind: str) -
     allowed = parse_allow_changes(cfg.checkpoint.allow_changes)
     notes, refused, refused_keys = [], [], []
     for key, what in DATA_KEYS.items():
-        old, new = _norm(key, _get(saved, key)), _norm(key, _get(now, key))
+        old, new = _norm(key, _saved(saved, key)), _norm(key, _get(now, key))
         if old is None or old == new:
             continue
         line = f"{key} changed on resume: {old!r} -> {new!r} (it sets {what})"

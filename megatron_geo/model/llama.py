@@ -57,11 +57,30 @@ def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of ``x`` ``[b, heads, s, head_dim]`` by position-dependent angles."""
+    """Rotate pairs (x[2i], x[2i+1]) of ``x`` ``[b, heads, s, head_dim]`` by position-dependent angles.
+
+    ``cos``/``sin``: the tables ``[>= s, head_dim / 2]`` (positions 0..s-1), or per-token angles
+    ``[b, 1, s, head_dim / 2]`` gathered at explicit position ids (see :func:`rope_at`)."""
     x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
-    c, s = cos[: x.shape[-2]], sin[: x.shape[-2]]
+    c, s = (cos[: x.shape[-2]], sin[: x.shape[-2]]) if cos.ndim == 2 else (cos, sin)
     out = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
     return out.type_as(x)
+
+
+def rope_at(cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables ``[seq_length, head_dim / 2]`` gathered at ``position_ids`` int64 ``[b, s]``: ``[b, 1, s, head_dim /
+    2]`` each (one head axis to broadcast over), for positions that restart per document."""
+    return cos[position_ids].unsqueeze(1), sin[position_ids].unsqueeze(1)
+
+
+def document_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """SDPA boolean mask ``[b, 1, s, s]`` (True: may attend) from ``segment_ids`` int64 ``[b, s]``: causal and only
+    within equal segment ids, i.e. no attention across an end-of-document token (Megatron-LM's
+    ``reset_attention_mask``, which zeroes ``mask[i + 1:, :i + 1]`` for each end-of-document position ``i``)."""
+    s = segment_ids.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=segment_ids.device).tril()
+    same = segment_ids.unsqueeze(-1) == segment_ids.unsqueeze(-2)
+    return (same & causal).unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -83,13 +102,19 @@ class Attention(nn.Module):
             cfg.num_attention_heads * hd, h, group, _init(seed, prefix + "o_proj", "trunc", out_std), dtype, device
         )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+        gqa = self.n_kv != self.n_heads
+        if attn_mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:  # per-document causal mask (data.reset_attention_mask)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
 
 
@@ -123,8 +148,8 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype, device=device)
         self.mlp = SwiGLU(cfg, group, seed, p + "mlp.", dtype, device)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x, cos, sin, attn_mask=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -132,7 +157,9 @@ class Llama(nn.Module):
     """Decoder-only Llama over a TP group.
 
     Forward: ``tokens`` int64 ``[b, s]`` (s <= ``seq_length``), ``labels`` int64 ``[b, s]`` ->
-    per-token loss float32 ``[b, s]`` (nats), identical on all TP ranks.
+    per-token loss float32 ``[b, s]`` (nats), identical on all TP ranks. Optional ``position_ids`` int64 ``[b, s]``
+    (RoPE positions, e.g. restarting per document; default 0..s-1) and ``segment_ids`` int64 ``[b, s]`` (attention
+    only within equal ids, causally: :func:`document_causal_mask`; default plain causal).
     """
 
     def __init__(self, cfg: ModelConfig, tp_group, seed: int, dtype=torch.float32, device=None):
@@ -183,14 +210,24 @@ class Llama(nn.Module):
         self._block_pre_forward[handle.id] = fn
         return handle
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if tokens.shape[-1] > self.cfg.seq_length:
             raise ValueError(f"sequence of {tokens.shape[-1]} tokens exceeds model.seq_length={self.cfg.seq_length}")
+        cos, sin = self.rope_cos, self.rope_sin
+        if position_ids is not None:
+            cos, sin = rope_at(cos, sin, position_ids)
+        mask = document_causal_mask(segment_ids) if segment_ids is not None else None
         x = self.embed(tokens)
         for i, block in enumerate(self.layers):
             for fn in self._block_pre_forward.values():
                 fn(i, block)
-            x = block(x, self.rope_cos, self.rope_sin)
+            x = block(x, cos, sin) if mask is None else block(x, cos, sin, mask)
         logits = self.output(self.norm(x))
         return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.tp_group)
 

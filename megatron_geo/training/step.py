@@ -45,6 +45,16 @@ def autocast_context(pctx: ParallelContext, autocast_dtype: str):
     return contextlib.nullcontext()
 
 
+DOCUMENT_KEYS = ("position_ids", "segment_ids")
+
+
+def document_inputs(mb: dict, device: torch.device) -> dict:
+    """The micro-batch's optional per-document model inputs (``position_ids``, ``segment_ids`` int64 ``[m, s]``,
+    present with ``data.reset_position_ids`` / ``data.reset_attention_mask``) on ``device``, as keyword arguments
+    of the model's forward."""
+    return {k: mb[k].to(device, non_blocking=True) for k in DOCUMENT_KEYS if k in mb}
+
+
 def train_step(
     model: torch.nn.Module,
     micro_batches: list[dict],
@@ -60,7 +70,8 @@ def train_step(
     stop_flags=None,
 ) -> StepResult:
     """Run one step over this rank's ``micro_batches`` (dicts of ``tokens``, ``labels`` int64 ``[m, s]``
-    and ``loss_mask`` float ``[m, s]``) and update the parameters unless the gradient is non-finite.
+    and ``loss_mask`` float ``[m, s]``, optionally ``position_ids`` / ``segment_ids``) and update the parameters
+    unless the gradient is non-finite.
 
     ``global_tokens``: the valid-token count of the whole global batch (all DP ranks), known on the host from
     the sampler. Pass it in training: otherwise it is all-reduced over the DP group here, a collective plus a
@@ -92,7 +103,7 @@ def train_step(
         if refresh and i == 0:
             geo.arm()
         with autocast_context(pctx, autocast_dtype):
-            per_token = model(tokens, labels)
+            per_token = model(tokens, labels, **document_inputs(mb, dev))
         if refresh and i == 0:
             geo.disarm()
         masked = (per_token * mask).sum()
@@ -126,7 +137,7 @@ def evaluate(
     for mb in micro_batches:
         tokens, labels, mask = (mb[k].to(pctx.device) for k in ("tokens", "labels", "loss_mask"))
         with autocast_context(pctx, autocast_dtype):
-            per_token = model(tokens, labels)
+            per_token = model(tokens, labels, **document_inputs(mb, pctx.device))
         acc[0] += (per_token * mask).sum().double()
         acc[1] += mask.sum().double()
     C.all_reduce(acc, pctx.dp_group)
