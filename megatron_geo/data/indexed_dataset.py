@@ -1,9 +1,26 @@
 """Indexed token dataset on disk: ``PREFIX.bin`` + ``PREFIX.idx``.
 
-``PREFIX.bin``: the token ids of all documents, concatenated in order, as raw
-little-endian ``uint16`` (when ``vocab_size <= 65536``) or ``int32``.
+``PREFIX.bin``: the token ids of all sequences, concatenated in order, little-endian, in the dtype the index
+names. Both index formats below describe the same kind of ``.bin``.
 
-``PREFIX.idx`` (little-endian)::
+``PREFIX.idx`` as written (Megatron-Core's ``MMIDIDX`` layout, version 1, the one of
+``megatron/core/datasets/indexed_dataset.py`` and of Megatron-LM's ``tools/preprocess_data.py``), little-endian::
+
+    magic              9 bytes  b"MMIDIDX\\x00\\x00"
+    version            uint64   1
+    dtype code         uint8    1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16
+    sequence_count     uint64   S
+    document_count     uint64   D = documents + 1 (the length of document_indices)
+    sequence_lengths   int32[S]   tokens per sequence
+    sequence_pointers  int64[S]   byte offset of each sequence in .bin (0, then cumulative length x itemsize)
+    document_indices   int64[D]   0, then after each document the number of sequences written so far
+    sequence_modes     int8[S]    only in multimodal files (read as present or absent from the file size)
+
+A document holds one or more sequences (Megatron's ``--split-sentences`` writes one per sentence); this package's
+writer makes one sequence per document unless given several lengths.
+
+``PREFIX.idx`` of earlier megatron-geo releases (``MGEOIDX``, still read, never written; ``tools/convert_index.py``
+rewrites it as ``MMIDIDX``), little-endian::
 
     magic       8 bytes   b"MGEOIDX\\0"
     version     uint32    1
@@ -13,95 +30,255 @@ little-endian ``uint16`` (when ``vocab_size <= 65536``) or ``int32``.
     sizes       int64[num_docs]   document lengths in tokens
     offsets     int64[num_docs]   document start offsets in tokens (into .bin)
 
-Opening (and :func:`check_dataset_files`, the start-up check) validates all of it: magic, version, dtype code
-against the vocabulary size, the ``.idx`` size its document count implies, the document table, and the ``.bin``
-size the table implies. A Megatron-LM index (magic ``MMIDIDX``) is recognised and refused by name.
+An MGEOIDX file is one sequence per document. Opening either (and :func:`check_dataset_files`, the start-up
+check) validates all of the index against itself and the ``.bin`` size, without reading the tokens: magic,
+version, dtype code, the ``.idx`` size its counts imply, the sequence (or document) table, and the ``.bin`` size.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+from array import array
 from typing import NamedTuple
 
 import numpy as np
 
-MAGIC = b"MGEOIDX\0"
+# ------------------------------------------------------------------ the two layouts
+
+MMIDIDX_MAGIC = b"MMIDIDX\x00\x00"
+MMIDIDX_VERSION = 1
+_MM_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence_count, document_count: 34 bytes
+# Megatron-Core's DType codes (megatron/core/datasets/indexed_dataset.py), all stored little-endian.
+MMIDIDX_DTYPES: dict[int, np.dtype] = {
+    1: np.dtype("u1"),
+    2: np.dtype("i1"),
+    3: np.dtype("<i2"),
+    4: np.dtype("<i4"),
+    5: np.dtype("<i8"),
+    6: np.dtype("<f8"),
+    7: np.dtype("<f4"),
+    8: np.dtype("<u2"),
+}
+MEGATRON_LM_MAGIC = MMIDIDX_MAGIC  # the name earlier releases used
+
+MGEOIDX_MAGIC = b"MGEOIDX\0"
+MAGIC = MGEOIDX_MAGIC  # the name earlier releases used
 VERSION = 1
-# Megatron-LM's MMapIndexedDataset index: another layout (9-byte magic, then <Q version, <B dtype code, <Q sequence
-# count, <Q document count, then the arrays), recognised only to say so.
-MEGATRON_LM_MAGIC = b"MMIDIDX\x00\x00"
-_HEADER = struct.Struct("<8sIIQQ")
-_DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<i4")}
+_HEADER = struct.Struct("<8sIIQQ")  # MGEOIDX: 32 bytes
+_DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<i4")}  # MGEOIDX dtype codes
+
+_INT32_MAX = 2**31 - 1
+_CHUNK = 1 << 22  # entries per step when validating large index arrays
+_ALL_CODES = ", ".join(f"{c} ({d.name})" for c, d in MMIDIDX_DTYPES.items())
+
+
+def _largest_exact_id(dtype: np.dtype) -> int:
+    """Largest token id ``dtype`` holds exactly: the integer maximum, or 2**mantissa bits for floats."""
+    if dtype.kind == "f":
+        return 2 ** (np.finfo(dtype).nmant + 1)
+    return int(np.iinfo(dtype).max)
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
-    """Smallest storage dtype for ids in ``[0, vocab_size)``: uint16 or int32."""
+    """Storage dtype the writer picks for ids in ``[0, vocab_size)``: little-endian uint16 when
+    ``vocab_size < 65500``, else int32 (Megatron-Core's ``DType.optimal_dtype`` rule, so our files match the ones
+    Megatron-LM's ``tools/preprocess_data.py`` writes for the same vocabulary).
+
+    Raises:
+        ValueError: ``vocab_size`` is not positive, or above 2**31 (ids would not fit int32).
+    """
     if vocab_size <= 0:
         raise ValueError(f"vocab_size={vocab_size} must be positive.")
     if vocab_size > 2**31:
         raise ValueError(f"vocab_size={vocab_size} does not fit int32 token ids.")
+    return MMIDIDX_DTYPES[8] if vocab_size < 65500 else MMIDIDX_DTYPES[4]
+
+
+def _legacy_dtype_for_vocab(vocab_size: int) -> np.dtype | None:
+    """The dtype earlier releases wrote into an MGEOIDX index for ``vocab_size`` (None: no valid dtype)."""
+    if vocab_size <= 0 or vocab_size > 2**31:
+        return None
     return _DTYPES[1] if vocab_size <= 2**16 else _DTYPES[2]
 
 
-class IndexedDatasetBuilder:
-    """Write documents to ``PREFIX.bin``/``PREFIX.idx``.
+def mmidx_dtype_code(dtype) -> int:
+    """MMIDIDX dtype code (1..8) of a numpy dtype, matched by kind and size (byte order ignored).
 
-    Data goes to temporary files that ``finalize()`` renames into place, so a crash
-    never leaves a half-written dataset under the final names. Usable as a context
-    manager: on exception the temporary files are removed, otherwise it finalizes.
+    Raises:
+        ValueError: the dtype is none of the 8 (names them).
+    """
+    dt = np.dtype(dtype)
+    for code, d in MMIDIDX_DTYPES.items():
+        if (d.kind, d.itemsize) == (dt.kind, dt.itemsize):
+            return code
+    raise ValueError(f"dtype {dt} has no MMIDIDX dtype code; use one of {_ALL_CODES}")
+
+
+def write_mmidx_index(f, dtype: np.dtype, sequence_lengths: np.ndarray, document_indices: np.ndarray) -> None:
+    """Write a whole MMIDIDX version-1 index to the binary file object ``f`` (layout in the module docstring).
+
+    Args:
+        dtype: storage dtype of the ``.bin`` (one of :data:`MMIDIDX_DTYPES`).
+        sequence_lengths: int [S], tokens per sequence (each in ``[0, 2**31)``).
+        document_indices: int [D], 0 first, non-decreasing, ``S`` last.
+
+    ``sequence_pointers`` are derived: byte offsets from 0, cumulative ``length * itemsize``. Written in chunks,
+    so memory stays bounded for large indexes.
+    """
+    code = mmidx_dtype_code(dtype)
+    itemsize = MMIDIDX_DTYPES[code].itemsize
+    lengths = np.asarray(sequence_lengths)
+    docs = np.asarray(document_indices)
+    f.write(_MM_HEADER.pack(MMIDIDX_MAGIC, MMIDIDX_VERSION, code, lengths.size, docs.size))
+    for start in range(0, lengths.size, _CHUNK):
+        f.write(lengths[start : start + _CHUNK].astype("<i4").tobytes())
+    done = 0
+    for start in range(0, lengths.size, _CHUNK):
+        chunk = lengths[start : start + _CHUNK].astype(np.int64)
+        ends = np.cumsum(chunk) + done
+        f.write(((ends - chunk) * itemsize).astype("<i8").tobytes())
+        done = int(ends[-1])
+    for start in range(0, docs.size, _CHUNK):
+        f.write(docs[start : start + _CHUNK].astype("<i8").tobytes())
+
+
+# ------------------------------------------------------------------ writer
+
+
+class IndexedDatasetBuilder:
+    """Write sequences and documents to ``PREFIX.bin``/``PREFIX.idx`` in Megatron-Core's MMIDIDX layout.
+
+    Args:
+        prefix: output path without extension.
+        vocab_size: tokenizer vocabulary; every id must be in ``[0, vocab_size)``.
+        dtype: storage dtype of the tokens; None picks :func:`dtype_for_vocab` (uint16 below 65500 ids, else
+            int32). An explicit one must be among the 8 MMIDIDX dtypes and hold every id of the vocabulary
+            exactly (floats: up to 2**24 for float32, 2**53 for float64).
+
+    Two ways to add data: ``add_document(ids)`` (one document of one sequence) or ``add_document(ids,
+    lengths=[...])`` (one document of several sequences); or Megatron-style ``add_item(ids)`` per sequence and
+    ``end_document()`` after each document (``finalize`` ends a document left open).
+
+    Data goes to temporary files that ``finalize()`` renames into place (``os.replace``), so a crash never
+    leaves a half-written dataset under the final names. Usable as a context manager: on exception the
+    temporary files are removed, otherwise it finalizes.
+
+    Raises:
+        ValueError: bad ``vocab_size`` or ``dtype`` (names the value and the choices).
     """
 
-    def __init__(self, prefix: str, vocab_size: int):
+    def __init__(self, prefix: str, vocab_size: int, dtype=None):
         self.prefix = str(prefix)
         self.vocab_size = int(vocab_size)
-        self.dtype = dtype_for_vocab(self.vocab_size)
+        if dtype is None:
+            self.dtype = dtype_for_vocab(self.vocab_size)
+        else:
+            if self.vocab_size <= 0:
+                raise ValueError(f"vocab_size={self.vocab_size} must be positive.")
+            self.dtype = MMIDIDX_DTYPES[mmidx_dtype_code(dtype)]
+            top = _largest_exact_id(self.dtype)
+            if self.vocab_size - 1 > top:
+                raise ValueError(
+                    f"dtype {self.dtype.name} holds ids up to {top} exactly, but vocab_size={self.vocab_size} "
+                    f"needs {self.vocab_size - 1}; pass a wider dtype or dtype=None"
+                )
         os.makedirs(os.path.dirname(os.path.abspath(self.prefix)), exist_ok=True)
         tag = f".tmp-{os.getpid()}"
         self._tmp_bin = self.prefix + ".bin" + tag
         self._tmp_idx = self.prefix + ".idx" + tag
-        self._bin = open(self._tmp_bin, "wb")  # noqa: SIM115 -- written by add_document until finalize closes it
-        self._sizes: list[int] = []
+        self._bin = open(self._tmp_bin, "wb")  # noqa: SIM115 -- written by add_* until finalize closes it
+        self._lengths = array("q")  # tokens per sequence
+        self._doc_indices = array("q", [0])  # sequences written at each document end
 
-    def add_document(self, ids) -> None:
-        """Append one document: a sequence of int token ids (list or 1-D array).
-
-        Raises ValueError if an id is outside ``[0, vocab_size)`` or the input is not 1-D.
-        """
+    def _ids(self, ids, what: str) -> np.ndarray:
         if self._bin is None:
             raise ValueError(f"IndexedDatasetBuilder({self.prefix!r}) is already finalized.")
         arr = np.asarray(ids)
         if arr.ndim != 1:
-            raise ValueError(f"add_document expects a 1-D sequence of ids, got shape {arr.shape}.")
+            raise ValueError(f"{what} expects a 1-D sequence of ids, got shape {arr.shape}.")
         if arr.size:
             if not np.issubdtype(arr.dtype, np.integer):
-                raise ValueError(f"add_document expects integer ids, got dtype {arr.dtype}.")
+                raise ValueError(f"{what} expects integer ids, got dtype {arr.dtype}.")
             lo, hi = int(arr.min()), int(arr.max())
             if lo < 0 or hi >= self.vocab_size:
                 raise ValueError(
                     f"token id {lo if lo < 0 else hi} outside [0, {self.vocab_size}); "
                     f"the builder's vocab_size must match the tokenizer."
                 )
+        return arr
+
+    def _write(self, arr: np.ndarray, lengths: list[int]) -> None:
         self._bin.write(arr.astype(self.dtype, copy=False).tobytes())
-        self._sizes.append(int(arr.size))
+        self._lengths.extend(lengths)
+
+    def add_item(self, ids) -> None:
+        """Append one sequence (1-D int ids, list or array) to the current document.
+
+        Raises:
+            ValueError: an id outside ``[0, vocab_size)``, non-integer or not 1-D input, more than 2**31 - 1
+                tokens (the index stores int32 lengths), or the builder is finalized.
+        """
+        arr = self._ids(ids, "add_item")
+        if arr.size > _INT32_MAX:
+            raise ValueError(f"a sequence of {arr.size} tokens exceeds the index's int32 length; split it.")
+        self._write(arr, [int(arr.size)])
+
+    def end_document(self) -> None:
+        """End the current document: the sequences added since the previous end form one document."""
+        if self._bin is None:
+            raise ValueError(f"IndexedDatasetBuilder({self.prefix!r}) is already finalized.")
+        self._doc_indices.append(len(self._lengths))
+
+    def add_document(self, ids, lengths=None) -> None:
+        """Append one document: 1-D int ids, one sequence (``lengths=None``) or several of the given lengths.
+
+        Args:
+            ids: int token ids [N] of the whole document.
+            lengths: None, or ints >= 0 summing to N: the sequences' lengths in order.
+
+        Raises:
+            ValueError: an id outside ``[0, vocab_size)``, non-integer or not 1-D input, lengths that are
+                negative, above 2**31 - 1 or do not sum to N, sequences added with ``add_item`` and not yet
+                ended with ``end_document``, or the builder is finalized.
+        """
+        arr = self._ids(ids, "add_document")
+        if len(self._lengths) != self._doc_indices[-1]:
+            raise ValueError(
+                f"add_document after add_item without end_document in {self.prefix!r}: call end_document() "
+                f"first (or add the document's sequences with add_item)."
+            )
+        if lengths is None:
+            if arr.size > _INT32_MAX:
+                raise ValueError(f"a sequence of {arr.size} tokens exceeds the index's int32 length; split it.")
+            lens = [int(arr.size)]
+        else:
+            lens_arr = np.asarray(lengths)
+            if lens_arr.ndim != 1 or (lens_arr.size and not np.issubdtype(lens_arr.dtype, np.integer)):
+                raise ValueError(f"lengths must be a 1-D sequence of ints, got {lengths!r:.80}.")
+            lens = [int(x) for x in lens_arr]
+            bad = [x for x in lens if not 0 <= x <= _INT32_MAX]
+            if bad:
+                raise ValueError(f"sequence length {bad[0]} outside [0, 2**31 - 1].")
+            if sum(lens) != arr.size:
+                raise ValueError(f"lengths sum to {sum(lens)}, but the document has {arr.size} ids.")
+        self._write(arr, lens)
+        self.end_document()
 
     def finalize(self) -> None:
-        """Write the index and atomically move both files to their final names."""
+        """Write the index and atomically move both files to their final names (ends an open document)."""
         if self._bin is None:
             return
+        if len(self._lengths) != self._doc_indices[-1]:
+            self.end_document()
         self._bin.flush()
         os.fsync(self._bin.fileno())
         self._bin.close()
         self._bin = None
-        sizes = np.asarray(self._sizes, dtype="<i8")
-        offsets = np.zeros_like(sizes)
-        if sizes.size:
-            np.cumsum(sizes[:-1], out=offsets[1:])
-        code = next(c for c, d in _DTYPES.items() if d == self.dtype)
+        lengths = np.frombuffer(self._lengths, dtype=np.int64) if self._lengths else np.empty(0, np.int64)
+        docs = np.frombuffer(self._doc_indices, dtype=np.int64)
         with open(self._tmp_idx, "wb") as f:
-            f.write(_HEADER.pack(MAGIC, VERSION, code, self.vocab_size, sizes.size))
-            f.write(sizes.tobytes())
-            f.write(offsets.tobytes())
+            write_mmidx_index(f, self.dtype, lengths, docs)
             f.flush()
             os.fsync(f.fileno())
         os.replace(self._tmp_bin, self.prefix + ".bin")
@@ -126,61 +303,89 @@ class IndexedDatasetBuilder:
             self.abort()
 
 
+# ------------------------------------------------------------------ header and table checks
+
+
 class IndexHeader(NamedTuple):
-    """The validated header of a ``PREFIX.idx``: storage dtype of the ``.bin``, vocabulary size, document count."""
+    """The validated header of a ``PREFIX.idx``.
+
+    Fields: ``dtype`` (storage dtype of the ``.bin``), ``vocab_size`` (recorded by MGEOIDX; None for MMIDIDX,
+    which records none), ``num_docs`` (documents), ``index_format`` (``"MMIDIDX"`` or ``"MGEOIDX"``),
+    ``num_sequences``, ``header_size`` (bytes before the first array) and ``has_modes`` (an MMIDIDX file
+    with the trailing int8 sequence_modes array).
+    """
 
     dtype: np.dtype
-    vocab_size: int
+    vocab_size: int | None
     num_docs: int
+    index_format: str = "MGEOIDX"
+    num_sequences: int = 0
+    header_size: int = _HEADER.size
+    has_modes: bool = False
 
 
 def _fix(prefix: str) -> str:
     return f"re-run tools/preprocess_data.py --output-prefix {prefix} to rebuild it"
 
 
-def read_index_header(idx_path: str, prefix: str) -> IndexHeader:
-    """Read and check the header of ``idx_path`` against its own size.
+def _truncated_magic(idx_path: str, prefix: str, head: bytes, idx_len: int) -> str | None:
+    """The message for a file shorter than the magic of the format(s) it could still be, else None."""
+    sizes = []
+    if MMIDIDX_MAGIC.startswith(head):
+        sizes.append(f"the {_MM_HEADER.size}-byte MMIDIDX header")
+    if MGEOIDX_MAGIC.startswith(head):
+        sizes.append(f"the {_HEADER.size}-byte MGEOIDX header")
+    if not sizes:
+        return None
+    return f"{idx_path!r} is truncated: {idx_len} bytes, shorter than {' or '.join(sizes)}; {_fix(prefix)}"
 
-    Checks the magic (a Megatron-LM index is named as such), the version, the dtype code (and that it is the one
-    the builder picks for the recorded vocabulary size) and that the file is exactly as long as its document
-    count implies (32-byte header + 16 bytes per document). ``prefix`` only goes into the fix of the message.
 
-    Raises:
-        ValueError: one line naming the file, what was expected and what was found, and the fix.
-        OSError: the file cannot be read.
-    """
-    idx_len = os.path.getsize(idx_path)
-    with open(idx_path, "rb") as f:
-        head = f.read(_HEADER.size)
-    if head[: len(MEGATRON_LM_MAGIC)] == MEGATRON_LM_MAGIC:
+def _read_mmidx_header(idx_path: str, prefix: str, head: bytes, idx_len: int) -> IndexHeader:
+    if len(head) < _MM_HEADER.size:
         raise ValueError(
-            f"{idx_path!r} is a Megatron-LM indexed dataset (magic {MEGATRON_LM_MAGIC!r}), a format "
-            f"megatron-geo does not read (yet); tokenize the text again with tools/preprocess_data.py "
-            f"--output-prefix {prefix}"
+            f"{idx_path!r} is truncated: {idx_len} bytes, shorter than the {_MM_HEADER.size}-byte MMIDIDX header; "
+            f"{_fix(prefix)}"
         )
+    _, version, code, seq, doc = _MM_HEADER.unpack(head[: _MM_HEADER.size])
+    if version != MMIDIDX_VERSION:
+        raise ValueError(f"{idx_path!r} has MMIDIDX version {version}, expected {MMIDIDX_VERSION}; {_fix(prefix)}")
+    if code not in MMIDIDX_DTYPES:
+        raise ValueError(
+            f"{idx_path!r} has unknown MMIDIDX dtype code {code}, expected one of {_ALL_CODES}; {_fix(prefix)}"
+        )
+    if doc < 1:
+        raise ValueError(
+            f"{idx_path!r} has document_count {doc}, expected >= 1 (document_indices starts with 0; "
+            f"corrupt header); {_fix(prefix)}"
+        )
+    base = _MM_HEADER.size + 12 * seq + 8 * doc
+    if idx_len not in (base, base + seq):
+        raise ValueError(
+            f"{idx_path!r} is truncated or corrupt: {idx_len} bytes, expected {base} ({_MM_HEADER.size}-byte "
+            f"header + 12 bytes x {seq} sequences + 8 bytes x {doc} document_indices)"
+            f"{f' or {base + seq} with sequence_modes' if seq else ''} for its sequence_count {seq} and "
+            f"document_count {doc}; {_fix(prefix)}"
+        )
+    return IndexHeader(MMIDIDX_DTYPES[code], None, int(doc) - 1, "MMIDIDX", int(seq), _MM_HEADER.size, idx_len > base)
+
+
+def _read_mgeo_header(idx_path: str, prefix: str, head: bytes, idx_len: int) -> IndexHeader:
     if len(head) < _HEADER.size:
         raise ValueError(
-            f"{idx_path!r} is truncated: {idx_len} bytes, shorter than the {_HEADER.size}-byte header; {_fix(prefix)}"
+            f"{idx_path!r} is truncated: {idx_len} bytes, shorter than the {_HEADER.size}-byte MGEOIDX header; "
+            f"{_fix(prefix)}"
         )
-    magic, version, code, vocab_size, num_docs = _HEADER.unpack(head)
-    if magic != MAGIC:
-        raise ValueError(
-            f"{idx_path!r} is not a megatron-geo index (bad magic {magic!r}, expected {MAGIC!r}); {_fix(prefix)}"
-        )
+    _, version, code, vocab_size, num_docs = _HEADER.unpack(head[: _HEADER.size])
     if version != VERSION:
-        raise ValueError(f"{idx_path!r} has format version {version}, expected {VERSION}; {_fix(prefix)}")
+        raise ValueError(f"{idx_path!r} has MGEOIDX format version {version}, expected {VERSION}; {_fix(prefix)}")
     if code not in _DTYPES:
         raise ValueError(
-            f"{idx_path!r} has unknown dtype code {code}, expected 1 (uint16) or 2 (int32); {_fix(prefix)}"
+            f"{idx_path!r} has unknown MGEOIDX dtype code {code}, expected 1 (uint16) or 2 (int32); {_fix(prefix)}"
         )
-    try:
-        expected_dtype = dtype_for_vocab(vocab_size)
-    except ValueError:
-        expected_dtype = None
-    if _DTYPES[code] != expected_dtype:
+    if _DTYPES[code] != _legacy_dtype_for_vocab(vocab_size):
         raise ValueError(
             f"{idx_path!r} records vocab_size={vocab_size} with dtype code {code} "
-            f"({_DTYPES[code].name}); the writer stores a vocabulary of 1..65536 ids as code 1 and up to "
+            f"({_DTYPES[code].name}); the MGEOIDX writer stored a vocabulary of 1..65536 ids as code 1 and up to "
             f"2**31 as code 2 (corrupt header); {_fix(prefix)}"
         )
     expected = _HEADER.size + 16 * num_docs
@@ -189,34 +394,129 @@ def read_index_header(idx_path: str, prefix: str) -> IndexHeader:
             f"{idx_path!r} is truncated or corrupt: {idx_len} bytes, expected {expected} "
             f"({_HEADER.size}-byte header + 16 bytes x {num_docs} documents); {_fix(prefix)}"
         )
-    return IndexHeader(_DTYPES[code], int(vocab_size), int(num_docs))
+    return IndexHeader(_DTYPES[code], int(vocab_size), int(num_docs), "MGEOIDX", int(num_docs), _HEADER.size, False)
 
 
-def _map_index(idx_path: str, num_docs: int) -> tuple[np.ndarray, np.ndarray]:
-    """``sizes`` and ``offsets`` (int64 [num_docs] each), memory-mapped from a checked index."""
-    if num_docs == 0:
-        return np.empty(0, dtype="<i8"), np.empty(0, dtype="<i8")
-    arr = np.memmap(idx_path, dtype="<i8", mode="r", offset=_HEADER.size, shape=(2 * num_docs,))
-    return arr[:num_docs], arr[num_docs:]
+def read_index_header(idx_path: str, prefix: str) -> IndexHeader:
+    """Read and check the header of ``idx_path`` (MMIDIDX or MGEOIDX) against the file's size.
+
+    Checks the magic (neither format: both magics are named), the version, the dtype code (MMIDIDX: one of the
+    8 Megatron-Core codes; MGEOIDX: 1 or 2, the one its writer picked for the recorded vocabulary) and that the
+    file is exactly as long as its counts imply (MMIDIDX: 34-byte header + 12 bytes per sequence + 8 per
+    document index, + 1 per sequence with sequence modes; MGEOIDX: 32-byte header + 16 bytes per document).
+    ``prefix`` only goes into the fix of the message.
+
+    Raises:
+        ValueError: one line naming the file, the field, what was expected and what was found, and the fix
+            (a short file's message says "truncated").
+        OSError: the file cannot be read.
+    """
+    idx_len = os.path.getsize(idx_path)
+    with open(idx_path, "rb") as f:
+        head = f.read(_MM_HEADER.size)
+    if head.startswith(MMIDIDX_MAGIC):
+        return _read_mmidx_header(idx_path, prefix, head, idx_len)
+    if head.startswith(MGEOIDX_MAGIC):
+        return _read_mgeo_header(idx_path, prefix, head, idx_len)
+    short = _truncated_magic(idx_path, prefix, head, idx_len) if len(head) < len(MMIDIDX_MAGIC) else None
+    if short:
+        raise ValueError(short)
+    magic = head[: len(MMIDIDX_MAGIC)]
+    raise ValueError(
+        f"{idx_path!r} is not an indexed dataset index (bad magic {magic!r}, expected {MMIDIDX_MAGIC!r} of "
+        f"Megatron-Core's MMIDIDX or {MGEOIDX_MAGIC!r} of megatron-geo's MGEOIDX); {_fix(prefix)}"
+    )
 
 
 def check_document_table(idx_path: str, prefix: str, sizes: np.ndarray, offsets: np.ndarray) -> int:
-    """Check that documents have non-negative sizes and follow each other from offset 0; the token count.
+    """MGEOIDX table check: documents have sizes >= 0 and follow each other from token offset 0; the token count.
+
+    Args:
+        sizes, offsets: int64 [num_docs], tokens per document and token offset of each (memory-mapped is fine:
+            read in chunks).
 
     Raises:
         ValueError: naming the file, the first bad document and the fix.
     """
-    if sizes.size:
-        bad = np.flatnonzero(sizes < 0)
+    done = 0
+    for start in range(0, sizes.size, _CHUNK):
+        sz = np.asarray(sizes[start : start + _CHUNK], dtype=np.int64)
+        off = np.asarray(offsets[start : start + _CHUNK], dtype=np.int64)
+        bad = np.flatnonzero(sz < 0)
         if not bad.size:
-            starts = np.concatenate(([0], np.cumsum(sizes[:-1], dtype=np.int64)))
-            bad = np.flatnonzero(offsets != starts)
+            ends = np.cumsum(sz) + done
+            bad = np.flatnonzero(off != ends - sz)
         if bad.size:
+            i = int(bad[0])
             raise ValueError(
-                f"{idx_path!r} has inconsistent document sizes/offsets (first at document {bad[0]}: size "
-                f"{sizes[bad[0]]}, offset {offsets[bad[0]]}); {_fix(prefix)}"
+                f"{idx_path!r} has inconsistent document sizes/offsets (first at document {start + i}: size "
+                f"{sz[i]}, offset {off[i]}); {_fix(prefix)}"
             )
-    return int(sizes.sum())
+        done = int(ends[-1])
+    return done
+
+
+def check_sequence_table(
+    idx_path: str,
+    prefix: str,
+    sequence_lengths: np.ndarray,
+    sequence_pointers: np.ndarray,
+    document_indices: np.ndarray,
+    itemsize: int,
+) -> int:
+    """MMIDIDX table check (vectorised, in chunks of a memory-mapped index); returns the total token count.
+
+    Args:
+        sequence_lengths: int32 [S], must be >= 0.
+        sequence_pointers: int64 [S], must equal the byte offsets ``itemsize * (sum of earlier lengths)``.
+        document_indices: int64 [D >= 1], must start at 0, never decrease and end at S.
+        itemsize: bytes per token of the ``.bin``.
+
+    Raises:
+        ValueError: naming the file, the array, the first bad entry (found vs expected) and the fix.
+    """
+    n = sequence_lengths.size
+    done = 0
+    for start in range(0, n, _CHUNK):
+        ln = np.asarray(sequence_lengths[start : start + _CHUNK], dtype=np.int64)
+        bad = np.flatnonzero(ln < 0)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"{idx_path!r} has sequence_lengths[{start + i}] = {ln[i]}, expected >= 0 (corrupt index); "
+                f"{_fix(prefix)}"
+            )
+        ends = np.cumsum(ln) + done
+        want = (ends - ln) * itemsize
+        ptr = np.asarray(sequence_pointers[start : start + _CHUNK], dtype=np.int64)
+        bad = np.flatnonzero(ptr != want)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"{idx_path!r} has inconsistent sequence_pointers (first at sequence {start + i}: pointer "
+                f"{ptr[i]}, expected byte offset {want[i]} = {itemsize} bytes x the tokens before it); "
+                f"{_fix(prefix)}"
+            )
+        done = int(ends[-1])
+    first = int(document_indices[0])
+    if first != 0:
+        raise ValueError(f"{idx_path!r} has document_indices[0] = {first}, expected 0; {_fix(prefix)}")
+    prev = 0
+    for start in range(0, document_indices.size, _CHUNK):
+        d = np.asarray(document_indices[start : start + _CHUNK], dtype=np.int64)
+        bad = np.flatnonzero(np.diff(d, prepend=prev) < 0)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"{idx_path!r} has decreasing document_indices (first at entry {start + i}: {d[i]} after "
+                f"{d[i - 1] if i else prev}, expected non-decreasing sequence counts); {_fix(prefix)}"
+            )
+        prev = int(d[-1])
+    if prev != n:
+        raise ValueError(
+            f"{idx_path!r} has document_indices ending at {prev}, expected the sequence_count {n}; {_fix(prefix)}"
+        )
+    return done
 
 
 def check_bin_size(bin_path: str, idx_path: str, prefix: str, num_tokens: int, dtype: np.dtype) -> None:
@@ -234,28 +534,54 @@ def check_bin_size(bin_path: str, idx_path: str, prefix: str, num_tokens: int, d
         )
 
 
-def _open_checked(prefix: str) -> tuple[IndexHeader, np.ndarray, np.ndarray, int]:
-    """Header, sizes, offsets and token count of ``PREFIX.idx``, with every check made against ``PREFIX.bin``.
+class _Tables(NamedTuple):
+    header: IndexHeader
+    lengths: np.ndarray  # tokens per sequence (int32 MMIDIDX / int64 MGEOIDX, as stored)
+    pointers: np.ndarray  # MMIDIDX: byte offsets (int64); MGEOIDX: token offsets (int64)
+    document_indices: np.ndarray | None  # MMIDIDX only
+    modes: np.ndarray | None
+    num_tokens: int
+
+
+def _view(raw: np.ndarray | None, dtype: str, count: int, offset: int) -> np.ndarray:
+    if raw is None or count == 0:
+        return np.empty(0, dtype=dtype)
+    return np.frombuffer(raw, dtype=dtype, count=count, offset=offset)
+
+
+def _open_checked(prefix: str) -> _Tables:
+    """The header and memory-mapped tables of ``PREFIX.idx``, with every check made against ``PREFIX.bin``.
 
     Raises:
-        ValueError: a bad or inconsistent file (see :func:`read_index_header`, :func:`check_document_table`,
-            :func:`check_bin_size`).
+        ValueError: a bad or inconsistent file (see :func:`read_index_header`, :func:`check_sequence_table`,
+            :func:`check_document_table`, :func:`check_bin_size`).
     """
     idx_path, bin_path = prefix + ".idx", prefix + ".bin"
-    header = read_index_header(idx_path, prefix)
-    sizes, offsets = _map_index(idx_path, header.num_docs)
-    num_tokens = check_document_table(idx_path, prefix, sizes, offsets)
-    check_bin_size(bin_path, idx_path, prefix, num_tokens, header.dtype)
-    return header, sizes, offsets, num_tokens
+    h = read_index_header(idx_path, prefix)
+    raw = np.memmap(idx_path, dtype=np.uint8, mode="r") if os.path.getsize(idx_path) else None
+    s, pos = h.num_sequences, h.header_size
+    if h.index_format == "MMIDIDX":
+        lengths = _view(raw, "<i4", s, pos)
+        pointers = _view(raw, "<i8", s, pos + 4 * s)
+        docs = _view(raw, "<i8", h.num_docs + 1, pos + 12 * s)
+        modes = _view(raw, "i1", s, pos + 12 * s + 8 * (h.num_docs + 1)) if h.has_modes else None
+        num_tokens = check_sequence_table(idx_path, prefix, lengths, pointers, docs, h.dtype.itemsize)
+    else:
+        lengths = _view(raw, "<i8", s, pos)
+        pointers = _view(raw, "<i8", s, pos + 8 * s)
+        docs, modes = None, None
+        num_tokens = check_document_table(idx_path, prefix, lengths, pointers)
+    check_bin_size(bin_path, idx_path, prefix, num_tokens, h.dtype)
+    return _Tables(h, lengths, pointers, docs, modes, num_tokens)
 
 
 def check_dataset_files(key: str, prefix: str) -> None:
     """Pre-flight check of the dataset ``PREFIX.bin``/``PREFIX.idx`` named by config key ``key``: the same checks
-    as opening it (header, index size, document table, ``.bin`` size), without mapping the tokens.
+    as opening it (header, index size, sequence/document table, ``.bin`` size), without mapping the tokens.
 
     Raises:
-        ConfigError: one line ``KEY='PREFIX': <file>: <expected vs found>; <fix>``, for a file in another format
-            (Megatron-LM's included), truncated, corrupt, or unreadable.
+        ConfigError: one line ``KEY='PREFIX': <file>: <expected vs found>; <fix>``, for a file in neither format,
+            truncated, corrupt, or unreadable.
     """
     from ..config.loader import ConfigError
 
@@ -270,20 +596,38 @@ def check_dataset_files(key: str, prefix: str) -> None:
         ) from None
 
 
+# ------------------------------------------------------------------ reader
+
+
 class IndexedDataset:
-    """Read-only, memory-mapped view of ``PREFIX.bin``/``PREFIX.idx``.
+    """Read-only, memory-mapped view of ``PREFIX.bin``/``PREFIX.idx``, either index format (module docstring).
+
+    Both formats give the same view: a list of sequences (an MGEOIDX file: one per document) grouped into
+    documents by ``document_indices``.
 
     Attributes:
-        sizes: int64 array [num_docs], tokens per document.
-        offsets: int64 array [num_docs], start of each document in ``tokens``.
-        tokens: 1-D array of all token ids (the documents concatenated), dtype uint16/int32.
-        vocab_size: vocabulary size recorded by the builder.
-        num_tokens: total number of tokens.
+        prefix: the path without extension.
+        index_format: ``"MMIDIDX"`` or ``"MGEOIDX"``.
+        sizes: int64 [num_sequences], tokens per sequence.
+        offsets: int64 [num_sequences], start of each sequence in ``tokens``, in tokens (an MMIDIDX file's byte
+            pointers divided by the itemsize).
+        document_indices: int64 [num_documents + 1]; document ``d`` is sequences
+            ``document_indices[d]:document_indices[d + 1]`` (MGEOIDX: ``arange``).
+        sequence_modes: int8 [num_sequences] of a multimodal MMIDIDX file, else None.
+        tokens: 1-D memory map of the whole ``.bin`` in the index's dtype. Float dtypes (codes 6, 7) stay the raw
+            float map: ids are its values, convert them (``astype(np.int64)``) before using them as indices.
+        dtype: numpy dtype of ``tokens``.
+        vocab_size: the vocabulary an MGEOIDX file records; None for MMIDIDX (it records none: compare
+            :meth:`max_token_id` with the tokenizer instead).
+        num_tokens, num_documents: totals.
+
+    Memory: an MGEOIDX index is mapped; an MMIDIDX one is mapped and validated in chunks, but ``sizes`` and
+    ``offsets`` are int64 copies (16 bytes per sequence in RAM). The ``.bin`` is never read at open.
 
     Raises (at open):
         FileNotFoundError: ``.bin`` or ``.idx`` missing.
-        ValueError: another format (a Megatron-LM index is named as such), bad magic/version/dtype, or a
-            truncated/inconsistent file; the message names the file, the expected and found values and the fix.
+        ValueError: neither format, bad magic/version/dtype code, or a truncated/inconsistent file; the message
+            names the file, the field, the expected and found values and the fix.
     """
 
     def __init__(self, prefix: str):
@@ -295,42 +639,56 @@ class IndexedDataset:
                     f"Indexed dataset file missing: {p!r}. Build it with "
                     f"`python tools/preprocess_data.py ... --output-prefix {self.prefix}`."
                 )
-        header, self.sizes, self.offsets, self.num_tokens = _open_checked(self.prefix)
-        self.dtype = header.dtype
-        self.vocab_size = header.vocab_size
+        t = _open_checked(self.prefix)
+        h = t.header
+        self.index_format = h.index_format
+        self.dtype = h.dtype
+        self.vocab_size = h.vocab_size
+        self.num_tokens = t.num_tokens
+        self.sequence_modes = t.modes
+        if h.index_format == "MMIDIDX":
+            self.sizes = np.asarray(t.lengths, dtype=np.int64)
+            self.offsets = np.asarray(t.pointers, dtype=np.int64) // self.dtype.itemsize
+            self.document_indices = t.document_indices
+        else:
+            self.sizes, self.offsets = t.lengths, t.pointers
+            self.document_indices = np.arange(h.num_docs + 1, dtype=np.int64)
+        self.num_documents = int(self.document_indices.size) - 1
         self.tokens = (
             np.memmap(bin_path, dtype=self.dtype, mode="r") if self.num_tokens else np.empty(0, dtype=self.dtype)
         )
 
     def __len__(self) -> int:
-        """Number of documents."""
+        """Number of sequences (an MGEOIDX file: documents)."""
         return int(self.sizes.size)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        """Tokens of document ``i`` (1-D, dtype uint16/int32, a read-only view)."""
+        """Tokens of sequence ``i`` (1-D, the index's dtype, a read-only view)."""
         return self.get(i)
 
-    def get(self, doc: int, offset: int = 0, length: int | None = None) -> np.ndarray:
-        """``length`` tokens of document ``doc`` starting at token ``offset`` (default: to the end).
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """``length`` tokens of sequence ``i`` starting at token ``offset`` (default: to the end).
 
-        Raises IndexError for a bad ``doc`` and ValueError for a span outside the document.
+        Raises IndexError for a bad ``i`` and ValueError for a span outside the sequence.
         """
         n = len(self)
-        if not -n <= doc < n:
-            raise IndexError(f"document {doc} out of range for {n} documents in {self.prefix!r}.")
-        doc = doc % n
-        size = int(self.sizes[doc])
+        if not -n <= i < n:
+            raise IndexError(f"sequence {i} out of range for {n} sequences in {self.prefix!r}.")
+        i = i % n
+        size = int(self.sizes[i])
         if length is None:
             length = size - offset
         if offset < 0 or length < 0 or offset + length > size:
-            raise ValueError(f"span offset={offset} length={length} outside document {doc} of {size} tokens.")
-        start = int(self.offsets[doc]) + offset
+            raise ValueError(f"span offset={offset} length={length} outside sequence {i} of {size} tokens.")
+        start = int(self.offsets[i]) + offset
         return self.tokens[start : start + length]
 
-    def max_token_id(self) -> int:
-        """Largest token id in the data (-1 if empty); scans the ``.bin`` in chunks."""
+    def max_token_id(self, max_tokens: int | None = None) -> int:
+        """Largest token id among the first ``max_tokens`` tokens (None: all), -1 if none; reads the ``.bin`` in
+        chunks of 16M tokens. Float dtypes: the largest value, truncated to int."""
+        end = self.num_tokens if max_tokens is None else min(self.num_tokens, max(0, int(max_tokens)))
         chunk = 1 << 24
-        return max((int(self.tokens[i : i + chunk].max()) for i in range(0, self.num_tokens, chunk)), default=-1)
+        return max((int(self.tokens[i : min(i + chunk, end)].max()) for i in range(0, end, chunk)), default=-1)
 
     def __getstate__(self):  # pickle by path, never the mapped data
         return {"prefix": self.prefix}
@@ -340,6 +698,7 @@ class IndexedDataset:
 
     def __repr__(self) -> str:
         return (
-            f"IndexedDataset({self.prefix!r}, docs={len(self)}, tokens={self.num_tokens}, "
-            f"vocab_size={self.vocab_size}, dtype={self.dtype.name})"
+            f"IndexedDataset({self.prefix!r}, format={self.index_format}, sequences={len(self)}, "
+            f"documents={self.num_documents}, tokens={self.num_tokens}, vocab_size={self.vocab_size}, "
+            f"dtype={self.dtype.name})"
         )
