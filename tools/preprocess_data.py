@@ -1,6 +1,10 @@
 #!/usr/bin/env python
 """Tokenize documents into an indexed dataset (PREFIX.bin + PREFIX.idx).
 
+The files are Megatron-Core's indexed dataset (MMIDIDX index, one sequence per document; uint16 tokens for a
+vocabulary below 65,500 ids, else int32), so Megatron-LM reads them too, and this package reads the files
+Megatron-LM's own preprocessing writes.
+
 Inputs (one kind per run):
   --input a.txt b.txt          one document per file
   --input x.jsonl y.json       one document per record (a JSON object per line, or one JSON array of

@@ -702,3 +702,62 @@ class IndexedDataset:
             f"documents={self.num_documents}, tokens={self.num_tokens}, vocab_size={self.vocab_size}, "
             f"dtype={self.dtype.name})"
         )
+
+
+# ------------------------------------------------------------------ conversion
+
+
+def check_convertible(prefix: str) -> IndexHeader:
+    """Validate ``PREFIX.idx``/``PREFIX.bin`` (every check of opening them) before :func:`convert_to_mmidx`.
+
+    Returns the header (``index_format`` says whether there is anything to convert).
+
+    Raises:
+        FileNotFoundError: a file is missing.
+        ValueError: a bad or inconsistent file, or an MGEOIDX document longer than 2**31 - 1 tokens (MMIDIDX
+            stores int32 lengths).
+    """
+    for p in (prefix + ".idx", prefix + ".bin"):
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"{p!r} not found; give the PREFIX of an existing PREFIX.bin/PREFIX.idx pair")
+    t = _open_checked(prefix)
+    if t.header.index_format == "MGEOIDX":
+        for start in range(0, t.lengths.size, _CHUNK):
+            big = np.flatnonzero(t.lengths[start : start + _CHUNK] > _INT32_MAX)
+            if big.size:
+                raise ValueError(
+                    f"{prefix + '.idx'!r}: document {start + int(big[0])} has "
+                    f"{int(t.lengths[start + int(big[0])])} tokens, more than the 2**31 - 1 an MMIDIDX index "
+                    f"records per sequence; {_fix(prefix)}"
+                )
+    return t.header
+
+
+def convert_to_mmidx(prefix: str) -> bool:
+    """Rewrite an MGEOIDX ``PREFIX.idx`` as MMIDIDX in place: same dtype (uint16 -> code 8, int32 -> code 4),
+    one sequence per document, ``document_indices = 0..num_docs``; the recorded vocab_size is dropped (MMIDIDX
+    has no field for it). The ``.bin`` is not touched. Written to a temporary file, fsynced, then
+    ``os.replace``d, so a crash leaves the old index.
+
+    Returns:
+        True if converted, False if the index already is MMIDIDX (left alone).
+
+    Raises:
+        FileNotFoundError / ValueError: see :func:`check_convertible`; OSError: the index cannot be written.
+    """
+    header = check_convertible(prefix)
+    if header.index_format == "MMIDIDX":
+        return False
+    t = _open_checked(prefix)
+    idx_path = prefix + ".idx"
+    tmp = f"{idx_path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write_mmidx_index(f, t.header.dtype, t.lengths, np.arange(t.header.num_docs + 1, dtype=np.int64))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, idx_path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return True
