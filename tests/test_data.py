@@ -100,13 +100,16 @@ def test_tokenizer_32000_on_shakespeare(tmp_path):
 def test_indexed_roundtrip(tmp_path, vocab, dtype):
     docs = _random_docs(np.random.default_rng(0), 40, vocab) + [[]]
     ds = _build(tmp_path / "d", docs, vocab)
-    assert len(ds) == len(docs) and ds.vocab_size == vocab and ds.tokens.dtype == dtype
+    assert len(ds) == len(docs) and ds.tokens.dtype == dtype
+    assert ds.index_format == "MMIDIDX" and ds.vocab_size is None  # Megatron's index records no vocabulary
+    assert ds.num_documents == len(docs) and ds.document_indices.tolist() == list(range(len(docs) + 1))
     assert ds.sizes.dtype == np.int64 and ds.sizes.tolist() == [len(d) for d in docs]
     assert ds.num_tokens == sum(map(len, docs))
     for i, d in enumerate(docs):
         assert ds[i].tolist() == d
     assert ds.get(0, 2, 3).tolist() == docs[0][2:5]
     assert ds.max_token_id() == max(max(d) for d in docs if d)
+    assert ds.max_token_id(max_tokens=len(docs[0])) == max(docs[0])
     assert pickle.loads(pickle.dumps(ds))[3].tolist() == docs[3]  # pickles by path (DataLoader workers)
     assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx"]  # no temp files left
     with pytest.raises(ValueError, match="outside"):
@@ -266,7 +269,7 @@ def test_preprocess_data_roundtrip(tok, tmp_path, kind):
     )
     assert r.returncode == 0, r.stderr
     ds = IndexedDataset(prefix)
-    assert len(ds) == len(DOCS) and ds.vocab_size == tok.vocab_size
+    assert len(ds) == len(DOCS) and ds.index_format == "MMIDIDX" and ds.max_token_id() < tok.vocab_size
     for i, text in enumerate(DOCS):
         assert ds[i][-1] == tok.eod_id
         assert tok.decode(ds[i][:-1]) == text
@@ -309,7 +312,8 @@ def test_default_corpus_split_and_cache(tmp_path):
     paths = prepare_default_corpus(str(tmp_path), 512)
     tok = Tokenizer(paths.tokenizer_model)
     train, valid = IndexedDataset(paths.train_prefix), IndexedDataset(paths.valid_prefix)
-    assert tok.vocab_size == train.vocab_size == valid.vocab_size == 512
+    assert tok.vocab_size == 512 and train.max_token_id() < 512 and valid.max_token_id() < 512
+    assert train.index_format == valid.index_format == "MMIDIDX"
     assert len(valid) > 0 and len(train) > 5 * len(valid)
     train_docs = {train[i].tobytes() for i in range(len(train))}
     assert not train_docs & {valid[i].tobytes() for i in range(len(valid))}
