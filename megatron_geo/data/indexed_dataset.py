@@ -40,7 +40,7 @@ from __future__ import annotations
 import os
 import struct
 from array import array
-from typing import NamedTuple
+from typing import IO, NamedTuple
 
 import numpy as np
 
@@ -66,7 +66,7 @@ MGEOIDX_MAGIC = b"MGEOIDX\0"
 MAGIC = MGEOIDX_MAGIC  # the name earlier releases used
 VERSION = 1
 _HEADER = struct.Struct("<8sIIQQ")  # MGEOIDX: 32 bytes
-_DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<i4")}  # MGEOIDX dtype codes
+_DTYPES: dict[int, np.dtype] = {1: np.dtype("<u2"), 2: np.dtype("<i4")}  # MGEOIDX dtype codes
 
 _INT32_MAX = 2**31 - 1
 _CHUNK = 1 << 22  # entries per step when validating large index arrays
@@ -187,7 +187,7 @@ class IndexedDatasetBuilder:
         tag = f".tmp-{os.getpid()}"
         self._tmp_bin = self.prefix + ".bin" + tag
         self._tmp_idx = self.prefix + ".idx" + tag
-        self._bin = open(self._tmp_bin, "wb")  # noqa: SIM115 -- written by add_* until finalize closes it
+        self._bin: IO[bytes] | None = open(self._tmp_bin, "wb")  # noqa: SIM115 -- written by add_* until finalize closes it
         self._lengths = array("q")  # tokens per sequence
         self._doc_indices = array("q", [0])  # sequences written at each document end
 
@@ -209,6 +209,7 @@ class IndexedDatasetBuilder:
         return arr
 
     def _write(self, arr: np.ndarray, lengths: list[int]) -> None:
+        assert self._bin is not None  # _ids refused a finalized builder
         self._bin.write(arr.astype(self.dtype, copy=False).tobytes())
         self._lengths.extend(lengths)
 
@@ -646,10 +647,10 @@ class IndexedDataset:
         self.vocab_size = h.vocab_size
         self.num_tokens = t.num_tokens
         self.sequence_modes = t.modes
-        if h.index_format == "MMIDIDX":
+        if t.document_indices is not None:  # MMIDIDX
             self.sizes = np.asarray(t.lengths, dtype=np.int64)
             self.offsets = np.asarray(t.pointers, dtype=np.int64) // self.dtype.itemsize
-            self.document_indices = t.document_indices
+            self.document_indices: np.ndarray = t.document_indices
         else:
             self.sizes, self.offsets = t.lengths, t.pointers
             self.document_indices = np.arange(h.num_docs + 1, dtype=np.int64)
@@ -707,16 +708,8 @@ class IndexedDataset:
 # ------------------------------------------------------------------ conversion
 
 
-def check_convertible(prefix: str) -> IndexHeader:
-    """Validate ``PREFIX.idx``/``PREFIX.bin`` (every check of opening them) before :func:`convert_to_mmidx`.
-
-    Returns the header (``index_format`` says whether there is anything to convert).
-
-    Raises:
-        FileNotFoundError: a file is missing.
-        ValueError: a bad or inconsistent file, or an MGEOIDX document longer than 2**31 - 1 tokens (MMIDIDX
-            stores int32 lengths).
-    """
+def _convertible(prefix: str) -> _Tables:
+    """The checked tables of ``PREFIX`` (see :func:`check_convertible`)."""
     for p in (prefix + ".idx", prefix + ".bin"):
         if not os.path.isfile(p):
             raise FileNotFoundError(f"{p!r} not found; give the PREFIX of an existing PREFIX.bin/PREFIX.idx pair")
@@ -730,7 +723,20 @@ def check_convertible(prefix: str) -> IndexHeader:
                     f"{int(t.lengths[start + int(big[0])])} tokens, more than the 2**31 - 1 an MMIDIDX index "
                     f"records per sequence; {_fix(prefix)}"
                 )
-    return t.header
+    return t
+
+
+def check_convertible(prefix: str) -> IndexHeader:
+    """Validate ``PREFIX.idx``/``PREFIX.bin`` (every check of opening them) before :func:`convert_to_mmidx`.
+
+    Returns the header (``index_format`` says whether there is anything to convert).
+
+    Raises:
+        FileNotFoundError: a file is missing.
+        ValueError: a bad or inconsistent file, or an MGEOIDX document longer than 2**31 - 1 tokens (MMIDIDX
+            stores int32 lengths).
+    """
+    return _convertible(prefix).header
 
 
 def convert_to_mmidx(prefix: str) -> bool:
@@ -745,10 +751,9 @@ def convert_to_mmidx(prefix: str) -> bool:
     Raises:
         FileNotFoundError / ValueError: see :func:`check_convertible`; OSError: the index cannot be written.
     """
-    header = check_convertible(prefix)
-    if header.index_format == "MMIDIDX":
+    t = _convertible(prefix)
+    if t.header.index_format == "MMIDIDX":
         return False
-    t = _open_checked(prefix)
     idx_path = prefix + ".idx"
     tmp = f"{idx_path}.tmp-{os.getpid()}"
     try:
