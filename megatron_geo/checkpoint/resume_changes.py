@@ -60,7 +60,9 @@ SCHEDULE_KEYS = (
     "train.lr_decay_style",
     "train.steps",
 )
-ALLOWABLE = tuple(DATA_KEYS) + SCHEDULE_KEYS
+# not a config key: the training files themselves (data/identity.py), changed under the same prefixes
+DATA_FILES = "data.files"
+ALLOWABLE = (*DATA_KEYS, *SCHEDULE_KEYS, DATA_FILES)
 # changed on resume only with a log line (they change the update but not which data or learning rate it sees)
 LOGGED_KEYS = (
     "optimizer.weight_decay",
@@ -221,3 +223,27 @@ def check_resume_changes(saved: dict, cfg: Config, start_step: int, kind: str) -
             f"train.run_dir with checkpoint.load=PATH)"
         )
     return notes
+
+
+def check_data_files(saved: list[dict] | None, now: list[dict], cfg: Config, kind: str) -> list[str]:
+    """Compare the training files a checkpoint recorded (:func:`megatron_geo.data.identity.dataset_identity` per
+    prefix) with this launch's: the same prefixes whose files changed on disk would silently change the documents.
+
+    Returns:
+        Start-up log lines (a change on ``init`` / ``rollback``, or allowed by ``checkpoint.allow_changes``).
+
+    Raises:
+        ConfigError: on a resume, a changed file unless ``checkpoint.allow_changes`` names ``data.files``.
+    """
+    from ..data.identity import identity_changes
+
+    changes = identity_changes(saved or [], now)
+    if not changes:
+        return []
+    line = "the training files changed since the checkpoint was saved: " + "; ".join(changes)
+    if kind == "resume" and DATA_FILES not in parse_allow_changes(cfg.checkpoint.allow_changes):
+        raise ConfigError(
+            f"resuming would change this run's documents: {line}. Restore the files the run was started on, or "
+            f"accept the change with checkpoint.allow_changes={DATA_FILES}"
+        )
+    return [line + (" (allowed by checkpoint.allow_changes)" if kind == "resume" else "")]

@@ -19,7 +19,7 @@ from ..checkpoint.manager import (
     save_checkpoint,
     state_failure,
 )
-from ..checkpoint.resume_changes import check_resume_changes
+from ..checkpoint.resume_changes import check_data_files, check_resume_changes
 from ..checkpoint.shared_dir import check_checkpoint_dir
 from ..checkpoint.start import StartPoint, resolve_start, timeline_of
 from ..checkpoint.state import StateLayout, build_save_state, load_state, optimizer_state_ready
@@ -55,7 +55,9 @@ class StopRequested(Exception):
 class Checkpointer:
     """Save and resume one run's complete training state (collective calls: every rank makes them)."""
 
-    def __init__(self, cfg: Config, pctx: ParallelContext, model, optimizer, reducer, geo, log):
+    def __init__(
+        self, cfg: Config, pctx: ParallelContext, model, optimizer, reducer, geo, log, data_files: list | None = None
+    ):
         self.cfg, self.pctx, self.reducer, self.geo, self.log = cfg, pctx, reducer, geo, log
         self.layout = StateLayout(model, optimizer, pctx, cfg.model.vocab_size, cfg.optimizer.name)
         self.root = checkpoint_root(cfg)
@@ -64,6 +66,8 @@ class Checkpointer:
         self.last_path: str | None = None
         self.start: StartPoint | None = None  # set by resume(): what this launch loaded and why
         self.timeline: dict = {"start": "fresh"}  # recorded in every checkpoint this launch saves
+        # the training files (data/identity.py): recorded in every checkpoint, compared on resume
+        self.data_files: list[dict] = list(data_files or [])
 
     def resume(self) -> tuple[int, int, int]:
         """Load the checkpoint :func:`megatron_geo.checkpoint.start.resolve_start` selects, if any (collective
@@ -90,6 +94,7 @@ class Checkpointer:
                 meta["path"] = str(path)
                 same, notes = check_compatible(meta, self.cfg, pctx.dp_size, pctx.tp_size)
                 notes += check_resume_changes(meta["config"], self.cfg, meta["step"], start.kind)
+                notes += check_data_files(meta.get("data_files"), self.data_files, self.cfg, start.kind)
                 for n in notes:
                     self.log(f"checkpoint: {n}")
         except Exception as e:  # noqa: BLE001 - the other ranks would wait in the load's collectives
@@ -246,6 +251,7 @@ class Checkpointer:
             "skipped_in_a_row": skipped_in_a_row,
             "timeline": self.timeline,
             "config": _record_config(self.cfg),
+            "data_files": self.data_files,
             "geo": None
             if geo is None
             else {"last_refresh": geo.last_refresh, "selected": sorted(geo.selected), "profiled": geo.profiled},
