@@ -1,0 +1,70 @@
+"""A resume never silently changes the documents: new data keys are compared with what an older checkpoint ran
+with, and training files rewritten under the same prefix are refused."""
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_geo.checkpoint.resume_changes import check_data_files, check_resume_changes
+from megatron_geo.config import ConfigError, config_to_dict, load_config
+from megatron_geo.data import IndexedDatasetBuilder
+from megatron_geo.data.identity import dataset_identity
+
+
+TINY = str(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml")
+
+
+def _cfg(*extra):
+    return load_config([TINY], list(extra))
+
+
+def _saved_before_the_new_keys(cfg) -> dict:
+    """The config dict a checkpoint of the release before these keys would hold: without them."""
+    d = copy.deepcopy(config_to_dict(cfg))
+    for k in ("train_blend", "valid_blend", "split", "sample_order", "eod_mask_loss", "reset_position_ids"):
+        d["data"].pop(k)
+    d["data"].pop("reset_attention_mask")
+    d.pop("profiling")
+    return d
+
+
+def test_an_old_checkpoint_ran_the_stream_order_and_the_new_default_is_refused():
+    old = _saved_before_the_new_keys(_cfg())
+    with pytest.raises(ConfigError, match=r"data.sample_order changed on resume: 'stream' -> 'megatron'"):
+        check_resume_changes(old, _cfg(), 10, "resume")
+    assert check_resume_changes(old, _cfg("data.sample_order=stream"), 10, "resume") == []
+    notes = check_resume_changes(old, _cfg("checkpoint.allow_changes=data.sample_order"), 10, "resume")
+    assert any("data.sample_order" in n and "allowed" in n for n in notes)
+    with pytest.raises(ConfigError, match=r"data.eod_mask_loss changed on resume: False -> True"):
+        check_resume_changes(old, _cfg("data.sample_order=stream", "data.eod_mask_loss=true"), 10, "resume")
+
+
+def test_blend_paths_and_weights_compare_by_meaning(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    saved = config_to_dict(_cfg("data.train_blend=0.3 a 0.7 b"))
+    assert check_resume_changes(saved, _cfg(f"data.train_blend=.30 {tmp_path}/a 0.70 ./b"), 5, "resume") == []
+    with pytest.raises(ConfigError, match="data.train_blend changed on resume"):
+        check_resume_changes(saved, _cfg("data.train_blend=0.4 a 0.6 b"), 5, "resume")
+
+
+def _write(prefix, docs):
+    with IndexedDatasetBuilder(str(prefix), vocab_size=100) as b:
+        for d in docs:
+            b.add_document(np.asarray(d))
+
+
+def test_training_files_rewritten_under_the_same_prefix_are_refused(tmp_path):
+    _write(tmp_path / "train", [[1, 2, 3, 0], [4, 5, 0]])
+    saved = [dataset_identity(str(tmp_path / "train"))]
+    assert check_data_files(saved, [dataset_identity(str(tmp_path / "train"))], _cfg(), "resume") == []
+    _write(tmp_path / "train", [[4, 5, 0], [1, 2, 3, 0]])  # same tokens and sizes, other document order
+    now = [dataset_identity(str(tmp_path / "train"))]
+    assert now[0]["bin_bytes"] == saved[0]["bin_bytes"] and now[0]["idx_bytes"] == saved[0]["idx_bytes"]
+    with pytest.raises(ConfigError, match=r"training files changed .*idx_sha256.*checkpoint.allow_changes=data.files"):
+        check_data_files(saved, now, _cfg(), "resume")
+    notes = check_data_files(saved, now, _cfg("checkpoint.allow_changes=data.files"), "resume")
+    assert len(notes) == 1 and "allowed" in notes[0]
+    assert check_data_files(saved, now, _cfg(), "init")  # a new trajectory: only logged
+    assert check_data_files(None, now, _cfg(), "resume") == []  # a checkpoint that recorded no files
