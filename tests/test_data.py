@@ -178,8 +178,23 @@ def test_gpt_errors(stream_ds):
     ds, stream = stream_ds
     with pytest.raises(ValueError, match=f"{len(stream)} tokens.*seq_length"):
         GPTDataset(ds, len(stream), seed=0)
-    with pytest.raises(ValueError, match="do not end with eod_id=5"):
-        GPTDataset(ds, 8, seed=0, eod_id=5)
+    # data made without --append-eod is allowed: the documents without eod are counted in a note
+    g = GPTDataset(ds, 8, seed=0, eod_id=5)
+    assert g.eod_missing == g.eod_checked == 30 and "30 of 30 checked documents" in "\n".join(g.describe())
+    assert GPTDataset(ds, 8, seed=0, eod_id=2).eod_missing == 0
+    # ... unless an option needs eod tokens, or the id is outside the vocabulary
+    with pytest.raises(ValueError, match="eod_mask_loss need end-of-document tokens.*none of the 30"):
+        GPTDataset(ds, 8, seed=0, eod_id=5, eod_mask_loss=True)
+    with pytest.raises(ValueError, match="eod_id=300 outside the vocabulary"):
+        GPTDataset(ds, 8, seed=0, eod_id=300, vocab_size=300)
+    with pytest.raises(ValueError, match="reset_position_ids need the end-of-document id"):
+        GPTDataset(ds, 8, seed=0, reset_position_ids=True)
+    with pytest.raises(ValueError, match="sample_order='shuffled'"):
+        GPTDataset(ds, 8, seed=0, sample_order="shuffled")
+    with pytest.raises(ValueError, match=r"sequences=\(3, 31\).*0 <= start <= stop <= 30"):
+        GPTDataset(ds, 8, seed=0, sequences=(3, 31))
+    with pytest.raises(ValueError, match=r"seed=.*2\*\*63"):
+        GPTDataset(ds, 8, seed=2**63)
 
 
 def test_shuffle_is_deterministic_per_seed_and_epoch(stream_ds):
