@@ -1,18 +1,28 @@
-"""Data pipeline: SentencePiece tokenizer, indexed token datasets, GPT samples, default corpus."""
+"""Data pipeline: SentencePiece tokenizer, indexed token datasets, GPT samples (Megatron or stream order), blends,
+splits, default corpus."""
 
+from .blending import BlendedDataset, blending_index, parse_blend
 from .corpus import CorpusPaths, prepare_default_corpus
-from .gpt_dataset import GPTDataset, collate, dp_batch_indices
+from .gpt_dataset import SAMPLE_ORDERS, GPTDataset, SampleDataset, collate, dp_batch_indices
 from .indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from .splits import parse_split, split_ranges
 from .tokenizer import Tokenizer, train_tokenizer
 
 __all__ = [
+    "SAMPLE_ORDERS",
+    "BlendedDataset",
     "CorpusPaths",
     "GPTDataset",
     "IndexedDataset",
     "IndexedDatasetBuilder",
+    "SampleDataset",
     "Tokenizer",
+    "blending_index",
     "collate",
     "dp_batch_indices",
+    "parse_blend",
+    "parse_split",
     "prepare_default_corpus",
+    "split_ranges",
     "train_tokenizer",
 ]

@@ -68,8 +68,7 @@ def parse_blend(text: str, key: str = "blend") -> list[tuple[float | None, str]]
         return [(None, expand_path(t, key)) for t in tokens]
     if len(tokens) % 2:
         raise ValueError(
-            f"the weighted blend has {len(tokens)} tokens, an odd count; write a weight before every prefix, "
-            f"{example}."
+            f"the weighted blend has {len(tokens)} tokens, an odd count; write a weight before every prefix, {example}."
         )
     out: list[tuple[float | None, str]] = []
     for w_tok, p_tok in zip(tokens[0::2], tokens[1::2]):
@@ -239,7 +238,9 @@ class BlendedDataset:
         weights = list(weights)
         if len(weights) != len(self.datasets):
             raise ValueError(f"{len(weights)} weights for {len(self.datasets)} datasets; give one per dataset.")
-        self.names = list(names) if names is not None else [str(getattr(ds, "prefix", i)) for i, ds in enumerate(datasets)]
+        self.names = (
+            list(names) if names is not None else [str(getattr(ds, "prefix", i)) for i, ds in enumerate(datasets)]
+        )
         first = self.datasets[0]
         for name, ds in zip(self.names, self.datasets):
             if ds.seq_length != first.seq_length or tuple(ds.sample_keys) != tuple(first.sample_keys):

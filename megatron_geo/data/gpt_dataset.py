@@ -210,9 +210,7 @@ class GPTDataset(torch.utils.data.Dataset):
                 f"data or a larger split part."
             )
         self.num_samples = (n_tok - 1) // self.seq_length
-        options = [
-            k for k in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask") if getattr(self, k)
-        ]
+        options = [k for k in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask") if getattr(self, k)]
         self.eod_note: str | None = None
         if options and self.eod_id is None:
             raise ValueError(f"{', '.join(options)} need the end-of-document id: pass eod_id.")
