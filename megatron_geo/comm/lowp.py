@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import collectives as C
+from ..parallel.trace import NO_RANGE, trace_range
 from .codecs import FP8_FORMATS, fp8_max
 from .compiled import resolve_compile
 from .formats import comm_alignment, comm_view, get_format, layout_granule
@@ -201,9 +202,14 @@ class LowPrecisionReducer(Reducer):
         that they survive the MAX, then NaN: nan_to_num would turn +inf into the largest finite float, a
         shared scale that launders an infinite gradient)."""
         amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("inf")))
-        C.all_reduce(amax, self.group, op=dist.ReduceOp.MAX)
+        with trace_range("collective"):
+            C.all_reduce(amax, self.group, op=dist.ReduceOp.MAX)
         self._count_allreduce(amax.numel() * 4)
         return torch.where(torch.isinf(amax), torch.full_like(amax, float("nan")), amax)
+
+    def _transform_range(self):
+        """The ``transform`` range around the coordinate change and its inverse: none for the identity."""
+        return NO_RANGE if self.transform.name == "none" else trace_range("transform")
 
     def _count_allreduce(self, nbytes: int) -> None:
         self.bytes_sent += 2 * (self.dp_size - 1) * nbytes // self.dp_size
@@ -235,42 +241,50 @@ class LowPrecisionReducer(Reducer):
         bounds = self.bounds[key]
         dp, r = self.dp_size, self.dp_rank
         lo, own = bounds[r], layout.sizes[r]
-        x = self.transform.to_wire(buf, key)
+        with self._transform_range():
+            x = self.transform.to_wire(buf, key)
         residual = self.residuals.get(key)
         if residual is not None:  # in place: x is the consumed bucket buffer (or the rotated copy of it)
-            x = x.add_(residual)
+            with trace_range("encode"):
+                x = x.add_(residual)
         if self.reduce_op == "wire_sum":
             return self._wire_sum(buf, x, key, residual, keep_wire)
         sync = self._sync_amax if self.scale_sync == "max" else None
         # the wire format also sets the residual to what this rank's quantiser lost, in place
-        codes, scales, shared = self.wire.encode_ranges(x, layout, sync, residual)
+        with trace_range("encode"):
+            codes, scales, shared = self.wire.encode_ranges(x, layout, sync, residual)
         works, recvs = [], []
-        for send, splits in codes:
-            assert send.dtype == torch.uint8, "the wire carries raw uint8 codes"
-            recv = torch.empty(dp * splits[r], dtype=torch.uint8, device=buf.device)
-            works.append(C.all_to_all_single(recv, send, self.group, [splits[r]] * dp, splits, async_op=True))
-            recvs.append(recv)
-            self.bytes_sent += send.numel() - splits[r]
-        recv_scales = None
-        if scales is not None:
-            recv_scales = torch.empty_like(scales)
-            works.append(C.all_to_all_single(recv_scales, scales, self.group, async_op=True))
-            self.bytes_sent += (dp - 1) * scales.shape[1] * 4
+        with trace_range("collective"):
+            for send, splits in codes:
+                assert send.dtype == torch.uint8, "the wire carries raw uint8 codes"
+                recv = torch.empty(dp * splits[r], dtype=torch.uint8, device=buf.device)
+                works.append(C.all_to_all_single(recv, send, self.group, [splits[r]] * dp, splits, async_op=True))
+                recvs.append(recv)
+                self.bytes_sent += send.numel() - splits[r]
+            recv_scales = None
+            if scales is not None:
+                recv_scales = torch.empty_like(scales)
+                works.append(C.all_to_all_single(recv_scales, scales, self.group, async_op=True))
+                self.bytes_sent += (dp - 1) * scales.shape[1] * 4
         if shared is not None:  # every rank derived the same scales, so this range's are known locally
             recv_scales = shared[r : r + 1].expand(dp, -1)
 
         def epilogue():
-            for w in works:
-                w.wait()
+            with trace_range("collective"):
+                for w in works:
+                    w.wait()
             if keep_wire:  # all-reduce: the gather stage re-encodes the shard in wire coordinates and then
                 # overwrites all of buf (even chunks may cut GeoFP8 rows)
-                self._shard_in_wire_coords[key] = self.wire.decode_own(
-                    recvs, recv_scales, layout, r, torch.empty(own, dtype=torch.float32, device=buf.device)
-                )
+                with trace_range("decode"):
+                    self._shard_in_wire_coords[key] = self.wire.decode_own(
+                        recvs, recv_scales, layout, r, torch.empty(own, dtype=torch.float32, device=buf.device)
+                    )
                 return
             # the mean lands where the transform wants it (the bucket's own range, or a scratch to rotate back from)
-            avg = self.wire.decode_own(recvs, recv_scales, layout, r, self.transform.decode_target(buf, lo, own))
-            self.transform.write_back(buf, lo, avg, key)
+            with trace_range("decode"):
+                avg = self.wire.decode_own(recvs, recv_scales, layout, r, self.transform.decode_target(buf, lo, own))
+            with self._transform_range():
+                self.transform.write_back(buf, lo, avg, key)
 
         return PendingReduction(None, epilogue)
 
@@ -287,7 +301,8 @@ class LowPrecisionReducer(Reducer):
             amax = self._sync_amax(amax)
             return amax * dp if prediv else amax
 
-        codes, _, shared = self.wire.encode_ranges(x, layout, sync, residual)
+        with trace_range("encode"):
+            codes, _, shared = self.wire.encode_ranges(x, layout, sync, residual)
         send, splits = codes[0]
         f8 = FP8_FORMATS[self.fmt]
         # bound hits: this rank's non-zero inputs that its codes flush to zero (counted before the collective,
@@ -300,26 +315,29 @@ class LowPrecisionReducer(Reducer):
                     (x != 0).sum().float(),
                 )
             )
-        if self.native_wire_sum:
-            if self._even(buf, key):
-                out = torch.empty(own, dtype=torch.uint8, device=buf.device)
-                work = C.reduce_scatter_into(out.view(f8), send.view(f8), self.group, async_op=True)
-            else:  # whole-parameter owners: one reduce per range, in place
-                out = send[lo : lo + own]
-                work = C.reduce_ranges(send.view(f8), bounds, self.group, async_op=True)
-            self._count_sent(buf, key, torch.uint8)
-        else:
-            out = torch.empty(dp * own, dtype=torch.uint8, device=buf.device)
-            work = C.all_to_all_single(out, send, self.group, [own] * dp, splits, async_op=True)
-            self.bytes_sent += send.numel() - own
+        with trace_range("collective"):
+            if self.native_wire_sum:
+                if self._even(buf, key):
+                    out = torch.empty(own, dtype=torch.uint8, device=buf.device)
+                    work = C.reduce_scatter_into(out.view(f8), send.view(f8), self.group, async_op=True)
+                else:  # whole-parameter owners: one reduce per range, in place
+                    out = send[lo : lo + own]
+                    work = C.reduce_ranges(send.view(f8), bounds, self.group, async_op=True)
+                self._count_sent(buf, key, torch.uint8)
+            else:
+                out = torch.empty(dp * own, dtype=torch.uint8, device=buf.device)
+                work = C.all_to_all_single(out, send, self.group, [own] * dp, splits, async_op=True)
+                self.bytes_sent += send.numel() - own
 
         def epilogue():
-            work.wait()
+            with trace_range("collective"):
+                work.wait()
             if self.native_wire_sum:
                 total = out
                 saturated = total.view(f8).float().abs() >= fp8_max(self.fmt)  # final codes at the max
             else:
-                total, saturated = ring_sum(out.view(dp, own), r, self.fmt)
+                with trace_range("decode"):  # the FP8 sum in ring order
+                    total, saturated = ring_sum(out.view(dp, own), r, self.fmt)
             if self.telemetry is not None:
                 self.telemetry.append(
                     (
@@ -336,8 +354,10 @@ class LowPrecisionReducer(Reducer):
                 )
                 return
             g = layout.granule
-            avg = ring_mean(self.wire.decode(total.view(-1, g), layout.row_block_values(scale, r)), dp)
-            self.transform.write_back(buf, lo, avg, key)
+            with trace_range("decode"):
+                avg = ring_mean(self.wire.decode(total.view(-1, g), layout.row_block_values(scale, r)), dp)
+            with self._transform_range():
+                self.transform.write_back(buf, lo, avg, key)
 
         return PendingReduction(None, epilogue)
 
@@ -355,14 +375,21 @@ class LowPrecisionReducer(Reducer):
             rs.wait()
             shard = self._shard_in_wire_coords.pop(key)
             # wire_sum leaves the summed codes and their scale ready to send; otherwise encode the averaged shard
-            payload = shard if shard.dtype == torch.uint8 else self.wire.encode_chunk(shard, layout, r)
+            if shard.dtype == torch.uint8:
+                payload = shard
+            else:
+                with trace_range("encode"):
+                    payload = self.wire.encode_chunk(shard, layout, r)
             out = torch.empty((dp, payload.shape[1]), dtype=torch.uint8, device=buf.device)
-            C.all_gather_into(out.view(-1), payload.reshape(-1), self.group)
+            with trace_range("collective"):
+                C.all_gather_into(out.view(-1), payload.reshape(-1), self.group)
             self.bytes_sent += (dp - 1) * payload.shape[1]
-            decoded = self.wire.decode_all(out, layout)
-            if self.reduce_op == "wire_sum":  # summed codes with the shared scale: p * s, then / N
-                decoded = ring_mean(decoded, dp)
-            self.transform.write_back(buf, 0, decoded, key)
+            with trace_range("decode"):
+                decoded = self.wire.decode_all(out, layout)
+                if self.reduce_op == "wire_sum":  # summed codes with the shared scale: p * s, then / N
+                    decoded = ring_mean(decoded, dp)
+            with self._transform_range():
+                self.transform.write_back(buf, 0, decoded, key)
 
         pending = PendingReduction(None, gather)
         if not async_op:

@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 from ..parallel import collectives as C
+from ..parallel.trace import NO_RANGE, trace_range
 
 
 class PendingReduction:
@@ -37,7 +38,8 @@ class PendingReduction:
         if self._done:
             return
         if self._work is not None:
-            self._work.wait()
+            with trace_range("collective"):
+                self._work.wait()
         if self._epilogue is not None:
             self._epilogue()
         self._done = True
@@ -172,6 +174,10 @@ class Reducer:
         """Every rank's range must be a multiple of this many elements."""
         return 1
 
+    def _cast_range(self, name: str):
+        """The ``encode`` / ``decode`` range of a plain cast to the wire dtype: none for an FP32 wire (no cast)."""
+        return NO_RANGE if self.wire_dtype == torch.float32 else trace_range(name)
+
     def _count_sent(self, buf: torch.Tensor, key, dtype: torch.dtype) -> None:
         """This rank sends every range but its own (reduce, all-to-all, ring reduce-scatter or gather)."""
         own = self._chunk(buf, key).numel()
@@ -208,11 +214,14 @@ class Reducer:
 
         def gather() -> None:
             rs.wait()
-            shard = self._chunk(buf, key).to(self.wire_dtype)
+            with self._cast_range("encode"):
+                shard = self._chunk(buf, key).to(self.wire_dtype)
             out = torch.empty(buf.numel(), dtype=self.wire_dtype, device=buf.device)
-            C.all_gather_into(out, shard, self.group)
+            with trace_range("collective"):
+                C.all_gather_into(out, shard, self.group)
             self._count(shard.numel(), self.wire_dtype)
-            buf.copy_(out)
+            with self._cast_range("decode"):
+                buf.copy_(out)
 
         pending = PendingReduction(None, gather)
         if not async_op:
@@ -229,10 +238,12 @@ class FP32Reducer(Reducer):
     def _reduce_scatter(self, buf, key=None):
         self._count_sent(buf, key, torch.float32)
         if not self._even(buf, key):  # whole-parameter ownership: one reduce per owner range, in place
-            work = C.reduce_ranges(buf, self._bounds(buf, key), self.group, async_op=True)
+            with trace_range("collective"):
+                work = C.reduce_ranges(buf, self._bounds(buf, key), self.group, async_op=True)
             return PendingReduction(work, lambda: self._chunk(buf, key).div_(self.dp_size))
         out = torch.empty(buf.numel() // self.dp_size, dtype=torch.float32, device=buf.device)
-        work = C.reduce_scatter_into(out, buf, self.group, async_op=True)
+        with trace_range("collective"):
+            work = C.reduce_scatter_into(out, buf, self.group, async_op=True)
 
         def epilogue():
             self._chunk(buf, key).copy_(out).div_(self.dp_size)
@@ -256,14 +267,17 @@ class CastReducer(Reducer):
     def _reduce_scatter(self, buf, key=None):
         bounds = self._bounds(buf, key)
         own = self._chunk(buf, key)
-        send = buf.to(self.wire_dtype)
+        with trace_range("encode"):
+            send = buf.to(self.wire_dtype)
         recv = torch.empty(self.dp_size * own.numel(), dtype=self.wire_dtype, device=buf.device)
         sizes = [bounds[r + 1] - bounds[r] for r in range(self.dp_size)]
-        work = C.all_to_all_single(recv, send, self.group, [own.numel()] * self.dp_size, sizes, async_op=True)
+        with trace_range("collective"):
+            work = C.all_to_all_single(recv, send, self.group, [own.numel()] * self.dp_size, sizes, async_op=True)
         self._count_sent(buf, key, self.wire_dtype)
 
         def epilogue():  # the FP32 sum accumulates straight from the wire dtype (no FP32 copy of recv)
-            torch.sum(recv.view(self.dp_size, -1), dim=0, dtype=torch.float32, out=own)
-            own.div_(self.dp_size)
+            with trace_range("decode"):
+                torch.sum(recv.view(self.dp_size, -1), dim=0, dtype=torch.float32, out=own)
+                own.div_(self.dp_size)
 
         return PendingReduction(work, epilogue)

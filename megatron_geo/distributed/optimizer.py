@@ -27,6 +27,7 @@ from ..config.schema import OptimizerConfig
 from ..optim import build_muon
 from ..parallel import ParallelContext
 from ..parallel import collectives as C
+from ..parallel.trace import trace_range
 from .buckets import Bucket
 
 
@@ -170,10 +171,11 @@ class DistributedOptimizer:
 
     def step(self, lr_scale: float) -> None:
         """One optimizer step at ``lr = base_lr * lr_scale``, then publish the new params to every rank."""
-        for opt in self.optimizers:
-            for g in opt.param_groups:
-                g["lr"] = g["base_lr"] * lr_scale
-            opt.step()
+        with trace_range("optimizer"):
+            for opt in self.optimizers:
+                for g in opt.param_groups:
+                    g["lr"] = g["base_lr"] * lr_scale
+                opt.step()
         self.publish()
 
     def publish(self) -> None:
@@ -190,10 +192,11 @@ class DistributedOptimizer:
                 n = m.main.numel()
                 m.bucket.param_data[m.buffer_start : m.buffer_start + n].copy_(m.main.reshape(-1))
             if self.sharded and self.pctx.dp_size > 1:
-                for b in reversed(self.buckets):
-                    self._gathers[b.index] = C.all_gather_ranges(
-                        b.param_data, b.plan.bounds, self.pctx.dp_group, async_op=True
-                    )
+                with trace_range("collective"):
+                    for b in reversed(self.buckets):
+                        self._gathers[b.index] = C.all_gather_ranges(
+                            b.param_data, b.plan.bounds, self.pctx.dp_group, async_op=True
+                        )
                 if not self.overlap_param_gather:
                     self.wait_param_gather()
 
@@ -202,7 +205,8 @@ class DistributedOptimizer:
         for i in list(self._gathers) if bucket_indices is None else bucket_indices:
             w = self._gathers.pop(i, None)
             if w is not None:
-                w.wait()
+                with trace_range("collective"):
+                    w.wait()
 
     def register_forward_hooks(self, model: torch.nn.Module) -> None:
         """Wait for each parameter's gather just before its first use in forward (only with

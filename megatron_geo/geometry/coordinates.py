@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..parallel.precision import exact_fp32
+from ..parallel.trace import trace_range
 from .geo import GeoState
 
 
@@ -143,15 +144,16 @@ class GeoTransform:
     # -- refresh ----------------------------------------------------------------------------------------
     def _rebase(self, old: dict, new: dict) -> None:
         """At a refresh: R <- R T_old^-1 T_new (``geo.ef_on_refresh=rebase``) or R <- 0 (``reset``), per layer."""
-        for key, slots in self.slots.items():
-            if key not in self._residuals:
-                continue
-            res = self._residuals[key]
-            for name, off, rows, cols in slots:
-                if name not in new:
+        with trace_range("transform"):
+            for key, slots in self.slots.items():
+                if key not in self._residuals:
                     continue
-                view = res[off : off + rows * cols].view(rows, cols)
-                if self.geo.ef_on_refresh == "reset":
-                    view.zero_()
-                else:
-                    view.copy_(new[name].apply(old[name].apply_inverse(view)))
+                res = self._residuals[key]
+                for name, off, rows, cols in slots:
+                    if name not in new:
+                        continue
+                    view = res[off : off + rows * cols].view(rows, cols)
+                    if self.geo.ef_on_refresh == "reset":
+                        view.zero_()
+                    else:
+                        view.copy_(new[name].apply(old[name].apply_inverse(view)))

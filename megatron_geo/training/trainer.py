@@ -19,6 +19,7 @@ from .data_setup import build_data, train_global_tokens, train_micro_batches, va
 from .eta import RunTimer
 from .log_line import StepOutput
 from .metrics import StepRecords, open_run_outputs
+from .profiling import StepProfiler
 from .setup import build_model_and_optimizer, compile_model, startup_text
 from .signals import StopRequest
 from .step import evaluate, train_step
@@ -105,7 +106,9 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
     compile_model(cfg, model, pctx)
     n_params = count_parameters(cfg.model)
     log(startup_text(cfg, pctx, buckets, optimizer, n_params))
-    ckpt = Checkpointer(cfg, pctx, model, optimizer, reducer, geo, log)
+    for line in data.lines:
+        log(f"data: {line}")
+    ckpt = Checkpointer(cfg, pctx, model, optimizer, reducer, geo, log, data_files=data.files)
     start_step, consumed, skipped_in_a_row = ckpt.resume()
     if start_step >= t.steps:  # nothing to train: write nothing (no checkpoint, metrics untouched)
         log(
@@ -114,6 +117,7 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
             f"learning rate of the steps after {start_step})"
         )
         return nothing_to_do(n_params, start_step, str(Path(t.run_dir).resolve()))
+    profiler = StepProfiler(cfg, pctx, t.run_dir, log)  # profiling.steps (1-based, as logged)
     logger = open_run_outputs(cfg, pctx, start_step, log)
     valid_batches = valid_micro_batches(data.valid, cfg, pctx) if data.valid and t.eval_batches else []
     output, stop, records = StepOutput(t, start_step, pctx.is_main), StopRequest(), StepRecords(cfg, pctx, geo)
@@ -129,6 +133,7 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
     stats = RunStats(start_step, skipped_in_a_row)
     try:
         for step in range(start_step, t.steps):
+            profiler.step_begin(step + 1)
             t0 = time.perf_counter()
             batches, scale = train_micro_batches(data.train, consumed, cfg, pctx), lr_scale(cfg, step)
             measuring = telemetry.arm(reducer, step, cfg.comm.telemetry_interval)
@@ -199,11 +204,13 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
                     stats.saves_logged = len(timer.durations["save"])
                 stats.add(step, record, res)
                 output.step(record, should_log(t, step), stats, timer.phases())
+            profiler.step_end(step + 1)
             if ckpt.maybe_save(
                 step + 1, consumed, stats.skipped_in_a_row, stop.signal if stopping else None, fatal, timer
             ):
                 break
     finally:
+        profiler.close()  # a window still open (training ended inside it, or an error) is written
         optimizer.wait_param_gather()  # the model's parameters are complete when train() returns
         output.close()
         logger.close()  # before the handlers go: a launcher's SIGTERM during wandb's finish must not kill the rank
