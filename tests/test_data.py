@@ -157,7 +157,7 @@ def stream_ds(tmp_path):
 def test_gpt_samples_are_stream_slices(stream_ds):
     ds, stream = stream_ds
     seq = 7
-    g = GPTDataset(ds, seq, seed=0, eod_id=2)
+    g = GPTDataset(ds, seq, seed=0, eod_id=2, sample_order="stream")
     assert len(g) == (len(stream) - 1) // seq
     for i in range(len(g)):
         s = g[i]
@@ -199,7 +199,7 @@ def test_gpt_errors(stream_ds):
 
 def test_shuffle_is_deterministic_per_seed_and_epoch(stream_ds):
     ds, _ = stream_ds
-    a, b, c = (GPTDataset(ds, 4, seed=s) for s in (3, 3, 4))
+    a, b, c = (GPTDataset(ds, 4, seed=s, sample_order="stream") for s in (3, 3, 4))
     n = len(a)
     order = [a.sample_index(i) for i in range(3 * n)]
     assert order == [b.sample_index(i) for i in range(3 * n)]
@@ -237,8 +237,10 @@ def test_resume_from_consumed_samples(stream_ds):
             )
         return out
 
-    full = run(GPTDataset(ds, 16, seed=7), 0, steps)
-    resumed = run(GPTDataset(ds, 16, seed=7), 0, 5) + run(GPTDataset(ds, 16, seed=7), 5, steps - 5)
+    full = run(GPTDataset(ds, 16, seed=7, sample_order="stream"), 0, steps)
+    resumed = run(GPTDataset(ds, 16, seed=7, sample_order="stream"), 0, 5) + run(
+        GPTDataset(ds, 16, seed=7, sample_order="stream"), 5, steps - 5
+    )
     assert full == resumed
     assert len(GPTDataset(ds, 16, seed=7)) < steps * gbs
 
@@ -337,7 +339,7 @@ def test_default_corpus_split_and_cache(tmp_path):
     valid_works = {work_key(f) for f in meta["valid"]["files"]}
     assert not train_works & valid_works  # both editions of a play stay on one side
     assert meta["train"]["tokens"] == train.num_tokens
-    GPTDataset(valid, 256, seed=0, eod_id=tok.eod_id)  # every document ends with EOD
+    assert GPTDataset(valid, 256, seed=0, eod_id=tok.eod_id).eod_missing == 0  # every document ends with EOD
     t0 = time.time()
     assert prepare_default_corpus(str(tmp_path), 512) == paths
     assert time.time() - t0 < 0.5

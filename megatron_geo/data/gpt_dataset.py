@@ -158,7 +158,7 @@ class GPTDataset(torch.utils.data.Dataset):
         seed: int,
         eod_id: int | None = None,
         *,
-        sample_order: str = "stream",
+        sample_order: str = "megatron",
         sequences: tuple[int, int] | None = None,
         eod_mask_loss: bool = False,
         reset_position_ids: bool = False,
