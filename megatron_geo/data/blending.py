@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -229,7 +230,7 @@ class BlendedDataset:
             weight, or components whose ``seq_length`` or sample keys differ (their batches would not stack).
     """
 
-    def __init__(self, datasets: list[SampleDataset], weights=None, names: list[str] | None = None):
+    def __init__(self, datasets: Sequence[SampleDataset], weights=None, names: Sequence[str] | None = None):
         self.datasets = list(datasets)
         if not self.datasets:
             raise ValueError("BlendedDataset needs at least one dataset.")
@@ -286,13 +287,14 @@ class BlendedDataset:
         ``consumed_samples`` blended samples, about ``w_d * consumed_samples`` of its samples, i.e. how many of
         its epochs that is, and Megatron's :func:`samples_needed` size), then each component's own lines."""
         lines = [f"blend of {len(self.datasets)} datasets, {len(self):,} samples per epoch of all components"]
-        needed = samples_needed(self.weights, consumed_samples) if consumed_samples is not None else None
+        n = consumed_samples
+        needed = samples_needed(self.weights, n) if n is not None else []
         for k, (name, ds, w) in enumerate(zip(self.names, self.datasets, self.weights)):
             line = f"  [{k}] weight {w:.6g}: {name}, {len(ds):,} samples per epoch"
-            if needed is not None:
-                share = float(w) * consumed_samples
+            if n is not None:
+                share = float(w) * n
                 line += (
-                    f"; {consumed_samples:,} blended samples take about {share:,.0f} of them = "
+                    f"; {n:,} blended samples take about {share:,.0f} of them = "
                     f"{share / len(ds):.3g} epochs (Megatron would build {needed[k]:,})"
                 )
             lines.append(line)

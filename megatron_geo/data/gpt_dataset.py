@@ -192,8 +192,9 @@ class GPTDataset(torch.utils.data.Dataset):
         self.reset_position_ids = bool(reset_position_ids)
         self.reset_attention_mask = bool(reset_attention_mask)
         self.vocab_size = None if vocab_size is None else _check_int("vocab_size", vocab_size, 1)
-        if self.vocab_size is None and getattr(indexed, "vocab_size", None) is not None:
-            self.vocab_size = int(indexed.vocab_size)
+        recorded = getattr(indexed, "vocab_size", None)
+        if self.vocab_size is None and recorded is not None:
+            self.vocab_size = int(recorded)
         self.eod_id = None if eod_id is None else int(eod_id)
 
         if start < stop:
