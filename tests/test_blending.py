@@ -136,7 +136,7 @@ def test_split_ranges():
         for text in ("969,30,1", "1,1,1", "98,2", "1,0,1", "0.45,0.45,0.1", "2/1/1"):
             w = parse_split(text)
             want = _reference_ranges(n, w)
-            if all(0 <= a <= b <= n for a, b in want):  # Megatron's valid cases: the same bounds
+            if all(0 <= a <= b <= n for a, b in want):  # where Megatron's bounds are valid: the same bounds
                 assert split_ranges(n, w) == want, (n, text)
             got = split_ranges(n, w)
             assert got[0][0] == 0 and got[-1][1] == n and all(a <= b for a, b in got)
