@@ -141,6 +141,9 @@ def test_split_ranges():
             got = split_ranges(n, w)
             assert got[0][0] == 0 and got[-1][1] == n and all(a <= b for a, b in got)
             assert got[0][1] == got[1][0] and got[1][1] == got[2][0]
+    # 0, round(1.5) = 2, round(1.5) = 2: shifting by +1 would give Megatron's invalid bound -1; clamped instead
+    assert _reference_ranges(3, [0.0, 0.5, 0.5]) == [(0, -1), (-1, 1), (1, 3)]
+    assert split_ranges(3, [0.0, 0.5, 0.5]) == [(0, 0), (0, 1), (1, 3)]
     with pytest.raises(ValueError, match="3 non-negative"):
         split_ranges(10, [1.0, 0.0])
 
