@@ -12,7 +12,6 @@ from megatron_geo.config import ConfigError, config_to_dict, load_config
 from megatron_geo.data import IndexedDatasetBuilder
 from megatron_geo.data.identity import dataset_identity
 
-
 TINY = str(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml")
 
 

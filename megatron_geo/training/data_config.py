@@ -97,9 +97,7 @@ def validate_data_config(cfg: Config) -> None:
         )
     if split is not None:
         if split[0] <= 0:
-            raise ConfigError(
-                f"data.split={d.split!r} gives the training part no documents; e.g. data.split=969,30,1"
-            )
+            raise ConfigError(f"data.split={d.split!r} gives the training part no documents; e.g. data.split=969,30,1")
         if split[1] > 0 and valid:
             raise ConfigError(
                 f"data.split={d.split!r} takes validation documents from {train_key} while "

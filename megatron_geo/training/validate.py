@@ -24,6 +24,7 @@ _CHOICES = {
     ("parallel", "overlap_param_gather"): ("auto", "true", "false"),
     ("comm", "compile"): ("auto", "true", "false"),
     ("data", "source"): ("shakespeare", "indexed"),
+    ("data", "sample_order"): ("megatron", "stream"),
     ("comm", "scaling"): ("tensor", "block"),
     ("comm", "rounding"): ("nearest", "stochastic"),
     ("comm", "transform"): ("none", "hadamard", "geo"),
@@ -192,11 +193,11 @@ def validate_config(cfg: Config, world_size: int) -> None:
     parse_allow_changes(ck.allow_changes)
     if not (math.isfinite(p.timeout_minutes) and p.timeout_minutes > 0):
         raise ConfigError(f"parallel.timeout_minutes={p.timeout_minutes} must be a positive number of minutes")
-    if cfg.data.source == "indexed" and not (cfg.data.train_prefix and cfg.data.tokenizer_model):
-        raise ConfigError(
-            "data.source=indexed needs data.train_prefix and data.tokenizer_model "
-            "(make them with tools/train_tokenizer.py and tools/preprocess_data.py)"
-        )
+    from .data_config import validate_data_config
+    from .profiling import parse_profile_steps
+
+    validate_data_config(cfg)
+    parse_profile_steps(cfg.profiling.steps)
 
 
 def wire_format(comm):
@@ -233,9 +234,9 @@ def check_inputs(cfg: Config, devices: bool = True) -> None:
     """Every file and device the config names, checked before any process group starts (bad input is
     one clear error, not a traceback on every rank).
 
-    First :func:`reject_inert_keys` (a key that the other settings give no effect). Files: ``data.train_prefix`` /
-    ``data.valid_prefix`` (``.bin`` and ``.idx``) and ``data.tokenizer_model`` with ``data.source=indexed``,
-    ``checkpoint.load`` (a folder). Devices (``devices=True``; the Slurm pre-flight check on a login node leaves
+    First :func:`reject_inert_keys` (a key that the other settings give no effect). Files: every prefix of
+    ``data.train_prefix`` / ``train_blend`` / ``valid_prefix`` / ``valid_blend`` (``.bin`` and ``.idx``) and
+    ``data.tokenizer_model`` with ``data.source=indexed``, ``checkpoint.load`` (a folder). Devices (``devices=True``; the Slurm pre-flight check on a login node leaves
     them out): ``train.device=cuda`` or ``parallel.backend=nccl`` without CUDA, and
     ``train.device=auto`` on a process the launcher gave GPUs that CUDA cannot use (which would fall back to
     the CPU).
@@ -249,9 +250,9 @@ def check_inputs(cfg: Config, devices: bool = True) -> None:
     reject_inert_keys(cfg)
     d = cfg.data
     if d.source == "indexed":
-        for key, prefix in (("data.train_prefix", d.train_prefix), ("data.valid_prefix", d.valid_prefix)):
-            if not prefix:
-                continue
+        from .data_config import data_files
+
+        for key, prefix in data_files(cfg):
             missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
             if missing:
                 raise ConfigError(
@@ -317,7 +318,14 @@ def _inert_rules(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
     if d.source == "shakespeare":
         rules.append(
             (
-                ("data.train_prefix", "data.valid_prefix", "data.tokenizer_model"),
+                (
+                    "data.train_prefix",
+                    "data.valid_prefix",
+                    "data.tokenizer_model",
+                    "data.train_blend",
+                    "data.valid_blend",
+                    "data.split",
+                ),
                 "data.source=shakespeare (the embedded corpus)",
                 "set data.source=indexed to train on your files",
             )
