@@ -17,6 +17,7 @@ import torch
 from ..distributed import DistributedOptimizer, GradSync
 from ..parallel import ParallelContext
 from ..parallel import collectives as C
+from ..parallel.trace import trace_range
 
 
 @dataclass
@@ -110,7 +111,8 @@ def train_step(
         (masked * scale).backward()
         loss_sum += masked.detach().double()
     if refresh:
-        geo.refresh(step)
+        with trace_range("transform"):  # statistics reduce, eigendecomposition, new transforms
+            geo.refresh(step)
     grad_sync.finish()
     if geo is not None:
         geo.end_profiled_step()

@@ -236,10 +236,10 @@ def check_inputs(cfg: Config, devices: bool = True) -> None:
 
     First :func:`reject_inert_keys` (a key that the other settings give no effect). Files: every prefix of
     ``data.train_prefix`` / ``train_blend`` / ``valid_prefix`` / ``valid_blend`` (``.bin`` and ``.idx``) and
-    ``data.tokenizer_model`` with ``data.source=indexed``, ``checkpoint.load`` (a folder). Devices (``devices=True``; the Slurm pre-flight check on a login node leaves
-    them out): ``train.device=cuda`` or ``parallel.backend=nccl`` without CUDA, and
-    ``train.device=auto`` on a process the launcher gave GPUs that CUDA cannot use (which would fall back to
-    the CPU).
+    ``data.tokenizer_model`` with ``data.source=indexed``, ``checkpoint.load`` (a folder). Devices
+    (``devices=True``; the Slurm pre-flight check on a login node leaves them out): ``train.device=cuda`` or
+    ``parallel.backend=nccl`` without CUDA, and ``train.device=auto`` on a process the launcher gave GPUs that CUDA
+    cannot use (which would fall back to the CPU).
 
     Raises:
         ConfigError: naming the key, the value and the fix.
@@ -405,6 +405,14 @@ def _inert_rules(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
                 ("parallel.overlap_param_gather",),
                 "parallel.distributed_optimizer=false (nothing is gathered)",
                 "set parallel.distributed_optimizer=true",
+            )
+        )
+    if not cfg.profiling.steps.strip():
+        rules.append(
+            (
+                ("profiling.memory_snapshot",),
+                "profiling.steps empty (no profiling window)",
+                "set profiling.steps=START:END",
             )
         )
     if t.nonfinite == "stop":
