@@ -72,6 +72,7 @@ LOGGED_KEYS = (
     "optimizer.clip_grad",
     "optimizer.muon_momentum",
     "optimizer.muon_adjust_lr_fn",
+    "optimizer.muon_ns",
 )
 _PATH_KEYS = ("data.train_prefix",)
 

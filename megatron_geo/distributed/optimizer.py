@@ -121,6 +121,7 @@ class DistributedOptimizer:
                     [{"params": muon, "base_lr": c.lr}],
                     on_cuda=self.pctx.device.type == "cuda",
                     ns_dtype=c.muon_ns_dtype,
+                    ns=c.muon_ns,
                     lr=c.lr,
                     weight_decay=c.weight_decay,
                     momentum=c.muon_momentum,

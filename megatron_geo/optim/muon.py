@@ -11,6 +11,11 @@ momentum ``B <- m B + (1 - m) G``, Nesterov ``U = (1 - m) G + m B``, ``O = NS5(U
 Newton-Schulz, coefficients (3.4445, -4.7750, 2.0315), 5 steps, after scaling U to unit Frobenius
 norm), decoupled weight decay ``W <- W (1 - lr wd)``, ``W <- W - lr' O`` with lr' from ``adjust_lr_fn``
 (``match_rms_adamw``: ``0.2 sqrt(max(A, B)) lr``, Liu et al. 2025, "Muon is scalable for LLM training").
+
+``NS5`` is computed one of two ways, chosen by ``optimizer.muon_ns``: ``quintic`` (:func:`newton_schulz5`,
+torch's own iteration, the default) or ``gram`` (:func:`gram_newton_schulz`, the same polynomial carried on
+the small Gram matrix; Zhang, Amsel, Chen, Dao 2026, "Gram Newton-Schulz"). With ``gram``, :class:`MuonNS`
+is used on CUDA too (BF16 there, unless ``ns_dtype`` says otherwise).
 """
 
 from __future__ import annotations
@@ -41,6 +46,108 @@ def newton_schulz5(
     return x.T if tall else x
 
 
+NS_CHOICES = ("quintic", "gram")
+
+
+def gram_restarts(steps: int) -> tuple[int, ...]:
+    """The iterations (0-based) before which :func:`gram_newton_schulz` rebuilds its Gram matrix from ``X``.
+
+    ``2, 5, 8, ...`` below ``steps``: for Muon's 5 steps one restart, before the third iteration, as the
+    published method recommends (Zhang, Amsel, Chen, Dao 2026, "Gram Newton-Schulz",
+    dao-ailab.github.io/blog/2026/gram-newton-schulz; its code restarts after the 2nd of 5 iterations); longer
+    runs get one more every 3 iterations, so the Gram matrix is never carried through more than 3 polynomials.
+    """
+    return tuple(range(2, steps, 3))
+
+
+def gram_newton_schulz(
+    u: torch.Tensor,
+    coeffs: tuple[float, float, float],
+    steps: int,
+    eps: float,
+    dtype: torch.dtype,
+    restarts: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """:func:`newton_schulz5`'s result, computed by iterating on the small Gram matrix ("Gram Newton-Schulz").
+
+    Args:
+        u: a 2-D float tensor ``[A, B]`` (any float dtype, any device).
+        coeffs: the quintic's ``(a, b, c)`` (torch.optim.Muon: ``(3.4445, -4.7750, 2.0315)``).
+        steps: number of polynomial applications (torch.optim.Muon: 5).
+        eps: lower bound of the Frobenius norm ``u`` is divided by.
+        dtype: the precision of the iteration (FP32, BF16, FP16 or FP64).
+        restarts: iterations (0-based) before which the Gram matrix is rebuilt; default :func:`gram_restarts`.
+
+    Returns:
+        A tensor of ``u``'s shape in ``dtype``.
+
+    Derivation (Zhang, Amsel, Chen, Dao 2026, "Gram Newton-Schulz: a fast, hardware-aware Newton-Schulz
+    algorithm for Muon", dao-ailab.github.io/blog/2026/gram-newton-schulz; github.com/Dao-AILab/gram-newton-schulz).
+    Work on the wide orientation ``X_0`` ``[m, n]``, ``m <= n`` (``u`` transposed when tall), scaled to unit
+    Frobenius norm. One quintic step is ``X_{t+1} = P_t X_t`` with ``P_t = a I + b R_t + c R_t^2`` and
+    ``R_t = X_t X_t^T`` ``[m, m]``. Every ``P_t`` is a polynomial in ``R_t``, so it is symmetric and commutes
+    with ``R_t``. Hence
+
+    - ``X_t = Q_t X_0`` with ``Q_0 = I`` and ``Q_{t+1} = P_t Q_t`` (all ``Q_t`` are polynomials in ``R_0``);
+    - ``R_{t+1} = P_t X_t X_t^T P_t^T = P_t R_t P_t``; with ``Z_t = b R_t + c R_t^2`` and
+      ``S = a R_t + R_t Z_t``: ``R_{t+1} = a S + Z_t S``.
+
+    So in exact arithmetic ``Q_T X_0`` equals the quintic's ``X_T``, while ``X`` (the large ``[m, n]`` matrix)
+    is touched only by ``R_0 = X_0 X_0^T`` and the final ``Q_T X_0``: ``2 m^2 n`` multiply-adds instead of
+    the quintic's ``2 m^2 n`` per step; the ``[m, m]`` products cost at most ``4 m^3`` per step.
+
+    Precautions of the published method, done here too: (1) the Frobenius normalisation is computed in FP32 (or
+    FP64 when ``dtype`` is FP64) before the cast to ``dtype``, so a large finite gradient cannot overflow a half
+    type; (2) restarts: rounding makes the carried ``R_t`` drift from the true ``X_t X_t^T`` (spurious negative
+    eigenvalues, which the polynomial amplifies, and eigenvector drift between ``R`` and ``Q``), so before the
+    iterations in ``restarts`` ``X <- Q X``, ``R <- X X^T``, ``Q <- I`` are recomputed (one restart for 5 steps:
+    two more ``m^2 n`` products). The published code iterates in FP16 on GPUs; here the precision is
+    ``dtype`` (BF16 on CUDA by default, as torch.optim.Muon). The published code uses the Gram form only for
+    rectangular matrices (:class:`MuonNS` does the same); this function applies it to any shape.
+    """
+    a, b, c = coeffs
+    wide_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    x = u.to(wide_dtype)
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = (x / x.norm().clamp(min=eps)).to(dtype)
+    restart_at = set(gram_restarts(steps) if restarts is None else restarts)
+    eye = torch.eye(x.shape[0], dtype=dtype, device=x.device)
+    gram = x @ x.T
+    q: torch.Tensor | None = None  # None: the identity (after the start or a restart)
+    for t in range(steps):
+        if t > 0 and t in restart_at:
+            assert q is not None
+            x = q @ x
+            gram = x @ x.T
+            q = None
+        z = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b R + c R^2
+        q = z + a * eye if q is None else torch.addmm(q, z, q, beta=a)  # P Q = a Q + Z Q
+        if t + 1 < steps and (t + 1) not in restart_at:
+            s = torch.addmm(gram, gram, z, beta=a)  # a R + R Z
+            gram = torch.addmm(s, z, s, beta=a)  # a S + Z S = P R P
+    out = x if q is None else q @ x
+    return out.T if tall else out
+
+
+def orthogonalize(
+    u: torch.Tensor, ns: str, coeffs: tuple[float, float, float], steps: int, eps: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """``NS5(u)`` by ``ns``: ``quintic`` (:func:`newton_schulz5`) or ``gram`` (:func:`gram_newton_schulz` for a
+    rectangular ``u``, the quintic for a square one, where the Gram form saves nothing, as the published method
+    does). Returns ``u``'s shape in ``dtype``.
+
+    Raises:
+        ValueError: ``ns`` is not one of :data:`NS_CHOICES`.
+    """
+    if ns == "gram" and u.shape[0] != u.shape[1]:
+        return gram_newton_schulz(u, coeffs, steps, eps, dtype)
+    if ns not in NS_CHOICES:
+        raise ValueError(f"optimizer.muon_ns={ns!r} is not one of {NS_CHOICES}; set optimizer.muon_ns=quintic or gram")
+    return newton_schulz5(u, coeffs, steps, eps, dtype)
+
+
 def adjusted_lr(lr: float, fn: str | None, shape: torch.Size) -> float:
     """Muon's per-matrix learning rate for a ``[A, B]`` weight (``original`` / ``match_rms_adamw``)."""
     rows, cols = shape[0], shape[1]
@@ -52,11 +159,21 @@ def adjusted_lr(lr: float, fn: str | None, shape: torch.Size) -> float:
 
 
 class MuonNS(torch.optim.Muon):
-    """``torch.optim.Muon`` (same constructor, defaults, state names) with Newton-Schulz in ``ns_dtype``."""
+    """``torch.optim.Muon`` (same constructor, defaults, state names: ``momentum_buffer`` only) with
+    Newton-Schulz in ``ns_dtype``, computed by ``ns`` (``quintic`` or ``gram``, see :func:`orthogonalize`).
 
-    def __init__(self, params, ns_dtype: torch.dtype = torch.float32, **kwargs):
+    Raises:
+        ValueError: ``ns`` is not one of :data:`NS_CHOICES`.
+    """
+
+    def __init__(self, params, ns_dtype: torch.dtype = torch.float32, ns: str = "quintic", **kwargs):
+        if ns not in NS_CHOICES:
+            raise ValueError(
+                f"optimizer.muon_ns={ns!r} is not one of {NS_CHOICES}; set optimizer.muon_ns=quintic or gram"
+            )
         super().__init__(params, **kwargs)
         self.ns_dtype = ns_dtype
+        self.ns = ns
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -77,14 +194,34 @@ class MuonNS(torch.optim.Muon):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - m)
                 upd = p.grad.lerp(buf, m) if group["nesterov"] else buf
-                ortho = newton_schulz5(upd, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+                ortho = orthogonalize(
+                    upd, self.ns, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype
+                )
                 p.mul_(1 - lr * wd)
                 p.add_(ortho.to(p.dtype), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
         return loss
 
 
-def build_muon(params, on_cuda: bool, ns_dtype: str = "auto", **kwargs) -> torch.optim.Optimizer:
-    """torch's Muon on CUDA (or ``ns_dtype=bf16``); :class:`MuonNS` with FP32 Newton-Schulz otherwise."""
-    if ns_dtype == "bf16" or (ns_dtype == "auto" and on_cuda):
+def build_muon(params, on_cuda: bool, ns_dtype: str = "auto", ns: str = "quintic", **kwargs) -> torch.optim.Optimizer:
+    """The Muon optimizer for ``optimizer.muon_ns_dtype`` / ``optimizer.muon_ns``.
+
+    ``ns=quintic``: torch's ``Muon`` on CUDA (or ``ns_dtype=bf16``), :class:`MuonNS` with FP32 Newton-Schulz
+    otherwise (unchanged behaviour). ``ns=gram``: :class:`MuonNS` with Gram Newton-Schulz everywhere, in BF16
+    where torch's Muon would run (CUDA with ``auto``, or ``bf16``) and FP32 otherwise. ``kwargs`` go to
+    torch.optim.Muon's constructor.
+
+    Raises:
+        ValueError: ``ns`` or ``ns_dtype`` is not a known choice.
+    """
+    if ns_dtype not in ("auto", "bf16", "fp32"):
+        raise ValueError(
+            f"optimizer.muon_ns_dtype={ns_dtype!r} is not one of ('auto', 'bf16', 'fp32'); set one of them"
+        )
+    bf16 = ns_dtype == "bf16" or (ns_dtype == "auto" and on_cuda)
+    if ns == "gram":
+        return MuonNS(params, ns_dtype=torch.bfloat16 if bf16 else torch.float32, ns="gram", **kwargs)
+    if ns != "quintic":
+        raise ValueError(f"optimizer.muon_ns={ns!r} is not one of {NS_CHOICES}; set optimizer.muon_ns=quintic or gram")
+    if bf16:
         return torch.optim.Muon(params, **kwargs)
     return MuonNS(params, ns_dtype=torch.float32, **kwargs)

@@ -15,6 +15,7 @@ from ..config.schema import Config
 _CHOICES = {
     ("optimizer", "name"): ("adamw", "muon"),
     ("optimizer", "muon_ns_dtype"): ("auto", "bf16", "fp32"),
+    ("optimizer", "muon_ns"): ("quintic", "gram"),
     ("optimizer", "muon_adjust_lr_fn"): ("match_rms_adamw", "original"),
     ("train", "lr_decay_style"): ("cosine", "linear", "constant"),
     ("train", "device"): ("auto", "cpu", "cuda"),
@@ -393,6 +394,7 @@ def _inert_rules(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
                     "optimizer.muon_momentum",
                     "optimizer.muon_adjust_lr_fn",
                     "optimizer.muon_ns_dtype",
+                    "optimizer.muon_ns",
                     "optimizer.adamw_lr",
                 ),
                 "optimizer.name=adamw",
