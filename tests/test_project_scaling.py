@@ -295,8 +295,8 @@ def test_log2_tree_depth_is_a_ceiling():
 
 def test_two_gpus_the_bf16_decode_can_cost_more_than_it_saves():
     """The ordering's boundary, by hand: at 2 GPUs a ring moves half the buffer, and with 80% of it hidden the
-    BF16 bytes saved (0.2 x 2 x 0.5 x (4e9 - 2e9) / 100e9 s of exposed ring time) are fewer than the extra codec passes cost on an
-    H100 ((16 + 6 x 1.5 - 10) bytes x 1e9 / 3.35e12 B/s)."""
+    BF16 bytes saved (0.2 x 2 x 0.5 x (4e9 - 2e9) / 100e9 s of exposed ring time) are fewer than the extra codec
+    passes cost on an H100 ((16 + 6 x 1.5 - 10) bytes x 1e9 / 3.35e12 B/s)."""
     c = replace(C, net_gbs=100.0, overlap=0.8, mem_gbs=3350.0, mfu=0.01)  # long compute: the window never caps
     saved = 0.2 * 2 * 0.5 * (4e9 - 2e9) / 100e9  # the latency terms are the same for both
     extra = (16 + 6 * 1.5 - 10) * 1e9 / 3.35e12
