@@ -52,3 +52,19 @@ def test_muon_ns_fp32_matches_fp64_muon_and_torch_muon():
     assert (ours.double() - ref64).norm() / upd < 1e-4  # FP32 Newton-Schulz: FP32-accurate
     assert (torch_w.double() - ref64).norm() / upd < 0.05  # torch's BF16 Newton-Schulz: a few percent
     assert torch.equal(opt_a.state[ours]["momentum_buffer"], opt_b.state[torch_w]["momentum_buffer"])
+
+
+def test_gram_muon_ns_fp32_matches_fp64_muon():
+    """``ns="gram"`` (Gram Newton-Schulz) follows the same FP64 Muon trajectory, on a wide and a tall matrix."""
+    g = torch.Generator().manual_seed(2)
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    for shape in ((32, 48), (48, 32)):
+        w0 = torch.randn(*shape, generator=g)
+        grads = [torch.randn(*shape, generator=g) for _ in range(3)]
+        ref64 = _muon_fp64(w0, grads)
+        w = w0.clone()
+        opt = MuonNS([w], ns="gram", **kw)
+        for gr in grads:
+            w.grad = gr.clone()
+            opt.step()
+        assert (w.double() - ref64).norm() / (ref64 - w0.double()).norm() < 1e-4, shape

@@ -111,7 +111,7 @@ def gram_newton_schulz(
     tall = x.shape[0] > x.shape[1]
     if tall:
         x = x.T
-    x = (x / x.norm().clamp(min=eps)).to(dtype)
+    x = (x / x.norm().clamp(min=eps)).to(dtype).contiguous()  # row-major: X X^T and Q X read it as rows
     restart_at = set(gram_restarts(steps) if restarts is None else restarts)
     eye = torch.eye(x.shape[0], dtype=dtype, device=x.device)
     gram = x @ x.T
