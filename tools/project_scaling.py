@@ -13,7 +13,10 @@ Model (docs/design.md section 6), TP = 1, data parallel over all n GPUs, per ste
   (``tools/plan_report.py``; 1.0 without padding or imbalance), b = bytes per element (FP32 4, BF16 2, FP8 1 + 4
   bytes per parameter tensor scale, NVFP4 0.5 + 1/16 + 4 per 1024-element chunk), B = per-GPU network bandwidth
   (``--net-gbs``; NVLink ``--intra-gbs`` when n <= GPUs per node). The NCCL FP8 sum row uses NCCL's algorithm
-  instead: ring up to 8 ranks, tree above (see :func:`nccl_fp8_allreduce_time`);
+  instead: ring up to 8 ranks, tree above (see :func:`nccl_fp8_allreduce_time`). ``--gather params`` models the
+  trainer's distributed optimizer instead: the reduce-scatter in the wire format (NCCL FP8 sum: ring, PAT above 8
+  ranks), then the parameters all-gathered at ``--param-bytes`` (the configs' ``model.param_dtype`` fp32: 4) for
+  every mode, with no gather-stage codec;
 - exposed communication = T_comm - min(overlap * T_comm, window * T_c), ``--overlap`` the fraction of the
   collective that can hide behind compute, window = 2/3 (the backward pass, where bucket reductions start);
 - codec, not hidden: the reduce stage's bytes read + written per element, as traced by ``benchmarks/codec.py``
@@ -145,6 +148,15 @@ def nccl_fp8_allreduce_time(n: int, nbytes: float, bw: float, alpha: float) -> f
     return 2.0 * (math.ceil(math.log2(n)) * alpha + nbytes / bw)
 
 
+def nccl_fp8_reduce_scatter_time(n: int, nbytes: float, bw: float, alpha: float) -> float:
+    """The NCCL FP8 sum reduce-scatter of ``nbytes`` per rank in seconds: the ring (:func:`ring_phase_time`) up to
+    8 ranks; PAT above (NCCL >= 2.23, one GPU per node), ceil(log2 n) alpha + (n-1)/n * nbytes / bw, about log2 n
+    FP8 roundings."""
+    if nccl_fp8_algorithm(n) == "ring":
+        return ring_phase_time(n, nbytes, bw, alpha)
+    return math.ceil(math.log2(n)) * alpha + (n - 1) / n * nbytes / bw
+
+
 def bytes_per_element(mode: str, numel: int, n_tensors: int) -> float:
     """Wire bytes per gradient element of ``mode`` including its scales (FP32 4, BF16 2, FP8 1 + 4 bytes per
     tensor, NVFP4 0.5 + 1/16 + 4/1024).
@@ -194,6 +206,10 @@ class Cluster:
     overlap: float = 0.4  # fraction of the collective hidden behind compute
     window: float = 2.0 / 3.0  # share of T_c during which reductions can overlap (backward)
     mem_gbs: float = DEVICES["gh200"]["mem_gbs"]  # device memory bandwidth, GB/s (bytes read + written)
+    # wire: the gradient all-reduced, both stages in the wire format (the paper's setting); params: the trainer's
+    # distributed optimizer, gradient reduce-scatter in the wire format, then a parameter all-gather
+    gather: str = "wire"
+    param_bytes: float = 4.0  # bytes per gathered parameter with gather="params" (model.param_dtype; fp32 4)
 
 
 @dataclass
@@ -400,10 +416,11 @@ _META: dict[str, list] = {}
 
 
 @functools.cache
-def wire_ratio(config_path: str, n: int, all_to_all: bool) -> float:
-    """Wire bytes per rank per step of the plan's reduce + gather over those of an even, unpadded ring
-    reduce-scatter + all-gather of the same parameters (``tools/plan_report.py``; 1.0 = no padding and balanced).
-    ``all_to_all``: the low-precision path (receives ``(n - 1) x own``), else the FP32 per-owner reduce."""
+def wire_ratios(config_path: str, n: int, all_to_all: bool) -> tuple[float, float]:
+    """(reduce, gather): wire bytes per rank of the plan's gradient reduction and of its parameter gather over
+    those of an even, unpadded ring reduce-scatter / all-gather of the same parameters (``tools/plan_report.py``;
+    1.0 = no padding and balanced). ``all_to_all``: the low-precision path (receives ``(n - 1) x own``), else the
+    FP32 per-owner reduce."""
     from megatron_geo.analysis.plan_report import meta_model_params, plan_figures
 
     cfg = load_config([config_path], [] if not all_to_all else ["comm.dtype=bf16"])
@@ -412,6 +429,12 @@ def wire_ratio(config_path: str, n: int, all_to_all: bool) -> float:
     f = plan_figures(cfg, n, _META[config_path])
     red = f["wire_bytes_per_rank"] / f["even_reduce_scatter_bytes"]
     gat = f["gather_bytes_per_rank"] / f["even_all_gather_bytes"] if f["even_all_gather_bytes"] else red
+    return red, gat
+
+
+def wire_ratio(config_path: str, n: int, all_to_all: bool) -> float:
+    """The mean of :func:`wire_ratios` (both stages in the wire format: the all-reduce layout)."""
+    red, gat = wire_ratios(config_path, n, all_to_all)
     return 0.5 * (red + gat)
 
 
@@ -460,11 +483,14 @@ def codec_time(mode: str, n: int, m: Model, c: Cluster, costs: Costs) -> float:
         red = _reduce_stage_s(TRAFFIC_PRESET[mode], numel, c, costs)
         if mode == "geonvfp4":
             red += _reduce_stage_s("fp8_ef", numel, c, costs) - _reduce_stage_s("fp8", numel, c, costs)
+    if c.gather == "params":  # the parameter copy and gather are the same for every mode: not a codec cost
+        return red
     return red + gather_stage_bytes(mode, n, b) * numel / bw
 
 
 def step_breakdown(mode: str, n: int, m: Model, c: Cluster, costs: Costs) -> dict[str, float]:
-    """Seconds per step: ``compute``, ``comm`` (full collective), ``exposed``, ``codec``, ``step``.
+    """Seconds per step: ``compute``, ``comm`` (full collective), ``exposed``, ``codec``, ``step``; and
+    ``carried``: bytes per gradient element the rank's collectives carry, both stages, the plan's ratios included.
 
     Raises:
         ProjectionError: an unknown mode or ``n < 1``.
@@ -472,11 +498,28 @@ def step_breakdown(mode: str, n: int, m: Model, c: Cluster, costs: Costs) -> dic
     tc = m.flops_per_token * m.tokens_per_step / (n * c.peak_tflops * 1e12 * c.mfu)
     bw = (c.intra_gbs if n <= c.gpus_per_node else c.net_gbs) * 1e9
     b = bytes_per_element(mode, m.params, m.n_tensors)
-    if mode == "nccl_fp8_sum":  # NCCL over one flat buffer: no shard plan
-        comm = nccl_fp8_allreduce_time(n, m.params * b, bw, c.alpha_us * 1e-6) if n > 1 else 0.0
+    alpha = c.alpha_us * 1e-6
+    # the shard plan's (reduce, gather) ratios; NCCL's FP8 sum runs over one flat buffer (no shard plan)
+    planned = bool(m.config_path) and n > 1 and mode != "nccl_fp8_sum"
+    red_r, gat_r = wire_ratios(m.config_path, n, mode != "fp32") if planned else (1.0, 1.0)
+    if c.gather == "params":  # reduce-scatter in the wire format, then the parameter all-gather
+        carried = b * red_r + c.param_bytes * gat_r
+        if n == 1:
+            comm = 0.0
+        else:
+            rs = (nccl_fp8_reduce_scatter_time if mode == "nccl_fp8_sum" else ring_phase_time)(
+                n, m.params * b * red_r, bw, alpha
+            )
+            comm = rs + ring_phase_time(n, m.params * c.param_bytes * gat_r, bw, alpha)
     else:
-        ratio = wire_ratio(m.config_path, n, mode != "fp32") if m.config_path and n > 1 else 1.0
-        comm = allreduce_time(n, m.params * b * ratio, bw, c.alpha_us * 1e-6)
+        ratio = 0.5 * (red_r + gat_r)
+        carried = 2 * b * ratio
+        if n == 1:
+            comm = 0.0
+        elif mode == "nccl_fp8_sum":
+            comm = nccl_fp8_allreduce_time(n, m.params * b, bw, alpha)
+        else:
+            comm = allreduce_time(n, m.params * b * ratio, bw, alpha)
     exposed = comm - min(c.overlap * comm, c.window * tc)
     codec = codec_time(mode, n, m, c, costs)
     step = tc + exposed + codec
@@ -487,7 +530,7 @@ def step_breakdown(mode: str, n: int, m: Model, c: Cluster, costs: Costs) -> dic
             step += m.geo_layers * per_layer
         else:
             step *= 1.0 + costs.geo_overhead
-    return {"compute": tc, "comm": comm, "exposed": exposed, "codec": codec, "step": step}
+    return {"compute": tc, "comm": comm, "exposed": exposed, "codec": codec, "step": step, "carried": carried}
 
 
 def reduction(mode: str, ref: str, n: int, m: Model, c: Cluster, costs: Costs) -> float:
@@ -505,17 +548,18 @@ ORDERED_CHAINS = (("fp32", "bf16", "fp8", "nvfp4"), ("fp32", "bf16", "nccl_fp8_s
 
 
 def ordering_violations(n: int, m: Model, c: Cluster, costs: Costs, chains=ORDERED_CHAINS) -> list[str]:
-    """Pairs within each chain of ``chains`` where the mode with fewer wire bytes per element projects slower
-    (empty = none). The chains keep like with like: our reducer's formats share one path (all-to-all, FP32 sum);
-    the NCCL FP8 sum runs another collective and is compared with the other baselines."""
+    """Pairs within each chain of ``chains`` where the mode whose collectives carry fewer bytes per element
+    (``carried`` of :func:`step_breakdown`: the wire format times the shard plan's ratios) projects slower (empty =
+    none). The chains keep like with like: our reducer's formats share one path (all-to-all, FP32 sum); the NCCL
+    FP8 sum runs another collective and is compared with the other baselines."""
     bad = []
     for modes in chains:
-        t = {x: step_breakdown(x, n, m, c, costs)["step"] for x in modes}
-        b = {x: bytes_per_element(x, m.params, m.n_tensors) for x in modes}
+        s = {x: step_breakdown(x, n, m, c, costs) for x in modes}
         for lo in modes:
             for hi in modes:
-                if b[lo] < b[hi] and t[lo] > t[hi] * (1 + 1e-12):
-                    bad.append(f"{lo} ({b[lo]:.3f} B) {t[lo] * 1e3:.2f} ms > {hi} ({b[hi]:.3f} B) {t[hi] * 1e3:.2f} ms")
+                b_lo, b_hi, t_lo, t_hi = s[lo]["carried"], s[hi]["carried"], s[lo]["step"], s[hi]["step"]
+                if b_lo < b_hi and t_lo > t_hi * (1 + 1e-12):
+                    bad.append(f"{lo} ({b_lo:.3f} B) {t_lo * 1e3:.2f} ms > {hi} ({b_hi:.3f} B) {t_hi * 1e3:.2f} ms")
     return bad
 
 
@@ -629,6 +673,15 @@ def main(argv: list[str] | None = None) -> int:
         help="benchmarks/codec.py --json OUT: its traced bytes per element (default: the committed run)",
     )
     ap.add_argument("--geo-output", default=str(ROOT / "docs" / "bench" / "geo_overhead_cpu.txt"))
+    ap.add_argument(
+        "--gather",
+        choices=["wire", "params"],
+        default="wire",
+        help="wire: the gradient all-reduced in the wire format (the paper's setting, default); params: the "
+        "trainer's distributed optimizer (gradient reduce-scatter, then the parameters gathered in "
+        "--param-bytes)",
+    )
+    ap.add_argument("--param-bytes", type=float, default=4.0, help="bytes per gathered parameter (fp32 4, bf16 2)")
     ap.add_argument("--geo-overhead", type=float, default=None, help="GeoFP8 added step fraction (overrides)")
     ap.add_argument("--run-benchmarks", action="store_true", help="measure codec traffic and geo overhead now")
     ap.add_argument(
@@ -647,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
         bad.append(f"--overlap {a.overlap} must be in [0, 1] (the fraction of the collective hidden)")
     if a.plot and not Path(a.plot).resolve().parent.is_dir():
         bad.append(f"--plot {a.plot}: folder {Path(a.plot).parent} does not exist; create it or choose another path")
-    for name in ("net_gbs", "intra_gbs", "peak_tflops", "mem_gbs"):
+    for name in ("net_gbs", "intra_gbs", "peak_tflops", "mem_gbs", "param_bytes"):
         v = getattr(a, name)
         if v is not None and v <= 0:
             bad.append(f"--{name.replace('_', '-')} {v} must be > 0")
@@ -684,7 +737,18 @@ def main(argv: list[str] | None = None) -> int:
     except ProjectionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    c = Cluster(a.gpus_per_node, a.net_gbs, a.intra_gbs, a.alpha_us, peak, a.mfu, a.overlap, mem_gbs=mem)
+    c = Cluster(
+        a.gpus_per_node,
+        a.net_gbs,
+        a.intra_gbs,
+        a.alpha_us,
+        peak,
+        a.mfu,
+        a.overlap,
+        mem_gbs=mem,
+        gather=a.gather,
+        param_bytes=a.param_bytes,
+    )
 
     print("inputs (value | measured or assumed, and the source):")
     for m in list({m.name: m for m in models + [paper_model]}.values()):
@@ -710,6 +774,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  MFU {c.mfu:.3f} | {mfu_src}")
     print(f"  overlap {c.overlap:.2f} of the collective hidden, at most 2/3 of compute | assumption (--overlap)")
     print(f"  device memory bandwidth {c.mem_gbs:.0f} GB/s | {mem_src}")
+    if c.gather == "params":
+        print(
+            f"  collective: gradient reduce-scatter in the wire format, then the parameters all-gathered at "
+            f"{c.param_bytes:g} B/element (the trainer's distributed optimizer; --gather params) | assumption"
+        )
+    else:
+        print(
+            "  collective: gradient all-reduce, both stages in the wire format (the paper's setting; the trainer's "
+            "distributed optimizer gathers parameters instead: --gather params) | assumption"
+        )
     print(
         "  datasheet bandwidths: "
         + ", ".join(f"{k} {v['name']} {v['mem_gbs'] / 1e3:g} TB/s" for k, v in DEVICES.items())
@@ -729,11 +803,12 @@ def main(argv: list[str] | None = None) -> int:
             if mode == "geonvfp4":
                 red += " + error feedback's share (fp8_ef - fp8)"
         b = bytes_per_element(mode, models[-1].params, models[-1].n_tensors)
-        g = gather_stage_bytes(mode, 64, b)
-        print(
-            f"  {mode}: wire {b:.4f} B/element ({models[-1].name}); codec reduce stage {red}; gather stage "
-            f"{g:.2f} B/element at 64 GPUs (formula (b + 4)(1 + 1/n))"
+        gat = (
+            "none (parameters gathered)"
+            if c.gather == "params"
+            else f"{gather_stage_bytes(mode, 64, b):.2f} B/element at 64 GPUs (formula (b + 4)(1 + 1/n))"
         )
+        print(f"  {mode}: wire {b:.4f} B/element ({models[-1].name}); codec reduce stage {red}; gather stage {gat}")
     if costs.gpu_s_per_element:
         missing = [p for p in NEEDED_PRESETS if p not in costs.gpu_s_per_element]
         if missing:
@@ -799,8 +874,9 @@ def main(argv: list[str] | None = None) -> int:
     grid = sensitivity(paper_model, n0, pc, costs)
     print(
         f"\nsensitivity at the paper's setting ({paper_model.name}, {n0} GPUs, 1 GPU/node, global batch "
-        f"{PAPER['global_batch']}, seq 2048, {pc.mem_gbs:.0f} GB/s memory); each cell: fp8 vs fp32 / geofp8 vs "
-        f"fp32 / geofp8 vs the strongest baseline (its name); * = the cell nearest to the paper's setting"
+        f"{PAPER['global_batch']}, seq 2048, {pc.mem_gbs:.0f} GB/s memory, collective --gather {pc.gather}); each "
+        f"cell: fp8 vs fp32 / geofp8 vs fp32 / geofp8 vs the strongest baseline (its name); * = the cell nearest to "
+        f"the paper's setting"
     )
     head = ["net GB/s", "MFU"] + [f"overlap {ov:g}" for ov in SENS_OVERLAP]
     body = []
@@ -837,10 +913,10 @@ def main(argv: list[str] | None = None) -> int:
         for v in x["violations"]
     ]
     print(
-        "ordering check (wire bytes fp32 > bf16 > fp8 > nvfp4 on our reducer's path, fp32 > bf16 > nccl_fp8_sum "
-        "among the baselines): "
+        "ordering check (bytes carried per element, plan ratios included, among fp32, bf16, fp8, nvfp4 on our "
+        "reducer's path and among fp32, bf16, nccl_fp8_sum): "
         + (
-            "no format with fewer bytes projects slower, in every row and cell above"
+            "no mode carrying fewer bytes projects slower, in every row and cell above"
             if not viol
             else f"{len(viol)} violations: " + "; ".join(viol[:5])
         )
