@@ -4,13 +4,16 @@
 For each config (default: configs/tiny.yaml and configs/llama_600m.yaml, both with ``optimizer.name=muon``) the
 Muon matrices are those the trainer gives Muon (2-D weights inside the blocks, shapes from the model built on the
 meta device). Each distinct shape is orthogonalised in FP32 (5 quintic steps, torch.optim.Muon's coefficients)
-by both forms, alternating quintic and Gram in every repeat so machine noise hits both alike; the median is used.
+by both forms, alternating quintic and Gram in every repeat so machine noise hits both alike. The table uses the
+fastest repeat (load on the shared machine only adds time; the medians are in the JSON too). A square matrix runs
+the quintic under both settings (``MuonNS`` uses the Gram form on rectangular matrices only), so its repeats of
+both are pooled into one figure, marked ``=``.
 Per step = the sum over the model's Muon matrices. One intra-op thread by default (``--threads``): on the
 shared 2-core machine two OpenMP threads spin against each other and a 128x384 orthogonalisation took 100x
 longer. For a config with more than ``--max-layers-timed`` layers only layer 0 is timed and the sum is
 multiplied by ``num_layers`` (every layer has the same shapes); the output says so.
 
-The Newton-Schulz share of a step is measured for the tiny config: median time of a whole CPU training step
+The Newton-Schulz share of a step is measured for the tiny config: fastest of whole CPU training steps
 (DP = 1, one process, synthetic batches, :func:`megatron_geo.training.step.train_step`) with each form. Multiply-add
 counts per matrix are analytic (wide orientation ``m <= n``; quintic ``5 (2 m^2 n + m^3)``; Gram with its one
 restart ``4 m^2 n + 14 m^3``; square matrices use the quintic in both, as ``MuonNS`` does).
@@ -60,7 +63,8 @@ def macs(shape: tuple[int, int], ns: str) -> int:
 
 
 def time_shapes(shapes: list[tuple[int, int]], repeats: int, seed: int = 0) -> dict[tuple[int, int], dict]:
-    """Median seconds of each distinct shape's orthogonalisation, quintic and Gram alternating per repeat."""
+    """Seconds of each distinct shape's orthogonalisation, quintic and Gram alternating per repeat:
+    ``{shape: {"quintic": min, "gram": min, "median": {"quintic": ..., "gram": ...}}}`` (square: pooled)."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for shape in sorted(set(shapes)):
@@ -74,12 +78,15 @@ def time_shapes(shapes: list[tuple[int, int]], repeats: int, seed: int = 0) -> d
                 t0 = time.perf_counter()
                 orthogonalize(u, ns, COEFFS, STEPS, EPS, torch.float32)
                 t[ns].append(time.perf_counter() - t0)
-        out[shape] = {ns: statistics.median(v) for ns, v in t.items()}
+        if shape[0] == shape[1]:  # the same computation under both settings
+            t = {ns: t["quintic"] + t["gram"] for ns in t}
+        out[shape] = {ns: min(v) for ns, v in t.items()}
+        out[shape]["median"] = {ns: statistics.median(v) for ns, v in t.items()}
     return out
 
 
 def step_times(config: str, repeats: int) -> dict[str, float]:
-    """Median seconds of one whole CPU training step (DP = 1) of ``config`` under Muon, per ``muon_ns``."""
+    """Fastest of ``repeats`` whole CPU training steps (DP = 1) of ``config`` under Muon, seconds, per ``muon_ns``."""
     from megatron_geo.parallel import build_groups
     from megatron_geo.training.setup import build_model_and_optimizer
     from megatron_geo.training.step import train_step
@@ -101,7 +108,7 @@ def step_times(config: str, repeats: int) -> dict[str, float]:
                 times.append(time.perf_counter() - t0)
     for _, _, sync, _, _ in runs.values():
         sync.remove_hooks()
-    return {ns: statistics.median(r[4]) for ns, r in runs.items()}
+    return {ns: min(r[4]) for ns, r in runs.items()}
 
 
 def bench_config(config: str, repeats: int, max_layers_timed: int) -> dict:
@@ -126,6 +133,9 @@ def bench_config(config: str, repeats: int, max_layers_timed: int) -> dict:
                 "shape": list(s),
                 "quintic_ms": 1e3 * timed[s]["quintic"],
                 "gram_ms": 1e3 * timed[s]["gram"],
+                "median_quintic_ms": 1e3 * timed[s]["median"]["quintic"],
+                "median_gram_ms": 1e3 * timed[s]["median"]["gram"],
+                "same_computation": s[0] == s[1],
                 "quintic_macs": macs(s, "quintic"),
                 "gram_macs": macs(s, "gram"),
             }
@@ -149,6 +159,12 @@ def main() -> None:
     )
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "bench", "newton_schulz_cpu.json"))
     args = ap.parse_args()
+    for key in ("repeats", "tiny_repeats", "step_repeats", "threads", "max_layers_timed"):
+        if getattr(args, key) < 1:
+            ap.error(f"--{key.replace('_', '-')}={getattr(args, key)} must be >= 1")
+    for c in args.configs:
+        if not os.path.isfile(c if os.path.isabs(c) else os.path.join(ROOT, c)):
+            ap.error(f"--configs: {c} is not a file (give a YAML config, relative to the repository or absolute)")
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     results = []
@@ -176,7 +192,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
-    print(f"Newton-Schulz on CPU, FP32, {STEPS} steps, {doc['threads']} threads (median of repeats)")
+    print(f"Newton-Schulz on CPU, FP32, {STEPS} steps, {doc['threads']} thread(s) (fastest repeat; = : same code)")
     head = f"{'config':<22} {'shape':>12} {'count':>5} {'quintic ms':>11} {'gram ms':>9} {'gram/q':>7} {'MAC g/q':>8}"
     print(head)
     for r in results:
@@ -191,9 +207,10 @@ def main() -> None:
             if key in seen:
                 continue
             seen.add(key)
+            ratio = "=" if s["same_computation"] else f"{s['gram_ms'] / s['quintic_ms']:.3f}"
             print(
                 f"{name:<22} {'x'.join(map(str, key)):>12} {counts[key]:>5} {s['quintic_ms']:>11.2f} "
-                f"{s['gram_ms']:>9.2f} {s['gram_ms'] / s['quintic_ms']:>7.3f} "
+                f"{s['gram_ms']:>9.2f} {ratio:>7} "
                 f"{s['gram_macs'] / s['quintic_macs']:>8.3f}"
             )
         q, g = r["ns_per_step_ms"]["quintic"], r["ns_per_step_ms"]["gram"]
