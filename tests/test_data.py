@@ -183,7 +183,7 @@ def test_gpt_errors(stream_ds):
     assert g.eod_missing == g.eod_checked == 30 and "30 of 30 checked documents" in "\n".join(g.describe())
     assert GPTDataset(ds, 8, seed=0, eod_id=2).eod_missing == 0
     # ... unless an option needs eod tokens, or the id is outside the vocabulary
-    with pytest.raises(ValueError, match="eod_mask_loss need end-of-document tokens.*none of the 30"):
+    with pytest.raises(ValueError, match="eod_mask_loss needs end-of-document tokens.*none of the 30"):
         GPTDataset(ds, 8, seed=0, eod_id=5, eod_mask_loss=True)
     with pytest.raises(ValueError, match="eod_id=300 outside the vocabulary"):
         GPTDataset(ds, 8, seed=0, eod_id=300, vocab_size=300)

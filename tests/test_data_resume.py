@@ -67,3 +67,31 @@ def test_training_files_rewritten_under_the_same_prefix_are_refused(tmp_path):
     assert len(notes) == 1 and "allowed" in notes[0]
     assert check_data_files(saved, now, _cfg(), "init")  # a new trajectory: only logged
     assert check_data_files(None, now, _cfg(), "resume") == []  # a checkpoint that recorded no files
+
+
+def test_negative_ids_are_refused_at_start_up_and_when_read(tmp_path):
+    """An MMIDIDX file records no vocabulary: ids below 0 or >= vocab are found by the start-up scan (one error line)
+    and by the per-sample check (a ConfigError, exit 2, not a traceback)."""
+    from megatron_geo.config import ConfigError as CE
+    from megatron_geo.data import GPTDataset, IndexedDataset
+    from megatron_geo.training.data_setup import _open
+
+    with IndexedDatasetBuilder(str(tmp_path / "neg"), vocab_size=100, dtype=np.dtype("<i4")) as b:
+        b.add_document(np.asarray([5, 6, 7, 0]))
+        b.add_document(np.asarray([8, 0]))
+    ix = IndexedDataset(str(tmp_path / "neg"))
+    raw = np.memmap(str(tmp_path / "neg.bin"), dtype="<i4", mode="r+")
+    raw[4] = -7  # first token of sequence 1
+    raw.flush()
+    del raw
+
+    class Tok:
+        vocab_size = 100
+
+    with pytest.raises(CE, match=r"holds token id -7 \(sequence 1\), outside the 100-id vocab"):
+        _open(str(tmp_path / "neg"), Tok(), "tok.model", "training")
+    ds = GPTDataset(IndexedDataset(str(tmp_path / "neg")), 2, 0, vocab_size=100, sample_order="stream")
+    with pytest.raises(CE, match="sequence 1 holds token id -7"):
+        for g in range(len(ds)):
+            ds.sample(g)
+    del ix

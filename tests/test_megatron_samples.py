@@ -227,7 +227,7 @@ def test_eod_note_counts_documents_not_sequences(tmp_path):
     assert any("1 of 3 checked documents do not end with eod_id=2" in line for line in g.describe())
     assert GPTDataset(ds, 2, 0, eod_id=EOD, eod_mask_loss=True).eod_missing == 1  # some end with eod: allowed
     none = _build(tmp_path / "n", [[5, 6, 7], [8, 9]])
-    with pytest.raises(ValueError, match="reset_attention_mask need end-of-document tokens.*none of the 2"):
+    with pytest.raises(ValueError, match="reset_attention_mask needs end-of-document tokens.*none of the 2"):
         GPTDataset(none, 2, 0, eod_id=EOD, reset_attention_mask=True)
 
 

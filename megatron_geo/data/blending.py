@@ -80,7 +80,10 @@ def parse_blend(text: str, key: str = "blend") -> list[tuple[float | None, str]]
                 f"before every prefix, or none, {example}."
             )
         if not math.isfinite(w) or w <= 0:
-            raise ValueError(f"weight {w_tok!r} must be a positive finite number; drop the prefix instead of a 0.")
+            raise ValueError(
+                f"weight {w_tok!r} must be a positive finite number (e.g. 0.3; weights are normalised to sum 1); "
+                f"to leave a dataset out, drop it and its weight."
+            )
         if _weight(p_tok) is not None:
             raise ValueError(
                 f"{p_tok!r} stands where a prefix belongs but is a number (two weights in a row?); {example}."

@@ -262,20 +262,24 @@ class GPTDataset(torch.utils.data.Dataset):
             )
         if options and checked - bad == 0:
             raise ValueError(
-                f"{', '.join(options)} need end-of-document tokens, but none of the {checked:,} checked documents "
+                f"{', '.join(options)} {'needs' if len(options) == 1 else 'need'} end-of-document tokens, but "
+                f"none of the {checked:,} checked documents "
                 f"of {self.prefix!r} ends with eod_id={eod}: rebuild the data with tools/preprocess_data.py "
                 f"--append-eod and the same tokenizer, or turn the option(s) off."
             )
 
     def _check_vocab(self, window: np.ndarray, where) -> None:
-        """Raise for an id >= vocab_size; ``where`` is the .bin position of window[0] (int) or of every token."""
+        """Raise ConfigError (a ValueError) for an id outside ``[0, vocab_size)``; ``where`` is the .bin position of
+        window[0] (int) or of every token."""
         vocab = self.vocab_size
         if vocab is None or not window.size or (int(window.max()) < vocab and int(window.min()) >= 0):
             return
         q = int(np.flatnonzero((window >= vocab) | (window < 0))[0])
         pos = where + q if isinstance(where, int) else int(where[q])
         seq = int(np.searchsorted(self.indexed.offsets, pos, side="right")) - 1
-        raise ValueError(
+        from ..config.errors import ConfigError  # bad input data: one error line (exit 2), not a traceback
+
+        raise ConfigError(
             f"{self.prefix!r}: sequence {seq} holds token id {int(window[q])}, outside the vocabulary "
             f"[0, {vocab}) (vocab_size={vocab}); the data was made with another tokenizer: rebuild it with "
             f"tools/preprocess_data.py and the model's tokenizer."

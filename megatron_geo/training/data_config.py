@@ -67,7 +67,8 @@ def data_files(cfg: Config) -> list[tuple[str, str]]:
         return []
     out = []
     for key, entries in (train_sources(d), valid_sources(d)):
-        out += [(key, prefix) for _, prefix in entries]
+        name = key if key.endswith("_prefix") else f"{key} entry"  # one prefix of a blend, not the whole value
+        out += [(name, prefix) for _, prefix in entries]
     return out
 
 
@@ -87,6 +88,13 @@ def validate_data_config(cfg: Config) -> None:
                 f"data.{what}_prefix={prefix!r} and data.{what}_blend={blend!r} both name the {what} documents; "
                 f"give one (a single prefix is a blend of one)"
             )
+    for key, entries in (train_sources(d), valid_sources(d)):
+        for _, prefix in entries:
+            if prefix.endswith((".bin", ".idx")):
+                raise ConfigError(
+                    f"{key} names {prefix!r}: give the prefix without its .bin/.idx suffix "
+                    f"({prefix[:-4]!r} for {prefix[:-4]}.bin and {prefix[:-4]}.idx)"
+                )
     train_key, train = train_sources(d)
     _, valid = valid_sources(d)
     split = split_weights(d.split)
@@ -100,7 +108,7 @@ def validate_data_config(cfg: Config) -> None:
             raise ConfigError(f"data.split={d.split!r} gives the training part no documents; e.g. data.split=969,30,1")
         if split[1] > 0 and valid:
             raise ConfigError(
-                f"data.split={d.split!r} takes validation documents from {train_key} while "
+                f"data.split={d.split!r} takes validation sequences from {train_key} while "
                 f"{'data.valid_blend' if d.valid_blend.strip() else 'data.valid_prefix'} names others; drop one, or "
                 "give the split no validation part (e.g. data.split=99,0,1)"
             )

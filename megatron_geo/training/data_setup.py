@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..config import Config, ConfigError
 from ..data import GPTDataset, IndexedDataset, Tokenizer, dp_batch_indices, prepare_default_corpus
 from ..data.blending import BlendedDataset
@@ -53,12 +55,16 @@ def _open(prefix: str, tok: Tokenizer, tok_path: str, what: str) -> IndexedDatas
             f"{tok_path} has {tok.vocab_size}; {fix}"
         )
     if ds.vocab_size is None:
-        top = ds.max_token_id(max_tokens=VOCAB_SCAN_TOKENS)
-        if top >= tok.vocab_size:
-            raise ConfigError(
-                f"the {what} dataset {prefix} holds token id {top}, outside the {tok.vocab_size}-id vocab of the "
-                f"tokenizer {tok_path}; {fix}"
-            )
+        head = np.asarray(ds.tokens[: min(VOCAB_SCAN_TOKENS, ds.num_tokens)])
+        if head.size:
+            bad = np.flatnonzero((head < 0) | (head >= tok.vocab_size))
+            if bad.size:
+                pos = int(bad[0])
+                seq = int(np.searchsorted(ds.offsets, pos, side="right")) - 1
+                raise ConfigError(
+                    f"the {what} dataset {prefix} holds token id {head[pos]} (sequence {seq}), outside the "
+                    f"{tok.vocab_size}-id vocab of the tokenizer {tok_path}; {fix}"
+                )
     return ds
 
 
@@ -182,8 +188,10 @@ def train_global_tokens(ds: SampleDataset, consumed: int, cfg: Config) -> int:
 
 
 def valid_micro_batches(ds: SampleDataset, cfg: Config, pctx: ParallelContext) -> list[dict]:
-    """``train.eval_batches`` micro-batches per DP rank: the same fixed validation samples at every eval."""
+    """This DP rank's micro-batches of the validation set: ``train.eval_batches`` global batches of
+    ``train.global_batch_size`` samples (Megatron's ``--eval-iters``), the first samples of the validation order,
+    the same at every evaluation and at every DP size (a resume at another DP size evaluates the same samples)."""
     t = cfg.train
-    n = t.eval_batches * t.micro_batch_size * pctx.dp_size
+    n = t.eval_batches * t.global_batch_size
     ids = dp_batch_indices(0, n, t.micro_batch_size, pctx.dp_rank, pctx.dp_size)
     return [ds.micro_batch([i % len(ds) for i in mb]) for mb in ids]
