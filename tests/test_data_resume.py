@@ -95,3 +95,26 @@ def test_negative_ids_are_refused_at_start_up_and_when_read(tmp_path):
         for g in range(len(ds)):
             ds.sample(g)
     del ix
+
+
+def test_the_validation_samples_do_not_depend_on_the_dp_size(tmp_path):
+    """train.eval_batches global batches: the union of the DP ranks' validation samples is the same at DP 1, 2, 4
+    (a resume at another DP size evaluates the same set), compared with the first samples of the order."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_geo.data import GPTDataset, IndexedDataset
+    from megatron_geo.training.data_setup import valid_micro_batches
+
+    rng = np.random.default_rng(0)
+    _write(tmp_path / "v", [list(rng.integers(1, 100, size=int(n))) + [0] for n in rng.integers(5, 40, size=60)])
+    ds = GPTDataset(IndexedDataset(str(tmp_path / "v")), 8, 3, eod_id=0, sample_order="megatron")
+    cfg = _cfg("train.global_batch_size=8", "train.micro_batch_size=2", "train.eval_batches=3")
+    expected = torch.stack([ds.sample(g % len(ds))["tokens"] for g in range(3 * 8)])
+    for dp in (1, 2, 4):
+        got = []
+        for r in range(dp):
+            mbs = valid_micro_batches(ds, cfg, SimpleNamespace(dp_rank=r, dp_size=dp))
+            got += [mb["tokens"] for mb in mbs]
+        assert torch.equal(torch.cat(got), expected), dp
