@@ -334,7 +334,10 @@ def _load_pre(rank, world, root):
     out = {}
     for name, ov in PRE_CASES.items():
         d = Path(root) / name
-        cfg = tiny_cfg(f"checkpoint.dir={d}", f"train.run_dir={d}", "train.global_batch_size=12", *ov)
+        # the checkpoints were saved by a release that only had the stream order (a resume refuses another)
+        cfg = tiny_cfg(
+            f"checkpoint.dir={d}", f"train.run_dir={d}", "train.global_batch_size=12", "data.sample_order=stream", *ov
+        )
         pctx = pctx_for(1)
         model, buckets, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
         ck = Checkpointer(cfg, pctx, model, opt, reducer, reducer.geo, lambda m: None)
