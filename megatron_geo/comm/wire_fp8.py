@@ -51,8 +51,7 @@ def _decoder_sum(fmt: str):
         ``[dp, nb, granule]`` decoded with ``scale`` ``[dp, nb]`` (summed in FP32 over dim 0, then divided by dp
         once). ``out`` may be the bucket's own range: a compiled graph writes there directly."""
         dp = codes.shape[0]
-        # "/ dp" rather than div_: compiled, the division happens as the sum is stored into ``out`` (one pass)
-        return out.copy_((fp8_decode(codes, scale.unsqueeze(2), fmt).sum(dim=0) / dp).view(-1))
+        return out.copy_(fp8_decode(codes, scale.unsqueeze(2), fmt).sum(dim=0).div_(dp).view(-1))
 
     return decode_sum
 

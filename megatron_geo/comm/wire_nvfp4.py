@@ -56,9 +56,7 @@ def _sum_sources(codes: Tensor, bscale: Tensor, g: Tensor, out: Tensor) -> Tenso
     division by dp)."""
     dp = codes.shape[0]
     s = bscale.view(torch.float8_e4m3fn).float().unsqueeze(-1)
-    # "/ dp" on the sum, not an in-place div_: the compiled graph then divides as it stores into ``out`` instead of
-    # writing the sum to a scratch and dividing it in a second pass (the same FP32 operations)
-    return out.copy_((((_e2m1_values(codes.to(torch.int32)) * s) * g.unsqueeze(-1)).sum(dim=0) / dp).view(-1))
+    return out.copy_(((_e2m1_values(codes.to(torch.int32)) * s) * g.unsqueeze(-1)).sum(dim=0).div_(dp).view(-1))
 
 
 def _sum_packed(packed: Tensor, bscale: Tensor, g: Tensor, out: Tensor) -> Tensor:
