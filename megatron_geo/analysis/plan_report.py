@@ -19,10 +19,7 @@
 - optimizer FLOPs per rank (Newton-Schulz ``~4 k^2 K + 2 k^3`` per iteration for Muon matrices, 12 per
   element for AdamW) and ``optimizer_flops_max_over_mean``;
 - the codec scratch of the largest bucket (transient, not persistent): the send codes, the receive buffer of
-  ``dp x own`` codes and its FP32 decode;
-- ``codec_tables``: the bytes of the low-precision reducer's per-bucket scale layouts
-  (:func:`megatron_geo.comm.lowp.bucket_scale_layout`, built here on the CPU exactly as the reducer registers
-  them; identical on every rank; 0 for the plain FP32 / BF16 reducers), part of the persistent bytes.
+  ``dp x own`` codes and its FP32 decode.
 
 The model is built on the ``meta`` device (shapes only); TP > 1 uses a fake process group for TP rank 0.
 """
@@ -34,7 +31,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..comm.formats import comm_alignment, get_format
-from ..comm.lowp import bucket_scale_layout
 from ..config import Config, ConfigError
 from ..distributed.ownership import ParamInfo, param_infos, param_specs
 from ..distributed.shard_plan import ADAMW_FLOPS_PER_ELEMENT, ShardPlan, plan_model
@@ -149,14 +145,6 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
         muon_own = [sum(s.numel for s, (_, _, um) in zip(specs, back) if muon and um)] * dp_size
         flops = [sum(s.flops for s in specs)] * dp_size
     ef = buffer * 4 if cfg.comm.error_feedback else 0
-    tables = 0  # the low-precision reducer's scale layouts (fp32 / bf16 without a transform have none)
-    if not (cfg.comm.dtype in ("fp32", "bf16") and cfg.comm.transform == "none"):
-        align = comm_alignment(cfg.comm)
-        for idx, pl in plans:
-            numels = [specs[i].numel for i in idx]
-            tables += bucket_scale_layout(
-                cfg.comm, list(pl.offsets), numels, list(pl.bounds), dp_size, align, "cpu"
-            ).table_bytes()
     geo_bytes = 0
     for n, shape, _ in params.infos:
         if n in geo:
@@ -179,7 +167,6 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
             "optimizer_state": opt_state,
             "error_feedback": ef,
             "geo_state": geo_bytes,
-            "codec_tables": tables,
         }
         return {
             "elements_owned": own[r],
@@ -224,7 +211,6 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
         "elements_owned_max_over_mean": max(own) / (sum(own) / dp_size) if sum(own) else 1.0,
         "persistent_bytes_per_rank": max(rank_bytes(r)["persistent_bytes"] for r in range(dp_size)),
         "codec_scratch_bytes": scratch,
-        "codec_table_bytes_per_rank": tables,
         "rank0": rank_bytes(0),
         "worst_rank": {"rank": worst, **rank_bytes(worst)},  # the most wire bytes
         "most_memory_rank": {"rank": most_mem, **rank_bytes(most_mem)},

@@ -44,32 +44,6 @@ from .transforms import CoordinateTransform, build_transform
 from .wire_sum import REDUCE_OPS, ring_mean, ring_sum
 
 
-def bucket_scale_layout(comm, offsets: list[int], numels: list[int], bounds, dp_size: int, alignment: int, device):
-    """The :class:`~.scale_layout.ScaleLayout` :meth:`LowPrecisionReducer.register_bucket` keeps for a bucket (also
-    what ``megatron_geo.analysis.plan_report`` counts, on the CPU).
-
-    A parameter's scale group covers the alignment padding after it: parameters start aligned, so its last
-    (rotation or scale) block ends there, and that block's rotated values belong to it alone. The layout's granule
-    is the format's (:func:`.formats.layout_granule`): NVFP4 reads its buffer as 16-element blocks whatever the
-    alignment (a Hadamard rotation aligns parameters to 128, and the 128-multiples are whole 16-element blocks).
-
-    Args:
-        comm: the ``comm`` config section (or :func:`.formats.comm_view`).
-        offsets, numels: each parameter's start in the bucket and its elements (without padding).
-        bounds: the ``dp_size + 1`` rank-range boundaries (elements) or an even chunk (int).
-        alignment: the reducer's alignment (:meth:`LowPrecisionReducer.alignment`).
-
-    Raises:
-        ValueError: as :func:`.scale_layout.build_scale_layout` (misaligned segments).
-    """
-    a = alignment
-    extents = [n if a == 1 or n == 0 else -(-n // a) * a for n in numels]
-    scaling = get_format(comm.dtype).layout_scaling(comm)
-    return build_scale_layout(
-        offsets, extents, bounds, dp_size, scaling, comm.block_size, device, granule=layout_granule(comm)
-    )
-
-
 class LowPrecisionReducer(Reducer):
     """A registered wire format (``comm.dtype``: fp8_e4m3 | fp8_e5m2 | nvfp4, or a plain cast behind a transform)
     behind the common reducer interface (:class:`~.reducer.GradientReducer`).
@@ -159,8 +133,15 @@ class LowPrecisionReducer(Reducer):
     def register_bucket(self, key: int, offsets: list[int], numels: list[int], bounds, device) -> None:
         super().register_bucket(key, offsets, numels, bounds, device)
         bounds = self.bounds[key]
-        self.layouts[key] = bucket_scale_layout(
-            self.comm, offsets, numels, bounds, self.dp_size, self.alignment(), device
+        scaling = get_format(self.fmt).layout_scaling(self.comm)
+        # a parameter's scale group covers the alignment padding after it: parameters start aligned, so its
+        # last (rotation or scale) block ends there, and that block's rotated values belong to it alone
+        a = self.alignment()
+        extents = [n if a == 1 or n == 0 else -(-n // a) * a for n in numels]
+        # the block tables' granule: NVFP4 reads its buffer as 16-element blocks whatever the alignment (a
+        # Hadamard rotation aligns parameters to 128, and the 128-multiples are whole 16-element blocks)
+        self.layouts[key] = build_scale_layout(
+            offsets, extents, bounds, self.dp_size, scaling, self.block_size, device, granule=layout_granule(self.comm)
         )
         self._registered[key] = (list(offsets), list(numels), device)
         self.transform.register_bucket(key, offsets, numels, bounds, device)
@@ -185,22 +166,6 @@ class LowPrecisionReducer(Reducer):
             transform.register_bucket(key, offsets, numels, self.bounds[key], device)
         transform.track_residuals(self.residuals)
         self.transform = transform
-
-    def persistent_tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor this reducer keeps from one reduction to the next, by name: ``layout/<key>/<table>`` (the
-        scale layouts' int64 segment tables, :meth:`.scale_layout.ScaleLayout.tensors`), ``residual/<key>`` (FP32
-        ``[bucket numel]`` error-feedback residuals) and ``transform/<attribute>`` (the fixed transform's constants
-        and its shared workspace once allocated; a GeoFP8 transform's state is the plan report's ``geo_state``).
-        What :meth:`index_table_bytes` and the plan report count."""
-        out = {f"layout/{k}/{n}": t for k, lay in self.layouts.items() for n, t in lay.tensors().items()}
-        out.update({f"residual/{k}": t for k, t in self.residuals.items()})
-        if self.transform.geo is None:
-            out.update({f"transform/{n}": t for n, t in vars(self.transform).items() if isinstance(t, torch.Tensor)})
-        return out
-
-    def index_table_bytes(self) -> int:
-        """Bytes of the registered buckets' scale layouts (``layout/...`` of :meth:`persistent_tensors`)."""
-        return sum(lay.table_bytes() for lay in self.layouts.values())
 
     def reset_error_feedback(self) -> None:
         """Zero every residual (after a skipped step, whose residual may hold non-finite values)."""
