@@ -3,28 +3,15 @@ sample of two documents gives, on the second document's tokens, the losses of th
 
 import torch
 
+from helpers import tiny_cfg
 from megatron_geo.checkpoint.consolidated import _tp1_group
-from megatron_geo.config import load_config
 from megatron_geo.model.llama import Llama, document_causal_mask
 
 EOD = 3
 
 
 def _model():
-    cfg = load_config(
-        ["configs/tiny.yaml"],
-        [
-            "model.hidden_size=32",
-            "model.num_layers=2",
-            "model.num_attention_heads=4",
-            "model.num_kv_heads=2",
-            "model.ffn_hidden_size=64",
-            "model.seq_length=16",
-            "model.vocab_size=50",
-            "model.make_vocab_size_divisible_by=1",
-        ],
-    )
-    return Llama(cfg.model, _tp1_group(), 11).eval()
+    return Llama(tiny_cfg("model.vocab_size=50").model, _tp1_group(), 11).eval()
 
 
 def _megatron_mask_loop(tokens: list[int], eod: int) -> torch.Tensor:

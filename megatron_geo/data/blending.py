@@ -278,7 +278,10 @@ class BlendedDataset:
         return collate([self.datasets[int(a)].sample(int(b)) for a, b in zip(d, c)])
 
     def valid_tokens(self, global_samples) -> int:
-        """Loss-bearing tokens of these samples: the components' ``valid_tokens`` of their counters."""
+        """Loss-bearing tokens of these samples: the components' ``valid_tokens`` of their counters (without
+        ``eod_mask_loss`` in any component, ``seq_length`` each, without looking the samples up)."""
+        if not any(getattr(ds, "eod_mask_loss", False) for ds in self.datasets):
+            return len(global_samples) * self.seq_length
         d, c = self.index.lookup(list(global_samples))
         per: dict[int, list[int]] = defaultdict(list)
         for a, b in zip(d.tolist(), c.tolist()):
