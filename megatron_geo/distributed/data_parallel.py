@@ -31,6 +31,11 @@ class GradSync:
     The side stream waits for the compute stream before each launch (the bucket's gradients are
     complete), and the compute stream waits for the side stream in :meth:`finish`, so the optimizer
     sees the finished reduction; every temporary of the reducer is allocated and freed on the side stream.
+
+    ``early_updates``: ``None``, or an :class:`~.early_muon.EarlyMuonUpdates` whose ``on_reduced(bucket)`` is
+    called for each bucket once its reduction is complete (it starts the bucket's Muon updates). With the side
+    stream at launch, inside the side stream, right behind the bucket's decode; without one in :meth:`finish`, in
+    bucket order, each right after its bucket's wait, while later buckets are still in flight.
     """
 
     def __init__(
@@ -57,6 +62,7 @@ class GradSync:
         self._last = True
         self._defer = False
         self._handles = []
+        self.early_updates = None
         for b in buckets:
             for p in b.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(b)))
@@ -97,6 +103,8 @@ class GradSync:
             # decode and FP32 sum are queued right behind it and overlap the rest of backward
             pending.wait()
             self._pending[bucket.index] = pending
+            if self.early_updates is not None:
+                self.early_updates.on_reduced(bucket)
 
     def start_step(self, defer: bool = False) -> None:
         """Zero the FP32 gradient buffers and re-arm the readiness counters.
@@ -125,6 +133,8 @@ class GradSync:
         if self._stream is None:
             for b in self.buckets:
                 self._pending[b.index].wait()
+                if self.early_updates is not None:
+                    self.early_updates.on_reduced(b)
         else:
             compute = torch.cuda.current_stream(self._stream.device)
             with torch.cuda.stream(self._stream):

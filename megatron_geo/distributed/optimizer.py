@@ -122,6 +122,7 @@ class DistributedOptimizer:
                     on_cuda=self.pctx.device.type == "cuda",
                     ns_dtype=c.muon_ns_dtype,
                     ns=c.muon_ns,
+                    early=c.muon_overlap,
                     lr=c.lr,
                     weight_decay=c.weight_decay,
                     momentum=c.muon_momentum,

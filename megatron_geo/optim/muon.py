@@ -162,20 +162,80 @@ def adjusted_lr(lr: float, fn: str | None, shape: torch.Size) -> float:
 
 class MuonNS(torch.optim.Muon):
     """``torch.optim.Muon`` (same constructor, defaults, state names: ``momentum_buffer`` only) with
-    Newton-Schulz in ``ns_dtype``, computed by ``ns`` (``quintic`` or ``gram``, see :func:`orthogonalize`).
+    Newton-Schulz in ``ns_dtype``, computed by ``ns`` (``quintic`` or ``gram``, see :func:`orthogonalize`), and
+    with updates that can be started early (:meth:`precompute`).
+
+    ``ns="torch"`` uses torch.optim.Muon's own iteration (``torch.optim._muon._zeropower_via_newtonschulz``,
+    BF16; the quintic in ``ns_dtype`` if a torch build lacks it): the optimizer an early-update run uses on CUDA
+    where torch's ``Muon`` would run.
+
+    Early updates. :meth:`precompute` orthogonalises the Nesterov update of some parameters as soon as their
+    gradients are final (e.g. when their bucket's DP reduction has finished, while later buckets are still in
+    flight), without touching any state; :meth:`step` then uses that result instead of computing it again, and
+    applies momentum, weight decay and the update exactly as without it. A precomputed result is used only if
+    neither the gradient nor the momentum buffer changed since (same storage, same version counter: gradient
+    clipping's in-place scale, a new step's zeroing or a loaded checkpoint invalidate it), so the step's values are
+    bitwise those of a step without early updates. ``precompute_hits`` / ``precompute_misses`` count the
+    parameters whose update was / was not taken from a precomputed result (a miss: precomputed, then invalidated).
 
     Raises:
-        ValueError: ``ns`` is not one of :data:`NS_CHOICES`.
+        ValueError: ``ns`` is not one of :data:`NS_CHOICES` or ``"torch"``.
     """
 
     def __init__(self, params, ns_dtype: torch.dtype = torch.float32, ns: str = "quintic", **kwargs):
-        if ns not in NS_CHOICES:
+        if ns not in NS_CHOICES and ns != "torch":
             raise ValueError(
                 f"optimizer.muon_ns={ns!r} is not one of {NS_CHOICES}; set optimizer.muon_ns=quintic or gram"
             )
         super().__init__(params, **kwargs)
         self.ns_dtype = ns_dtype
         self.ns = ns
+        self._early: dict[int, tuple[torch.Tensor, tuple]] = {}  # id(param) -> (orthogonalised update, guard)
+        self.precompute_hits = 0
+        self.precompute_misses = 0
+
+    def _orthogonalize(self, upd: torch.Tensor, group: dict) -> torch.Tensor:
+        if self.ns == "torch":
+            fn = getattr(torch.optim._muon, "_zeropower_via_newtonschulz", None)  # type: ignore[attr-defined]
+            if fn is not None:
+                return fn(upd, group["ns_coefficients"], group["ns_steps"], group["eps"])
+            return newton_schulz5(upd, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+        return orthogonalize(upd, self.ns, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+
+    def _guard(self, p: torch.Tensor, group: dict) -> tuple:
+        """What a precomputed update of ``p`` depends on: the gradient's and momentum buffer's storage and version
+        (in-place writes bump a tensor's version counter, shared by all views), and the group's settings."""
+        g = p.grad
+        assert g is not None
+        buf = self.state[p].get("momentum_buffer") if p in self.state else None
+        b = (-1, -1) if buf is None else (buf.data_ptr(), buf._version)
+        settings = (group["momentum"], group["nesterov"], group["ns_coefficients"], group["ns_steps"], group["eps"])
+        return (g.data_ptr(), g._version, *b, settings)
+
+    @torch.no_grad()
+    def precompute(self, params) -> int:
+        """Orthogonalise the update of each of ``params`` (tensors of this optimizer's groups with a ``grad``;
+        others are ignored) from its current gradient and momentum buffer, changing no state. Returns how many
+        were precomputed. Same operations and dtypes as :meth:`step`, so a result used there is bitwise the one
+        it would compute."""
+        where = {id(p): g for g in self.param_groups for p in g["params"]}
+        done = 0
+        for p in params:
+            group = where.get(id(p))
+            if group is None or p.grad is None or p.grad.ndim != 2:
+                continue
+            m = group["momentum"]
+            old = self.state[p].get("momentum_buffer") if p in self.state else None
+            buf = (torch.zeros_like(p.grad) if old is None else old).lerp(p.grad, 1 - m)
+            upd = p.grad.lerp(buf, m) if group["nesterov"] else buf
+            self._early[id(p)] = (self._orthogonalize(upd, group), self._guard(p, group))
+            done += 1
+        return done
+
+    def discard_precomputed(self) -> None:
+        """Drop every precomputed update (e.g. when the gradient is about to be clipped)."""
+        self.precompute_misses += len(self._early)
+        self._early.clear()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -190,26 +250,41 @@ class MuonNS(torch.optim.Muon):
                     continue
                 if p.grad.ndim != 2:
                     raise ValueError(f"Muon needs 2-D parameters, got shape {tuple(p.grad.shape)}")
+                early = self._early.pop(id(p), None)
+                ortho = early[0] if early is not None and early[1] == self._guard(p, group) else None
+                if early is not None:
+                    if ortho is None:
+                        self.precompute_misses += 1
+                    else:
+                        self.precompute_hits += 1
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad)
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - m)
-                upd = p.grad.lerp(buf, m) if group["nesterov"] else buf
-                ortho = orthogonalize(
-                    upd, self.ns, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype
-                )
+                if ortho is None:
+                    upd = p.grad.lerp(buf, m) if group["nesterov"] else buf
+                    ortho = self._orthogonalize(upd, group)
                 p.mul_(1 - lr * wd)
-                p.add_(ortho.to(p.dtype), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+                if self.ns == "torch" and hasattr(torch.optim._muon, "_adjust_lr"):  # type: ignore[attr-defined]
+                    # torch.optim.Muon's own update, operation for operation
+                    p.add_(ortho, alpha=-torch.optim._muon._adjust_lr(lr, group["adjust_lr_fn"], p.shape))  # type: ignore[attr-defined]
+                else:
+                    p.add_(ortho.to(p.dtype), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+        self._early.clear()
         return loss
 
 
-def build_muon(params, on_cuda: bool, ns_dtype: str = "auto", ns: str = "quintic", **kwargs) -> torch.optim.Optimizer:
+def build_muon(
+    params, on_cuda: bool, ns_dtype: str = "auto", ns: str = "quintic", early: bool = False, **kwargs
+) -> torch.optim.Optimizer:
     """The Muon optimizer for ``optimizer.muon_ns_dtype`` / ``optimizer.muon_ns``.
 
     ``ns=quintic``: torch's ``Muon`` on CUDA (or ``ns_dtype=bf16``), :class:`MuonNS` with FP32 Newton-Schulz
     otherwise (unchanged behaviour). ``ns=gram``: :class:`MuonNS` with Gram Newton-Schulz everywhere, in BF16
-    where torch's Muon would run (CUDA with ``auto``, or ``bf16``) and FP32 otherwise. ``kwargs`` go to
+    where torch's Muon would run (CUDA with ``auto``, or ``bf16``) and FP32 otherwise. ``early=True`` (updates
+    started per bucket, ``optimizer.muon_overlap``): where torch's ``Muon`` would be returned, :class:`MuonNS`
+    with ``ns="torch"`` instead (torch's iteration and update, plus :meth:`MuonNS.precompute`). ``kwargs`` go to
     torch.optim.Muon's constructor.
 
     Raises:
@@ -225,5 +300,9 @@ def build_muon(params, on_cuda: bool, ns_dtype: str = "auto", ns: str = "quintic
     if ns != "quintic":
         raise ValueError(f"optimizer.muon_ns={ns!r} is not one of {NS_CHOICES}; set optimizer.muon_ns=quintic or gram")
     if bf16:
-        return torch.optim.Muon(params, **kwargs)
+        return (
+            MuonNS(params, ns_dtype=torch.bfloat16, ns="torch", **kwargs)
+            if early
+            else torch.optim.Muon(params, **kwargs)
+        )
     return MuonNS(params, ns_dtype=torch.float32, **kwargs)

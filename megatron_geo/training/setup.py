@@ -11,6 +11,7 @@ import torch
 from ..comm.formats import build_reducer
 from ..config import Config
 from ..distributed import Bucket, DistributedOptimizer, GradSync, build_buckets
+from ..distributed.early_muon import EarlyMuonUpdates
 from ..distributed.ownership import param_infos, param_specs
 from ..model import Llama
 from ..parallel import ParallelContext
@@ -64,6 +65,9 @@ def build_model_and_optimizer(cfg: Config, pctx: ParallelContext):
     overlap = pctx.device.type == "cuda" if overlap_setting == "auto" else overlap_setting == "true"
     optimizer = DistributedOptimizer(buckets, cfg.optimizer, pctx, sharded=sharded, overlap_param_gather=overlap)
     optimizer.register_forward_hooks(model)
+    if cfg.optimizer.name == "muon" and cfg.optimizer.muon_overlap:
+        early = EarlyMuonUpdates(optimizer)
+        grad_sync.early_updates = early if early.active else None
     return model, buckets, reducer, grad_sync, optimizer
 
 

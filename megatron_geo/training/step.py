@@ -123,6 +123,8 @@ def train_step(
     else:
         norm, flags = optimizer.grad_norm(extra=stop_flags() if callable(stop_flags) else list(stop_flags))
     skipped = not math.isfinite(norm)
+    if grad_sync.early_updates is not None:
+        grad_sync.early_updates.observe(norm, clip_grad)  # drops early Muon updates that a clip or skip invalidates
     if not skipped:
         optimizer.clip(norm, clip_grad)
         optimizer.step(lr_scale)

@@ -395,6 +395,7 @@ def _inert_rules(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
                     "optimizer.muon_adjust_lr_fn",
                     "optimizer.muon_ns_dtype",
                     "optimizer.muon_ns",
+                    "optimizer.muon_overlap",
                     "optimizer.adamw_lr",
                 ),
                 "optimizer.name=adamw",
