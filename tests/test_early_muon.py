@@ -1,0 +1,125 @@
+"""Muon updates started per bucket (``optimizer.muon_overlap``): bitwise the plain order's values.
+
+References: the same optimizer without early updates (one process, same inputs), and torch.optim.Muon itself for
+``MuonNS(ns="torch")``. Each comparison also checks that the early path was really taken (hits) or really
+discarded (misses), so a silently disabled speculation cannot pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_harness import run_distributed
+from helpers import global_batch, pctx_for, rank_micro_batches, tiny_cfg
+from megatron_geo.optim import MuonNS
+
+SHAPES = [(24, 40), (40, 24), (32, 32)]
+
+
+def _params(seed: int) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
+
+
+def _grads(step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(s, generator=g) * (1 + step) for s in SHAPES]
+
+
+@pytest.mark.parametrize("ns", ["quintic", "gram"])
+def test_precomputed_update_is_bitwise_the_plain_step_and_clipping_invalidates_it(ns):
+    plain_p, early_p = _params(0), _params(0)
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    plain, early = MuonNS(plain_p, ns=ns, **kw), MuonNS(early_p, ns=ns, **kw)
+    clip_steps = {2, 4}
+    for step in range(6):
+        for p, q, gr in zip(plain_p, early_p, _grads(step)):
+            p.grad, q.grad = gr.clone(), gr.clone()
+        assert early.precompute(early_p) == len(SHAPES)
+        if step in clip_steps:  # the clip's in-place scale comes after the precompute
+            for p, q in zip(plain_p, early_p):
+                p.grad.mul_(0.5)
+                q.grad.mul_(0.5)
+        plain.step()
+        early.step()
+        for p, q in zip(plain_p, early_p):
+            assert torch.equal(p, q), (ns, step)
+            assert torch.equal(plain.state[p]["momentum_buffer"], early.state[q]["momentum_buffer"])
+    assert early.precompute_hits == len(SHAPES) * (6 - len(clip_steps))
+    assert early.precompute_misses == len(SHAPES) * len(clip_steps)
+
+
+def test_precompute_changes_no_state_and_a_discarded_result_is_not_used():
+    ps = _params(1)
+    opt = MuonNS(ps, lr=0.02, weight_decay=0.0, momentum=0.9)
+    for p, gr in zip(ps, _grads(0)):
+        p.grad = gr
+    before = [p.detach().clone() for p in ps]
+    opt.precompute(ps)
+    assert all(torch.equal(p, b) for p, b in zip(ps, before)) and len(opt.state) == 0
+    opt.discard_precomputed()
+    opt.step()
+    assert opt.precompute_hits == 0 and opt.precompute_misses == len(SHAPES)
+
+
+def test_torch_form_is_torch_muon_operation_for_operation():
+    """``MuonNS(ns="torch")`` (the early-update optimizer where torch's Muon would run) equals torch.optim.Muon
+    bitwise, with and without a precomputed update (BF16 Newton-Schulz, run on CPU on small matrices)."""
+    ref_p, ours_p = _params(2), _params(2)
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    ref, ours = torch.optim.Muon(ref_p, **kw), MuonNS(ours_p, ns_dtype=torch.bfloat16, ns="torch", **kw)
+    for step in range(3):
+        for p, q, gr in zip(ref_p, ours_p, _grads(step)):
+            p.grad, q.grad = gr.clone(), gr.clone()
+        if step % 2:
+            ours.precompute(ours_p)
+        ref.step()
+        ours.step()
+        for p, q in zip(ref_p, ours_p):
+            assert torch.equal(p, q), step
+    assert ours.precompute_hits == len(SHAPES)
+
+
+def _train(overlap: bool, clip: float, steps: int = 5):
+    from megatron_geo.training.setup import build_model_and_optimizer
+    from megatron_geo.training.step import train_step
+
+    cfg = tiny_cfg(
+        "optimizer.name=muon", f"optimizer.muon_overlap={str(overlap).lower()}", f"optimizer.clip_grad={clip}"
+    )
+    pctx = pctx_for()
+    model, _buckets, _reducer, grad_sync, opt = build_model_and_optimizer(cfg, pctx)
+    assert (grad_sync.early_updates is not None) == overlap
+    out = []
+    for step in range(steps):
+        mbs = rank_micro_batches(global_batch(cfg, step), cfg.train.micro_batch_size, pctx.dp_rank, pctx.dp_size)
+        res = train_step(model, mbs, grad_sync, opt, pctx, 1.0, clip, autocast_dtype="none", step=step)
+        out.append((res.loss, res.grad_norm))
+    params = [p.detach().clone() for p in model.parameters()]
+    early = grad_sync.early_updates
+    return out, params, (early.hits, early.misses) if early else (0, 0)
+
+
+def _both(rank, world, clip):
+    a = _train(False, clip)
+    b = _train(True, clip)
+    return a[0], b[0], all(torch.equal(x, y) for x, y in zip(a[1], b[1])), b[2]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [1, 2])
+def test_training_with_early_muon_updates_is_bitwise_the_plain_order(world):
+    """Tiny Llama, Muon, distributed optimizer (gloo), 5 steps: losses, gradient norms and final parameters are
+    bitwise equal with and without early updates. With ``clip_grad`` between the steps' norms some steps clip
+    (their early updates are discarded, the next step does not speculate) and others do not (early updates used);
+    with no clipping every step after the first uses them."""
+    for clip, expect_misses in ((0.0, False), (None, True)):
+        if clip is None:  # a threshold inside the range of this run's norms
+            norms = [n for _, n in run_distributed(_both, world, 0.0)[0][0]]
+            clip = sorted(norms)[len(norms) // 2]
+        for plain, early, same, (hits, misses) in run_distributed(_both, world, clip):
+            assert plain == early, (world, clip)
+            assert same, (world, clip)
+            assert hits > 0, (world, clip, hits, misses)
+            assert (misses > 0) == expect_misses, (world, clip, hits, misses)
