@@ -1048,9 +1048,38 @@ def phase_train_600m(ctx: Ctx, rec: Record) -> None:
     )
     if ctx.cuda:
         rec["peak_memory_gib"] = torch.cuda.max_memory_allocated(ctx.device) / GiB
+    rec["newton_schulz"] = _newton_schulz_share(ctx, opt, med)
+    rec["muon_overlap"] = cfg.optimizer.muon_overlap
+    if sync.early_updates is not None:
+        rec["early_muon_hits"], rec["early_muon_misses"] = sync.early_updates.hits, sync.early_updates.misses
     rec.check("losses finite", all(math.isfinite(v) for v in losses), losses)
     rec.save()
     dist.destroy_process_group()
+
+
+def _newton_schulz_share(ctx: Ctx, opt, step_s: float) -> dict:
+    """Newton-Schulz of every Muon matrix of the run (its gradients after the last step), timed alone per form:
+    ``quintic`` (torch.optim.Muon's iteration where it runs, else ours) and ``gram``, in the run's Newton-Schulz
+    precision; seconds per step and the share of the measured step time."""
+    from megatron_geo.optim.muon import orthogonalize
+
+    mats = [m.main.grad for m in opt.mains if getattr(m.param, "use_muon", False) and m.main.grad is not None]
+    if not mats or opt.cfg.name != "muon":
+        return {"skipped": "no Muon matrices"}
+    dtype = torch.bfloat16 if ctx.cuda and opt.cfg.muon_ns_dtype != "fp32" else torch.float32
+    coeffs, steps, eps = (3.4445, -4.7750, 2.0315), 5, 1e-7
+    out: dict = {"matrices": len(mats), "dtype": str(dtype).removeprefix("torch."), "step_s": step_s}
+    for ns in ("quintic", "gram"):
+        for g in mats[:2]:  # warm-up (kernels, cuBLAS handles)
+            orthogonalize(g, ns, coeffs, steps, eps, dtype)
+        ctx.sync()
+        t = time.perf_counter()
+        for g in mats:
+            orthogonalize(g, ns, coeffs, steps, eps, dtype)
+        ctx.sync()
+        out[f"{ns}_s"] = time.perf_counter() - t
+        out[f"{ns}_share_of_step"] = out[f"{ns}_s"] / step_s if step_s > 0 else None
+    return out
 
 
 def dry_codec_presets() -> list[str]:

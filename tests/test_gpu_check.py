@@ -150,6 +150,10 @@ def test_dry_run_figures(dry_run):
     assert m["tokens_per_sec"] > 0 and m["tflops_per_gpu"] > 0
     assert m["mfu"] is None and "not in megatron_geo.training.mfu.PEAK_BF16_FLOPS" in m["peak_source"]
     assert abs(m["first_loss"] - math.log(512)) < 1.0  # uniform over the dry run's 512-token vocab at init
+    ns = m["newton_schulz"]  # every Muon matrix of the 2-layer dry-run model, both forms, beside the step time
+    assert ns["matrices"] == 14 and ns["quintic_s"] > 0 and ns["gram_s"] > 0
+    assert ns["quintic_share_of_step"] == pytest.approx(ns["quintic_s"] / m["step_time_s_median"])
+    assert m["muon_overlap"] is True and m["early_muon_hits"] + m["early_muon_misses"] > 0  # DP 1 owns every matrix
 
     k = d["codec"]
     assert k["ops"]["copy"]["ratio_to_copy"] == pytest.approx(1.0)
