@@ -257,6 +257,8 @@ class MuonNS(torch.optim.Muon):
                         self.precompute_misses += 1
                     else:
                         self.precompute_hits += 1
+                        if ortho.is_cuda:  # made on the gradient sync's side stream, read and freed on this one
+                            ortho.record_stream(torch.cuda.current_stream(ortho.device))
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad)
