@@ -123,3 +123,37 @@ def test_training_with_early_muon_updates_is_bitwise_the_plain_order(world):
             assert same, (world, clip)
             assert hits > 0, (world, clip, hits, misses)
             assert (misses > 0) == expect_misses, (world, clip, hits, misses)
+
+
+def _train_cuda(overlap: bool, steps: int = 4):
+    import torch.distributed as dist
+
+    from megatron_geo.parallel import build_groups
+    from megatron_geo.training.setup import build_model_and_optimizer
+    from megatron_geo.training.step import train_step
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    cfg = tiny_cfg("optimizer.name=muon", f"optimizer.muon_overlap={str(overlap).lower()}", "optimizer.clip_grad=0")
+    pctx = build_groups(0, 1, 1, torch.device("cuda:0"), "nccl")
+    torch.manual_seed(0)
+    model, _, _, grad_sync, opt = build_model_and_optimizer(cfg, pctx)
+    assert grad_sync._stream is not None and (grad_sync.early_updates is not None) == overlap
+    for step in range(steps):
+        mbs = rank_micro_batches(global_batch(cfg, step), cfg.train.micro_batch_size, 0, 1)
+        train_step(model, mbs, grad_sync, opt, pctx, 1.0, 0.0, step=step)
+    torch.cuda.synchronize()
+    grad_sync.remove_hooks()
+    return [p.detach().cpu() for p in model.parameters()], grad_sync.early_updates
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run benchmarks/gpu_check.sh on a GPU machine)")
+def test_cuda_early_updates_in_the_side_stream_equal_torch_muon_after_backward():
+    """On CUDA the early orthogonalisation runs in the gradient sync's side stream, behind each bucket's decode, with
+    torch.optim.Muon's own iteration; the parameters after 4 steps equal those of torch.optim.Muon run after the
+    whole backward (the same kernels on another stream), and every step after the first used the early result."""
+    plain, _ = _train_cuda(False)
+    early_params, early = _train_cuda(True)
+    assert early is not None and early.hits > 0 and early.misses == 0
+    for a, b in zip(plain, early_params):
+        assert torch.equal(a, b)
