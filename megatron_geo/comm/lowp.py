@@ -35,11 +35,12 @@ import torch.distributed as dist
 
 from ..parallel import collectives as C
 from ..parallel.trace import NO_RANGE, trace_range
+from .codec_tables import bucket_scale_layout
 from .codecs import FP8_FORMATS, fp8_max
 from .compiled import resolve_compile
-from .formats import comm_alignment, comm_view, get_format, layout_granule
+from .formats import comm_alignment, comm_view, get_format
 from .reducer import PendingReduction, Reducer
-from .scale_layout import ScaleLayout, build_scale_layout
+from .scale_layout import ScaleLayout
 from .transforms import CoordinateTransform, build_transform
 from .wire_sum import REDUCE_OPS, ring_mean, ring_sum
 
@@ -133,15 +134,9 @@ class LowPrecisionReducer(Reducer):
     def register_bucket(self, key: int, offsets: list[int], numels: list[int], bounds, device) -> None:
         super().register_bucket(key, offsets, numels, bounds, device)
         bounds = self.bounds[key]
-        scaling = get_format(self.fmt).layout_scaling(self.comm)
-        # a parameter's scale group covers the alignment padding after it: parameters start aligned, so its
-        # last (rotation or scale) block ends there, and that block's rotated values belong to it alone
-        a = self.alignment()
-        extents = [n if a == 1 or n == 0 else -(-n // a) * a for n in numels]
-        # the block tables' granule: NVFP4 reads its buffer as 16-element blocks whatever the alignment (a
-        # Hadamard rotation aligns parameters to 128, and the 128-multiples are whole 16-element blocks)
-        self.layouts[key] = build_scale_layout(
-            offsets, extents, bounds, self.dp_size, scaling, self.block_size, device, granule=layout_granule(self.comm)
+        # every tensor of the layout is made here, never inside a reduction (codec_tables counts the same bytes)
+        self.layouts[key] = bucket_scale_layout(
+            self.comm, offsets, numels, bounds, self.dp_size, device, alignment=self.alignment()
         )
         self._registered[key] = (list(offsets), list(numels), device)
         self.transform.register_bucket(key, offsets, numels, bounds, device)
@@ -166,6 +161,23 @@ class LowPrecisionReducer(Reducer):
             transform.register_bucket(key, offsets, numels, self.bounds[key], device)
         transform.track_residuals(self.residuals)
         self.transform = transform
+
+    def persistent_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor this reducer keeps from one reduction to the next, by name: ``layout/<key>/<table>`` (the
+        scale layouts' segment tables, :meth:`.scale_layout.ScaleLayout.tensors`), ``residual/<key>`` (FP32
+        ``[bucket numel]`` error-feedback residuals) and ``transform/<attribute>`` (the fixed transform's
+        constants and its shared workspace once allocated; a GeoFP8 transform's state is the GeoFP8 module's).
+        Views of one storage are listed once per name."""
+        out = {f"layout/{k}/{n}": t for k, lay in self.layouts.items() for n, t in lay.tensors().items()}
+        out.update({f"residual/{k}": t for k, t in self.residuals.items()})
+        if self.transform.geo is None:
+            out.update({f"transform/{n}": t for n, t in vars(self.transform).items() if isinstance(t, torch.Tensor)})
+        return out
+
+    def index_table_bytes(self) -> int:
+        """Bytes of the registered buckets' scale layouts (the ``layout/...`` entries of
+        :meth:`persistent_tensors`); what :func:`.codec_tables.codec_table_bytes` gives for the same buckets."""
+        return sum(lay.table_bytes() for lay in self.layouts.values())
 
     def reset_error_feedback(self) -> None:
         """Zero every residual (after a skipped step, whose residual may hold non-finite values)."""

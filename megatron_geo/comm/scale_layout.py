@@ -11,6 +11,10 @@ plan). Each range is cut into consecutive segments; every segment has one scale 
   ``block_size`` (the shard plan aligns them), so blocks never straddle two ranks' shards.
 
 ``seg_scales[r]`` (``[K]``, padded to the same K for every range) is what the all-to-all sends to rank r.
+
+No table has an entry per block: the block -> segment maps are derived on the device when a reduction needs
+them, with one fixed list of ops whatever the DP size and whether the ranges are even (see
+:class:`ScaleLayout`). :func:`layout_table_bytes` counts what a layout keeps without building it.
 """
 
 from __future__ import annotations
@@ -18,43 +22,69 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
 class ScaleLayout:
-    """Per-bucket segment and block tables (int64 tensors on the buffer's device), built once per bucket.
+    """Per-bucket segment tables, built once at registration; none of them has an entry per block.
 
     Every segment is a whole number of *blocks* of ``granule`` elements (parameters start at multiples of the
     codec's alignment and their scale group covers the padding up to the next one; rank ranges are multiples
     of it), so a per-segment value reaches the elements as one value per block, broadcast over a
     ``[blocks, granule]`` view: no per-element scale tensor, no data-dependent shape.
 
+    How the per-block values are derived (the same ops for every DP size, even or uneven ranges):
+
+    - ``tensor`` scaling keeps ``[dp, K]`` tables (K: segments of the longest row, about the parameters of the
+      bucket): a scale group's amax is ``segment_reduce`` max over each segment's run of blocks (initial 0, NaN
+      propagating), then a ``scatter_reduce`` amax over the ``dp x K`` segments into the groups; per-block
+      values are the segment values ``repeat_interleave``-d by the int32 blocks per segment, with the output
+      size known on the host.
+    - ``block`` scaling: segment j of range r is block (and group) ``first_block[r] + j`` for ``j <
+      row_blocks[r]``, so the maps are ``arange`` arithmetic on ``dp`` + ``K`` entries.
+
+    Nothing syncs with the host and no tensor is made from host data after the build.
+
     Attributes:
-        lengths: ``[dp, K]`` segment lengths per range, zero-padded to K; row r sums to ``sizes[r]``.
-        groups: ``[dp, K]`` scale-group id of each segment (padding segments: group ``num_groups - 1``, amax 0).
-        num_groups: number of scale groups (including the padding group).
+        dp_size: ranges (DP ranks).
+        K: segments per range, padded to the longest row.
+        num_groups: number of scale groups (including the padding group ``num_groups - 1``, amax 0).
         chunk: the range length of an even plan, else -1.
         block_size: set for block scaling (then every segment is one block), else None.
         sizes: elements of each rank's range (python ints).
         granule: elements per block (the codec's alignment: 16 for tensor-scaled FP8 and NVFP4, the block
             size for block scaling).
-        block_group: ``[numel // granule]`` scale group of each block.
-        block_seg: ``[numel // granule]`` segment index (0..K-1) of each block within its range.
-        block_flat: ``[numel // granule]`` index of each block's segment in the flattened ``[dp * K]`` table.
         block_bounds: ``dp + 1`` block offsets of the ranges (python ints).
+        groups: tensor scaling: int64 ``[dp, K]`` scale group of each segment (zero-length padding segments:
+            the padding group); block scaling: None.
+        seg_blocks: tensor scaling: int32 ``[dp, K]`` blocks per segment (its length // ``granule``); block
+            scaling: None.
+        empty: tensor scaling: bool ``[dp, K]``, the zero-length segments that pad a row to K; block: None.
+        amax_base: tensor scaling: float32 zeros ``[num_groups]``, the base the group amax is scattered into
+            (never written); block scaling: None.
+        first_block: block scaling: int64 ``[dp, 1]`` first block of each range; tensor scaling: None.
+        row_blocks: block scaling: int32 ``[dp, 1]`` blocks of each range; tensor scaling: None.
+        seg_index: block scaling: int32 ``[K]`` ``0 .. K - 1``; tensor scaling: None.
     """
 
-    lengths: torch.Tensor
-    groups: torch.Tensor
+    dp_size: int
+    K: int
     num_groups: int
     chunk: int
     block_size: int | None
     sizes: list[int]
     granule: int
-    block_group: torch.Tensor
-    block_seg: torch.Tensor
-    block_flat: torch.Tensor
     block_bounds: list[int]
+    groups: torch.Tensor | None = None
+    seg_blocks: torch.Tensor | None = None
+    empty: torch.Tensor | None = None
+    amax_base: torch.Tensor | None = None
+    first_block: torch.Tensor | None = None
+    row_blocks: torch.Tensor | None = None
+    seg_index: torch.Tensor | None = None
+
+    TABLES = ("groups", "seg_blocks", "empty", "amax_base", "first_block", "row_blocks", "seg_index")
 
     @property
     def numel(self) -> int:
@@ -62,125 +92,184 @@ class ScaleLayout:
         return sum(self.sizes)
 
     @property
-    def dp_size(self) -> int:
-        return self.lengths.shape[0]
+    def num_blocks(self) -> int:
+        """Blocks of ``granule`` elements in the whole buffer (python int)."""
+        return self.block_bounds[-1] - self.block_bounds[0]
 
-    @property
-    def K(self) -> int:
-        return self.lengths.shape[1]
+    def row_num_blocks(self, r: int) -> int:
+        """Blocks of range ``r`` (python int)."""
+        return self.block_bounds[r + 1] - self.block_bounds[r]
 
-    def row_blocks(self, r: int) -> slice:
-        """The blocks of range ``r`` (a slice of the block tables)."""
-        return slice(self.block_bounds[r], self.block_bounds[r + 1])
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors this layout keeps for the whole run, by attribute name."""
+        return {k: t for k in self.TABLES if (t := getattr(self, k)) is not None}
+
+    def table_bytes(self) -> int:
+        """Bytes of :meth:`tensors` (what the bucket's scale bookkeeping holds on the device); equals
+        :func:`layout_table_bytes` of the same bucket."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
     def group_amax(self, block_amax: torch.Tensor) -> torch.Tensor:
-        """Max per scale group, float32 ``[num_groups]``, from the per-block amax ``[numel // granule]`` of the
-        whole buffer; NaN in a block makes its group's amax NaN (``scatter_reduce`` amax propagates NaN)."""
-        out = torch.zeros(self.num_groups, dtype=torch.float32, device=block_amax.device)
-        return out.scatter_reduce_(0, self.block_group, block_amax, reduce="amax", include_self=True)
+        """Max per scale group, float32 ``[num_groups]``, from the per-block amax ``[num_blocks]`` of the whole
+        buffer, each group's max taken with 0 (groups without blocks: 0); NaN in a block makes its group's amax
+        NaN (``segment_reduce`` max, ``scatter_reduce`` amax and ``clamp_min`` all propagate NaN)."""
+        if self.block_size is not None:  # one group per block, in block order, then the padding group
+            return F.pad(block_amax.clamp_min(0.0), (0, 1))
+        assert self.seg_blocks is not None and self.groups is not None and self.amax_base is not None
+        seg = torch.segment_reduce(block_amax, "max", lengths=self.seg_blocks.view(-1), unsafe=True, initial=0.0)
+        return self.amax_base.scatter_reduce(0, self.groups.view(-1), seg, reduce="amax", include_self=True)
 
     def row_segment_amax(self, block_amax: torch.Tensor, r: int) -> torch.Tensor:
-        """Max per segment of range ``r`` alone, float32 ``[K]`` (empty segments 0), from the per-block amax
-        of that range ``[blocks of r]``."""
-        out = torch.zeros(self.K, dtype=torch.float32, device=block_amax.device)
-        return out.scatter_reduce_(0, self.block_seg[self.row_blocks(r)], block_amax, reduce="amax", include_self=True)
+        """Max per segment of range ``r`` alone (taken with 0), float32 ``[K]`` (empty segments 0), from the
+        per-block amax of that range ``[row_num_blocks(r)]``."""
+        if self.block_size is not None:
+            return F.pad(block_amax.clamp_min(0.0), (0, self.K - self.row_num_blocks(r)))
+        assert self.seg_blocks is not None
+        return torch.segment_reduce(block_amax, "max", lengths=self.seg_blocks[r], unsafe=True, initial=0.0)
 
     def segment_values(self, group_values: torch.Tensor) -> torch.Tensor:
-        """``[dp, K]`` per-segment values (e.g. scales) from per-group values; padded segments get 1."""
-        vals = group_values[self.groups]
-        return torch.where(self.lengths > 0, vals, torch.ones_like(vals))
+        """``[dp, K]`` per-segment values (e.g. scales) from per-group values ``[num_groups]``; the segments that
+        pad a row to K get 1."""
+        if self.block_size is not None:
+            assert self.first_block is not None and self.seg_index is not None and self.row_blocks is not None
+            group = (self.first_block + self.seg_index).clamp_(max=self.num_groups - 1)  # [dp, K]
+            return group_values[group].masked_fill_(self.seg_index >= self.row_blocks, 1.0)
+        assert self.groups is not None and self.empty is not None
+        return group_values[self.groups].masked_fill_(self.empty, 1.0)
 
     def block_values(self, seg_vals: torch.Tensor) -> torch.Tensor:
-        """Per-block values ``[numel // granule]`` of the whole buffer from ``seg_vals`` ``[dp, K]`` (every
-        range's own)."""
-        return seg_vals.reshape(-1).index_select(0, self.block_flat)
+        """Per-block values ``[num_blocks]`` of the whole buffer from ``seg_vals`` ``[dp, K]`` (every range's
+        own)."""
+        if self.block_size is not None:
+            assert self.row_blocks is not None and self.seg_index is not None
+            counts = (self.row_blocks - self.seg_index).clamp_(0, 1)  # 1 for the segments of a row, 0 for padding
+        else:
+            assert self.seg_blocks is not None
+            counts = self.seg_blocks
+        return seg_vals.reshape(-1).repeat_interleave(counts.view(-1), output_size=self.num_blocks)
 
     def row_block_values(self, seg_vals: torch.Tensor, r: int) -> torch.Tensor:
-        """Per-block values ``[..., blocks of range r]`` from ``seg_vals`` ``[..., K]`` (segments of range r)."""
-        return seg_vals.index_select(-1, self.block_seg[self.row_blocks(r)])
+        """Per-block values ``[..., row_num_blocks(r)]`` from ``seg_vals`` ``[..., K]`` (segments of range r)."""
+        n = self.row_num_blocks(r)
+        if self.block_size is not None:
+            return seg_vals.narrow(-1, 0, n).clone(memory_format=torch.contiguous_format)
+        assert self.seg_blocks is not None
+        return seg_vals.repeat_interleave(self.seg_blocks[r], dim=seg_vals.dim() - 1, output_size=n)
+
+
+@dataclass
+class _Rows:
+    """The host-side plan of a layout: python ints only (no tensor), shared by the builder and the byte count."""
+
+    bounds: list[int]
+    sizes: list[int]
+    chunk: int
+    granule: int
+    k: int
+    pad_group: int
+    rows: list[list[tuple[int, int]]]  # tensor scaling: (length, group) of each segment of each range
+
+
+def _plan_rows(offsets, numels, bounds, dp_size: int, scaling: str, block_size: int, granule: int) -> _Rows:
+    if isinstance(bounds, int):
+        bounds = [r * bounds for r in range(dp_size + 1)]
+    bounds = [int(b) for b in bounds]
+    if len(bounds) != dp_size + 1 or bounds[0] != 0:
+        raise ValueError(
+            f"range bounds {bounds[:3]}... ({len(bounds)} of them) for dp_size={dp_size}: give dp_size + 1 "
+            f"boundaries starting at 0"
+        )
+    sizes = [bounds[r + 1] - bounds[r] for r in range(dp_size)]
+    chunk = sizes[0] if all(n == sizes[0] for n in sizes) else -1
+    rows: list[list[tuple[int, int]]] = []
+    if scaling == "block":
+        bad = [n for n in sizes if n % block_size]
+        if bad:
+            raise ValueError(f"chunk {bad[0]} is not a multiple of comm.block_size={block_size}")
+        return _Rows(bounds, sizes, chunk, block_size, max(1, max(sizes) // block_size), bounds[-1] // block_size, [])
+    if scaling != "tensor":
+        raise ValueError(f"comm.scaling={scaling!r} is not supported; choose tensor or block")
+    pad_group = len(numels)
+    spans = sorted((off, off + n, i) for i, (off, n) in enumerate(zip(offsets, numels)) if n > 0)
+    for r in range(dp_size):
+        lo, hi = bounds[r], bounds[r + 1]
+        row, pos = [], lo
+        for s, e, i in spans:
+            s, e = max(s, lo), min(e, hi)
+            if s >= e:
+                continue
+            if s > pos:
+                row.append((s - pos, pad_group))
+            row.append((e - s, i))
+            pos = e
+        if pos < hi:
+            row.append((hi - pos, pad_group))
+        rows.append(row)
+    bad = [(r, n) for r, row in enumerate(rows) for n, _ in row if n % granule]
+    if bad:
+        r, n = bad[0]
+        raise ValueError(
+            f"range {r} has a scale segment of {n} elements, not a multiple of "
+            f"the codec granule {granule}: parameter offsets, extents and rank ranges must be "
+            f"aligned to the reducer's alignment() (plan the bucket with align={granule})"
+        )
+    return _Rows(bounds, sizes, chunk, granule, max(1, max(len(r) for r in rows)), pad_group, rows)
+
+
+def layout_table_bytes(
+    offsets: list[int], numels: list[int], bounds, dp_size: int, scaling: str, block_size: int, granule: int = 1
+) -> int:
+    """Bytes of the tensors :func:`build_scale_layout` keeps for these arguments (:meth:`ScaleLayout.table_bytes`),
+    from python ints alone: no tensor is built. Tensor scaling: ``dp x K`` int64 groups, int32 blocks per segment
+    and bool padding flags, plus ``num_groups`` FP32 zeros; block scaling: ``dp`` int64 and int32 entries and ``K``
+    int32 ones.
+
+    Raises:
+        ValueError: as :func:`build_scale_layout`.
+    """
+    p = _plan_rows(offsets, numels, bounds, dp_size, scaling, block_size, granule)
+    if scaling == "block":
+        return (8 + 4) * dp_size + 4 * p.k
+    return (8 + 4 + 1) * dp_size * p.k + 4 * (p.pad_group + 1)
 
 
 def build_scale_layout(
     offsets: list[int], numels: list[int], bounds, dp_size: int, scaling: str, block_size: int, device, granule: int = 1
 ) -> ScaleLayout:
-    """Segment and block tables for a bucket whose parameter i occupies ``[offsets[i], offsets[i] + numels[i])``
-    (``numels[i]`` may include the alignment padding after it: its scale group then covers that padding).
+    """The segment tables (:class:`ScaleLayout`) of a bucket whose parameter i occupies
+    ``[offsets[i], offsets[i] + numels[i])`` (``numels[i]`` may include the alignment padding after it: its scale
+    group then covers that padding). Every tensor is made here, from python lists (so also under a fake tensor
+    mode), and placed on ``device``.
 
     Args:
         bounds: the ``dp_size + 1`` rank-range boundaries, or an int ``chunk`` (even ranges).
         scaling: ``tensor`` (one group per parameter) or ``block`` (one per ``block_size`` elements).
-        granule: elements per block of the block tables for tensor scaling (block scaling uses ``block_size``).
-            Every segment must be a multiple of it.
+        granule: elements per block for tensor scaling (block scaling uses ``block_size``). Every segment
+            must be a multiple of it.
+        device: where the tables live (their bytes: :func:`layout_table_bytes`).
 
     Raises:
-        ValueError: a range or segment that is not a multiple of the granule (block size), or an unknown scaling.
+        ValueError: a range or segment that is not a multiple of the granule (block size), ``dp_size + 1``
+            bounds starting at 0 missing, or an unknown scaling.
     """
-    if isinstance(bounds, int):
-        bounds = [r * bounds for r in range(dp_size + 1)]
-    sizes = [bounds[r + 1] - bounds[r] for r in range(dp_size)]
-    even = all(n == sizes[0] for n in sizes)
-    chunk = sizes[0] if even else -1
+    p = _plan_rows(offsets, numels, bounds, dp_size, scaling, block_size, granule)
+    g, k = p.granule, p.k
+    block_bounds = [b // g for b in p.bounds]
+    layout = ScaleLayout(dp_size, k, p.pad_group + 1, p.chunk, None, p.sizes, g, block_bounds)
+
+    def table(values, dtype):
+        return torch.tensor(values, dtype=dtype, device="cpu").to(device)
+
     if scaling == "block":
-        bad = [n for n in sizes if n % block_size]
-        if bad:
-            raise ValueError(f"chunk {bad[0]} is not a multiple of comm.block_size={block_size}")
-        granule = block_size
-        k = max(1, max(sizes) // block_size)
-        n_blocks = bounds[-1] // block_size
-        pad_group = n_blocks
-        rows = [
-            [(block_size, bounds[r] // block_size + j) for j in range(sizes[r] // block_size)] for r in range(dp_size)
-        ]
-    elif scaling == "tensor":
-        pad_group = len(numels)
-        rows = []
-        spans = sorted((off, off + n, i) for i, (off, n) in enumerate(zip(offsets, numels)) if n > 0)
-        for r in range(dp_size):
-            lo, hi = bounds[r], bounds[r + 1]
-            row, pos = [], lo
-            for s, e, i in spans:
-                s, e = max(s, lo), min(e, hi)
-                if s >= e:
-                    continue
-                if s > pos:
-                    row.append((s - pos, pad_group))
-                row.append((e - s, i))
-                pos = e
-            if pos < hi:
-                row.append((hi - pos, pad_group))
-            rows.append(row)
-        bad = [(r, n) for r, row in enumerate(rows) for n, _ in row if n % granule]
-        if bad:
-            raise ValueError(
-                f"range {bad[0][0]} has a scale segment of {bad[0][1]} elements, not a multiple of "
-                f"the codec granule {granule}: parameter offsets, extents and rank ranges must be "
-                f"aligned to the reducer's alignment() (plan the bucket with align={granule})"
-            )
-        k = max(1, max(len(r) for r in rows))
-    else:
-        raise ValueError(f"comm.scaling={scaling!r} is not supported; choose tensor or block")
-    lengths = torch.zeros((dp_size, k), dtype=torch.int64, device="cpu")
-    groups = torch.full((dp_size, k), pad_group, dtype=torch.int64, device="cpu")
-    for r, row in enumerate(rows):
-        if row:
-            lengths[r, : len(row)] = torch.tensor([n for n, _ in row], device="cpu")
-            groups[r, : len(row)] = torch.tensor([g for _, g in row], device="cpu")
-    nblk = (lengths // granule).reshape(-1)  # blocks per segment
-    total = sum(n // granule for row in rows for n, _ in row)  # known on the host: no data-dependent shape
-    block_group = groups.reshape(-1).repeat_interleave(nblk, output_size=total)
-    block_seg = torch.arange(k, device="cpu").expand(dp_size, k).reshape(-1).repeat_interleave(nblk, output_size=total)
-    block_flat = torch.arange(dp_size * k, device="cpu").repeat_interleave(nblk, output_size=total)
-    block_bounds = [b // granule for b in bounds]
-    return ScaleLayout(
-        lengths.to(device),
-        groups.to(device),
-        pad_group + 1,
-        chunk,
-        block_size if scaling == "block" else None,
-        sizes,
-        granule,
-        block_group.to(device),
-        block_seg.to(device),
-        block_flat.to(device),
-        block_bounds,
-    )
+        layout.block_size = block_size
+        layout.first_block = table([[b] for b in block_bounds[:-1]], torch.int64)
+        layout.row_blocks = table([[n // g] for n in p.sizes], torch.int32)
+        layout.seg_index = torch.arange(k, dtype=torch.int32, device="cpu").to(device)
+        return layout
+    pad = [(0, p.pad_group)] * k
+    full = [(row + pad)[:k] for row in p.rows]
+    layout.groups = table([[grp for _, grp in row] for row in full], torch.int64)
+    layout.seg_blocks = table([[n // g for n, _ in row] for row in full], torch.int32)
+    layout.empty = table([[j >= len(row) for j in range(k)] for row in p.rows], torch.bool)
+    layout.amax_base = torch.zeros(p.pad_group + 1, dtype=torch.float32, device="cpu").to(device)
+    return layout

@@ -7,7 +7,8 @@ Parameters start 16-aligned and their segment covers the padding after them (:mo
 granule 16), so no block holds two parameters and a TP-replicated norm weight is encoded the same on every
 TP rank.
 
-The global scale reaches each 16-element block through the constant block-to-segment table. With
+The global scale reaches each 16-element block through the layout's per-block values (derived from its
+per-segment tables in each reduction, :mod:`.scale_layout`). With
 ``comm.compile`` each step is one ``torch.compile`` graph: the block amax (shared with the global scale's
 amax), the block scales (vectorised over blocks), the element codes with their packing, and on the receive
 side the unpacking and the sum over DP.
