@@ -16,7 +16,8 @@ Reported per setting: the median over steps of rank 0's figures, and the fastest
 step clips (a clipping step discards its early updates; see ``megatron_geo/distributed/early_muon.py``).
 
 Configs: ``configs/tiny.yaml`` as it is, and ``configs/llama_600m.yaml`` cut to ``--llama-layers`` layers with a short
-sequence (the Muon matrices keep the 600M model's shapes, 1536x4096 and 1536x1536; what changes is their number).
+sequence and a 512-token vocabulary (the Muon matrices keep the 600M model's shapes, 1536x4096, 1536x1536 and
+768x1536; what changes is their number; the embedding and output layer are AdamW's).
 What CPU figures cannot show: on a GPU the early orthogonalisation runs in the gradient sync's side stream beside
 the rest of backward, which a CPU process (one thread doing backward and Newton-Schulz in turn) cannot do; here it
 can only overlap the gloo transfers of later buckets.
@@ -140,6 +141,7 @@ def main() -> None:
                 "train.global_batch_size=2",
                 "train.micro_batch_size=1",
                 "train.param_dtype=fp32",
+                "model.vocab_size=512",  # the embedding is not a Muon matrix; a small one keeps 4 models in memory
             ],
         ),
     ]
