@@ -62,3 +62,216 @@ def test_split_newton_schulz_rejects_bad_blocks():
         split_orthogonalize([w[:4], w[4:]], [0, 1], [0, 5, 10], "quintic", COEFFS, 5, EPS, torch.float32, ar, ex)
     with pytest.raises(ValueError, match="muon_ns"):
         split_orthogonalize([w[:5], w[5:]], [0, 1], [0, 5, 10], "cubic", COEFFS, 5, EPS, torch.float32, ar, ex)
+
+
+# -- the optimizer step of a split plan with real gloo processes -----------------------------------------------------
+
+
+def _run(rank, world, overrides, steps, save_at=None, ckpt=None, resume=False):
+    """``steps`` training steps of the tiny model (after resuming from ``ckpt`` when ``resume``; saving there after
+    step ``save_at``): losses, final parameters, how many main params are split row blocks, and this rank's pieces
+    with their optimizer state as loaded (``resume``) or as saved (``save_at``)."""
+    from ckpt_helpers import local_state
+    from helpers import global_batch, pctx_for, rank_micro_batches, tiny_cfg
+    from megatron_geo.training.checkpointing import Checkpointer
+    from megatron_geo.training.setup import build_model_and_optimizer
+    from megatron_geo.training.step import train_step
+
+    extra = [f"checkpoint.dir={ckpt}", f"train.run_dir={ckpt}"] if ckpt else []
+    # 24 samples: whole micro-batches of 2 at DP 3 and 4 (the same global batch either way)
+    cfg = tiny_cfg("optimizer.name=muon", "train.global_batch_size=24", *extra, *overrides)
+    pctx = pctx_for(1)
+    model, buckets, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
+    ck = Checkpointer(cfg, pctx, model, opt, reducer, reducer.geo, lambda m: None) if ckpt else None
+    start, loaded = 0, None
+    if resume:
+        start, _, _ = ck.resume()
+        loaded = local_state(opt)
+    losses = []
+    for step in range(start, start + steps):
+        mbs = rank_micro_batches(global_batch(cfg, step), 2, pctx.dp_rank, pctx.dp_size)
+        losses.append(train_step(model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad, step=step).loss)
+        if save_at is not None and step + 1 == save_at:
+            ck.save(step + 1, (step + 1) * cfg.train.global_batch_size)
+            loaded = local_state(opt)
+    n_split = sum(1 for m in opt.mains if m.split is not None)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, params, n_split, loaded
+
+
+def _close(a: dict, b: dict, tol: float) -> None:
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], rtol=0, atol=tol, msg=lambda m: f"{n}: {m}")
+
+
+# FP32 rounding of 3 Muon steps of the tiny model (lr 1e-2): the same bound the DP = 3 equivalence test of
+# test_sharding uses for whole-matrix plans against a single process (reordered FP32 sums, amplified through
+# the loss of later steps).
+TOL = 1e-5
+
+
+@pytest.mark.parametrize(
+    "world,split,ns", [(3, "2", "quintic"), (4, "4", "quintic"), (3, "3", "gram"), (4, "2", "gram")]
+)
+def test_split_plan_steps_like_the_whole_matrix_plan(world, split, ns):
+    from dist_harness import run_distributed
+
+    whole = run_distributed(_run, world, ["optimizer.muon_split=off", f"optimizer.muon_ns={ns}"], 3)
+    got = run_distributed(_run, world, [f"optimizer.muon_split={split}", f"optimizer.muon_ns={ns}"], 3)
+    assert all(o[2] == 0 for o in whole)
+    assert sum(o[2] for o in got) >= int(split), [o[2] for o in got]  # row blocks exist
+    for (lw, pw, *_), (ls, ps, *_) in zip(whole, got):
+        torch.testing.assert_close(torch.tensor(ls), torch.tensor(lw), rtol=0, atol=TOL)
+        _close(ps, pw, TOL)
+    for n in got[0][1]:  # the gather leaves every rank with the same parameters
+        assert all(torch.equal(got[0][1][n], o[1][n]) for o in got), n
+
+
+def test_split_plan_resumes_bitwise_and_across_split_and_whole_plans(tmp_path):
+    from ckpt_helpers import assemble
+    from dist_harness import run_distributed
+    from helpers import tiny_cfg
+
+    vocab = tiny_cfg().model.vocab_size
+    split, whole = str(tmp_path / "split"), str(tmp_path / "whole")
+    straight = run_distributed(_run, 4, ["optimizer.muon_split=2"], 3)
+    saved = {
+        split: run_distributed(_run, 4, ["optimizer.muon_split=2"], 2, 2, split),
+        whole: run_distributed(_run, 4, ["optimizer.muon_split=off"], 2, 2, whole),
+    }
+    same = run_distributed(_run, 4, ["optimizer.muon_split=2"], 1, None, split, True)
+    for (ls, ps, *_), (lr_, pr, *_) in zip(straight, same):
+        assert ls[-1] == lr_[0]
+        for n in ps:
+            assert torch.equal(ps[n], pr[n]), n  # bitwise: the same plan, the same operations
+    # a split checkpoint into a whole-matrix plan at DP 3, a whole-matrix one into a split plan at DP 4
+    to_whole = run_distributed(_run, 3, ["optimizer.muon_split=off"], 1, None, split, True)
+    to_split = run_distributed(_run, 4, ["optimizer.muon_split=2"], 1, None, whole, True)
+    assert sum(o[2] for o in saved[split]) > 0 and sum(o[2] for o in to_split) > 0
+    assert all(o[2] == 0 for o in to_whole) and all(o[2] == 0 for o in saved[whole])
+    for src, dst in ((split, to_whole), (whole, to_split), (split, same)):
+        ref = assemble([o[3] for o in saved[src]], 1, vocab)
+        loaded = assemble([o[3] for o in dst], 1, vocab)
+        assert loaded.keys() == ref.keys()
+        for name in ref:
+            for key, a in ref[name].items():
+                b = loaded[name][key]
+                assert (a == b) if isinstance(a, float) else torch.equal(a, b), (name, key)  # resharding is exact
+    for (ls, ps, *_), (lo, po, *_) in zip(straight, to_whole):  # then one step of either plan: FP32 rounding
+        torch.testing.assert_close(torch.tensor(lo[0]), torch.tensor(ls[-1]), rtol=0, atol=TOL)
+        _close(po, ps, TOL)
+
+
+# -- the plan --------------------------------------------------------------------------------------------------------
+
+
+def _random_specs(rnd, policy):
+    from megatron_geo.distributed.shard_plan import ParamSpec, newton_schulz_flops
+
+    specs = []
+    for _ in range(rnd.randint(2, 14)):
+        if rnd.random() < 0.6:
+            rows, cols = rnd.choice([8, 12, 33, 64, 96]), rnd.choice([8, 16, 24, 40])
+            ns = rnd.choice(["quintic", "gram"])
+            f = newton_schulz_flops((rows, cols), ns=ns)
+            specs.append(ParamSpec(rows * cols, True, f, 1, rows, cols, ns, policy))
+        else:
+            n = rnd.randint(1, 900)
+            specs.append(ParamSpec(n, False, 12.0 * n))
+    return specs
+
+
+def test_split_plans_cover_every_element_once_in_contiguous_aligned_row_blocks():
+    import random
+
+    from megatron_geo.distributed.shard_plan import plan_model
+
+    rnd = random.Random(5)
+    n_split = 0
+    for _ in range(300):
+        policy = rnd.choice(["2", "3", "4", "auto"])
+        specs = _random_specs(rnd, policy)
+        dp, align = rnd.choice([2, 3, 4, 5, 8]), rnd.choice([1, 4, 16])
+        for idx, pl in plan_model(specs, rnd.choice([50, 500, 5000]), dp, align):
+            assert all(b % align == 0 for b in pl.bounds) and pl.bounds == sorted(pl.bounds)
+            seen = {j: [] for j in range(len(idx))}
+            for r in range(dp):
+                for pc in pl.pieces[r]:
+                    assert pl.bounds[r] <= pc.buffer_start and pc.buffer_start + pc.numel <= pl.bounds[r + 1]
+                    assert pc.buffer_start == pl.offsets[pc.index] + pc.param_start  # the parameter is contiguous
+                    seen[pc.index].append((pc.param_start, pc.param_end, r))
+            for j, spans in seen.items():
+                spans.sort()
+                assert spans[0][0] == 0 and spans[-1][1] == specs[idx[j]].numel
+                assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+                sp = pl.splits.get(j)
+                if specs[idx[j]].atomic and sp is None:
+                    assert len(spans) == 1  # whole
+                if sp is not None:
+                    n_split += 1
+                    assert specs[idx[j]].atomic and sp.first % sp.size == 0 and sp.first + sp.size <= dp
+                    assert [r for *_, r in spans] == list(range(sp.first, sp.first + sp.size))  # member order
+                    assert [a for a, *_ in spans] == [c * sp.cols for c in sp.row_cuts[:-1]]
+                    assert all(c * sp.cols % align == 0 for c in sp.row_cuts[:-1])
+                    for k in range(1, sp.size - 1):  # a middle member's range is its block alone
+                        assert pl.bounds[sp.first + k + 1] - pl.bounds[sp.first + k] == spans[k][1] - spans[k][0]
+    assert n_split > 100
+
+
+def test_auto_split_keeps_the_whole_matrix_plan_where_it_balances():
+    from megatron_geo.analysis.plan_report import meta_model_params, plan_layout
+    from megatron_geo.config import load_config
+
+    for name in ("llama_600m", "llama_300m"):
+        auto = load_config([f"configs/{name}.yaml"], [])
+        off = load_config([f"configs/{name}.yaml"], ["optimizer.muon_split=off"])
+        params = meta_model_params(auto)
+        for dp in (8, 64):
+            a, b = plan_layout(auto, dp, params), plan_layout(off, dp, params)
+            assert [(n, p.bounds, p.offsets, p.pieces) for n, p in a] == [
+                (n, p.bounds, p.offsets, p.pieces) for n, p in b
+            ]
+            assert not any(p.splits for _, p in a)
+        assert any(p.splits for _, p in plan_layout(auto, 128, params))
+
+
+def test_flop_model_counts_what_each_member_does():
+    """The quintic and Gram counts against a count of the products :func:`orthogonalize` and the split iteration
+    perform (a matrix product ``[a, b] x [b, c]`` is ``2 a b c`` FLOPs), traced with torch's FLOP counter."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_geo.distributed.shard_plan import Split, newton_schulz_flops
+    from megatron_geo.distributed.split_plan import split_member_flops
+
+    for shape in [(96, 40), (40, 96), (48, 48)]:
+        for ns in ("quintic", "gram"):
+            w = torch.randn(shape)
+            with FlopCounterMode(display=False) as fc:
+                orthogonalize(w, ns, COEFFS, 5, EPS, torch.float32)
+            assert newton_schulz_flops(shape, ns=ns) == pytest.approx(fc.get_total_flops(), rel=0.02), (shape, ns)
+            cuts = (0, shape[0] // 4, shape[0])
+            sp = Split(0, cuts, shape[1])
+            ar, ex = local_group(2)
+            blocks = [w[cuts[0] : cuts[1]], w[cuts[1] :]]
+            col = tuple(c * shape[1] // shape[0] for c in cuts)
+            for k in range(2):  # member k alone: the other member's block in the group is not counted
+                with FlopCounterMode(display=False) as fc:
+                    x = blocks[k].T if shape[0] >= shape[1] else w[:, col[k] : col[k + 1]]
+                    from megatron_geo.optim.split_ns import split_gram, split_quintic
+
+                    fn = split_gram if ns == "gram" and shape[0] != shape[1] else split_quintic
+                    fn([x], COEFFS, 5, EPS, torch.float32, lambda parts: parts[0])
+                assert split_member_flops(sp, k, ns) == pytest.approx(fc.get_total_flops(), rel=0.02), (shape, ns, k)
+
+
+def test_muon_split_setting_is_checked():
+    from helpers import tiny_cfg
+    from megatron_geo.config import ConfigError
+    from megatron_geo.distributed.ownership import param_specs
+
+    infos = [("w", (8, 4), True)]
+    for bad in ("1", "two", "-2", "0"):
+        with pytest.raises(ConfigError, match="optimizer.muon_split"):
+            param_specs(tiny_cfg("optimizer.name=muon", f"optimizer.muon_split={bad}"), infos, 1)
+    (s,) = param_specs(tiny_cfg("optimizer.name=muon", "optimizer.muon_split=4"), infos, 1)
+    assert (s.rows, s.cols, s.split, s.atomic) == (8, 4, "4", True)

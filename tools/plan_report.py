@@ -43,6 +43,17 @@ def _fmt_rank(tag: str, r: dict) -> list[str]:
     ]
 
 
+def _fmt_split(f: dict) -> list[str]:
+    s = f.get("muon_split", {})
+    if not s.get("matrices"):
+        return []
+    return [
+        f"  Muon split: {s['matrices']} matrices by rows over groups of {s['group_size']} DP ranks, "
+        f"{s['member_flops_min'] / 1e9:,.1f}-{s['member_flops_max'] / 1e9:,.1f} GFLOP per member; group traffic "
+        f"(Gram all-reduces + wide re-layouts) {s['group_bytes_per_rank'] / 1e6:,.1f} MB per rank per step"
+    ]
+
+
 def report_text(f: dict) -> str:
     lines = [
         f"DP={f['dp']} TP={f['tp']} | {f['config']['optimizer']} | comm.dtype={f['config']['comm.dtype']} "
@@ -56,6 +67,7 @@ def report_text(f: dict) -> str:
         f"  optimizer FLOPs max/mean {f['optimizer_flops_max_over_mean']:.3f}; owned elements max/mean "
         f"{f['elements_owned_max_over_mean']:.3f}; codec scratch (largest bucket, transient) "
         f"{f['codec_scratch_bytes'] / GiB:.2f} GiB",
+        *_fmt_split(f),
         *_fmt_rank("rank 0", f["rank0"]),
         *_fmt_rank(f"rank {f['worst_rank']['rank']} (most wire bytes)", f["worst_rank"]),
         *_fmt_rank(f"rank {f['most_memory_rank']['rank']} (most persistent memory)", f["most_memory_rank"]),
@@ -64,8 +76,11 @@ def report_text(f: dict) -> str:
 
 
 def markdown_row(name: str, f: dict) -> str:
+    s = f.get("muon_split", {})
+    split = f"{s['matrices']} x {s['group_size']}" if s.get("matrices") else "-"
     return (
         f"| {name} | {f['dp']} | {f['padding_ratio']:.4f} | {f['optimizer_flops_max_over_mean']:.3f} | "
+        f"{f['optimizer_flops_max'] / 1e9:,.1f} | {f['elements_owned_max_over_mean']:.3f} | {split} | "
         f"{f['wire_bytes_per_rank'] / max(f['even_reduce_scatter_bytes'], 1):.3f} | "
         f"{f['gather_bytes_per_rank'] / max(f['even_all_gather_bytes'], 1):.3f} | "
         f"{f['persistent_bytes_per_rank'] / GiB:.2f} |"
@@ -73,8 +88,9 @@ def markdown_row(name: str, f: dict) -> str:
 
 
 MD_HEADER = (
-    "| config | DP | padding_ratio | optimizer FLOPs max/mean | wire bytes / even reduce-scatter | "
-    "gather bytes / even all-gather | persistent GiB per rank |\n|---|---|---|---|---|---|---|"
+    "| config | DP | padding_ratio | optimizer FLOPs max/mean | max GFLOP | owned elements max/mean | "
+    "Muon split (matrices x group) | wire bytes / even reduce-scatter | gather bytes / even all-gather | "
+    "persistent GiB per rank |\n|---|---|---|---|---|---|---|---|---|---|"
 )
 
 

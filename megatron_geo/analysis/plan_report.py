@@ -16,8 +16,14 @@
   :attr:`~megatron_geo.comm.formats.WireFormat.bytes_per_element` (FP32 4, BF16 2, FP8 1 (+ 4 / block_size
   with block scaling), NVFP4 0.5625; per-tensor scales, a few bytes per parameter, are left out);
 - the parameter gather after the step (``S - own`` per bucket, in the parameter dtype);
-- optimizer FLOPs per rank (Newton-Schulz ``~4 k^2 K + 2 k^3`` per iteration for Muon matrices, 12 per
-  element for AdamW) and ``optimizer_flops_max_over_mean``;
+- optimizer FLOPs per rank (Newton-Schulz ``~4 k^2 K + 2 k^3`` per iteration for Muon matrices, or the Gram
+  form's count with ``optimizer.muon_ns=gram``; 12 per element for AdamW) and ``optimizer_flops_max_over_mean``;
+  a member of a Muon matrix split over a group of DP ranks (:mod:`megatron_geo.distributed.split_plan`) counts its
+  share of the ``k^2 K`` products plus the whole replicated ``[k, k]`` polynomial;
+- ``muon_split``: the split matrices (how many, the group size, FLOPs per member) and the group traffic per rank
+  per step: the Gram all-reduces (ring: ``2 (g - 1) / g`` of ``k^2`` elements each, the first in FP32, the others
+  in the Newton-Schulz dtype: BF16 unless ``optimizer.muon_ns_dtype=fp32``, as on GPUs) and, for wide matrices,
+  the two block exchanges (the rows of the other members' columns, FP32 there and the Newton-Schulz dtype back);
 - the codec scratch of the largest bucket (transient, not persistent): the send codes, the receive buffer of
   ``dp x own`` codes and its FP32 decode.
 
@@ -34,6 +40,7 @@ from ..comm.formats import comm_alignment, get_format
 from ..config import Config, ConfigError
 from ..distributed.ownership import ParamInfo, param_infos, param_specs
 from ..distributed.shard_plan import ADAMW_FLOPS_PER_ELEMENT, ShardPlan, plan_model
+from ..distributed.split_plan import gram_reductions, relayout_elements, split_member_flops
 
 
 @dataclass(frozen=True)
@@ -124,6 +131,20 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
     flops = [0.0] * dp_size
     muon_own = [0] * dp_size
     scratch = 0.0
+    ns = cfg.optimizer.muon_ns
+    ns_b = 4 if cfg.optimizer.muon_ns_dtype == "fp32" else 2
+    group_bytes = [0.0] * dp_size  # Gram all-reduces + block exchanges of split matrices, sent per step
+    n_split, sizes_split, member_fl = 0, set(), []
+    for _, pl in plans:
+        for sp in pl.splits.values():
+            n_split += 1
+            sizes_split.add(sp.size)
+            k = min(sp.rows, sp.cols)
+            ring = 2 * (sp.size - 1) / sp.size * k * k
+            for mem in range(sp.size):
+                member_fl.append(split_member_flops(sp, mem, ns))
+                group_bytes[sp.first + mem] += ring * (4 + (gram_reductions(sp, ns) - 1) * ns_b)
+                group_bytes[sp.first + mem] += relayout_elements(sp, mem) * (4 + ns_b)
     for idx, pl in plans:
         S = pl.buffer_numel
         sizes = pl.sizes
@@ -133,7 +154,11 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
             recv[r] += ((dp_size - 1) * sizes[r] if all_to_all else S - sizes[r]) * wire_b
             for pc in pl.pieces[r]:
                 s = specs[idx[pc.index]]
-                flops[r] += s.flops if pc.numel == s.numel else ADAMW_FLOPS_PER_ELEMENT * pc.numel
+                if pc.index in pl.splits:
+                    sp = pl.splits[pc.index]
+                    flops[r] += split_member_flops(sp, sp.member(r), ns)
+                else:
+                    flops[r] += s.flops if pc.numel == s.numel else ADAMW_FLOPS_PER_ELEMENT * pc.numel
                 if muon and back[idx[pc.index]][2]:
                     muon_own[r] += pc.numel
         if all_to_all:  # send codes + receive dp x own codes + their FP32 decode
@@ -211,6 +236,13 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
         "elements_owned_max_over_mean": max(own) / (sum(own) / dp_size) if sum(own) else 1.0,
         "persistent_bytes_per_rank": max(rank_bytes(r)["persistent_bytes"] for r in range(dp_size)),
         "codec_scratch_bytes": scratch,
+        "muon_split": {
+            "matrices": n_split,
+            "group_size": max(sizes_split, default=1),
+            "member_flops_max": max(member_fl, default=0.0),
+            "member_flops_min": min(member_fl, default=0.0),
+            "group_bytes_per_rank": max(group_bytes),
+        },
         "rank0": rank_bytes(0),
         "worst_rank": {"rank": worst, **rank_bytes(worst)},  # the most wire bytes
         "most_memory_rank": {"rank": most_mem, **rank_bytes(most_mem)},

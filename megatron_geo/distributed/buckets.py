@@ -49,6 +49,7 @@ def build_buckets(
     align: int = 1,
     flops_fn=default_flops,
     granule_fn=None,
+    spec_fn=None,
 ) -> list[Bucket]:
     """Group parameters into buckets and move them into contiguous buffers.
 
@@ -61,10 +62,14 @@ def build_buckets(
         flops_fn: ``param -> float``, optimizer FLOPs per step of owning ``param`` (balances ownership).
         granule_fn: ``param -> int``, a non-atomic parameter is cut only at multiples of this many elements
             (default 1: anywhere).
+        spec_fn: ``param -> ParamSpec``, the planner's whole view of ``param`` (with a Muon matrix's shape and split
+            rule, see :mod:`.split_plan`); when given, the three functions above are not used.
     """
     group = [(n, p) for n, p in reversed(named_params) if p.requires_grad]
     specs = [
-        ParamSpec(p.numel(), bool(atomic_fn(p)), float(flops_fn(p)), int(granule_fn(p)) if granule_fn else 1)
+        spec_fn(p)
+        if spec_fn is not None
+        else ParamSpec(p.numel(), bool(atomic_fn(p)), float(flops_fn(p)), int(granule_fn(p)) if granule_fn else 1)
         for _, p in group
     ]
     buckets = []

@@ -1,8 +1,10 @@
 """Distributed optimizer: FP32 main params and optimizer state for this DP rank's shard only.
 
 For each piece of a bucket this rank owns (see :mod:`.shard_plan`), a main param is created:
-the whole parameter (its own shape) for atomic pieces, or a flat FP32 slice for split pieces of
-element-wise (AdamW) parameters. ``main.grad`` is a persistent view into the bucket's FP32 gradient
+the whole parameter (its own shape) for atomic pieces, its row block ``[rows, cols]`` for a Muon matrix split
+over a group of DP ranks (:mod:`.split_plan`; updated by :class:`~.muon_groups.SplitMuon` over the group's
+:class:`~.muon_groups.MuonGroups`, created here once when the plan splits anything), or a flat FP32 slice for
+split pieces of element-wise (AdamW) parameters. ``main.grad`` is a persistent view into the bucket's FP32 gradient
 buffer, so the reduction writes straight into it. After the step the main params are copied into
 the bucket's parameter buffer and gathered over DP (Megatron's ZeRO-1 style distributed optimizer): one
 all-gather per bucket for even plans, one broadcast per owner range for whole-parameter plans.
@@ -29,6 +31,8 @@ from ..parallel import ParallelContext
 from ..parallel import collectives as C
 from ..parallel.trace import trace_range
 from .buckets import Bucket
+from .muon_groups import MuonGroups, SplitMuon
+from .shard_plan import Split
 
 
 class _Work(Protocol):
@@ -49,18 +53,22 @@ class MainParam:
     whole: bool
     count_in_norm: bool
     param_start: int = 0
+    split: Split | None = None  # the row split of a Muon matrix this main param is one member's block of
 
 
 def _make_main(bucket: Bucket, idx: int, start: int, end: int, buffer_start: int, tp_rank: int) -> MainParam:
     p = bucket.params[idx]
     whole = start == 0 and end == p.numel()
+    split = None if whole else bucket.plan.splits.get(idx)
     flat = p.detach().reshape(-1)[start:end]
     main = flat.float().clone().view_as(p) if whole else flat.float().clone()
+    if split is not None:  # a row block [rows, cols] of the matrix
+        main = main.view(-1, split.cols)
     g = bucket.grad_data[buffer_start : buffer_start + (end - start)]
     main.grad = g.view_as(main)
     # TP-replicated parameters (norm weights) hold identical grads on all TP ranks: count once.
     count = bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0
-    return MainParam(main, p, bucket.names[idx], bucket, buffer_start, whole, count, start)
+    return MainParam(main, p, bucket.names[idx], bucket, buffer_start, whole, count, start, split)
 
 
 class DistributedOptimizer:
@@ -88,15 +96,26 @@ class DistributedOptimizer:
             else:
                 for i, p in enumerate(b.params):
                     self.mains.append(_make_main(b, i, 0, p.numel(), b.plan.offsets[i], pctx.tp_rank))
+        sizes = {sp.size for b in buckets for sp in b.plan.splits.values()} if sharded else set()
+        if len(sizes) > 1:
+            raise ValueError(f"the shard plan splits Muon matrices over groups of different sizes {sorted(sizes)}")
+        # every rank holds every bucket's plan, so all create the groups (or none), in the same order
+        self.muon_groups = MuonGroups.create(pctx, sizes.pop()) if sizes else None
         self.optimizers = self._build_optimizers()
 
     def _build_optimizers(self) -> list[torch.optim.Optimizer]:
         c = self.cfg
-        muon, decay, no_decay = [], [], []
+        muon, decay, no_decay, split = [], [], [], []
         for m in self.mains:
             if c.name == "muon" and getattr(m.param, "use_muon", False):
+                if m.split is not None:
+                    split.append(m)
+                    continue
                 if not m.whole:
-                    raise RuntimeError(f"Muon parameter {m.name} is split across DP ranks; it must be atomic")
+                    raise RuntimeError(
+                        f"Muon parameter {m.name} is cut across DP ranks outside a row split of the plan; it must "
+                        f"be atomic or split by rows (optimizer.muon_split)"
+                    )
                 muon.append(m.main)
             elif m.param.ndim >= 2:
                 decay.append(m.main)
@@ -123,6 +142,23 @@ class DistributedOptimizer:
                     ns_dtype=c.muon_ns_dtype,
                     ns=c.muon_ns,
                     early=c.muon_overlap,
+                    lr=c.lr,
+                    weight_decay=c.weight_decay,
+                    momentum=c.muon_momentum,
+                    adjust_lr_fn=c.muon_adjust_lr_fn,
+                )
+            )
+        if split:
+            assert self.muon_groups is not None  # created in __init__ whenever a plan splits a matrix
+            on_cuda = self.pctx.device.type == "cuda"
+            bf16 = c.muon_ns_dtype == "bf16" or (c.muon_ns_dtype == "auto" and on_cuda)  # as build_muon
+            opts.append(
+                SplitMuon(
+                    [{"params": [m.main for m in split], "base_lr": c.lr}],
+                    self.muon_groups,
+                    {id(m.main): (m.split, tuple(m.param.shape)) for m in split},
+                    ns=c.muon_ns,
+                    ns_dtype=torch.bfloat16 if bf16 else torch.float32,
                     lr=c.lr,
                     weight_decay=c.weight_decay,
                     momentum=c.muon_momentum,

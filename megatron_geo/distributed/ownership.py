@@ -9,8 +9,12 @@ For every parameter that needs a gradient, :func:`param_specs` decides
   layers (``comm.transform=geo``) under the distributed optimizer keep whole rows on their owner (``G T`` mixes
   columns only and each row is inverted on its own), cut at a multiple of the reducer's alignment as well;
   every other parameter 1 (anywhere; the planner rounds cuts to the alignment);
-- *optimizer FLOPs* per step of owning it: :func:`~.shard_plan.newton_schulz_flops` for Muon matrices,
-  :data:`~.shard_plan.ADAMW_FLOPS_PER_ELEMENT` per element otherwise (element-wise AdamW / Muon's AdamW group).
+- *optimizer FLOPs* per step of owning it: :func:`~.shard_plan.newton_schulz_flops` for Muon matrices (of
+  ``optimizer.muon_ns``'s form: quintic, or Gram Newton-Schulz for rectangular matrices),
+  :data:`~.shard_plan.ADAMW_FLOPS_PER_ELEMENT` per element otherwise (element-wise AdamW / Muon's AdamW group);
+- *split*: a Muon matrix under the distributed optimizer carries its shape and ``optimizer.muon_split``, so the
+  planner may split it by rows over a small group of DP ranks where owning it whole cannot balance
+  (:mod:`.split_plan`).
 
 Without the distributed optimizer every rank owns everything, so nothing is atomic and nothing granular.
 """
@@ -20,7 +24,9 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 
+from ..config import ConfigError
 from .shard_plan import ADAMW_FLOPS_PER_ELEMENT, ParamSpec, newton_schulz_flops
+from .split_plan import parse_split
 
 ParamInfo = tuple[str, tuple[int, ...], bool]
 """``(name, local shape, use_muon)`` of one parameter (``use_muon``: Muon's orthogonalised group)."""
@@ -32,8 +38,8 @@ def param_specs(
     """The planner's view of every parameter, in the order of ``names_shapes``.
 
     Args:
-        cfg: the run's :class:`~megatron_geo.config.Config` (reads ``optimizer.name`` and
-            ``parallel.distributed_optimizer``).
+        cfg: the run's :class:`~megatron_geo.config.Config` (reads ``optimizer.name``, ``optimizer.muon_ns``,
+            ``optimizer.muon_split`` and ``parallel.distributed_optimizer``).
         names_shapes: ``(name, local shape, use_muon)`` of each parameter that needs a gradient.
         alignment: the reducer's alignment in elements (``comm_alignment(cfg.comm)``, >= 1): every rank's range
             and every parameter start is a multiple of it.
@@ -46,18 +52,29 @@ def param_specs(
 
     Raises:
         ValueError: ``alignment`` below 1.
+        ConfigError: ``optimizer.muon_split`` is not ``auto``, ``off`` or a group size >= 2.
     """
     if alignment < 1:
         raise ValueError(f"alignment={alignment} must be >= 1")
     muon = cfg.optimizer.name == "muon"
     sharded = cfg.parallel.distributed_optimizer
+    ns = cfg.optimizer.muon_ns
+    split = str(getattr(cfg.optimizer, "muon_split", "off"))
+    if muon:
+        try:
+            parse_split(split)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     specs = []
     for name, shape, use_muon in names_shapes:
         numel = math.prod(shape)
         matrix = muon and use_muon
-        flops = newton_schulz_flops(tuple(shape)) if matrix else ADAMW_FLOPS_PER_ELEMENT * numel
+        flops = newton_schulz_flops(tuple(shape), ns=ns) if matrix else ADAMW_FLOPS_PER_ELEMENT * numel
         row = shape[1] if sharded and name in geo_layers else 1
-        specs.append(ParamSpec(numel, sharded and matrix, float(flops), math.lcm(row, alignment) if row > 1 else 1))
+        spec = ParamSpec(numel, sharded and matrix, float(flops), math.lcm(row, alignment) if row > 1 else 1)
+        if sharded and matrix and len(shape) == 2:
+            spec.rows, spec.cols, spec.ns, spec.split = shape[0], shape[1], ns, split
+        specs.append(spec)
     return specs
 
 

@@ -41,6 +41,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..optim.muon import gram_restarts
+
 
 @dataclass
 class Piece:
@@ -56,14 +58,46 @@ class Piece:
         return self.param_end - self.param_start
 
 
+@dataclass(frozen=True)
+class Split:
+    """A Muon matrix ``[rows, cols]`` of a bucket owned by rows by the consecutive DP ranks ``first, first + 1,
+    ...`` (its *group*, ``size`` members): member k owns rows ``[row_cuts[k], row_cuts[k + 1])``, one contiguous
+    range of the flat parameter and of the bucket (see :mod:`.split_plan`)."""
+
+    first: int
+    row_cuts: tuple[int, ...]
+    cols: int
+
+    @property
+    def size(self) -> int:
+        return len(self.row_cuts) - 1
+
+    @property
+    def rows(self) -> int:
+        return self.row_cuts[-1]
+
+    def member(self, rank: int) -> int:
+        """The member index of DP rank ``rank`` (``0 .. size - 1``).
+
+        Raises:
+            ValueError: ``rank`` is not in the group.
+        """
+        if not self.first <= rank < self.first + self.size:
+            raise ValueError(f"DP rank {rank} is not in the group of ranks {self.first}..{self.first + self.size - 1}")
+        return rank - self.first
+
+
 @dataclass
 class ShardPlan:
     """Layout of one bucket: ``offsets[i]`` is where parameter i starts; ``pieces[r]`` what rank r owns;
-    rank r owns buffer elements ``[bounds[r], bounds[r + 1])`` (``len(bounds) == dp_size + 1``)."""
+    rank r owns buffer elements ``[bounds[r], bounds[r + 1])`` (``len(bounds) == dp_size + 1``);
+    ``splits[i]``: how parameter i (a Muon matrix) is split by rows over a group of ranks (empty: every atomic
+    parameter is owned whole)."""
 
     bounds: list[int]
     offsets: list[int]
     pieces: list[list[Piece]] = field(default_factory=list)
+    splits: dict[int, Split] = field(default_factory=dict)
 
     @property
     def dp_size(self) -> int:
@@ -184,27 +218,70 @@ ADAMW_FLOPS_PER_ELEMENT = 12.0
 """Approximate FLOPs of one AdamW update per element (moments, bias correction, sqrt, divide, decay)."""
 
 
-def newton_schulz_flops(shape: tuple[int, ...], steps: int = 5) -> float:
-    """FLOPs of Muon's Newton-Schulz orthogonalisation of an ``m x n`` matrix (``steps`` quintic iterations).
+def _gram_cube_products(steps: int) -> int:
+    """``[m, m] x [m, m]`` products of :func:`~megatron_geo.optim.muon.gram_newton_schulz` for ``steps`` steps
+    (counted along its loop: ``Z``, ``P Q`` unless ``Q`` is the identity, and ``S``, ``P R P`` unless the next
+    step restarts or there is none)."""
+    restart_at, count, identity = set(gram_restarts(steps)), 0, True
+    for t in range(steps):
+        if t > 0 and t in restart_at:
+            identity = True
+        count += 1 if identity else 2
+        identity = False
+        if t + 1 < steps and (t + 1) not in restart_at:
+            count += 2
+    return count
 
-    With ``k = min(m, n)``, ``K = max(m, n)`` one iteration forms ``A = X X^T`` (``2 k^2 K``), ``B = b A + c A^2``
-    (``2 k^3``) and ``B X`` (``2 k^2 K``): about ``4 k^2 K + 2 k^3``, i.e. ~ ``m n min(m, n)`` (Jordan et al. 2024).
+
+def newton_schulz_flops(shape: tuple[int, ...], steps: int = 5, ns: str = "quintic", share: float = 1.0) -> float:
+    """FLOPs of Muon's Newton-Schulz orthogonalisation of an ``m x n`` matrix, or of one member's part of it.
+
+    With ``k = min(m, n)``, ``K = max(m, n)`` (the wide orientation ``X`` ``[k, K]``):
+
+    - ``ns=quintic`` (or a square matrix): one iteration forms ``A = X X^T`` (``2 k^2 K``), ``B = b A + c A^2``
+      (``2 k^3``) and ``B X`` (``2 k^2 K``): ``steps (4 k^2 K + 2 k^3)``, i.e. ~ ``m n min(m, n)`` (Jordan et al.
+      2024);
+    - ``ns=gram`` (rectangular): :func:`~megatron_geo.optim.muon.gram_newton_schulz` touches ``X`` in
+      ``2 + 2 restarts`` ``[k, k] x [k, K]``-sized products and does the rest on ``[k, k]`` matrices: for 5 steps
+      with one restart ``2 (4 k^2 K + 14 k^3)`` FLOPs (Zhang, Amsel, Chen, Dao 2026).
+
+    ``share``: the fraction of the columns of ``X`` one member of a split group holds (:mod:`.split_plan`): the
+    ``k^2 K`` terms scale with it, the ``[k, k]`` polynomial is computed by every member alike (``share=0``: that
+    replicated part alone).
+
+    Raises:
+        ValueError: ``ns`` is not ``quintic`` or ``gram``, or ``share`` outside ``[0, 1]``.
     """
+    if ns not in ("quintic", "gram"):
+        raise ValueError(f"ns={ns!r} is not one of ('quintic', 'gram')")
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"share={share} must be in [0, 1]")
     m, n = shape[0], math.prod(shape[1:]) if len(shape) > 1 else 1
     k, big = min(m, n), max(m, n)
-    return float(steps) * (4.0 * k * k * big + 2.0 * k**3)
+    if ns == "gram" and m != n:
+        wide_products = 2 + 2 * len(gram_restarts(steps))
+        return 2.0 * (wide_products * k * k * big * share + _gram_cube_products(steps) * k**3)
+    return float(steps) * (4.0 * k * k * big * share + 2.0 * k**3)
 
 
 @dataclass
 class ParamSpec:
     """What the planner needs of one parameter: elements, whether one rank must own it whole, the optimizer
     FLOPs per step of owning it (``newton_schulz_flops`` for Muon, ~12 per element for AdamW), and the
-    granule a splittable parameter may be cut at."""
+    granule a splittable parameter may be cut at.
+
+    A Muon matrix that may instead be split by rows over a group of DP ranks (:mod:`.split_plan`) also gives its
+    ``rows`` and ``cols``, its Newton-Schulz form ``ns`` (for the members' FLOPs) and the split rule
+    ``split`` (``optimizer.muon_split``: ``off``, ``auto`` or a group size such as ``"2"``)."""
 
     numel: int
     atomic: bool
     flops: float
     granule: int = 1  # splittable only at multiples of this many elements from the start (e.g. a row)
+    rows: int = 0
+    cols: int = 0
+    ns: str = "quintic"
+    split: str = "off"
 
 
 def group_in_buckets(indices: list[int], numels: list[int], bucket_size: int) -> list[list[int]]:
@@ -370,12 +447,17 @@ def plan_model(
             (g, plan_shards([numels[i] for i in g], [False] * len(g), dp_size, align))
             for g in group_in_buckets(order, numels, bucket_size)
         ]
-    owner = assign_owners(specs, dp_size)
+    a_groups = group_in_buckets([i for i in order if specs[i].atomic], numels, bucket_size)
+    from .split_plan import plan_owners, split_bucket
+
+    owner, splits = plan_owners(specs, dp_size, align, {i: b for b, grp in enumerate(a_groups) for i in grp})
     atomic_el = [0] * dp_size
     for i, r in enumerate(owner):
-        if r >= 0:
+        if i in splits:
+            for k, rank in enumerate(range(splits[i].first, splits[i].first + splits[i].size)):
+                atomic_el[rank] += (splits[i].row_cuts[k + 1] - splits[i].row_cuts[k]) * splits[i].cols
+        elif r >= 0:
             atomic_el[r] += specs[i].numel
-    a_groups = group_in_buckets([i for i in order if specs[i].atomic], numels, bucket_size)
     s_groups = group_in_buckets([i for i in order if not specs[i].atomic], numels, bucket_size)
     # launch order = when a bucket's last gradient arrives in backward (the norms + embedding bucket goes last)
     groups = sorted([(g, True) for g in a_groups] + [(g, False) for g in s_groups], key=lambda t: max(t[0]))
@@ -384,10 +466,12 @@ def plan_model(
     for q in quotas:
         cuts.append(cuts[-1] + q)
     out, stream = [], 0
-    for g, is_atomic in groups:
-        if is_atomic:
-            out.append((g, _atomic_bucket(g, specs, owner, dp_size, align)))
+    for grp, is_atomic in groups:
+        if is_atomic and any(i in splits for i in grp):
+            out.append((grp, split_bucket(grp, specs, owner, splits, dp_size, align)))
+        elif is_atomic:
+            out.append((grp, _atomic_bucket(grp, specs, owner, dp_size, align)))
         else:
-            out.append((g, _splittable_bucket(g, specs, stream, cuts, align)))
-            stream += sum(numels[i] for i in g)
+            out.append((grp, _splittable_bucket(grp, specs, stream, cuts, align)))
+            stream += sum(numels[i] for i in grp)
     return out

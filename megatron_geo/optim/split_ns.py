@@ -146,6 +146,7 @@ def split_orthogonalize(
     dtype: torch.dtype,
     all_reduce: AllReduce,
     exchange: Exchange,
+    col_cuts: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
     """:func:`~megatron_geo.optim.muon.orthogonalize` of a ``[A, B]`` matrix held as row blocks by a group.
 
@@ -158,10 +159,10 @@ def split_orthogonalize(
         coeffs, steps, eps, dtype: as ``orthogonalize``.
         all_reduce, exchange: the group's collectives (module docstring). ``exchange`` is used only for a wide
             matrix (``A < B``): its row blocks are not column blocks of ``X = W``, so they are re-laid out to
-            column blocks ``W[:, c_j:c_{j+1}]`` (:func:`even_cuts` of ``B``) and back (two exchanges, each
-            member sending ``(g - 1) / g`` of its block). A tall or square ``W`` needs none: a row block of
-            ``W`` is a column block of ``X = W^T`` (for a square matrix ``NS(W) = NS(W^T)^T`` in exact
-            arithmetic).
+            column blocks ``W[:, c_j:c_{j+1}]`` (``col_cuts``, default :func:`even_cuts` of ``B``) and back (two
+            exchanges, each member sending its rows of the other members' columns). A tall or square ``W``
+            needs none: a row block of ``W`` is a column block of ``X = W^T`` (for a square matrix
+            ``NS(W) = NS(W^T)^T`` in exact arithmetic).
 
     Returns:
         The local members' row blocks of the result, ``[r_k, B]`` each, in ``dtype``.
@@ -190,7 +191,9 @@ def split_orthogonalize(
 
     if rows >= cols:  # tall or square: X = W^T, a row block of W is a column block of X
         return [o.T for o in run([blk.T for blk in row_blocks])]
-    col_cuts = even_cuts(cols, g)
+    col_cuts = even_cuts(cols, g) if col_cuts is None else col_cuts
+    if len(col_cuts) != g + 1 or col_cuts[0] != 0 or col_cuts[-1] != cols:
+        raise ValueError(f"col_cuts {list(col_cuts)} must be {g + 1} offsets from 0 to {cols}")
     send = [[blk[:, col_cuts[j] : col_cuts[j + 1]] for j in range(g)] for blk in row_blocks]
     recv = exchange(send)  # recv[k][i]: member i's rows of local member k's columns
     col_blocks = [torch.cat(parts, dim=0) for parts in recv]  # [A, c_k]

@@ -36,6 +36,7 @@ def build_grad_buckets(
         align=alignment,
         flops_fn=lambda p: of[id(p)].flops,
         granule_fn=lambda p: of[id(p)].granule,
+        spec_fn=lambda p: of[id(p)],
     )
 
 
