@@ -275,3 +275,37 @@ def test_muon_split_setting_is_checked():
             param_specs(tiny_cfg("optimizer.name=muon", f"optimizer.muon_split={bad}"), infos, 1)
     (s,) = param_specs(tiny_cfg("optimizer.name=muon", "optimizer.muon_split=4"), infos, 1)
     assert (s.rows, s.cols, s.split, s.atomic) == (8, 4, "4", True)
+
+
+def test_dry_run_of_llama_600m_at_dp128_steps_the_split_plan(tmp_path):
+    """Rank 0 of the 128-rank job on the fake process group: two real steps with its split MLP row blocks (the
+    Gram all-reduces and re-layouts run on the fake group), memory as the plan says."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "dry.json"
+    cmd = [
+        sys.executable,
+        str(root / "tools/dry_run.py"),
+        "--config",
+        str(root / "configs/llama_600m.yaml"),
+        "--dp",
+        "128",
+        "--steps",
+        "2",
+        "model.seq_length=16",
+        "train.global_batch_size=128",
+        "train.micro_batch_size=1",
+        "--json",
+        str(out),
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=root)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["optimizer_steps"] == 2, res["steps"]
+    assert res["muon_split_blocks"] >= 1 and res["muon_split_group_size"] == 2, res
+    assert abs(res["measured_over_plan"] - 1.0) <= 0.10, res
+    assert "split over groups of 2 DP ranks" in r.stdout

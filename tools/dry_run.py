@@ -26,7 +26,8 @@ buffer, parameter buffer, main params, optimizer state, error feedback, GeoFP8 s
 holds after a step, counted once each; on CUDA also ``torch.cuda.memory_allocated`` and the peak) next to
 ``tools/plan_report.py``'s figure for rank 0. ``--json``: ``steps`` (``step``, ``time_s``, ``updated``: the
 update ran on this rank, i.e. its part of the gradient norm was finite), ``rank0_step1_loss``,
-``optimizer_steps``, the memory figures.
+``optimizer_steps``, the memory figures, ``muon_split_blocks`` (rank 0's row blocks of Muon matrices split over a
+group, whose Gram all-reduces and re-layouts run on the fake group too) and ``muon_split_group_size``.
 """
 
 from __future__ import annotations
@@ -228,9 +229,17 @@ def main(argv: list[str] | None = None) -> int:
     pctx = build_groups(0, world, args.tp, dev, "fake")
     steps, state = run_steps(cfg, pctx, args.dp, args.steps)
     buckets = state["buckets"]
+    split_blocks = sum(1 for m in state["optimizer"].mains if m.split is not None)
+    groups = state["optimizer"].muon_groups
+    split_text = (
+        f"; {split_blocks} Muon row blocks of matrices split over groups of {groups.size} DP ranks"
+        if groups is not None
+        else ""
+    )
     print(
         f"dry run: rank 0 of DP={args.dp} x TP={args.tp} on {dev} (fake process group); {len(buckets)} buckets, "
-        f"{sum(1 for b in buckets if not b.plan.even)} with uneven owner ranges; built in {state['build_s']:.1f} s. "
+        f"{sum(1 for b in buckets if not b.plan.even)} with uneven owner ranges{split_text}; "
+        f"built in {state['build_s']:.1f} s. "
         f"Shown: step times and rank 0's step-1 loss; the global loss and the gradient norm depend on other ranks' "
         f"data, which the fake process group does not move",
         flush=True,
@@ -250,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         "rank0_step1_loss": steps[0]["loss"],
         "persistent_bytes": mem,
         "optimizer_steps": sum(1 for s in steps if s["updated"]),
+        "muon_split_blocks": split_blocks,
+        "muon_split_group_size": groups.size if groups is not None else 1,
     }
     line = (
         f"persistent memory of rank 0: {mem['total'] / GiB:.3f} GiB ("
