@@ -3,7 +3,7 @@
 
     python benchmarks/codec.py [--numel 16777216] [--dp 2] [--repeats 5] [--threads 1]
                                [--device cpu|cuda] [--presets fp8 nvfp4 ...] [--compile both|eager|compiled]
-                               [--json OUT]
+                               [--json OUT] [--baseline TREE]
 
 This times exactly what a bucket costs in training: ``reducer.reduce_scatter(bucket).wait()`` of the preset's
 reducer (``configs/comm/<preset>.yaml``) on a bucket of four parameters (two 6.29M-element matrices, a norm
@@ -26,11 +26,20 @@ unfused eager execution moves), ``fused_traffic_bytes_per_element`` (the same wi
 ``traffic_bound_ratio_to_memcpy`` (that over the 8 bytes per element of a copy: the best ratio a device whose
 codec kernels run at copy bandwidth reaches; a projection, not a GPU measurement). Compiled rows also say
 whether the reduced shard is bitwise equal to eager (``bitwise_equal_eager``: the shards of two consecutive
-reductions, so that error feedback's residual is part of the comparison). GeoFP8 presets are left out (their transform
+reductions, so that error feedback's residual is part of the comparison). ``index_table_bytes_per_element``: the bytes
+of the scale-layout tables the reducer keeps for the bucket (``LowPrecisionReducer.index_table_bytes``; 0 for the
+plain reducers) per bucket element. GeoFP8 presets are left out (their transform
 cost is
 ``benchmarks/geo_overhead.py``'s). The JSON holds ``presets_eager`` and/or ``presets_compiled`` and, as
 ``presets``, the first mode run (eager unless ``--compile compiled``). ``tools/project_scaling.py --codec-output
 OUT.json`` reads the JSON.
+
+``--baseline TREE``: also time the reducers of another source tree (a folder holding an earlier revision's
+``megatron_geo/``, e.g. ``git archive <rev> megatron_geo | tar -x -C TREE``), loaded as a second package in the
+same process and timed round-robin with the current ones and the copy: per row ``baseline_ms``,
+``baseline_ratio_to_memcpy``, ``baseline_index_table_bytes_per_element`` and ``bitwise_equal_baseline`` (the two
+trees' shards of two consecutive reductions equal), so a change is measured against its predecessor under the same
+machine load.
 """
 
 from __future__ import annotations
@@ -82,6 +91,36 @@ def bucket_numels(numel: int) -> list[int]:
     return [big, big, 1536, numel - 2 * big - 1536]
 
 
+def _baseline_build_reducer(tree: str):
+    """``build_reducer`` of ``tree/megatron_geo`` loaded as the package ``megatron_geo_baseline`` (its modules import
+    each other relatively, so both trees live side by side in this process)."""
+    import importlib
+    import importlib.util
+
+    pkg = os.path.join(os.path.abspath(tree), "megatron_geo")
+    spec = importlib.util.spec_from_file_location(
+        "megatron_geo_baseline", os.path.join(pkg, "__init__.py"), submodule_search_locations=[pkg]
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["megatron_geo_baseline"] = mod
+    spec.loader.exec_module(mod)
+    return importlib.import_module("megatron_geo_baseline.comm").build_reducer
+
+
+def _table_bytes(red) -> int:
+    """Bytes of the reducer's scale-layout tables: ``index_table_bytes()`` where it has one, else the tensors of its
+    layouts' attributes (an earlier tree's reducer), 0 for the plain reducers."""
+    if hasattr(red, "index_table_bytes"):
+        return red.index_table_bytes()
+    total = 0
+    for lay in getattr(red, "layouts", {}).values():
+        for v in vars(lay).values():
+            if isinstance(v, torch.Tensor):
+                total += v.numel() * v.element_size()
+    return total
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--numel", type=int, default=16 * 2**20)
@@ -97,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         help="time the eager codecs, the compiled ones (comm.compile=true), or both (default)",
     )
     ap.add_argument("--json", default=None, metavar="OUT")
+    ap.add_argument("--baseline", default=None, metavar="TREE", help="time TREE/megatron_geo's reducers too")
     a = ap.parse_args(argv)
     bad = (
         ([f"--dp {a.dp} must be >= 2"] if a.dp < 2 else [])
@@ -127,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             f"--presets {geo[0]}: the geometry-aware presets are not timed here (their transform cost is "
             f"benchmarks/geo_overhead.py's); the codec itself is the fp8 / nvfp4 row"
         )
+    if a.baseline and not os.path.isfile(os.path.join(a.baseline, "megatron_geo", "comm", "__init__.py")):
+        bad.append(f"--baseline {a.baseline}: no megatron_geo/comm/__init__.py there; give a source tree's root")
     if bad:
         print(f"error: {bad[0]}", file=sys.stderr)
         return 2
@@ -150,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     src = torch.randn(a.numel, generator=g).to(dev)
     dst = torch.empty_like(src)
     modes = {"both": ["eager", "compiled"], "eager": ["eager"], "compiled": ["compiled"]}[a.compile]
+    base_build = _baseline_build_reducer(a.baseline) if a.baseline else None
     runs = {}
     for p in a.presets:
         try:
@@ -166,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
             red.register_bucket(0, plan.offsets, numels, getattr(plan, "bounds", None) or plan.chunk, dev)
             buf = torch.zeros(plan.buffer_numel, device=dev)
             runs[(p, mode)] = (red, buf, plan)
+            if base_build is not None:
+                old = base_build(c, dist.group.WORLD, a.dp, 0, device=dev)
+                old.register_bucket(0, plan.offsets, numels, getattr(plan, "bounds", None) or plan.chunk, dev)
+                runs[(p, mode + "@baseline")] = (old, torch.zeros(plan.buffer_numel, device=dev), plan)
 
     def reduce_once(red, buf) -> float:
         buf[: a.numel].copy_(src)
@@ -200,8 +247,15 @@ def main(argv: list[str] | None = None) -> int:
     memcpy = statistics.median(copies)
     out: dict = {m: {} for m in modes}
     for (p, mode), (red, buf, _) in runs.items():
+        if mode.endswith("@baseline"):
+            continue
         ms = statistics.median(times[(p, mode)])
-        row = {"ms": ms * 1e3, "memcpy_ms": memcpy * 1e3, "ratio_to_memcpy": ms / memcpy}
+        row = {
+            "ms": ms * 1e3,
+            "memcpy_ms": memcpy * 1e3,
+            "ratio_to_memcpy": ms / memcpy,
+            "index_table_bytes_per_element": _table_bytes(red) / a.numel,
+        }
         if mode == "eager":  # torch.compile refuses to run under a dispatch mode: compiled rows are not traced
             buf[: a.numel].copy_(src)
             rec = OpRecorder()
@@ -231,6 +285,13 @@ def main(argv: list[str] | None = None) -> int:
             )
         if mode == "compiled" and (p, "eager") in shards:
             row["bitwise_equal_eager"] = bool(torch.equal(shards[(p, mode)], shards[(p, "eager")]))
+        if (p, mode + "@baseline") in runs:
+            old_red = runs[(p, mode + "@baseline")][0]
+            base = statistics.median(times[(p, mode + "@baseline")])
+            row["baseline_ms"] = base * 1e3
+            row["baseline_ratio_to_memcpy"] = base / memcpy
+            row["baseline_index_table_bytes_per_element"] = _table_bytes(old_red) / a.numel
+            row["bitwise_equal_baseline"] = bool(torch.equal(shards[(p, mode)], shards[(p, mode + "@baseline")]))
         out[mode][p] = row
     print(
         f"reducer encode + decode of one {a.numel:,}-element bucket, DP={a.dp} (rank 0, fake process group), "
@@ -241,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         head += f" {mode + ' ms':>12} {'x memcpy':>9}"
     print(
         head
-        + f" {'ops':>5} {'syncs':>6} {'bytes/el':>9} {'fused':>6}"
+        + f" {'ops':>5} {'syncs':>6} {'bytes/el':>9} {'fused':>6} {'tables':>7}"
         + ("  compiled == eager" if len(modes) == 2 else "")
     )
     for p in out[modes[0]]:
@@ -257,9 +318,25 @@ def main(argv: list[str] | None = None) -> int:
             )
         else:
             line += f" {'-':>5} {'-':>6} {'-':>9} {'-':>6}"
+        line += f" {r['index_table_bytes_per_element']:7.4f}"
         if len(modes) == 2:
             line += f"  {'bitwise' if out['compiled'][p]['bitwise_equal_eager'] else 'DIFFERS'}"
         print(line)
+    print("tables: bytes of the scale-layout tables the reducer keeps per bucket element")
+    if base_build is not None:
+        print(f"--baseline {a.baseline}, timed round-robin in the same run:")
+        print(
+            f"{'preset':<18} {'mode':<9} {'baseline ms':>12} {'x memcpy':>9} {'tables':>7} {'now ms':>9}"
+            f" {'x memcpy':>9} {'tables':>7}  shards"
+        )
+        for mode in modes:
+            for p, r in out[mode].items():
+                same = "bitwise" if r["bitwise_equal_baseline"] else "DIFFER"
+                print(
+                    f"{p:<18} {mode:<9} {r['baseline_ms']:12.2f} {r['baseline_ratio_to_memcpy']:9.1f}"
+                    f" {r['baseline_index_table_bytes_per_element']:7.4f} {r['ms']:9.2f} {r['ratio_to_memcpy']:9.1f}"
+                    f" {r['index_table_bytes_per_element']:7.4f}  {same}"
+                )
     if "eager" not in modes:
         print("ops, syncs, bytes/el, fused: traced on the eager path only; run with --compile both or eager")
     else:
