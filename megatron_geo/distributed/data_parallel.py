@@ -16,6 +16,7 @@ import torch
 
 from ..comm.reducer import GradientReducer, PendingReduction
 from .buckets import Bucket
+from .early_muon import EarlyMuonUpdates
 
 
 class GradSync:
@@ -62,7 +63,7 @@ class GradSync:
         self._last = True
         self._defer = False
         self._handles = []
-        self.early_updates = None
+        self.early_updates: EarlyMuonUpdates | None = None
         for b in buckets:
             for p in b.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(b)))

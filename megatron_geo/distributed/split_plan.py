@@ -159,7 +159,8 @@ def plan_owners(
         F, B = plan_loads(specs, dp_size, owner, splits)
         return max(max(F) / mean_fl, max(max(B), mean_el) / mean_el)
 
-    best, best_score = (whole, {}), score(whole, {})
+    best: tuple[list[int], dict[int, Split]] = (whole, {})
+    best_score = score(whole, {})
     for g in _auto_sizes(dp_size):
         idx = _splittable(specs, big, g, align)
         if not idx:
@@ -317,7 +318,7 @@ def split_bucket(
     for r in range(dp):
         start = pos
         j, k = role.get(r, (-1, -1))
-        sp = local.get(j)
+        sp = local.get(j)  # type: ignore[assignment]
         if sp is not None and k > 0:  # continues the matrix the previous member began
             lo, hi = sp.row_cuts[k] * sp.cols, sp.row_cuts[k + 1] * sp.cols
             assert pos == offsets[j] + lo, (pos, offsets[j], lo)
