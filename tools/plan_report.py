@@ -36,7 +36,7 @@ def _fmt_rank(tag: str, r: dict) -> list[str]:
         f"persistent {r['persistent_bytes'] / GiB:.2f} GiB (grad buffer {b['grad_buffer'] / GiB:.2f}, param buffer "
         f"{b['param_buffer'] / GiB:.2f}, main params {b['main_params'] / GiB:.2f}, optimizer state "
         f"{b['optimizer_state'] / GiB:.2f}, error feedback {b['error_feedback'] / GiB:.2f}, GeoFP8 "
-        f"{b['geo_state'] / GiB:.3f})",
+        f"{b['geo_state'] / GiB:.3f}); codec index tables {r.get('codec_table_bytes', 0) / 2**20:.2f} MiB",
         f"         reduce sends {r['reduce_sent_bytes'] / 1e9:.3f} GB, "
         f"receives {r['reduce_received_bytes'] / 1e9:.3f} GB;"
         f" gather sends {r['gather_sent_bytes'] / 1e9:.3f} GB per step",

@@ -182,6 +182,12 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
             geo_bytes += 4 * (d_in * r + r)  # transform U, d
             geo_bytes += 4 * (d_in * k) + (4 * d_in * k if sketched else 0)  # statistics (+ the sketch matrix)
 
+    from ..comm.codec_tables import codec_table_bytes
+
+    tables = codec_table_bytes(
+        cfg.comm, [(pl.offsets, [specs[i].numel for i in idx], pl.bounds) for idx, pl in plans], dp_size
+    )
+
     def rank_bytes(r: int) -> dict:
         adam_own = own[r] - muon_own[r]
         opt_state = 4 * (2 * adam_own + muon_own[r])
@@ -197,6 +203,7 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
             "elements_owned": own[r],
             "bytes": parts,
             "persistent_bytes": sum(parts.values()),
+            "codec_table_bytes": tables,  # the reducer's scale-layout tables (same on every rank)
             "reduce_sent_bytes": sent[r],
             "reduce_received_bytes": recv[r],
             "gather_sent_bytes": (buffer - own[r]) * param_b if sharded else 0,
