@@ -11,6 +11,7 @@ import os
 
 from ..config.loader import ConfigError, resolve_paths
 from ..config.schema import Config
+from ..distributed.split_plan import parse_split
 
 _CHOICES = {
     ("optimizer", "name"): ("adamw", "muon"),
@@ -77,6 +78,10 @@ def validate_config(cfg: Config, world_size: int) -> None:
             raise ConfigError(f"{sec}.{key}={v} must be positive{hint}")
     m, p, t, c = cfg.model, cfg.parallel, cfg.train, cfg.comm
     o = cfg.optimizer
+    try:
+        parse_split(o.muon_split)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if not (math.isfinite(o.lr) and o.lr > 0):
         raise ConfigError(f"optimizer.lr={o.lr} must be a positive finite number")
     if not (math.isfinite(o.min_lr) and 0 <= o.min_lr <= o.lr):
@@ -396,6 +401,7 @@ def _inert_rules(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
                     "optimizer.muon_ns_dtype",
                     "optimizer.muon_ns",
                     "optimizer.muon_overlap",
+                    "optimizer.muon_split",
                     "optimizer.adamw_lr",
                 ),
                 "optimizer.name=adamw",
