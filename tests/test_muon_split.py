@@ -309,3 +309,14 @@ def test_dry_run_of_llama_600m_at_dp128_steps_the_split_plan(tmp_path):
     assert res["muon_split_blocks"] >= 1 and res["muon_split_group_size"] == 2, res
     assert abs(res["measured_over_plan"] - 1.0) <= 0.10, res
     assert "split over groups of 2 DP ranks" in r.stdout
+
+
+@pytest.mark.parametrize("value", ["1", "three", "0", "-2"])
+def test_bad_muon_split_is_a_config_error_before_any_plan(value):
+    from helpers import tiny_cfg
+    from megatron_geo.config import ConfigError
+    from megatron_geo.training.validate import validate_config
+
+    cfg = tiny_cfg("optimizer.name=muon", f"optimizer.muon_split={value}")
+    with pytest.raises(ConfigError, match=f"optimizer.muon_split='{value}' is not auto, off or a group size >= 2"):
+        validate_config(cfg, 1)
