@@ -74,9 +74,9 @@ def _worker(rank: int, world: int, args: dict) -> dict:
             if hasattr(o, "_orthogonalize"):
                 inner = o._orthogonalize
 
-                def timed(upd, group, inner=inner):
+                def timed(*args, inner=inner):
                     t = time.perf_counter()
-                    out = inner(upd, group)
+                    out = inner(*args)
                     ns_time[0] += time.perf_counter() - t
                     return out
 

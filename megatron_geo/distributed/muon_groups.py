@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..optim.muon import NS_CHOICES, adjusted_lr
+from ..optim.muon import NS_CHOICES, MuonNS
 from ..optim.split_ns import split_orthogonalize
 from ..parallel import ParallelContext
 from ..parallel import collectives as C
@@ -95,8 +95,10 @@ class MuonGroups:
         return exchange
 
 
-class SplitMuon(torch.optim.Muon):
-    """``torch.optim.Muon`` for row blocks of matrices split over :class:`MuonGroups` (see the module docstring).
+class SplitMuon(MuonNS):
+    """:class:`~megatron_geo.optim.muon.MuonNS` for row blocks of matrices split over :class:`MuonGroups` (see the
+    module docstring): momentum, Nesterov, weight decay and lr are MuonNS's own step; only the orthogonalisation
+    (across the group) and the lr's matrix shape (the whole matrix) differ.
 
     Args:
         params: param groups of the row blocks (FP32 main params ``[r, cols]``).
@@ -115,40 +117,32 @@ class SplitMuon(torch.optim.Muon):
             raise ValueError(
                 f"optimizer.muon_ns={ns!r} is not one of {NS_CHOICES}; set optimizer.muon_ns=quintic or gram"
             )
-        super().__init__(params, **kw)
-        self.groups, self.splits, self.ns, self.ns_dtype = groups, splits, ns, ns_dtype
+        super().__init__(params, ns_dtype=ns_dtype, ns=ns, **kw)
+        self.groups, self.splits = groups, splits
+
+    def _orthogonalize(self, upd: torch.Tensor, group: dict, p: torch.Tensor) -> torch.Tensor:
+        split, _shape = self.splits[id(p)]
+        (ortho,) = split_orthogonalize(
+            [upd],
+            [self.groups.member],
+            split.row_cuts,
+            self.ns,
+            group["ns_coefficients"],
+            group["ns_steps"],
+            group["eps"],
+            self.ns_dtype,
+            self.groups.all_reduce,
+            self.groups.exchange_for(split),
+            col_cuts(split) if split.rows < split.cols else None,
+        )
+        return ortho
+
+    def _lr_shape(self, p: torch.Tensor) -> torch.Size:
+        return torch.Size(self.splits[id(p)][1])
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         for group in self.param_groups:
-            lr, wd, m = group["lr"], group["weight_decay"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    raise RuntimeError("a split Muon block has no gradient; every member must step it")
-                split, shape = self.splits[id(p)]
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - m)
-                upd = p.grad.lerp(buf, m) if group["nesterov"] else buf
-                (ortho,) = split_orthogonalize(
-                    [upd],
-                    [self.groups.member],
-                    split.row_cuts,
-                    self.ns,
-                    group["ns_coefficients"],
-                    group["ns_steps"],
-                    group["eps"],
-                    self.ns_dtype,
-                    self.groups.all_reduce,
-                    self.groups.exchange_for(split),
-                    col_cuts(split) if split.rows < split.cols else None,
-                )
-                p.mul_(1 - lr * wd)
-                p.add_(ortho.to(p.dtype), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], torch.Size(shape)))
-        return loss
+            if any(p.grad is None for p in group["params"]):
+                raise RuntimeError("a split Muon block has no gradient; every member must step it")
+        return super().step(closure)

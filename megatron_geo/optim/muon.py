@@ -194,13 +194,18 @@ class MuonNS(torch.optim.Muon):
         self.precompute_hits = 0
         self.precompute_misses = 0
 
-    def _orthogonalize(self, upd: torch.Tensor, group: dict) -> torch.Tensor:
+    def _orthogonalize(self, upd: torch.Tensor, group: dict, p: torch.Tensor) -> torch.Tensor:
+        """``NS5(upd)`` for parameter ``p`` (a subclass may orthogonalise across ranks, see ``SplitMuon``)."""
         if self.ns == "torch":
             fn = getattr(torch.optim._muon, "_zeropower_via_newtonschulz", None)  # type: ignore[attr-defined]
             if fn is not None:
                 return fn(upd, group["ns_coefficients"], group["ns_steps"], group["eps"])
             return newton_schulz5(upd, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
         return orthogonalize(upd, self.ns, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+
+    def _lr_shape(self, p: torch.Tensor) -> torch.Size:
+        """The matrix shape ``adjusted_lr`` sees for ``p`` (its own; a row block's whole matrix in ``SplitMuon``)."""
+        return p.shape
 
     def _guard(self, p: torch.Tensor, group: dict) -> tuple:
         """What a precomputed update of ``p`` depends on: the gradient's and momentum buffer's storage and version
@@ -228,7 +233,7 @@ class MuonNS(torch.optim.Muon):
             old = self.state[p].get("momentum_buffer") if p in self.state else None
             buf = (torch.zeros_like(p.grad) if old is None else old).lerp(p.grad, 1 - m)
             upd = p.grad.lerp(buf, m) if group["nesterov"] else buf
-            self._early[id(p)] = (self._orthogonalize(upd, group), self._guard(p, group))
+            self._early[id(p)] = (self._orthogonalize(upd, group, p), self._guard(p, group))
             done += 1
         return done
 
@@ -266,13 +271,13 @@ class MuonNS(torch.optim.Muon):
                 buf.lerp_(p.grad, 1 - m)
                 if ortho is None:
                     upd = p.grad.lerp(buf, m) if group["nesterov"] else buf
-                    ortho = self._orthogonalize(upd, group)
+                    ortho = self._orthogonalize(upd, group, p)
                 p.mul_(1 - lr * wd)
                 if self.ns == "torch" and hasattr(torch.optim._muon, "_adjust_lr"):  # type: ignore[attr-defined]
                     # torch.optim.Muon's own update, operation for operation
                     p.add_(ortho, alpha=-torch.optim._muon._adjust_lr(lr, group["adjust_lr_fn"], p.shape))  # type: ignore[attr-defined]
                 else:
-                    p.add_(ortho.to(p.dtype), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+                    p.add_(ortho.to(p.dtype), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], self._lr_shape(p)))
         self._early.clear()
         return loss
 
