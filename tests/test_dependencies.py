@@ -21,6 +21,8 @@ SCANNED = ("megatron_geo", "tools")
 FEATURE_EXTRAS = {
     "megatron_geo/checkpoint/hf_io.py": {"hf"},
     "megatron_geo/checkpoint/hf_tokenizer.py": {"hf"},
+    "megatron_geo/checkpoint/gguf.py": {"hf"},
+    "megatron_geo/data/hf_tokenizer.py": {"hf"},
     "tools/convert_checkpoint.py": {"hf"},
     "megatron_geo/eval/hf_lm.py": {"hf", "eval"},
     "megatron_geo/eval/": {"eval"},

@@ -205,7 +205,6 @@ def test_error_paths_name_the_value_and_the_fix(ckpt, tmp_path, capsys):
     assert "has no config.json" in err(tmp_path / "empty", out, "--from", "hf")
     cases = [
         ("bias", lambda c: c.update(attention_bias=True), "attention_bias=True is not supported"),
-        ("tied", lambda c: c.update(tie_word_embeddings=True), "tie_word_embeddings=True is not supported"),
         ("scaled", lambda c: c.update(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling="),
         ("yarn", lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "rope_parameters="),
         ("mistral", lambda c: c.update(model_type="mistral"), "model_type='mistral' is not supported"),
@@ -215,6 +214,8 @@ def test_error_paths_name_the_value_and_the_fix(ckpt, tmp_path, capsys):
     for name, edit, want in cases:
         msg = err(_hf_folder(tmp_path, ckpt, name, edit), out, "--from", "hf")
         assert want in msg and "megatron_geo's Llama needs" in msg, msg
+    tied = _hf_folder(tmp_path, ckpt, "tied", lambda c: c.update(tie_word_embeddings=True))
+    assert "lm_head.weight differs from model.embed_tokens.weight" in err(tied, out, "--from", "hf")
     assert "'lm_head.weight' is missing" in err(
         _hf_folder(tmp_path, ckpt, "nohead", drop=("lm_head.weight",)), out, "--from", "hf"
     )

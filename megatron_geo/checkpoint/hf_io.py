@@ -23,7 +23,14 @@ from pathlib import Path
 import torch
 
 from ..config import Config, config_to_dict
-from .hf import HFConversionError, from_hf_state, hf_config_kwargs, model_overrides_from_hf, to_hf_state
+from .hf import (
+    HFConversionError,
+    from_hf_state,
+    hf_config_kwargs,
+    model_overrides_from_hf,
+    tied_embeddings,
+    to_hf_state,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -186,6 +193,14 @@ def _load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def hf_config_ties(folder: Path) -> bool:
+    """Whether ``folder/config.json`` ties the embeddings (False when it cannot be read)."""
+    try:
+        return tied_embeddings(json.loads((folder / "config.json").read_text()))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def read_hf(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """``(model overrides, our FP32 global state)`` of a Hugging Face Llama folder.
 
@@ -214,7 +229,9 @@ def read_hf(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise HFConversionError(f"{cfg_path} is not valid JSON ({e}); the folder is damaged") from None
     model = model_overrides_from_hf(hf_cfg, str(cfg_path))
     cfg = load_config([], [f"model.{k}={v}" for k, v in model.items()])
-    return model, from_hf_state(_load_safetensors(folder), cfg.model, str(folder))
+    return model, from_hf_state(
+        _load_safetensors(folder), cfg.model, str(folder), tied=tied_embeddings(hf_cfg)
+    )
 
 
 def write_checkpoint(
