@@ -111,6 +111,9 @@ class DataConfig:
     train_prefix: str = path_field("", required=False)
     valid_prefix: str = path_field("", required=False)
     tokenizer_model: str = path_field("", required=False)
+    # sentencepiece: tokenizer_model is a SentencePiece .model | huggingface: a folder AutoTokenizer loads
+    # (tokenizer.json; Megatron-LM's --tokenizer-type HuggingFaceTokenizer), also with source=shakespeare
+    tokenizer_type: str = "sentencepiece"
     # Megatron-LM's --data-path spelling: "0.3 PREFIX_A 0.7 PREFIX_B" (weights normalised) or prefixes alone
     # (weights = their sample counts); mixed by Megatron's greedy blending index (data/blending.py)
     train_blend: str = ""

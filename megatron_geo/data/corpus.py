@@ -18,12 +18,16 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tqdm import tqdm
 
 from .indexed_dataset import IndexedDatasetBuilder
 from .tokenizer import Tokenizer, train_tokenizer
+
+if TYPE_CHECKING:
+    from .hf_tokenizer import HFTokenizer
 
 CORPUS_FORMAT = 1
 # Folio file stems whose spelling differs from the modern edition of the same work.
@@ -42,7 +46,8 @@ _GUTENBERG_END = re.compile(r"^\*\*\* ?END OF (THE|THIS) PROJECT GUTENBERG.*$", 
 
 @dataclass(frozen=True)
 class CorpusPaths:
-    """Outputs of `prepare_default_corpus`: a ``.model`` path and two dataset prefixes."""
+    """Outputs of `prepare_default_corpus`: the tokenizer (a ``.model`` path, or the Hugging Face tokenizer's
+    folder) and two dataset prefixes."""
 
     tokenizer_model: str
     train_prefix: str
@@ -98,22 +103,36 @@ def split_works(files: list[str], val_fraction: float, seed: int) -> tuple[list[
     return train, valid
 
 
-def _cache_name(vocab_size: int, val_fraction: float, seed: int) -> str:
-    name = f"shakespeare_v{vocab_size}"
+# characters of the tokenizer fingerprint in the cache name of a corpus tokenized with a Hugging Face tokenizer
+FINGERPRINT_CHARS = 16
+
+
+def _cache_name(vocab_size: int, val_fraction: float, seed: int, tokenizer: HFTokenizer | None = None) -> str:
+    if tokenizer is None:
+        name = f"shakespeare_v{vocab_size}"
+    else:  # the ids depend on the tokenizer, not only its size: the name holds its fingerprint
+        name = f"shakespeare_hf{tokenizer.vocab_size}_{tokenizer.fingerprint()[:FINGERPRINT_CHARS]}"
     if (val_fraction, seed) != (0.1, 1234):
         name += f"_val{val_fraction:g}_seed{seed}"
     return name
 
 
-def _paths(root: str) -> CorpusPaths:
+def corpus_dir(
+    cache_dir: str, vocab_size: int, val_fraction: float = 0.1, seed: int = 1234, tokenizer: HFTokenizer | None = None
+) -> str:
+    """The folder :func:`prepare_default_corpus` uses for these arguments (built or not)."""
+    return os.path.join(cache_dir, _cache_name(vocab_size, val_fraction, seed, tokenizer))
+
+
+def _paths(root: str, tokenizer: HFTokenizer | None = None) -> CorpusPaths:
     return CorpusPaths(
-        tokenizer_model=os.path.join(root, "tokenizer.model"),
+        tokenizer_model=os.path.join(root, "tokenizer.model") if tokenizer is None else tokenizer.model_path,
         train_prefix=os.path.join(root, "train"),
         valid_prefix=os.path.join(root, "valid"),
     )
 
 
-def _build_split(tok: Tokenizer, files: list[str], prefix: str, desc: str) -> dict:
+def _build_split(tok: Tokenizer | HFTokenizer, files: list[str], prefix: str, desc: str) -> dict:
     n_tokens, chunk = 0, 8
     with IndexedDatasetBuilder(prefix, tok.vocab_size) as builder, tqdm(total=len(files), desc=desc, unit="doc") as bar:
         for i in range(0, len(files), chunk):
@@ -125,23 +144,28 @@ def _build_split(tok: Tokenizer, files: list[str], prefix: str, desc: str) -> di
     return {"docs": len(files), "tokens": n_tokens, "files": [os.path.basename(f) for f in files]}
 
 
-def _build(root: str, vocab_size: int, val_fraction: float, seed: int) -> None:
+def _build(root: str, vocab_size: int, val_fraction: float, seed: int, hf: HFTokenizer | None = None) -> None:
     t0 = time.time()
     files = sorted(glob.glob(os.path.join(shakespeare_texts_dir(), "*_gut*.txt")))
     train, valid = split_works(files, val_fraction, seed)
-    paths = _paths(root)
-    train_txt = os.path.join(root, "train_text.txt")
-    with open(train_txt, "w", encoding="utf-8") as f:
-        for path in train:
-            f.write(read_document(path))
-    train_tokenizer([train_txt], paths.tokenizer_model[: -len(".model")], vocab_size)
-    os.remove(train_txt)
-    tok = Tokenizer(paths.tokenizer_model)
+    paths = _paths(root, hf)
+    tok: Tokenizer | HFTokenizer
+    if hf is None:
+        train_txt = os.path.join(root, "train_text.txt")
+        with open(train_txt, "w", encoding="utf-8") as f:
+            for path in train:
+                f.write(read_document(path))
+        train_tokenizer([train_txt], paths.tokenizer_model[: -len(".model")], vocab_size)
+        os.remove(train_txt)
+        tok = Tokenizer(paths.tokenizer_model)
+    else:
+        tok = hf
     meta = {
         "format": CORPUS_FORMAT,
         "vocab_size": vocab_size,
         "val_fraction": val_fraction,
         "seed": seed,
+        **({} if hf is None else {"tokenizer": hf.model_path, "tokenizer_fingerprint": hf.fingerprint()}),
         "train": _build_split(tok, train, paths.train_prefix, "tokenizing train"),
         "valid": _build_split(tok, valid, paths.valid_prefix, "tokenizing valid"),
         "seconds": round(time.time() - t0, 2),
@@ -151,7 +175,14 @@ def _build(root: str, vocab_size: int, val_fraction: float, seed: int) -> None:
     open(os.path.join(root, "DONE"), "w").close()
 
 
-def prepare_default_corpus(cache_dir: str, vocab_size: int, val_fraction: float = 0.1, seed: int = 1234) -> CorpusPaths:
+def prepare_default_corpus(
+    cache_dir: str,
+    vocab_size: int,
+    val_fraction: float = 0.1,
+    seed: int = 1234,
+    *,
+    tokenizer: HFTokenizer | None = None,
+) -> CorpusPaths:
     """Tokenizer + train/valid indexed datasets for the Shakespeare corpus, cached.
 
     Output lives in ``cache_dir/shakespeare_v{vocab_size}/`` (a non-default ``val_fraction``
@@ -162,36 +193,49 @@ def prepare_default_corpus(cache_dir: str, vocab_size: int, val_fraction: float 
     ``fcntl.flock`` on ``cache_dir/<name>.lock``, so concurrent callers build it once and
     nobody sees a partial cache. A complete cache is returned immediately.
 
+    With ``tokenizer`` (a Hugging Face tokenizer, ``data.tokenizer_type=huggingface``) no tokenizer is trained:
+    the documents are tokenized with it (its ``eod_id`` appended) into
+    ``cache_dir/shakespeare_hf{len(tokenizer)}_{fingerprint}/`` (the first 16 hex digits of
+    :meth:`HFTokenizer.fingerprint`, so another tokenizer never reuses these ids; ``meta.json`` also records the
+    folder and the whole fingerprint), and ``tokenizer_model`` of the result is the tokenizer's folder.
+
     Args:
         cache_dir: directory for caches (created if missing).
         vocab_size: tokenizer vocabulary size, 256..32000 work for this corpus.
         val_fraction: fraction of works (plays/poems) held out for validation, in (0, 1).
         seed: seed of the validation split.
+        tokenizer: a loaded :class:`~megatron_geo.data.hf_tokenizer.HFTokenizer` to tokenize with, or None to
+            train a SentencePiece model; ``vocab_size`` must then equal its ``vocab_size``.
 
     Raises:
         FileNotFoundError: the `shakespeare` package is not installed.
-        ValueError: bad arguments (or a vocab size SentencePiece refuses).
+        ValueError: bad arguments (or a vocab size SentencePiece refuses, or one other than the tokenizer's).
     """
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 8:
         raise ValueError(f"vocab_size={vocab_size!r} must be an int >= 8 (256..32000 suit this corpus).")
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction={val_fraction} must be in (0, 1), e.g. 0.1.")
-    name = _cache_name(vocab_size, val_fraction, seed)
+    if tokenizer is not None and tokenizer.vocab_size != vocab_size:
+        raise ValueError(
+            f"vocab_size={vocab_size} but the tokenizer {tokenizer.model_path} has {tokenizer.vocab_size} ids "
+            f"(len(tokenizer)); pass vocab_size={tokenizer.vocab_size}"
+        )
+    name = _cache_name(vocab_size, val_fraction, seed, tokenizer)
     root = os.path.join(cache_dir, name)
     done = os.path.join(root, "DONE")
     if os.path.exists(done):
-        return _paths(root)
+        return _paths(root, tokenizer)
     os.makedirs(cache_dir, exist_ok=True)
     with open(os.path.join(cache_dir, name + ".lock"), "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if os.path.exists(done):  # another process built it while we waited
-                return _paths(root)
+                return _paths(root, tokenizer)
             for stale in glob.glob(os.path.join(cache_dir, f".{name}.tmp*")):
                 shutil.rmtree(stale, ignore_errors=True)  # left by a crashed build
             tmp = tempfile.mkdtemp(prefix=f".{name}.tmp", dir=cache_dir)
             try:
-                _build(tmp, vocab_size, val_fraction, seed)
+                _build(tmp, vocab_size, val_fraction, seed, tokenizer)
                 if os.path.exists(root):  # incomplete leftover without DONE
                     shutil.rmtree(root)
                 os.chmod(tmp, 0o755)  # mkdtemp makes it private
@@ -201,4 +245,4 @@ def prepare_default_corpus(cache_dir: str, vocab_size: int, val_fraction: float 
                 raise
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
-    return _paths(root)
+    return _paths(root, tokenizer)

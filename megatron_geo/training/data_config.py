@@ -77,8 +77,8 @@ def validate_data_config(cfg: Config) -> None:
 
     Raises:
         ConfigError: both a prefix and a blend for the same documents, a malformed blend or split, a split whose
-            validation part competes with a validation prefix or blend, or ``data.source=indexed`` without
-            training documents or tokenizer.
+            validation part competes with a validation prefix or blend, ``data.source=indexed`` without
+            training documents or tokenizer, or ``data.tokenizer_type=huggingface`` without a tokenizer folder.
     """
     d = cfg.data
     for what in ("train", "valid"):
@@ -102,6 +102,11 @@ def validate_data_config(cfg: Config) -> None:
         raise ConfigError(
             "data.source=indexed needs data.train_prefix (or data.train_blend) and data.tokenizer_model "
             "(make them with tools/train_tokenizer.py and tools/preprocess_data.py)"
+        )
+    if d.tokenizer_type == "huggingface" and not d.tokenizer_model:
+        raise ConfigError(
+            "data.tokenizer_type=huggingface needs data.tokenizer_model=FOLDER, the folder of a Hugging Face "
+            "tokenizer (tokenizer.json, as save_pretrained writes it)"
         )
     if split is not None:
         if split[0] <= 0:

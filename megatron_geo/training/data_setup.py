@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..config import Config, ConfigError
-from ..data import GPTDataset, IndexedDataset, Tokenizer, dp_batch_indices, prepare_default_corpus
+from ..data import GPTDataset, HFTokenizer, IndexedDataset, Tokenizer, dp_batch_indices, prepare_default_corpus
 from ..data.blending import BlendedDataset
 from ..data.gpt_dataset import SampleDataset
+from ..data.hf_tokenizer import load_tokenizer
 from ..data.identity import dataset_identity
 from ..data.splits import split_ranges
 from ..parallel import ParallelContext
@@ -41,14 +42,15 @@ class DataBundle:
     lines: list[str] = field(default_factory=list)
 
 
-def _open(prefix: str, tok: Tokenizer, tok_path: str, what: str) -> IndexedDataset:
+def _open(prefix: str, tok: Tokenizer | HFTokenizer, tok_path: str, what: str) -> IndexedDataset:
     """The indexed dataset at ``prefix``, its ids checked against the tokenizer's vocabulary.
 
     Raises:
         ConfigError: an MGEOIDX index made with another vocabulary, or ids outside it in the scanned tokens.
     """
     ds = IndexedDataset(prefix)
-    fix = f"rebuild it with tools/preprocess_data.py --tokenizer-model {tok_path}"
+    hf = " --tokenizer-type HuggingFaceTokenizer" if isinstance(tok, HFTokenizer) else ""
+    fix = f"rebuild it with tools/preprocess_data.py{hf} --tokenizer-model {tok_path}"
     if ds.vocab_size is not None and ds.vocab_size != tok.vocab_size:
         raise ConfigError(
             f"the {what} dataset {prefix} was tokenized with a {ds.vocab_size}-token vocab but the tokenizer "
@@ -87,24 +89,34 @@ def build_data(cfg: Config, pctx: ParallelContext) -> DataBundle:
     """
     d, m = cfg.data, cfg.model
     split = split_weights(d.split)
+
+    def check_vocab(tok: Tokenizer | HFTokenizer, tok_path: str) -> None:
+        if tok.vocab_size != m.vocab_size:
+            size = "len(tokenizer) " if isinstance(tok, HFTokenizer) else ""
+            raise ConfigError(
+                f"tokenizer {tok_path} has vocab {size}{tok.vocab_size} but model.vocab_size={m.vocab_size}; "
+                f"set model.vocab_size={tok.vocab_size} or use a matching tokenizer"
+            )
+
+    hf = None
+    if d.tokenizer_type == "huggingface":  # checked before the embedded corpus is tokenized with it
+        hf = HFTokenizer(d.tokenizer_model, "data.tokenizer_model")
+        check_vocab(hf, d.tokenizer_model)
+        _ = hf.eod_id  # a tokenizer without an EOS token: one error line naming the folder
     if d.source == "shakespeare":
         cache = d.cache_dir  # expanded when the config was loaded
         if pctx.rank == 0:
-            prepare_default_corpus(cache, m.vocab_size)
+            prepare_default_corpus(cache, m.vocab_size, tokenizer=hf)
         C.barrier(pctx.world_group)
-        paths = prepare_default_corpus(cache, m.vocab_size)
+        paths = prepare_default_corpus(cache, m.vocab_size, tokenizer=hf)
         tok_path = paths.tokenizer_model
         train_entries: list[tuple[float | None, str]] = [(None, paths.train_prefix)]
         valid_entries: list[tuple[float | None, str]] = [(None, paths.valid_prefix)]
     else:
         tok_path = d.tokenizer_model
         train_entries, valid_entries = train_sources(d)[1], valid_sources(d)[1]
-    tok = Tokenizer(tok_path)
-    if tok.vocab_size != m.vocab_size:
-        raise ConfigError(
-            f"tokenizer {tok_path} has vocab {tok.vocab_size} but model.vocab_size={m.vocab_size}; "
-            f"set model.vocab_size={tok.vocab_size} or use a matching tokenizer"
-        )
+    tok = hf if hf is not None else load_tokenizer(d.tokenizer_type, tok_path, "data.tokenizer_model")
+    check_vocab(tok, tok_path)
     seed = cfg.train.seed
     # the stream order keeps its earlier validation seed (seed + 1); Megatron's order uses one seed for every split
     valid_seed = seed + 1 if d.sample_order == "stream" else seed

@@ -27,6 +27,7 @@ _CHOICES = {
     ("comm", "compile"): ("auto", "true", "false"),
     ("data", "source"): ("shakespeare", "indexed"),
     ("data", "sample_order"): ("megatron", "stream"),
+    ("data", "tokenizer_type"): ("sentencepiece", "huggingface"),
     ("comm", "scaling"): ("tensor", "block"),
     ("comm", "rounding"): ("nearest", "stochastic"),
     ("comm", "transform"): ("none", "hadamard", "geo"),
@@ -242,7 +243,8 @@ def check_inputs(cfg: Config, devices: bool = True) -> None:
 
     First :func:`reject_inert_keys` (a key that the other settings give no effect). Files: every prefix of
     ``data.train_prefix`` / ``train_blend`` / ``valid_prefix`` / ``valid_blend`` (``.bin`` and ``.idx``) and
-    ``data.tokenizer_model`` with ``data.source=indexed``, ``checkpoint.load`` (a folder). Devices
+    ``data.tokenizer_model`` with ``data.source=indexed`` (a Hugging Face tokenizer's folder with either source),
+    ``checkpoint.load`` (a folder). Devices
     (``devices=True``; the Slurm pre-flight check on a login node leaves them out): ``train.device=cuda`` or
     ``parallel.backend=nccl`` without CUDA, and ``train.device=auto`` on a process the launcher gave GPUs that CUDA
     cannot use (which would fall back to the CPU).
@@ -268,11 +270,15 @@ def check_inputs(cfg: Config, devices: bool = True) -> None:
             from ..data.indexed_dataset import check_dataset_files
 
             check_dataset_files(key, prefix)  # format, header and sizes of both files
-        if d.tokenizer_model and not os.path.isfile(d.tokenizer_model):
+        if d.tokenizer_type == "sentencepiece" and d.tokenizer_model and not os.path.isfile(d.tokenizer_model):
             raise ConfigError(
                 f"data.tokenizer_model={d.tokenizer_model!r} not found; train one with "
                 f"tools/train_tokenizer.py or fix the path"
             )
+    if d.tokenizer_type == "huggingface":  # with either source: the embedded corpus is tokenized with it too
+        from ..data.hf_tokenizer import check_tokenizer_folder
+
+        check_tokenizer_folder(d.tokenizer_model, "data.tokenizer_model")
     ck = cfg.checkpoint.load
     if ck not in ("auto", "latest", "none", "") and not os.path.isdir(ck) and not _has_own_checkpoint(cfg):
         raise ConfigError(
@@ -322,12 +328,14 @@ def _inert_rules(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
     c, g, d, o, t = cfg.comm, cfg.geo, cfg.data, cfg.optimizer, cfg.train
     rules: list[tuple[tuple[str, ...], str, str]] = []
     if d.source == "shakespeare":
+        # a Hugging Face tokenizer tokenizes the embedded corpus: its folder is then in use
+        tok_key = ("data.tokenizer_model",) if d.tokenizer_type == "sentencepiece" else ()
         rules.append(
             (
                 (
                     "data.train_prefix",
                     "data.valid_prefix",
-                    "data.tokenizer_model",
+                    *tok_key,
                     "data.train_blend",
                     "data.valid_blend",
                     "data.split",
