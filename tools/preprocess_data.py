@@ -16,9 +16,17 @@ Every record must have --text-key with a string value (an empty string is skippe
 that key is read, other keys may differ between files. A record without it, a value that is not a string, a line
 that is not a JSON object, or inputs without any document: one error line naming the file and row, exit code 2.
 
-Example:
+Tokenizers (--tokenizer-type, Megatron-LM's spellings or ours):
+  SentencePieceTokenizer | sentencepiece   --tokenizer-model is a SentencePiece .model file (the default)
+  HuggingFaceTokenizer | huggingface       --tokenizer-model is a folder transformers' AutoTokenizer loads
+                                           (tokenizer.json; ids of len(tokenizer), EOS as end of document,
+                                           no special tokens added to the text)
+
+Examples:
   python tools/preprocess_data.py --input data/*.jsonl --tokenizer-model tok.model \\
       --output-prefix data/my_corpus
+  python tools/preprocess_data.py --input data/*.jsonl --tokenizer-type HuggingFaceTokenizer \\
+      --tokenizer-model /models/SmolLM2-135M --output-prefix data/my_corpus
 """
 
 from __future__ import annotations
@@ -33,8 +41,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
+from megatron_geo.data.hf_tokenizer import load_tokenizer, tokenizer_type_name  # noqa: E402
 from megatron_geo.data.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
-from megatron_geo.data.tokenizer import Tokenizer, strip_bom  # noqa: E402
+from megatron_geo.data.tokenizer import strip_bom  # noqa: E402
 
 _BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -271,6 +280,14 @@ def _no_documents_error(inputs: str, rows: int) -> InputError:
     )
 
 
+def _tokenizer_type(text: str) -> str:
+    """argparse type of --tokenizer-type: ``sentencepiece`` or ``huggingface``."""
+    try:
+        return tokenizer_type_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
@@ -280,7 +297,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-split", default="train")
     ap.add_argument("--streaming", action="store_true", help="stream the HF dataset instead of downloading it")
     ap.add_argument("--text-key", default="text", help="column holding the document text (json/parquet/HF)")
-    ap.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
+    ap.add_argument(
+        "--tokenizer-type",
+        type=_tokenizer_type,
+        default="sentencepiece",
+        metavar="TYPE",
+        help="SentencePieceTokenizer (default) or HuggingFaceTokenizer (also: sentencepiece, huggingface)",
+    )
+    ap.add_argument(
+        "--tokenizer-model",
+        required=True,
+        help="SentencePiece .model file, or a Hugging Face tokenizer folder (--tokenizer-type HuggingFaceTokenizer)",
+    )
     ap.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     ap.add_argument(
         "--append-eod",
@@ -295,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
 
     inputs = " ".join(args.input) if args.input else args.hf_dataset
     try:
-        tok = Tokenizer(args.tokenizer_model)
+        tok = load_tokenizer(args.tokenizer_type, args.tokenizer_model, "--tokenizer-model")
+        eod = tok.eod_id if args.append_eod else None  # a tokenizer without one fails here, before any writing
         texts = iter_documents(
             args.input, args.hf_dataset, args.hf_config, args.hf_split, args.text_key, args.streaming
         )
@@ -308,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                 kept = [t for t in batch if t]
                 rows += len(batch)
                 for ids in tok.encode_batch(kept):
-                    if args.append_eod:
-                        ids.append(tok.eod_id)
+                    if eod is not None:
+                        ids.append(eod)
                     builder.add_document(ids)
                     n_tok += len(ids)
                 n_docs += len(kept)
