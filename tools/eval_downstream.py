@@ -73,7 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("checkpoints", nargs="+", help="consolidated checkpoint files or Hugging Face folders")
     ap.add_argument("--tasks", default=",".join(PAPER_TASKS), help="comma-separated lm-eval task names")
-    ap.add_argument("--tokenizer", default=None, help="SentencePiece .model (default: the one in the checkpoint)")
+    ap.add_argument(
+        "--tokenizer",
+        default=None,
+        help="SentencePiece .model, or a Hugging Face tokenizer folder (default: the checkpoint's)",
+    )
     ap.add_argument("--include-path", default=None, help="folder of extra task YAMLs")
     ap.add_argument(
         "--no-default-tasks",
@@ -104,8 +108,11 @@ def main(argv: list[str] | None = None) -> int:
                     f"checkpoint '{c}' not found; pass a file written by save_consolidated "
                     f"(tools/convert_checkpoint.py) or a Hugging Face folder (--to hf)"
                 )
-        if a.tokenizer and not Path(a.tokenizer).is_file():
-            raise ValueError(f"--tokenizer '{a.tokenizer}' not found; pass the SentencePiece .model file")
+        if a.tokenizer and not Path(a.tokenizer).exists():
+            raise ValueError(
+                f"--tokenizer '{a.tokenizer}' not found; pass the SentencePiece .model file (or the folder of a "
+                f"Hugging Face tokenizer)"
+            )
         note = go_offline_if_unreachable()
         if note:
             print(note, flush=True)

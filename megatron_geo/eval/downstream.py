@@ -88,7 +88,9 @@ def evaluate_checkpoint(
 
     Returns ``{"checkpoint", "label", "seed", "tokenizer", "metrics": {task: {metric: value}},
     "n_samples": {task: n}}`` (``seed`` None for a Hugging Face folder). ``tokenizer`` overrides the
-    SentencePiece model stored in a consolidated checkpoint (a Hugging Face folder uses its own).
+    SentencePiece model stored in a consolidated checkpoint (a folder: a Hugging Face tokenizer; a checkpoint of
+    a run with ``data.tokenizer_type=huggingface`` uses its ``data.tokenizer_model`` folder; a Hugging Face
+    model folder uses its own).
     Raises CheckpointError (bad checkpoint), ValueError (no tokenizer, --tokenizer with a Hugging Face folder,
     unknown task).
     """
@@ -144,14 +146,20 @@ def evaluate_checkpoint(
 def _our_lm(path: str, tokenizer: str | None, batch_size: int, device: str):
     """``(config, tokenizer path, MegatronGeoLM)`` of a consolidated checkpoint."""
     from ..checkpoint.consolidated import load_consolidated, tokenizer_path
-    from ..data.tokenizer import Tokenizer
+    from ..data.hf_tokenizer import load_tokenizer
     from .lm_wrapper import MegatronGeoLM
 
     cfg, model = load_consolidated(path, device=device)
-    tok_path = tokenizer or tokenizer_path(path)
+    # a folder is a Hugging Face tokenizer; a run trained with one (data.tokenizer_type=huggingface) names its folder
+    if tokenizer:
+        kind = "huggingface" if Path(tokenizer).is_dir() else "sentencepiece"
+    else:
+        kind = cfg.data.tokenizer_type
+    tok_path = tokenizer or (cfg.data.tokenizer_model if kind == "huggingface" else tokenizer_path(path))
     if not tok_path:
         raise ValueError(f"checkpoint '{path}' stores no tokenizer; pass --tokenizer PATH.model")
-    return cfg, tok_path, MegatronGeoLM(model, Tokenizer(tok_path), batch_size=batch_size)
+    tok = load_tokenizer(kind, tok_path, "--tokenizer" if tokenizer else "the checkpoint's data.tokenizer_model")
+    return cfg, tok_path, MegatronGeoLM(model, tok, batch_size=batch_size)
 
 
 def _mean(xs):

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from lm_eval.api.model import LM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from ..data.hf_tokenizer import HFTokenizer
 from ..data.tokenizer import Tokenizer
 from ..model.llama import Llama
 
@@ -63,7 +64,7 @@ def output_logits(model: Llama, hidden: torch.Tensor) -> torch.Tensor:
 
 
 class MegatronGeoLM(LM):
-    """lm-eval ``LM`` over our Llama and SentencePiece tokenizer.
+    """lm-eval ``LM`` over our Llama and its tokenizer (SentencePiece, or a Hugging Face tokenizer).
 
     Args:
         model: TP=1 Llama (eval mode is set here).
@@ -72,7 +73,7 @@ class MegatronGeoLM(LM):
         device: where inputs go (the model's device by default).
     """
 
-    def __init__(self, model: Llama, tokenizer: Tokenizer, batch_size: int = 8, device=None):
+    def __init__(self, model: Llama, tokenizer: Tokenizer | HFTokenizer, batch_size: int = 8, device=None):
         super().__init__()
         if tokenizer.vocab_size != model.cfg.vocab_size:
             raise ValueError(
