@@ -387,3 +387,25 @@ def test_training_and_eval_paths_never_import_transformers():
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr[-2000:]
+
+
+def test_an_imported_model_starts_with_any_optimizer(tmp_path):
+    """An import holds no optimizer state, so a run may start it with another optimizer than the config the
+    import was written with (a note, not an error); a checkpoint with optimizer state still refuses."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megatron_geo.checkpoint.manager import check_compatible, read_meta
+    from megatron_geo.config import ConfigError, load_config
+
+    hc = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4)
+    LlamaForCausalLM(hc).save_pretrained(tmp_path / "theirs")
+    assert TOOL.main([str(tmp_path / "theirs"), str(tmp_path / "ck"), "--from", "hf"]) == 0
+    meta = read_meta(tmp_path / "ck")
+    meta["path"] = str(tmp_path / "ck")
+    assert meta["config"]["optimizer"]["name"] == "adamw"
+    model = [f"model.{k}={v}" for k, v in meta["config"]["model"].items()]
+    _, notes = check_compatible(meta, load_config([], [*model, "optimizer.name=muon"]), 2, 1)
+    assert any("optimizer.name adamw -> muon" in n and "no optimizer state" in n for n in notes), notes
+    meta["path"] = None  # unknown contents: the strict answer
+    with pytest.raises(ConfigError, match="the optimizer state cannot be converted"):
+        check_compatible(meta, load_config([], [*model, "optimizer.name=muon"]), 2, 1)

@@ -174,6 +174,20 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
+def _holds_optimizer_state(path) -> bool:
+    """Whether the checkpoint folder ``path`` has any ``optim/`` entry (True when it cannot be told: the strict
+    answer)."""
+    if not path:
+        return True
+    from .safe_reader import SafeFileSystemReader
+
+    try:
+        keys = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 - unreadable metadata is reported by the load itself
+        return True
+    return any(k.startswith("optim/") for k in keys)
+
+
 def check_compatible(meta: dict, cfg: Config, dp_size: int, tp_size: int) -> tuple[bool, list[str]]:
     """Whether a checkpoint can resume this run, and what differs.
 
@@ -182,7 +196,8 @@ def check_compatible(meta: dict, cfg: Config, dp_size: int, tp_size: int) -> tup
         RNG and GeoFP8 transforms are restored only then); ``notes`` are changes worth logging.
 
     Raises:
-        ConfigError: a different model shape or optimizer (naming the key and both values).
+        ConfigError: a different model shape, or another optimizer when the checkpoint holds optimizer state
+            (naming the key and both values); without optimizer state (an imported model) a change is a note.
     """
     saved = meta["config"]
     for k in SHAPE_KEYS:
@@ -192,12 +207,17 @@ def check_compatible(meta: dict, cfg: Config, dp_size: int, tp_size: int) -> tup
                 f"run has model.{k}={getattr(cfg.model, k)}; use the same model shape, or "
                 f"checkpoint.load=none to start fresh"
             )
-    if saved["optimizer"]["name"] != cfg.optimizer.name:
+    notes = []
+    if saved["optimizer"]["name"] != cfg.optimizer.name and not _holds_optimizer_state(meta.get("path")):
+        notes.append(
+            f"optimizer.name {saved['optimizer']['name']} -> {cfg.optimizer.name}: the checkpoint holds no "
+            f"optimizer state (an import or a step-0 checkpoint), so the new optimizer starts fresh"
+        )
+    elif saved["optimizer"]["name"] != cfg.optimizer.name:
         raise ConfigError(
             f"checkpoint was saved with optimizer.name={saved['optimizer']['name']} but this run has "
             f"optimizer.name={cfg.optimizer.name}; the optimizer state cannot be converted"
         )
-    notes = []
     now = config_to_dict(cfg)
     for sec in ("comm", "geo"):
         for k, v in saved.get(sec, {}).items():
