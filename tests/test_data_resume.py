@@ -118,3 +118,22 @@ def test_the_validation_samples_do_not_depend_on_the_dp_size(tmp_path):
             mbs = valid_micro_batches(ds, cfg, SimpleNamespace(dp_rank=r, dp_size=dp))
             got += [mb["tokens"] for mb in mbs]
         assert torch.equal(torch.cat(got), expected), dp
+
+
+def test_another_tokenizer_on_resume_is_refused(tmp_path, monkeypatch):
+    """Other token ids for the same documents: the Shakespeare cache follows the tokenizer, so only the config
+    keys can tell a switch of tokenizer (an older checkpoint without the key ran SentencePiece)."""
+    monkeypatch.chdir(tmp_path)
+    old = _saved_before_the_new_keys(_cfg())
+    old["data"].pop("tokenizer_type")
+    hf = ("data.tokenizer_type=huggingface", "data.tokenizer_model=hf_tok")
+    saved = config_to_dict(_cfg(*hf))
+    assert check_resume_changes(saved, _cfg(*hf), 10, "resume") == []
+    with pytest.raises(ConfigError, match=r"data.tokenizer_type changed on resume: 'huggingface' -> 'sentencepiece'"):
+        check_resume_changes(saved, _cfg("data.tokenizer_model=hf_tok"), 10, "resume")
+    with pytest.raises(ConfigError, match=r"data.tokenizer_model changed on resume"):
+        check_resume_changes(saved, _cfg("data.tokenizer_type=huggingface", "data.tokenizer_model=other"), 10, "resume")
+    stream = _cfg("data.sample_order=stream")
+    assert check_resume_changes(old, stream, 10, "resume") == []  # the key's legacy value is today's default
+    with pytest.raises(ConfigError, match=r"data.tokenizer_type changed on resume: 'sentencepiece' -> 'huggingface'"):
+        check_resume_changes(old, _cfg("data.sample_order=stream", *hf), 10, "resume")

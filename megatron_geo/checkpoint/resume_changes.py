@@ -34,6 +34,8 @@ DATA_KEYS = {
     "model.seq_length": "the sample boundaries, hence the data order",
     "data.source": "the training documents",
     "data.train_prefix": "the training documents",
+    "data.tokenizer_type": "the token ids of the documents",
+    "data.tokenizer_model": "the token ids of the documents",
     "data.train_blend": "the training documents and their weights",
     "data.split": "which sequences train",
     "data.sample_order": "the data order",
@@ -45,6 +47,7 @@ DATA_KEYS = {
 # What a checkpoint saved before a key existed ran with: a missing key means this value, never today's default
 # (data.sample_order was a stream of windows before Megatron's order became the default).
 LEGACY_VALUES = {
+    "data.tokenizer_type": "sentencepiece",
     "data.train_blend": "",
     "data.split": "",
     "data.sample_order": "stream",
