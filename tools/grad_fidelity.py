@@ -102,6 +102,17 @@ def parse_args(argv):
     p.add_argument("--out", default="runs/grad_fidelity.json", help="JSON output (default %(default)s)")
     p.add_argument("--per-layer", action="store_true", help="also print one row per layer and codec")
     p.add_argument("--no-directions", action="store_true", help="skip the per-direction error (FP64 SVDs)")
+    pr = p.add_argument_group("every preset on the model (--presets)")
+    pr.add_argument(
+        "--presets",
+        nargs="*",
+        default=None,
+        metavar="NAME",
+        help="one-step fidelity of comm presets (configs/comm/NAME.yaml; none named: fp8, fp8_e5m2, fp8_block, "
+        "fp8_hadamard, geofp8, geofp8_paper, bf16, nvfp4, geonvfp4) on every parameter's gradient, per layer "
+        "kind, vs Euclidean FP8 (fp8), plus GeoFP8 on each linear layer kind, the K-FAC spectrum and the "
+        "massive activations",
+    )
     g = p.add_argument_group("GeoFP8 ablation (--geo)")
     g.add_argument(
         "--geo",
@@ -113,6 +124,13 @@ def parse_args(argv):
         "--geo-layers",
         default="layers.*.mlp.down_proj.weight",
         help="comma-separated globs of the GeoFP8-selected weights (default %(default)s)",
+    )
+    g.add_argument(
+        "--geo-scope",
+        default="",
+        metavar="GLOBS",
+        help="model: evaluate the rows on these weights only (comma-separated globs; default every linear "
+        "weight), e.g. layers.*.mlp.down_proj.weight on a large model",
     )
     g.add_argument("--geo-rank", type=int, default=32, help="rank of the GeoFP8 transform (default 32)")
     g.add_argument(
@@ -226,6 +244,8 @@ def parse_args(argv):
         args.output_factor = "grads" if args.scenario == "model" else "hooks"
     if (args.scenario != "model" or args.paper or args.window > 1) and not args.geo:
         p.error("--scenario (other than model), --paper and --window need --geo")
+    if args.presets is not None and args.geo:
+        p.error("--presets and --geo are two reports; run them one at a time")
     return args
 
 
@@ -312,6 +332,12 @@ def main(argv=None) -> int:
         specs = [(s, parse_codec(s)) for s in args.codecs]
         if args.geo:  # every --geo option is checked before the warm-up training
             _check_geo_options(args)
+        if args.presets is not None:
+            from megatron_geo.analysis.preset_fidelity import DEFAULT_PRESETS, preset_plan
+
+            args.presets = args.presets or list(DEFAULT_PRESETS)
+            for name in args.presets:
+                preset_plan(name)  # an unknown preset is an error before the model is built
         if args.geo and args.scenario != "model":
             out = run_scenario(args)
             out["wall_s"] = time.perf_counter() - t_start
@@ -333,6 +359,8 @@ def main(argv=None) -> int:
         t_train = time.perf_counter() - t_train
         if args.geo:
             return _main_geo(sess, args, losses, t_train, t_start)
+        if args.presets is not None:
+            return _main_presets(sess, args, losses, t_start)
         names, grads, cap_loss = capture_rank_grads(sess, args.ranks)
         grads = {n: [g.cpu() for g in gs] for n, gs in grads.items()}
         results = []
@@ -362,6 +390,31 @@ def main(argv=None) -> int:
         f"(capture loss {cap_loss:.4f})\n" + format_table(results, args.per_layer)
     )
     _write(args, out, report, None)
+    return 0
+
+
+def _main_presets(sess, args, losses: list[float], t_start: float) -> int:
+    from megatron_geo.analysis.preset_fidelity import preset_report, run_presets
+
+    cfg = sess.cfg
+    doc = run_presets(sess, args.ranks, args.presets)
+    out = {
+        "mode": "presets",
+        **doc,
+        "config_files": args.config or [os.path.relpath(DEFAULT_CONFIG, REPO_ROOT)],
+        "overrides": args.overrides,
+        "warmup_steps": args.warmup_steps,
+        "ranks": args.ranks,
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "model": {
+            k: getattr(cfg.model, k)
+            for k in ("hidden_size", "ffn_hidden_size", "num_layers", "seq_length", "vocab_size")
+        },
+        "checkpoint_load": cfg.checkpoint.load,
+        "train_loss_first": losses[0] if losses else None,
+    }
+    out["wall_s"] = time.perf_counter() - t_start
+    _write(args, out, preset_report(out), preset_report(out, markdown=True))
     return 0
 
 

@@ -173,6 +173,20 @@ def run_model(sess: Session, opts, losses: list[float]) -> dict:
     caps, timings = capture_model(
         sess, opts.ranks, sorted(set(staleness) | set(range(1, max(opts.window, 1)))), opts.output_factor == "hooks"
     )
+    scope = getattr(opts, "geo_scope", "")
+    if scope:  # evaluate the rows on these weights only (time on a large model); the rest is dropped
+        import fnmatch
+
+        pats = [p.strip() for p in scope.split(",") if p.strip()]
+        keep = [n for n in caps[0].names if any(fnmatch.fnmatchcase(n, p) for p in pats)]
+        if not keep:
+            raise ValueError(f"--geo-scope {scope!r} matches no linear weight; e.g. {caps[0].names[:3]}")
+        for c in caps.values():
+            c.names = keep
+            c.grads = {n: c.grads[n] for n in keep}
+            c.A = {n: c.A[n] for n in keep}
+            if c.S_hooks is not None:
+                c.S_hooks = {n: c.S_hooks[n] for n in keep}
     names = caps[0].names
     scopes = {"selected": [n for n in names if n in selected], "all_linear": names}
     eval_caps = {k: c for k, c in caps.items() if k == 0 or k in staleness}

@@ -229,9 +229,7 @@ def read_hf(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise HFConversionError(f"{cfg_path} is not valid JSON ({e}); the folder is damaged") from None
     model = model_overrides_from_hf(hf_cfg, str(cfg_path))
     cfg = load_config([], [f"model.{k}={v}" for k, v in model.items()])
-    return model, from_hf_state(
-        _load_safetensors(folder), cfg.model, str(folder), tied=tied_embeddings(hf_cfg)
-    )
+    return model, from_hf_state(_load_safetensors(folder), cfg.model, str(folder), tied=tied_embeddings(hf_cfg))
 
 
 def write_checkpoint(
