@@ -295,30 +295,50 @@ def run_presets(sess, ranks: int, presets: list[str], candidates: bool = True, l
 
 
 def layer_choice(cap: Capture, grads: dict, tf: _Transforms, fp8_errs: dict, log=print) -> dict:
-    """GeoFP8 (``geofp8``'s rank, damping and ``power=auto``; E4M3, tensor scaling) on each linear kind alone:
-    ``{kind: {fp8_rel_l2, geo_rel_l2, change_pct, powers (median auto power), euclidean_layers (auto chose
-    p = 0)}}``."""
+    """GeoFP8 (``geofp8``'s rank, damping and ``power=auto``; E4M3, tensor scaling) on each linear kind alone, and
+    on sets of kinds: ``{kinds: {kind: {layers, fp8_rel_l2, geo_rel_l2, change_pct, median_power,
+    euclidean_layers (auto chose p = 0)}}, sets: {label: {kinds, transformed_change_pct, whole_change_pct}}}``.
+    The sets are every linear kind, and the kinds in order of their own gain (best first), each prefix once; a
+    set's whole-gradient change counts every other parameter as Euclidean FP8."""
     plan = preset_plan("geofp8")
-    out = {}
+    kinds, geo_errs = {}, {}
     for kind, glob in KIND_GLOBS.items():
         layer_names = [n for n in cap.names if fnmatch.fnmatchcase(n, glob)]
         if not layer_names:
             continue
-        sub = {n: grads[n] for n in layer_names}
-        errs = _reduce_all(sub, plan, tf, set(layer_names))
+        errs = _reduce_all({n: grads[n] for n in layer_names}, plan, tf, set(layer_names))
+        geo_errs.update(errs)
         geo = _groups(errs, {"k": layer_names})["k"]
         fp8 = _groups(fp8_errs, {"k": layer_names})["k"]
         powers = sorted(tf.auto_chosen.get(0, {}).get(n, float("nan")) for n in layer_names)
-        out[kind] = {
+        kinds[kind] = {
             "layers": len(layer_names),
+            "names": layer_names,
             "fp8_rel_l2": fp8,
             "geo_rel_l2": geo,
             "change_pct": _pct(geo, fp8),
             "median_power": powers[len(powers) // 2],
             "euclidean_layers": sum(1 for p in powers if p == 0),
         }
-        log(f"  geo on {kind:6s}: RelL2 {fp8:.4e} -> {geo:.4e} ({out[kind]['change_pct']:+.1f}%)")
-    return out
+        log(f"  geo on {kind:6s}: RelL2 {fp8:.4e} -> {geo:.4e} ({kinds[kind]['change_pct']:+.1f}%)")
+    order = sorted(kinds, key=lambda k: kinds[k]["change_pct"])
+    candidates = {"all linear": list(kinds)}
+    for i in range(1, len(order) + 1):
+        candidates.setdefault("+".join(order[:i]), order[:i])
+    sets, names = {}, list(fp8_errs)
+    for label, ks in candidates.items():
+        chosen = {n for k in ks for n in kinds[k]["names"]}
+        mixed = {n: geo_errs[n] if n in chosen else fp8_errs[n] for n in names}
+        t = _groups(mixed, {"t": sorted(chosen)})["t"]
+        sets[label] = {
+            "kinds": ks,
+            "layers": len(chosen),
+            "transformed_change_pct": _pct(t, _groups(fp8_errs, {"t": sorted(chosen)})["t"]),
+            "whole_change_pct": _pct(_groups(mixed, {"w": names})["w"], _groups(fp8_errs, {"w": names})["w"]),
+        }
+    for k in kinds.values():
+        k.pop("names")
+    return {"kinds": kinds, "sets": sets}
 
 
 def all_presets() -> list[str]:
@@ -382,7 +402,15 @@ def preset_report(doc: dict, markdown: bool = False) -> str:
                         _f(r["median_power"], ".3f"),
                         str(r["euclidean_layers"]),
                     ]
-                    for k, r in doc["layer_choice"].items()
+                    for k, r in doc["layer_choice"]["kinds"].items()
+                ],
+            ),
+            "GeoFP8 (power=auto) on sets of layer kinds (the others Euclidean FP8): RelL2 change vs Euclidean FP8",
+            table(
+                ["kinds", "layers", "transformed %", "whole gradient %"],
+                [
+                    [k, str(r["layers"]), _f(r["transformed_change_pct"], "+.1f"), _f(r["whole_change_pct"], "+.1f")]
+                    for k, r in doc["layer_choice"]["sets"].items()
                 ],
             ),
         ]
