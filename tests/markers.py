@@ -38,6 +38,7 @@ SLOW = {
     "test_muon_split.py::test_split_plan_steps_like_the_whole_matrix_plan",  # 83
     "test_run_comparison.py::test_rerun_into_a_sweep_refuses_other_arguments_unless_forced",  # 29
     "test_smollm2_import.py::test_whole_model_at_tp1_gives_transformers_per_token_losses",  # 40 (fixture)
+    "test_smollm2_import.py::test_export_of_a_run_on_the_hf_tokenizer_carries_that_tokenizer",  # 20
     "test_smollm2_import.py::test_first_layers_at_tp3_give_transformers_per_token_losses",  # 25
     "test_hf_interop.py::test_export_loads_in_transformers_with_our_losses_and_token_ids",  # 27 (fixture)
     "test_gpu_check.py::test_dry_run_writes_two_files_with_every_phase",  # 25 (fixture)

@@ -67,21 +67,26 @@ def test_relative_errors_match_torch_casts_on_the_tiny_model(monkeypatch):
     monkeypatch.setattr(preset_fidelity, "capture_all", keep)
     sess = open_session([str(ROOT / "configs" / "tiny.yaml")], ["model.num_layers=2", "logging.wandb=disabled"])
     try:
-        doc = run_presets(sess, 2, ["bf16", "geofp8"], candidates=False, log=lambda m: None)
+        doc = run_presets(sess, 2, ["bf16", "geofp8_paper", "geofp8"], candidates=False, log=lambda m: None)
     finally:
         close_session(sess)
     grads = captured["grads"]
     names = list(grads)
-    fp8, bf16, geo = (doc["presets"][p]["rel_l2"] for p in ("fp8", "bf16", "geofp8"))
+    fp8, bf16, paper, geo = (doc["presets"][p]["rel_l2"] for p in ("fp8", "bf16", "geofp8_paper", "geofp8"))
     assert bf16["whole"] == pytest.approx(_torch_reference(grads, names, lambda x: x.bfloat16().float()), rel=1e-6)
     down = [n for n in names if kind_of(n) == "down"]
     assert fp8["down"] == pytest.approx(_torch_reference(grads, down, _e4m3), rel=1e-6)
     assert fp8["whole"] == pytest.approx(_torch_reference(grads, names, _e4m3), rel=1e-6)
-    # geofp8 transforms the down projections only: every other kind is Euclidean FP8 bit for bit
+    # geofp8_paper transforms the down projections only: every other kind is Euclidean FP8 bit for bit
     for k in ("q", "k", "v", "o", "gate", "up", "embedding", "output"):
-        assert geo[k] == fp8[k], k
-    assert doc["presets"]["geofp8"]["transformed_layers"] == len(down)
-    assert doc["summary"]["geofp8"]["transformed_change_pct"] == pytest.approx(100 * (geo["down"] / fp8["down"] - 1))
+        assert paper[k] == fp8[k], k
+    assert doc["presets"]["geofp8_paper"]["transformed_layers"] == len(down)
+    summary = doc["summary"]["geofp8_paper"]
+    assert summary["transformed_change_pct"] == pytest.approx(100 * (paper["down"] / fp8["down"] - 1))
+    # geofp8 takes every linear weight; the embedding and the norms are never transformed
+    linear = [n for n in names if kind_of(n) in ("q", "k", "v", "o", "gate", "up", "down", "output")]
+    assert doc["presets"]["geofp8"]["transformed_layers"] == len(linear)
+    assert (geo["embedding"], geo["norm"]) == (fp8["embedding"], fp8["norm"])
     # the spectrum's share of trace in the top 32 eigenvalues, for one down projection
     a = captured["A"][down[0]].double()
     ev = torch.linalg.eigvalsh(a).flip(0)

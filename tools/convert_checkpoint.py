@@ -87,6 +87,8 @@ def tokenizer_for(cfg, explicit: str | None) -> str | None:
     embedded corpus's (prepared again from the package if its cache was removed)."""
     if explicit:
         return explicit
+    if getattr(cfg.data, "tokenizer_type", "sentencepiece") == "huggingface":
+        return cfg.data.tokenizer_model or None  # a Hugging Face tokenizer folder
     if cfg.data.source == "indexed":
         return cfg.data.tokenizer_model or None
     from megatron_geo.data import prepare_default_corpus
@@ -133,7 +135,7 @@ def to_hf(a) -> int:
     meta = read_meta(ckpt)
     cfg = config_from_dict(meta["config"], str(ckpt))
     tok = None if a.no_tokenizer else tokenizer_for(cfg, a.tokenizer)
-    if tok and not Path(tok).expanduser().is_file():
+    if tok and not Path(tok).expanduser().exists():
         raise ConfigError(f"tokenizer {tok} not found; pass --tokenizer PATH or --no-tokenizer")
     hf_io.check_output(a.output, a.force, ckpt)  # before reading the weights
     state = read_model_state(ckpt)
@@ -280,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_dict(meta["config"], str(ckpt))
         state = read_model_state(ckpt)
         tok = None if a.no_tokenizer else tokenizer_for(cfg, a.tokenizer)
+        if tok and Path(tok).expanduser().is_dir():
+            print(f"note: the run's tokenizer is the Hugging Face folder {tok}; the .pt file embeds none")
+            tok = None
         if tok and not Path(tok).expanduser().is_file():
             raise ConfigError(f"tokenizer {tok} not found; pass --tokenizer PATH")
         out = save_consolidated(a.output, cfg, state, tok)

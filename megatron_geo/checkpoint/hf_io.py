@@ -114,7 +114,8 @@ def export_hf(
         out: output folder (created; must be empty or absent unless ``force``).
         dtype: ``"bf16"`` or ``"fp32"``: the dtype of the stored weights (and ``config.json``'s dtype).
         max_shard_size: largest safetensors file (e.g. ``"5GB"``, or bytes); above it the weights are sharded.
-        tokenizer_model: our SentencePiece ``.model`` to export as the tokenizer, or None for none.
+        tokenizer_model: our SentencePiece ``.model`` to export as the tokenizer, a Hugging Face tokenizer folder
+            (``data.tokenizer_type=huggingface``; saved as it is), or None for none.
         force: replace a non-empty ``out``.
 
     Returns the sorted file names written. Raises HFConversionError (bad dtype, a tokenizer the export cannot
@@ -140,7 +141,11 @@ def export_hf(
         _keep_top_level_rope_theta(tmp / "config.json", cfg.model.rope_theta)
         GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(str(tmp))
         save_torch_state_dict(hf_state, str(tmp), max_shard_size=max_shard_size, metadata={"format": "pt"})
-        if tokenizer_model:
+        if tokenizer_model and Path(tokenizer_model).is_dir():  # a Hugging Face tokenizer folder: as it is
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(tokenizer_model, local_files_only=True).save_pretrained(str(tmp))
+        elif tokenizer_model:
             from .hf_tokenizer import save_hf_tokenizer
 
             save_hf_tokenizer(tokenizer_model, tmp, cfg.model.seq_length, cfg.model.vocab_size)
