@@ -137,3 +137,19 @@ def test_another_tokenizer_on_resume_is_refused(tmp_path, monkeypatch):
     assert check_resume_changes(old, stream, 10, "resume") == []  # the key's legacy value is today's default
     with pytest.raises(ConfigError, match=r"data.tokenizer_type changed on resume: 'sentencepiece' -> 'huggingface'"):
         check_resume_changes(old, _cfg("data.sample_order=stream", *hf), 10, "resume")
+
+
+def test_the_embedded_corpus_tokenized_by_a_changed_tokenizer_is_refused():
+    """With data.source=shakespeare the corpus folder is named after the tokenizer's fingerprint: the same config
+    keys with another folder mean the tokenizer's files changed (other ids); another cache root alone does not."""
+    cfg = _cfg("data.tokenizer_type=huggingface", "data.tokenizer_model=hf_tok")
+
+    def rec(root, name):
+        return [{"prefix": f"{root}/{name}/train", "idx_bytes": 1, "bin_bytes": 2, "idx_sha256": "ab"}]
+
+    saved = rec("/home/a/.cache/megatron_geo", "shakespeare_hf100_aaaa")
+    assert check_data_files(saved, rec("/scratch/b/cache", "shakespeare_hf100_aaaa"), cfg, "resume") == []
+    with pytest.raises(ConfigError, match="tokenized differently.*shakespeare_hf100_bbbb"):
+        check_data_files(saved, rec("/home/a/.cache/megatron_geo", "shakespeare_hf100_bbbb"), cfg, "resume")
+    notes = check_data_files(saved, rec("/x", "shakespeare_hf100_bbbb"), cfg, "init")
+    assert len(notes) == 1 and "tokenized differently" in notes[0]

