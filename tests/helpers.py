@@ -48,3 +48,15 @@ def rank_micro_batches(batch: dict, micro: int, dp_rank: int, dp_size: int) -> l
     per = G // dp_size
     lo = dp_rank * per
     return [{k: v[lo + i : lo + i + micro] for k, v in batch.items()} for i in range(0, per, micro)]
+
+
+def load_tool(name: str):
+    """The module of ``tools/<name>.py`` (the tools are scripts, not a package), loaded once per call."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_tool", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

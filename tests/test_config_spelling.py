@@ -342,7 +342,12 @@ GEOFP8 = str(ROOT / "configs/comm/geofp8.yaml")
             "train.nonfinite=stop",
         ),
         (None, ["train.device=cpu", "train.autocast_dtype=bf16"], "train.autocast_dtype=bf16", "train.device=cpu"),
-        (GEOFP8, ["comm.transform=none"], "geo.layers=layers.*.attn", "comm.transform=none"),  # the preset's geo keys too
+        (
+            GEOFP8,
+            ["comm.transform=none"],
+            "geo.layers=layers.*.attn",
+            "comm.transform=none",
+        ),  # the preset's geo keys too
         (GEOFP8, ["geo.num_layers=4"], "geo.num_layers=4", "geo.select=layers"),
         (GEOFP8, ["geo.select=gain", "geo.profile_steps=10"], "geo.profile_steps=10", "geo.select=gain"),
         (GEOFP8, ["geo.power_search=0.5,0"], "geo.power=auto", "geo.power_search=0.5,0"),

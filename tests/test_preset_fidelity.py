@@ -4,23 +4,16 @@ Euclidean FP8 outside the layers they transform, and the K-FAC spectrum against 
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import load_tool
 from megatron_geo.analysis.preset_fidelity import kind_of, preset_plan, run_presets
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("grad_fidelity_tool", ROOT / "tools" / "grad_fidelity.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_layer_kinds_and_preset_plans():
@@ -96,7 +89,7 @@ def test_relative_errors_match_torch_casts_on_the_tiny_model(monkeypatch):
 
 
 def test_an_unknown_preset_is_refused_before_the_model_is_built(tmp_path, capsys):
-    assert _tool().main(["--presets", "fp8", "nope", "--out", str(tmp_path / "x.json")]) == 2
+    assert load_tool("grad_fidelity").main(["--presets", "fp8", "nope", "--out", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "nope" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "x.json").exists()

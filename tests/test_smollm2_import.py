@@ -14,17 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import load_tool
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _tool():
-    spec = importlib.util.spec_from_file_location("convert_checkpoint_tool", ROOT / "tools" / "convert_checkpoint.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-TOOL = _tool()
+TOOL = load_tool("convert_checkpoint")
 TEXT = [
     "The quick brown fox jumps over the lazy dog, and the dog does not seem to mind it at all today.",
     "Shall I compare thee to a summer's day? Thou art more lovely and more temperate: rough winds do shake.",

@@ -393,14 +393,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def _main_presets(sess, args, losses: list[float], t_start: float) -> int:
-    from megatron_geo.analysis.preset_fidelity import preset_report, run_presets
-
-    cfg = sess.cfg
-    doc = run_presets(sess, args.ranks, args.presets)
-    out = {
-        "mode": "presets",
-        **doc,
+def _run_info(args, cfg) -> dict:
+    """What a report records of the run it measured: config files, overrides, warm-up, ranks, model shape."""
+    return {
         "config_files": args.config or [os.path.relpath(DEFAULT_CONFIG, REPO_ROOT)],
         "overrides": args.overrides,
         "warmup_steps": args.warmup_steps,
@@ -410,6 +405,18 @@ def _main_presets(sess, args, losses: list[float], t_start: float) -> int:
             k: getattr(cfg.model, k)
             for k in ("hidden_size", "ffn_hidden_size", "num_layers", "seq_length", "vocab_size")
         },
+    }
+
+
+def _main_presets(sess, args, losses: list[float], t_start: float) -> int:
+    from megatron_geo.analysis.preset_fidelity import preset_report, run_presets
+
+    cfg = sess.cfg
+    doc = run_presets(sess, args.ranks, args.presets)
+    out = {
+        "mode": "presets",
+        **doc,
+        **_run_info(args, cfg),
         "checkpoint_load": cfg.checkpoint.load,
         "train_loss_first": losses[0] if losses else None,
     }
@@ -430,15 +437,7 @@ def _main_geo(sess, args, losses: list[float], t_train: float, t_start: float) -
     layers = [{"name": x["name"], "shape": x["shape"]} for x in geo["rows"][0]["layers"]]
     out = {
         **doc,
-        "config_files": args.config or [os.path.relpath(DEFAULT_CONFIG, REPO_ROOT)],
-        "overrides": args.overrides,
-        "warmup_steps": args.warmup_steps,
-        "ranks": args.ranks,
-        "micro_batch_size": cfg.train.micro_batch_size,
-        "model": {
-            k: getattr(cfg.model, k)
-            for k in ("hidden_size", "ffn_hidden_size", "num_layers", "seq_length", "vocab_size")
-        },
+        **_run_info(args, cfg),
         "device": str(sess.pctx.device),
         "train_loss_first": losses[0] if losses else None,
         "train_loss_last": losses[-1] if losses else None,

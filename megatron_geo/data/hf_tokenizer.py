@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterable
 
 from ..config.errors import ConfigError
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, checked_ids
 
 TOKENIZER_TYPES = ("sentencepiece", "huggingface")
 # Megatron-LM's --tokenizer-type spellings of the two
@@ -189,11 +189,7 @@ class HFTokenizer:
 
         Raises ValueError if an id is outside ``[0, vocab_size)``.
         """
-        ids = [int(i) for i in ids]
-        n = self.vocab_size
-        bad = [i for i in ids if not 0 <= i < n]
-        if bad:
-            raise ValueError(f"HFTokenizer.decode: ids {bad[:5]} are outside [0, {n}); wrong tokenizer for this data?")
+        ids = checked_ids(ids, self.vocab_size, "HFTokenizer.decode")
         return self._tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 

@@ -149,6 +149,15 @@ def train_tokenizer(
     return f"{model_prefix}.model"
 
 
+def checked_ids(ids: Iterable[int], vocab_size: int, who: str) -> list[int]:
+    """``ids`` as Python ints. Raises ValueError (naming ``who``) if an id is outside ``[0, vocab_size)``."""
+    out = [int(i) for i in ids]
+    bad = [i for i in out if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"{who}: ids {bad[:5]} are outside [0, {vocab_size}); wrong tokenizer for this data?")
+    return out
+
+
 class Tokenizer:
     """Wrapper around a trained SentencePiece ``.model`` file.
 
@@ -214,9 +223,4 @@ class Tokenizer:
 
         Raises ValueError if an id is outside ``[0, vocab_size)``.
         """
-        ids = [int(i) for i in ids]
-        n = self.vocab_size
-        bad = [i for i in ids if not 0 <= i < n]
-        if bad:
-            raise ValueError(f"Tokenizer.decode: ids {bad[:5]} are outside [0, {n}); wrong tokenizer for this data?")
-        return self._sp.decode(ids)
+        return self._sp.decode(checked_ids(ids, self.vocab_size, "Tokenizer.decode"))
