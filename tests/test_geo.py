@@ -495,3 +495,20 @@ def test_power_auto_and_select_gain_follow_the_slope_rule_on_every_rank():
     want = [best] if gains[best] > 0 else []
     assert act0 == want  # select=gain keeps the best positive one
     assert all((tr0[n][0] > 0) == (n in want) for n in tr0)  # the others stay Euclidean (identity)
+
+
+def test_the_auto_power_log_line_summarises_many_layers_per_kind():
+    """Up to 16 layers: one name=p each; beyond, one entry per layer kind with its upper median (as
+    statistics.median_high), range and count of Euclidean layers."""
+    import statistics
+
+    from megatron_geo.geometry.geo import _powers_line
+
+    few = {"layers.0.mlp.down_proj.weight": 0.2, "layers.1.mlp.down_proj.weight": 0.0}
+    assert _powers_line(few) == "layers.0.mlp.down_proj=0.2, layers.1.mlp.down_proj=0"
+    many = {f"layers.{i}.attn.q_proj.weight": (i % 4) / 8 for i in range(20)}
+    many["output.weight"] = 0.25
+    ps = [(i % 4) / 8 for i in range(20)]
+    line = _powers_line(many)
+    assert line.startswith(f"attn.q_proj x20: median {statistics.median_high(ps):.3g} [0, 0.375], 5 Euclidean")
+    assert line.endswith("output x1: median 0.25 [0.25, 0.25], 0 Euclidean")

@@ -75,6 +75,27 @@ def _no_bypass(modules: Iterable[nn.Module]) -> ContextManager:
     return contextlib.nullcontext()
 
 
+def _powers_line(powers: dict[str, float], per_layer_up_to: int = 16) -> str:
+    """``name=p, ...`` for a few layers; above ``per_layer_up_to`` one entry per layer kind (the name without its
+    ``layers.<i>.`` prefix): ``kind: median p [min, max], n Euclidean`` (every layer's power is in the metrics,
+    ``geo/<layer>/power``)."""
+    if len(powers) <= per_layer_up_to:
+        return ", ".join(f"{n.removesuffix('.weight')}={p:.3g}" for n, p in powers.items())
+    kinds: dict[str, list[float]] = {}
+    for n, p in powers.items():
+        parts = n.removesuffix(".weight").split(".")
+        kind = (
+            ".".join(parts[2:]) if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit() else ".".join(parts)
+        )
+        kinds.setdefault(kind, []).append(p)
+    out = []
+    for kind, ps in sorted(kinds.items()):
+        ps.sort()
+        zero = sum(1 for p in ps if p == 0)
+        out.append(f"{kind} x{len(ps)}: median {ps[len(ps) // 2]:.3g} [{ps[0]:.3g}, {ps[-1]:.3g}], {zero} Euclidean")
+    return "; ".join(out)
+
+
 class GeoState:
     """Transforms of the selected parameters, keyed by parameter name.
 
@@ -348,10 +369,8 @@ class GeoState:
                 else identity_transform(self.params[n].shape[1], transforms[n].U.device)
             )
             self.powers[n] = p
-        self.log(
-            f"step {step + 1}: geo.power=auto "
-            + ", ".join(f"{n.removesuffix('.weight')}={p:.3g}" for n, p in sorted(self.powers.items()) if n in moments)
-        )
+        chosen = {n: p for n, p in sorted(self.powers.items()) if n in moments}
+        self.log(f"step {step + 1}: geo.power=auto " + _powers_line(chosen))
 
     def _record_diagnostics(self, transforms: dict, moments: dict, d1: dict, ipr: dict, step: int) -> None:
         """:attr:`diagnostics` of every layer (module docstring) from a second small all-reduce (bound hits and
@@ -407,9 +426,13 @@ class GeoState:
                 "flush_euclid": c[5] / max(c[6], 1),
             }
         if kept_euclidean:
+            names = [n.removesuffix(".weight") for n in kept_euclidean]
+            shown = ", ".join(names[:16]) + (
+                f" and {len(names) - 16} more (geo/<layer>/power = 0)" if len(names) > 16 else ""
+            )
             self.log(
-                f"step {step + 1}: geo.power=auto keeps Euclidean (predicted gain < {RS.MIN_AUTO_GAIN:g}): "
-                + ", ".join(n.removesuffix(".weight") for n in kept_euclidean)
+                f"step {step + 1}: geo.power=auto keeps {len(names)} layer(s) Euclidean (predicted gain < "
+                f"{RS.MIN_AUTO_GAIN:g}): {shown}"
             )
         if self.select_gain and self.auto_layers:
             # among the layers geo.power=auto did not already keep Euclidean
