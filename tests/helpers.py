@@ -60,3 +60,13 @@ def load_tool(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def one_error_line(tool, capsys, *argv) -> str:
+    """Run ``tool.main(argv)`` (a tools/ module), assert it exits 2 with exactly one ``error: ...`` line on stderr,
+    and return that line."""
+    capsys.readouterr()
+    assert tool.main([str(a) for a in argv]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]

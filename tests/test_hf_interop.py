@@ -19,6 +19,7 @@ pytest.importorskip("safetensors")
 
 from ckpt_helpers import make_corpus, tiny_train_overrides, train_jobs  # noqa: E402
 from dist_harness import run_distributed  # noqa: E402
+from helpers import one_error_line  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # vocab 96 is padded to 128 at TP=2: the export must drop it; no validation passes (time)
@@ -193,11 +194,7 @@ def _hf_folder(tmp_path: Path, ckpt, name: str, config_edit=None, drop=(), add=N
 
 def test_error_paths_name_the_value_and_the_fix(ckpt, tmp_path, capsys):
     def err(*argv) -> str:
-        capsys.readouterr()
-        assert TOOL.main([str(a) for a in argv]) == 2
-        lines = capsys.readouterr().err.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: "), lines
-        return lines[0]
+        return one_error_line(TOOL, capsys, *argv)
 
     out = tmp_path / "out"
     assert "is not a folder" in err(tmp_path / "nope", out, "--from", "hf")

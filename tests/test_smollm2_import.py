@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import load_tool
+from helpers import load_tool, one_error_line
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -154,11 +154,7 @@ def test_first_layers_at_tp3_give_transformers_per_token_losses(smollm2, world):
 
 def test_bad_or_missing_model_file_is_one_error_line(tmp_path, capsys):
     def err(*argv) -> str:
-        capsys.readouterr()
-        assert TOOL.main([str(a) for a in argv]) == 2
-        lines = capsys.readouterr().err.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: "), lines
-        return lines[0]
+        return one_error_line(TOOL, capsys, *argv)
 
     out = tmp_path / "out"
     missing = tmp_path / "model.gguf"
@@ -208,7 +204,5 @@ def test_a_package_is_found_by_its_import_or_pip_name_and_a_plain_module_is_refu
     truncated.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x00" * 7)  # the magic, then a header cut short
     pytest.importorskip("gguf")
     pytest.importorskip("transformers")
-    capsys.readouterr()
-    assert TOOL.main([str(truncated), str(tmp_path / "out"), "--from", "gguf"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "could not be read by transformers" in err[0] and str(truncated) in err[0]
+    msg = one_error_line(TOOL, capsys, truncated, tmp_path / "out", "--from", "gguf")
+    assert "could not be read by transformers" in msg and str(truncated) in msg

@@ -256,14 +256,18 @@ def run_presets(sess, ranks: int, presets: list[str], candidates: bool = True, l
     tf = _Transforms({0: cap}, "grads")
     plans = {p: preset_plan(p) for p in dict.fromkeys([REFERENCE, *presets])}
     results, errs_of = {}, {}
+    transformed = {
+        p: sorted(n for n in cap.names if plan["geo"] and _matches(n, plan["geo"]["layers"]))
+        for p, plan in plans.items()
+    }
     for p, plan in plans.items():
         ts = time.perf_counter()
-        geo_names = {n for n in cap.names if plan["geo"] and _matches(n, plan["geo"]["layers"])}
-        errs = _reduce_all(grads, plan, tf, geo_names)
+        geo_names = transformed[p]
+        errs = _reduce_all(grads, plan, tf, set(geo_names))
         errs_of[p] = errs
         groups = {"whole": _groups(errs, {"whole": names})["whole"], **_groups(errs, by_kind)}
         if geo_names:
-            groups["transformed"] = _groups(errs, {"t": sorted(geo_names)})["t"]
+            groups["transformed"] = _groups(errs, {"t": geo_names})["t"]
         results[p] = {
             "plan": {"codec": codec_label(plan["codec"]), "geo": plan["geo"]},
             "transformed_layers": len(geo_names),
@@ -273,10 +277,9 @@ def run_presets(sess, ranks: int, presets: list[str], candidates: bool = True, l
     ref = results[REFERENCE]["rel_l2"]
     summary = {}
     for p, r in results.items():
-        geo_names = {n for n in cap.names if plans[p]["geo"] and _matches(n, plans[p]["geo"]["layers"])}
-        fp8_on_those = _groups(errs_of[REFERENCE], {"t": sorted(geo_names)}).get("t") if geo_names else None
         r["change_pct"] = {g: _pct(v, ref[g]) for g, v in r["rel_l2"].items() if g in ref}
-        if geo_names:
+        if transformed[p]:  # against Euclidean FP8 on the same layers
+            fp8_on_those = _groups(errs_of[REFERENCE], {"t": transformed[p]})["t"]
             r["change_pct"]["transformed"] = _pct(r["rel_l2"]["transformed"], fp8_on_those)
         summary[p] = {
             "whole_rel_l2": r["rel_l2"]["whole"],

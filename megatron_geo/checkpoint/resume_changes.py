@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 from ..config import Config, ConfigError, config_to_dict
 from ..optim.schedule import lr_at
@@ -243,13 +244,14 @@ def check_data_files(saved: list[dict] | None, now: list[dict], cfg: Config, kin
 
     changes = identity_changes(saved or [], now)
     # the cache folder and file name, not the cache root (data.cache_dir may differ between nodes)
-    old = ["/".join(str(s.get("prefix")).split("/")[-2:]) for s in saved or []]
-    new = ["/".join(str(n.get("prefix")).split("/")[-2:]) for n in now]
+    old = [Path(str(s.get("prefix"))).parts[-2:] for s in saved or []]
+    new = [Path(str(n.get("prefix"))).parts[-2:] for n in now]
     if saved and cfg.data.source == "shakespeare" and old != new:
         # the embedded corpus' folders are named after its tokenizer (a fingerprint of a Hugging Face tokenizer's
         # files): other folders under the same config keys mean other token ids, e.g. a tokenizer folder rewritten
         changes.append(
-            f"the embedded corpus was tokenized differently ({', '.join(map(str, old))} -> {', '.join(map(str, new))}: "
+            f"the embedded corpus was tokenized differently ({', '.join('/'.join(o) for o in old)} -> "
+            f"{', '.join('/'.join(n) for n in new)}: "
             f"the tokenizer's files changed)"
         )
     if not changes:
