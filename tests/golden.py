@@ -9,6 +9,16 @@ with one preset and returns, in call order, a SHA-256 of every tensor the packag
 change of the wire bytes is intended, and say so in the commit) with::
 
     python tests/golden.py --out tests/data/golden
+
+The GeoFP8 presets' transforms come from an FP64 eigendecomposition (LAPACK through MKL), whose last bits differ
+between CPU families even with MKL's reproducibility mode pinned (tests/conftest.py). Their records are therefore
+also kept per LAPACK family, keyed by :func:`lapack_fingerprint`, in ``host_lapack.json``; add the current host's
+family (without touching the other records) with::
+
+    python tests/golden.py --host-variant
+
+On a host whose family has no entry, ``tests/test_golden.py`` compares those presets by the sequence of calls
+(operation, dtype, size) and by their losses and gradient norms to a relative 1e-6.
 """
 
 from __future__ import annotations
@@ -21,6 +31,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+import cpu_pin  # noqa: F401  (before torch)
+
+# isort: split
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -47,6 +60,35 @@ CHECKPOINTS = {
     "muon_geofp8": ("geofp8.yaml", ["optimizer.name=muon", *GEOFP8_DOWN]),
 }
 RUN_TOKEN = "@RUN@"
+HOST_RECORDS = GOLDEN / "host_lapack.json"
+
+
+def uses_eigh(preset: str) -> bool:
+    """Whether a preset file transforms gradients with GeoFP8 (its refresh runs ``torch.linalg.eigh``)."""
+    return "geo" in preset
+
+
+def lapack_fingerprint() -> str:
+    """16 hex digits of the FP64 eigendecomposition and QR factorisation of fixed, exactly representable
+    matrices (64 x 64 and 128 x 128 Gram matrices, as the tiny model's K-FAC factors): equal on hosts whose
+    LAPACK gives the GeoFP8 refresh the same bits."""
+    h = hashlib.sha256()
+    for n in (64, 128):
+        i = torch.arange(n, dtype=torch.float64)
+        m = torch.remainder(i[:, None] * 37 + i[None, :] * 101, 97) - 48  # integers: exact in FP64
+        a = (m @ m.T) / (48.0 * 48.0 * n)
+        evals, evecs = torch.linalg.eigh(a)
+        q, _ = torch.linalg.qr(m[:, : n // 2])
+        for t in (evals, evecs, q):
+            h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def host_records(path: Path = HOST_RECORDS) -> dict | None:
+    """This host's LAPACK family's records ``{"wire": {name: record}, "resume": {name: losses}}``, or None."""
+    if not path.exists():
+        return None
+    return json.loads(path.read_text()).get(lapack_fingerprint())
 
 
 def overrides(corpus: Path, run_dir: Path, preset: str, extra: list[str]) -> list[str]:
@@ -141,13 +183,71 @@ def make_corpus_into(root: Path) -> None:
             p.unlink()
 
 
+def resume_committed(run_distributed, corpus: Path, run: Path, name: str) -> list:
+    """Resume the committed step-2 checkpoint ``name`` in the run folder ``run`` to step ``STEPS``: rank 0's
+    ``[step, loss, grad norm]`` of steps 3 and 4 (what tests/test_golden.py compares)."""
+    recorded = json.loads((GOLDEN / "resume.json").read_text())[name]
+    shutil.copytree(GOLDEN / "ckpt" / name, run / "checkpoints")
+    for f in (run / "checkpoints" / "step_00000002").glob("*.json"):
+        f.write_text(f.read_text().replace(CORPUS_TOKEN, str(corpus)).replace(RUN_TOKEN, str(run)))
+    out = run_distributed(
+        record_wire,
+        2,
+        str(corpus),
+        str(run),
+        recorded["preset"],
+        [*recorded["extra"], "checkpoint.interval=2", "checkpoint.keep_latest=0"],
+    )
+    return out
+
+
+def record_host_variant(work: Path) -> None:
+    """Add this host's LAPACK family's records of the GeoFP8 presets to ``host_lapack.json``."""
+    from dist_harness import run_distributed
+
+    corpus = (GOLDEN / "corpus").resolve()
+    wire = {}
+    for name, (preset, extra) in RUNS.items():
+        if uses_eigh(preset):
+            wire[name] = {
+                "preset": preset,
+                "extra": extra,
+                "ranks": run_distributed(record_wire, 2, str(corpus), str(work / name), preset, extra),
+            }
+            print(name, wire[name]["ranks"][0]["losses"][-1])
+    resume = {}
+    for name in CHECKPOINTS:
+        resume[name] = resume_committed(run_distributed, corpus, work / f"resume_{name}", name)[0]["losses"]
+    have = json.loads(HOST_RECORDS.read_text()) if HOST_RECORDS.exists() else {}
+    have[lapack_fingerprint()] = {"cpu": _cpu_name(), "wire": wire, "resume": resume}
+    HOST_RECORDS.write_text(json.dumps(have, indent=1) + "\n")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(GOLDEN))
     ap.add_argument("--work", default=None, help="scratch folder for the runs (default: a new temporary folder)")
+    ap.add_argument(
+        "--host-variant", action="store_true", help="add this host's LAPACK family's GeoFP8 records (host_lapack.json)"
+    )
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
     from dist_harness import run_distributed
+
+    if args.host_variant:
+        work = Path(args.work).resolve() if args.work else Path(tempfile.mkdtemp(prefix="golden-"))
+        record_host_variant(work)
+        return
 
     out = Path(args.out).resolve()
     work = Path(args.work).resolve() if args.work else Path(tempfile.mkdtemp(prefix="golden-"))

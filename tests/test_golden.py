@@ -1,18 +1,23 @@
 """Behaviour recorded from an earlier version of the code (``tests/golden.py``; its docstring says how to
 regenerate): every comm preset hands the collectives the same bytes, and a checkpoint that version wrote
-resumes to the same losses and gradient norms, bitwise."""
+resumes to the same losses and gradient norms, bitwise. The GeoFP8 presets are compared bitwise against the records
+of this host's LAPACK family where there are some (``host_lapack.json``), else by their calls and losses."""
 
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
 from dist_harness import run_distributed
-from golden import CHECKPOINTS, CORPUS_TOKEN, GOLDEN, RUN_TOKEN, RUNS, record_wire
+from golden import CHECKPOINTS, GOLDEN, RUNS, host_records, record_wire, resume_committed, uses_eigh
 
 RECORDED = json.loads((GOLDEN / "wire_codes.json").read_text())
+# the GeoFP8 presets' records made on a host of this one's LAPACK family (golden.py's docstring), or None
+HOST = host_records()
+# losses and gradient norms of a GeoFP8 preset on a host whose LAPACK family has no records: another family's
+# transforms move the tiny model's gradient norm by up to 8e-8 (relative) in 4 steps (muon_geofp8, AMD EPYC)
+REL = 1e-6
 
 
 def _record_many(rank, world, corpus, root, names):
@@ -25,6 +30,20 @@ WIRE_DTYPES = {"uint8", "bfloat16", "float32"}
 
 def _wire(calls: list) -> list:
     return [c for c in calls if c[1] in WIRE_DTYPES]
+
+
+def _close(want: list, got: list) -> bool:
+    """``[[step, loss, grad norm], ...]`` equal in steps and within :data:`REL` in values."""
+    return len(want) == len(got) and all(
+        w[0] == g[0] and all(abs(a - b) <= REL * abs(a) for a, b in zip(w[1:], g[1:])) for w, g in zip(want, got)
+    )
+
+
+def test_close_tells_a_changed_loss_from_host_rounding():
+    rec = [[3, 5.064915299415588, 0.7046017204214827]]
+    assert _close(rec, [[3, 5.064915299415588, 0.7046017204214843]])  # the last bits of another CPU family
+    assert not _close(rec, [[3, 5.064915299415588, 0.70459]])
+    assert not _close(rec, [[4, 5.064915299415588, 0.7046017204214827]])
 
 
 def _first_difference(want: list, got: list) -> str:
@@ -40,34 +59,29 @@ def test_every_preset_hands_the_collectives_the_recorded_bytes(tmp_path, group):
     names = sorted(RUNS)[group::3]
     out = run_distributed(_record_many, 2, str(GOLDEN / "corpus"), str(tmp_path), names)
     for name in names:
+        exact = not uses_eigh(RUNS[name][0]) or HOST is not None
+        records = HOST["wire"][name] if uses_eigh(RUNS[name][0]) and HOST is not None else RECORDED[name]
         for rank in range(2):
-            want, got = RECORDED[name]["ranks"][rank], out[rank][name]
+            want, got = records["ranks"][rank], out[rank][name]
             w, g = _wire(want["calls"]), _wire(got["calls"])
-            assert g == w, f"{name} rank {rank}: {_first_difference(w, g)}"
-            assert got["losses"] == want["losses"], name
-
-
-def _resume(rank, world, corpus, run_dir, preset, extra):
-    return record_wire(rank, world, corpus, run_dir, preset, extra)
+            if exact:
+                assert g == w, f"{name} rank {rank}: {_first_difference(w, g)}"
+                assert got["losses"] == want["losses"], name
+            else:  # another LAPACK family: the same calls, the same losses up to rounding
+                assert [c[:3] for c in g] == [c[:3] for c in w], f"{name} rank {rank}: {_first_difference(w, g)}"
+                assert _close(want["losses"], got["losses"]), (name, want["losses"], got["losses"])
 
 
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))
 def test_a_checkpoint_written_by_the_recorded_version_resumes_bitwise(tmp_path, name):
     recorded = json.loads((GOLDEN / "resume.json").read_text())[name]
-    run = tmp_path / "run"
-    shutil.copytree(GOLDEN / "ckpt" / name, run / "checkpoints")
-    corpus = (GOLDEN / "corpus").resolve()
-    for f in (run / "checkpoints" / "step_00000002").glob("*.json"):
-        f.write_text(f.read_text().replace(CORPUS_TOKEN, str(corpus)).replace(RUN_TOKEN, str(run)))
-    out = run_distributed(
-        _resume,
-        2,
-        str(corpus),
-        str(run),
-        recorded["preset"],
-        [*recorded["extra"], "checkpoint.interval=2", "checkpoint.keep_latest=0"],
-    )
+    out = resume_committed(run_distributed, (GOLDEN / "corpus").resolve(), tmp_path / "run", name)
     resumed = out[0]["losses"]
     assert [s for s, *_ in resumed] == [3, 4]  # it resumed from step 2
-    assert resumed == [r for r in recorded["losses"] if r[0] > 2]
     assert out[1]["losses"] == resumed
+    if HOST is not None:
+        assert resumed == HOST["resume"][name]
+    else:  # the refresh at step 3 runs this host's LAPACK: equal up to its rounding
+        assert _close([r for r in recorded["losses"] if r[0] > 2], resumed), (recorded["losses"], resumed)
+    # the losses before the refresh do not depend on LAPACK: bitwise on every host
+    assert resumed[0][1] == [r for r in recorded["losses"] if r[0] == 3][0][1]
