@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Scale dry run: DP rank 0 of a large data-parallel job, on one device, with torch's fake process group.
 
-    python tools/dry_run.py --config configs/llama_600m.yaml --dp 64 [--steps 2] [--json OUT] [key=value ...]
+    python tools/dry_run.py --config configs/llama_600m.yaml --dp 64 [--tp N] [--steps 2] [--json OUT] [key=value ...]
 
 torchtitan's "fake backend" idea: ``torch.distributed`` is initialised with the ``fake`` backend (every
 collective returns at once and moves no data; an all-to-all delivers this rank's own part and zeros from the
@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from megatron_geo.analysis.plan_report import resolve_tensor_parallel  # noqa: E402
 from megatron_geo.config import ConfigError, load_config  # noqa: E402
 from megatron_geo.training.validate import (
     output_file_problem,  # noqa: E402
@@ -185,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", action="append", required=True, metavar="FILE")
     ap.add_argument("--dp", type=int, required=True, help="data-parallel size of the job to imitate")
-    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument(
+        "--tp", type=int, default=None, help="tensor-parallel size of the job (default: parallel.tensor of the config)"
+    )
     ap.add_argument("--steps", type=int, default=2, help="optimizer steps to run (default 2)")
     ap.add_argument("--json", default=None, metavar="OUT")
     ap.add_argument(
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
-    for flag, v in (("--dp", args.dp), ("--tp", args.tp), ("--steps", args.steps)):
+    for flag, v in (("--dp", args.dp), ("--steps", args.steps)):
         if v < 1:
             print(f"error: {flag} {v} must be >= 1", file=sys.stderr)
             return 2
@@ -205,8 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
-        cfg = load_config(args.config, args.overrides + [f"parallel.tensor={args.tp}"])
-        validate_config(cfg, args.dp * args.tp)
+        cfg = load_config(args.config, args.overrides)
+        tp = resolve_tensor_parallel(cfg, args.tp, args.overrides)
+        validate_config(cfg, args.dp * tp)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -222,11 +226,11 @@ def main(argv: list[str] | None = None) -> int:
             return lambda t: t.normal_(0.0, std)
 
         llama._init = fast_init
-    world = args.dp * args.tp
+    world = args.dp * tp
     dev = indexed_device("cuda" if cfg.train.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
-    plan = plan_figures(cfg, args.dp, meta_model_params(cfg, args.tp), args.tp)  # before the job's process group
+    plan = plan_figures(cfg, args.dp, meta_model_params(cfg, tp), tp)  # before the job's process group
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    pctx = build_groups(0, world, args.tp, dev, "fake")
+    pctx = build_groups(0, world, tp, dev, "fake")
     steps, state = run_steps(cfg, pctx, args.dp, args.steps)
     buckets = state["buckets"]
     split_blocks = sum(1 for m in state["optimizer"].mains if m.split is not None)
@@ -237,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         else ""
     )
     print(
-        f"dry run: rank 0 of DP={args.dp} x TP={args.tp} on {dev} (fake process group); {len(buckets)} buckets, "
+        f"dry run: rank 0 of DP={args.dp} x TP={tp} on {dev} (fake process group); {len(buckets)} buckets, "
         f"{sum(1 for b in buckets if not b.plan.even)} with uneven owner ranges{split_text}; "
         f"built in {state['build_s']:.1f} s. "
         f"Shown: step times and rank 0's step-1 loss; the global loss and the gradient norm depend on other ranks' "
@@ -253,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     mem = persistent_bytes(state["model"], buckets, state["optimizer"], state["reducer"])
     out = {
         "dp": args.dp,
-        "tp": args.tp,
+        "tp": tp,
         "device": str(dev),
         "steps": [{k: v for k, v in r.items() if k != "loss"} for r in steps],
         "rank0_step1_loss": steps[0]["loss"],

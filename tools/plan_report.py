@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Shard plan, buffer memory, wire bytes and optimizer balance of a config at any DP size, without GPUs.
 
-    python tools/plan_report.py --config configs/llama_600m.yaml --dp 64 [--tp 1] [--json OUT] [key=value ...]
+    python tools/plan_report.py --config configs/llama_600m.yaml --dp 64 [--tp N] [--json OUT] [key=value ...]
     python tools/plan_report.py --config configs/llama_600m.yaml --dp 8 16 64 128 --markdown
 
 Prints rank 0, the rank with the most wire bytes and the rank with the most persistent memory (figures defined in
@@ -19,7 +19,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from megatron_geo.analysis.plan_report import meta_model_params, plan_figures  # noqa: E402
+from megatron_geo.analysis.plan_report import (  # noqa: E402
+    meta_model_params,
+    plan_figures,
+    resolve_tensor_parallel,
+)
 from megatron_geo.config import ConfigError, load_config  # noqa: E402
 from megatron_geo.training.validate import (
     output_file_problem,  # noqa: E402
@@ -126,16 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cfg = load_config(args.config, overrides)
-        if (
-            args.tp is not None
-            and cfg.parallel.tensor not in (1, args.tp)
-            and any(o.startswith("parallel.tensor=") for o in overrides)
-        ):
-            raise ConfigError(f"--tp {args.tp} and parallel.tensor={cfg.parallel.tensor} disagree; give one of them")
-        tp = args.tp if args.tp is not None else cfg.parallel.tensor
-        if tp < 1:
-            raise ConfigError(f"--tp {tp}: the tensor-parallel size must be >= 1")
-        cfg.parallel.tensor = tp
+        tp = resolve_tensor_parallel(cfg, args.tp, overrides)
         for d in args.dp:  # every DP size must be a valid job (global batch, heads, ...)
             validate_config(cfg, tp * d)
     except ConfigError as e:

@@ -53,6 +53,29 @@ class ModelParams:
     geo_layers: frozenset[str] = field(default_factory=frozenset)
 
 
+def resolve_tensor_parallel(cfg: Config, tp: int | None, overrides: list[str]) -> int:
+    """The tensor-parallel size a tool (``tools/plan_report.py``, ``tools/dry_run.py``) plans for, written into
+    ``cfg.parallel.tensor``: its ``--tp`` when given, else ``parallel.tensor`` of the config files and overrides.
+
+    Args:
+        tp: the tool's ``--tp`` (None: not given).
+        overrides: the ``key=value`` overrides ``cfg`` was loaded with (a ``parallel.tensor=`` among them and a
+            ``--tp`` of another value contradict each other).
+
+    Raises:
+        ConfigError: ``--tp`` and a ``parallel.tensor=`` override that differ, or a size below 1.
+    """
+    named = any(o.strip().startswith("parallel.tensor=") for o in overrides)
+    if tp is not None and named and cfg.parallel.tensor != tp:
+        raise ConfigError(f"--tp {tp} and parallel.tensor={cfg.parallel.tensor} disagree; give one of them")
+    size = cfg.parallel.tensor if tp is None else tp
+    if size < 1:
+        what = f"--tp {size}" if tp is not None else f"parallel.tensor={size}"
+        raise ConfigError(f"{what}: the tensor-parallel size must be >= 1")
+    cfg.parallel.tensor = size
+    return size
+
+
 def meta_model_params(cfg: Config, tp_size: int = 1) -> ModelParams:
     """The parameters of TP rank 0 (meta device) and its GeoFP8 layers.
 
