@@ -157,6 +157,82 @@ def test_empty_dataset_bytes(tmp_path):
     assert len(ds) == 0 and ds.num_documents == 0 and ds.max_token_id() == -1
 
 
+def test_multimodal_builder_writes_megatrons_modes_byte_for_byte(tmp_path):
+    """Two documents, uint16 ids (vocabulary 100: code 8): [5, 6, 7] (mode 0) and [8] (mode 1), then [9, 10]
+    (mode 1, Megatron-style add_item / end_document). The index, field by field from Megatron-Core's layout."""
+    prefix = str(tmp_path / "mm")
+    with IndexedDatasetBuilder(prefix, 100, multimodal=True) as b:
+        b.add_document([5, 6, 7, 8], lengths=[3, 1], modes=[0, 1])
+        b.add_item([9, 10], mode=1)
+        b.end_document()
+    idx = bytes.fromhex(
+        "4d4d4944494458 0000"  # magic b"MMIDIDX\x00\x00"
+        "0100000000000000"  # version 1
+        "08"  # dtype code 8 (uint16)
+        "0300000000000000"  # sequence_count 3
+        "0300000000000000"  # document_count 3 (two documents + 1)
+        "03000000 01000000 02000000"  # sequence_lengths int32: 3, 1, 2
+        "0000000000000000 0600000000000000 0800000000000000"  # sequence_pointers int64: bytes 0, 6, 8
+        "0000000000000000 0200000000000000 0300000000000000"  # document_indices int64: 0, 2, 3
+        "00 01 01"  # sequence_modes int8: 0, 1, 1
+    )
+    assert Path(prefix + ".idx").read_bytes() == idx
+    assert Path(prefix + ".bin").read_bytes() == bytes.fromhex("0500 0600 0700 0800 0900 0a00")
+    ds = IndexedDataset(prefix)
+    assert ds.sequence_modes.dtype == np.int8 and ds.sequence_modes.tolist() == [0, 1, 1]
+    assert [ds[i].tolist() for i in range(3)] == [[5, 6, 7], [8], [9, 10]]
+    assert ds.document_indices.tolist() == [0, 2, 3]
+
+
+@pytest.mark.parametrize("code", [8, 4, 1])
+def test_multimodal_round_trip(tmp_path, code):
+    """Sequences written with modes (every int8 value, default 0 where none is given) read back equal."""
+    docs = _random_docs(np.random.default_rng(code), 30, VOCAB.get(code, 300))
+    docs[4] = []  # a document without sequences
+    rng = np.random.default_rng(100 + code)
+    modes = [[int(m) for m in rng.integers(-128, 128, len(d))] for d in docs]
+    modes[0] = [0] * len(docs[0])  # written without modes: the default
+    prefix = str(tmp_path / "mm")
+    with IndexedDatasetBuilder(prefix, VOCAB.get(code, 300), dtype=np.dtype(CODES[code][1]), multimodal=True) as b:
+        b.add_document([t for s in docs[0] for t in s], lengths=[len(s) for s in docs[0]])
+        for i, (d, m) in enumerate(zip(docs[1:], modes[1:], strict=True)):
+            if i % 2:
+                b.add_document([t for s in d for t in s], lengths=[len(s) for s in d], modes=m)
+            else:
+                for s, mode in zip(d, m, strict=True):
+                    b.add_item(s, mode=mode)
+                b.end_document()
+    flat = [m for ms in modes for m in ms]
+    assert Path(prefix + ".idx").read_bytes() == expected_idx(code, docs, flat)
+    assert Path(prefix + ".bin").read_bytes() == expected_bin(code, docs)
+    check_dataset_files("data.train_prefix", prefix)
+    ds = IndexedDataset(prefix)
+    assert_reads(ds, docs, CODES[code][1])
+    assert ds.sequence_modes.tolist() == flat
+
+
+def test_builder_refuses_bad_modes(tmp_path):
+    b = IndexedDatasetBuilder(str(tmp_path / "mm"), 300, multimodal=True)
+    with pytest.raises(ValueError, match=r"add_document: 1 modes for 2 sequences; give one mode per sequence"):
+        b.add_document([1, 2, 3], lengths=[1, 2], modes=[1])
+    with pytest.raises(ValueError, match=r"add_item: mode 128 outside the int8 range \[-128, 127\]"):
+        b.add_item([1], mode=128)
+    with pytest.raises(ValueError, match="modes must be integers"):
+        b.add_item([1], mode=1.5)
+    b.abort()
+    plain = IndexedDatasetBuilder(str(tmp_path / "plain"), 300)
+    with pytest.raises(
+        ValueError, match=r"add_item: mode 1 given to a builder without sequence modes; .*multimodal=True"
+    ):
+        plain.add_item([1], mode=1)
+    with pytest.raises(ValueError, match="add_document: mode -3 given to a builder without sequence modes"):
+        plain.add_document([1, 2], lengths=[1, 1], modes=[0, -3])
+    plain.add_document([1, 2], lengths=[1, 1], modes=[0, 0])  # mode 0 is every sequence's mode: nothing lost
+    plain.finalize()
+    assert IndexedDataset(str(tmp_path / "plain")).sequence_modes is None
+    assert sorted(os.listdir(tmp_path)) == ["plain.bin", "plain.idx"]  # the aborted builder left nothing
+
+
 def test_builder_refuses_bad_input(tmp_path):
     p = str(tmp_path / "d")
     with pytest.raises(ValueError, match="int8 holds ids up to 127 exactly, but vocab_size=300 needs 299"):

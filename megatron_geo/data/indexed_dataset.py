@@ -17,7 +17,11 @@ names. Both index formats below describe the same kind of ``.bin``.
     sequence_modes     int8[S]    only in multimodal files (read as present or absent from the file size)
 
 A document holds one or more sequences (Megatron's ``--split-sentences`` writes one per sentence); this package's
-writer makes one sequence per document unless given several lengths.
+writer makes one sequence per document unless given several lengths. A multimodal file gives every sequence a
+mode, an int8 whose meaning is the data's own (Megatron-Core's multimodal datasets: 0 text, 1 image, ...); the
+writer adds the ``sequence_modes`` array with ``IndexedDatasetBuilder(..., multimodal=True)``, as Megatron-Core's
+``IndexedDatasetBuilder(multimodal=True)`` does. A multimodal file of no sequences has no mode bytes: it is the
+same file as a plain one and reads back with no modes.
 
 ``PREFIX.idx`` of earlier megatron-geo releases (``MGEOIDX``, still read, never written; ``tools/convert_index.py``
 rewrites it as ``MMIDIDX``), little-endian::
@@ -115,21 +119,53 @@ def mmidx_dtype_code(dtype) -> int:
     raise ValueError(f"dtype {dt} has no MMIDIDX dtype code; use one of {_ALL_CODES}")
 
 
-def write_mmidx_index(f, dtype: np.dtype, sequence_lengths: np.ndarray, document_indices: np.ndarray) -> None:
+def _checked_modes(modes, count: int, what: str) -> np.ndarray:
+    """``modes`` as int8 [count].
+
+    Raises:
+        ValueError: not a 1-D sequence of ``count`` integers, or a value outside the int8 range [-128, 127].
+    """
+    arr = np.asarray(modes)
+    if arr.ndim != 1 or arr.size != count:
+        got = arr.size if arr.ndim == 1 else f"shape {arr.shape} of"
+        raise ValueError(f"{what}: {got} modes for {count} sequences; give one mode per sequence")
+    if not arr.size:
+        return np.empty(0, np.int8)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{what}: modes must be integers, got dtype {arr.dtype}")
+    bad = np.flatnonzero((arr < -128) | (arr > 127))
+    if bad.size:
+        raise ValueError(f"{what}: mode {int(arr[bad[0]])} outside the int8 range [-128, 127] of sequence_modes")
+    return arr.astype(np.int8)
+
+
+def write_mmidx_index(
+    f,
+    dtype: np.dtype,
+    sequence_lengths: np.ndarray,
+    document_indices: np.ndarray,
+    sequence_modes: np.ndarray | None = None,
+) -> None:
     """Write a whole MMIDIDX version-1 index to the binary file object ``f`` (layout in the module docstring).
 
     Args:
         dtype: storage dtype of the ``.bin`` (one of :data:`MMIDIDX_DTYPES`).
         sequence_lengths: int [S], tokens per sequence (each in ``[0, 2**31)``).
         document_indices: int [D], 0 first, non-decreasing, ``S`` last.
+        sequence_modes: None (a plain index), or int [S] in [-128, 127]: the mode of each sequence, written as
+            the trailing int8 ``sequence_modes`` array of a multimodal index.
 
     ``sequence_pointers`` are derived: byte offsets from 0, cumulative ``length * itemsize``. Written in chunks,
     so memory stays bounded for large indexes.
+
+    Raises:
+        ValueError: ``sequence_modes`` not of S integers in the int8 range.
     """
     code = mmidx_dtype_code(dtype)
     itemsize = MMIDIDX_DTYPES[code].itemsize
     lengths = np.asarray(sequence_lengths)
     docs = np.asarray(document_indices)
+    modes = None if sequence_modes is None else _checked_modes(sequence_modes, lengths.size, "write_mmidx_index")
     f.write(_MM_HEADER.pack(MMIDIDX_MAGIC, MMIDIDX_VERSION, code, lengths.size, docs.size))
     for start in range(0, lengths.size, _CHUNK):
         f.write(lengths[start : start + _CHUNK].astype("<i4").tobytes())
@@ -141,6 +177,8 @@ def write_mmidx_index(f, dtype: np.dtype, sequence_lengths: np.ndarray, document
         done = int(ends[-1])
     for start in range(0, docs.size, _CHUNK):
         f.write(docs[start : start + _CHUNK].astype("<i8").tobytes())
+    if modes is not None:
+        f.write(modes.tobytes())
 
 
 # ------------------------------------------------------------------ writer
@@ -155,10 +193,13 @@ class IndexedDatasetBuilder:
         dtype: storage dtype of the tokens; None picks :func:`dtype_for_vocab` (uint16 below 65500 ids, else
             int32). An explicit one must be among the 8 MMIDIDX dtypes and hold every id of the vocabulary
             exactly (floats: up to 2**24 for float32, 2**53 for float64).
+        multimodal: write the ``sequence_modes`` array (one int8 mode per sequence; Megatron-Core's
+            ``IndexedDatasetBuilder(multimodal=True)``). The ``mode`` / ``modes`` arguments below give the modes
+            (default 0); without it they must be 0, as there is nowhere to keep another value.
 
     Two ways to add data: ``add_document(ids)`` (one document of one sequence) or ``add_document(ids,
-    lengths=[...])`` (one document of several sequences); or Megatron-style ``add_item(ids)`` per sequence and
-    ``end_document()`` after each document (``finalize`` ends a document left open).
+    lengths=[...], modes=[...])`` (one document of several sequences); or Megatron-style ``add_item(ids, mode)``
+    per sequence and ``end_document()`` after each document (``finalize`` ends a document left open).
 
     Data goes to temporary files that ``finalize()`` renames into place (``os.replace``), so a crash never
     leaves a half-written dataset under the final names. Usable as a context manager: on exception the
@@ -168,9 +209,10 @@ class IndexedDatasetBuilder:
         ValueError: bad ``vocab_size`` or ``dtype`` (names the value and the choices).
     """
 
-    def __init__(self, prefix: str, vocab_size: int, dtype=None):
+    def __init__(self, prefix: str, vocab_size: int, dtype=None, multimodal: bool = False):
         self.prefix = str(prefix)
         self.vocab_size = int(vocab_size)
+        self.multimodal = bool(multimodal)
         if dtype is None:
             self.dtype = dtype_for_vocab(self.vocab_size)
         else:
@@ -190,6 +232,7 @@ class IndexedDatasetBuilder:
         self._bin: IO[bytes] | None = open(self._tmp_bin, "wb")  # noqa: SIM115 -- written by add_* until finalize closes it
         self._lengths = array("q")  # tokens per sequence
         self._doc_indices = array("q", [0])  # sequences written at each document end
+        self._modes = array("b")  # mode of each sequence (multimodal only)
 
     def _ids(self, ids, what: str) -> np.ndarray:
         if self._bin is None:
@@ -208,22 +251,38 @@ class IndexedDatasetBuilder:
                 )
         return arr
 
-    def _write(self, arr: np.ndarray, lengths: list[int]) -> None:
+    def _modes_of(self, modes, count: int, what: str) -> np.ndarray:
+        """The int8 modes of ``count`` new sequences (None: all 0), checked for this builder."""
+        out = np.zeros(count, np.int8) if modes is None else _checked_modes(modes, count, what)
+        if not self.multimodal and out.any():
+            raise ValueError(
+                f"{what}: mode {int(out[np.flatnonzero(out)[0]])} given to a builder without sequence modes; "
+                f"create it with IndexedDatasetBuilder({self.prefix!r}, ..., multimodal=True) to write them"
+            )
+        return out
+
+    def _write(self, arr: np.ndarray, lengths: list[int], modes: np.ndarray) -> None:
         assert self._bin is not None  # _ids refused a finalized builder
         self._bin.write(arr.astype(self.dtype, copy=False).tobytes())
         self._lengths.extend(lengths)
+        if self.multimodal:
+            self._modes.extend(modes.tolist())
 
-    def add_item(self, ids) -> None:
+    def add_item(self, ids, mode: int = 0) -> None:
         """Append one sequence (1-D int ids, list or array) to the current document.
+
+        Args:
+            ids: int token ids [N].
+            mode: the sequence's mode (an int in [-128, 127]; kept by a ``multimodal`` builder, else must be 0).
 
         Raises:
             ValueError: an id outside ``[0, vocab_size)``, non-integer or not 1-D input, more than 2**31 - 1
-                tokens (the index stores int32 lengths), or the builder is finalized.
+                tokens (the index stores int32 lengths), a bad ``mode``, or the builder is finalized.
         """
         arr = self._ids(ids, "add_item")
         if arr.size > _INT32_MAX:
             raise ValueError(f"a sequence of {arr.size} tokens exceeds the index's int32 length; split it.")
-        self._write(arr, [int(arr.size)])
+        self._write(arr, [int(arr.size)], self._modes_of([mode], 1, "add_item"))
 
     def end_document(self) -> None:
         """End the current document: the sequences added since the previous end form one document."""
@@ -231,17 +290,20 @@ class IndexedDatasetBuilder:
             raise ValueError(f"IndexedDatasetBuilder({self.prefix!r}) is already finalized.")
         self._doc_indices.append(len(self._lengths))
 
-    def add_document(self, ids, lengths=None) -> None:
+    def add_document(self, ids, lengths=None, modes=None) -> None:
         """Append one document: 1-D int ids, one sequence (``lengths=None``) or several of the given lengths.
 
         Args:
             ids: int token ids [N] of the whole document.
             lengths: None, or ints >= 0 summing to N: the sequences' lengths in order.
+            modes: None (every sequence mode 0), or one int in [-128, 127] per sequence (kept by a
+                ``multimodal`` builder, else all must be 0).
 
         Raises:
             ValueError: an id outside ``[0, vocab_size)``, non-integer or not 1-D input, lengths that are
-                negative, above 2**31 - 1 or do not sum to N, sequences added with ``add_item`` and not yet
-                ended with ``end_document``, or the builder is finalized.
+                negative, above 2**31 - 1 or do not sum to N, not one mode per sequence or a mode outside int8
+                (or non-zero without ``multimodal``), sequences added with ``add_item`` and not yet ended with
+                ``end_document``, or the builder is finalized.
         """
         arr = self._ids(ids, "add_document")
         if len(self._lengths) != self._doc_indices[-1]:
@@ -263,7 +325,7 @@ class IndexedDatasetBuilder:
                 raise ValueError(f"sequence length {bad[0]} outside [0, 2**31 - 1].")
             if sum(lens) != arr.size:
                 raise ValueError(f"lengths sum to {sum(lens)}, but the document has {arr.size} ids.")
-        self._write(arr, lens)
+        self._write(arr, lens, self._modes_of(modes, len(lens), "add_document"))
         self.end_document()
 
     def finalize(self) -> None:
@@ -278,8 +340,11 @@ class IndexedDatasetBuilder:
         self._bin = None
         lengths = np.frombuffer(self._lengths, dtype=np.int64) if self._lengths else np.empty(0, np.int64)
         docs = np.frombuffer(self._doc_indices, dtype=np.int64)
+        modes = None
+        if self.multimodal:
+            modes = np.frombuffer(self._modes, dtype=np.int8) if self._modes else np.empty(0, np.int8)
         with open(self._tmp_idx, "wb") as f:
-            write_mmidx_index(f, self.dtype, lengths, docs)
+            write_mmidx_index(f, self.dtype, lengths, docs, modes)
             f.flush()
             os.fsync(f.fileno())
         os.replace(self._tmp_bin, self.prefix + ".bin")
