@@ -445,7 +445,12 @@ def _mismatch_worker(rank, world, root):
     from megatron_geo.training.checkpointing import Checkpointer
     from megatron_geo.training.setup import build_model_and_optimizer
 
-    cfg2 = tiny_cfg(f"checkpoint.dir={root}", "comm.dtype=fp8_e4m3", "train.global_batch_size=12")
+    cfg2 = tiny_cfg(
+        f"checkpoint.dir={root}",
+        "comm.dtype=fp8_e4m3",
+        "train.global_batch_size=12",
+        "checkpoint.allow_changes=comm.dtype",
+    )
     m2, b2, r2, g2, o2 = build_model_and_optimizer(cfg2, pctx)
     step = Checkpointer(cfg2, pctx, m2, o2, r2, None, logs.append).resume()[0]
     import torch.distributed as dist
@@ -466,7 +471,10 @@ def test_mismatched_checkpoint_is_a_clear_error(tmp_path):
     (errors, logs, step), _ = run_distributed(_mismatch_worker, 2, str(tmp_path))
     assert "model.hidden_size=32 but this run has model.hidden_size=48" in errors[0]
     assert "optimizer.name=adamw but this run has optimizer.name=muon" in errors[1]
-    assert step == 1 and any("comm.dtype changed on resume: 'fp32' -> 'fp8_e4m3'" in m for m in logs)
+    assert step == 1 and any(
+        "comm.dtype changed on resume: 'fp32' -> 'fp8_e4m3'" in m and "allowed by checkpoint.allow_changes" in m
+        for m in logs
+    )
     assert "__0_0.distcp has 100 bytes but its entries end at byte" in errors[2] and "truncated" in errors[2], errors[2]
 
 

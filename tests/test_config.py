@@ -2,6 +2,7 @@
 
 import re
 import subprocess
+import os
 import sys
 from pathlib import Path
 
@@ -237,12 +238,13 @@ def test_integral_spellings_and_string_keys_keep_what_was_written(tmp_path):
         ],
     )
     assert (cfg.train.steps, cfg.parallel.bucket_size) == (1000, 4_000_000)
-    assert (cfg.train.run_dir, cfg.logging.wandb_name) == ("1e3", "0.10")  # the text, not str(float)
+    # the text, not str(float) (a path is made absolute)
+    assert (cfg.train.run_dir, cfg.logging.wandb_name) == (os.path.abspath("1e3"), "0.10")
     assert cfg.parallel.distributed_optimizer is True
     f = tmp_path / "c.yaml"
     f.write_text("train:\n  steps: 2.0\n  run_dir: 0x10\nlogging:\n  wandb_name: 007\n")
     cfg = load_config([str(f)])
-    assert (cfg.train.steps, cfg.train.run_dir, cfg.logging.wandb_name) == (2, "0x10", "007")
+    assert (cfg.train.steps, cfg.train.run_dir, cfg.logging.wandb_name) == (2, os.path.abspath("0x10"), "007")
 
 
 # -- every file and device named in the config is checked before any process group starts ---------------------
@@ -273,13 +275,13 @@ def _pretrain(*args, nproc=None, timeout=120):
     [
         (
             ["data.train_prefix=data/trian"],
-            r"data\.train_prefix='data/trian': 'data/trian\.bin' and 'data/trian\.idx' "
+            r"data\.train_prefix='/\S*/data/trian': '/\S*/data/trian\.bin' and '/\S*/data/trian\.idx' "
             r"not found",
         ),
-        (["data.train_prefix={ok}", "data.valid_prefix=nowhere/v"], r"data\.valid_prefix='nowhere/v'"),
+        (["data.train_prefix={ok}", "data.valid_prefix=nowhere/v"], r"data\.valid_prefix='/\S*/nowhere/v'"),
         (
             ["data.train_prefix={ok}", "data.tokenizer_model=nope.model"],
-            r"data\.tokenizer_model='nope\.model' not found",
+            r"data\.tokenizer_model='/\S*/nope\.model' not found",
         ),
         (["data.train_prefix={ok}", "train.device=cuda"], r"train\.device=cuda but CUDA is not available"),
     ],

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..config import Config, ConfigError, config_to_dict
+from ..config import Config, ConfigError
 from ..parallel import collectives as C
 from .agreement import CheckpointRankError, agree
 from .verify import IncompleteCheckpointError, verify_written
@@ -218,12 +218,8 @@ def check_compatible(meta: dict, cfg: Config, dp_size: int, tp_size: int) -> tup
             f"checkpoint was saved with optimizer.name={saved['optimizer']['name']} but this run has "
             f"optimizer.name={cfg.optimizer.name}; the optimizer state cannot be converted"
         )
-    now = config_to_dict(cfg)
-    for sec in ("comm", "geo"):
-        for k, v in saved.get(sec, {}).items():
-            if now[sec].get(k) != v:
-                notes.append(f"{sec}.{k} changed on resume: {v!r} -> {now[sec].get(k)!r}")
-    # keys that change the trajectory (data order, batch, schedule): checkpoint/resume_changes.py
+    # keys that change the trajectory (data order, model function, wire numerics, batch, schedule):
+    # checkpoint/resume_changes.py
     same = meta["dp_size"] == dp_size and meta["tp_size"] == tp_size
     if not same:
         notes.append(

@@ -9,6 +9,9 @@ the trajectory the checkpoint was on. Keys that would silently change it are ref
   documents), ``data.sample_order``; what the model sees of them: ``data.eod_mask_loss``,
   ``data.reset_position_ids``, ``data.reset_attention_mask``. A checkpoint saved before a key existed is compared
   as what that code ran with (:data:`LEGACY_VALUES`), so a new default never slips into a resumed run;
+- the model's function beyond its shapes: ``model.rope_theta``, ``model.norm_eps``;
+- the gradient reduction's numerics: the ``comm`` keys of the wire format (:data:`COMM_KEYS`) and, where GeoFP8
+  transforms, every ``geo`` key (``checkpoint.allow_changes=comm`` / ``geo`` names a whole section);
 - the samples per step: ``train.global_batch_size``;
 - the learning-rate schedule: ``optimizer.lr``, ``optimizer.min_lr``, ``optimizer.adamw_lr``,
   ``train.warmup_steps``, ``train.lr_decay_style``, ``train.steps``. These are compared by their effect: a
@@ -16,8 +19,11 @@ the trajectory the checkpoint was on. Keys that would silently change it are ref
   schedule's (so extending a run that is still in its warmup, or a constant schedule, is no change); the
   message gives the first such step and both rates.
 
-The optimizer's other hyper-parameters (weight decay, betas, eps, clipping, Muon momentum) are logged when
-they change. A run initialised from another checkpoint (or rolled back to an earlier one) starts a new
+Every value is compared resolved: the config loader expands ``~`` and environment variables and makes paths
+absolute, so the checkpoint records the files a run read; the training and the separate validation files are
+identified by size and index hash as well (:func:`check_data_files`). The optimizer's other hyper-parameters
+(weight decay, betas, eps, clipping, Muon momentum) and ``comm.compile`` / ``comm.telemetry_interval`` are logged
+when they change. A run initialised from another checkpoint (or rolled back to an earlier one) starts a new
 trajectory, so there every difference is only logged.
 """
 
@@ -56,6 +62,47 @@ LEGACY_VALUES = {
     "data.reset_position_ids": False,
     "data.reset_attention_mask": False,
 }
+# the model's function (not its shapes, which a checkpoint's tensors fix): refused on resume like the data keys
+MODEL_KEYS = {
+    "model.rope_theta": "the rotary position embedding's base, hence every attention score",
+    "model.norm_eps": "every RMSNorm's epsilon",
+}
+# what the gradients carry: the reduction's numerics (compile, label and telemetry_interval do not change them);
+# the geo keys count where either side transforms with GeoFP8
+_WIRE = "the gradient reduction's numerics (what every step's update is made of)"
+COMM_KEYS = {
+    f"comm.{k}": _WIRE
+    for k in (
+        "dtype",
+        "scaling",
+        "block_size",
+        "rounding",
+        "error_feedback",
+        "transform",
+        "hadamard_block",
+        "scale_sync",
+        "reduce_op",
+        "wire_sum_prediv",
+    )
+}
+GEO_KEYS = {
+    f"geo.{k}": "GeoFP8's coordinates, hence the gradient reduction's numerics"
+    for k in (
+        "layers",
+        "select",
+        "num_layers",
+        "profile_steps",
+        "rank",
+        "damping",
+        "power",
+        "power_search",
+        "refresh_interval",
+        "ef_on_refresh",
+        "statistics",
+        "sketch_size",
+    )
+}
+SECTIONS = {"comm": tuple(COMM_KEYS), "geo": tuple(GEO_KEYS)}  # checkpoint.allow_changes=comm names them all
 SCHEDULE_KEYS = (
     "optimizer.lr",
     "optimizer.min_lr",
@@ -64,11 +111,15 @@ SCHEDULE_KEYS = (
     "train.lr_decay_style",
     "train.steps",
 )
-# not a config key: the training files themselves (data/identity.py), changed under the same prefixes
+# not config keys: the training / the separate validation files themselves (data/identity.py), changed under the
+# same prefixes or reached by the same config text through another environment
 DATA_FILES = "data.files"
-ALLOWABLE = (*DATA_KEYS, *SCHEDULE_KEYS, DATA_FILES)
+VALID_FILES = "data.valid_files"
+ALLOWABLE = (*DATA_KEYS, *MODEL_KEYS, *COMM_KEYS, *GEO_KEYS, *SCHEDULE_KEYS, DATA_FILES, VALID_FILES)
 # changed on resume only with a log line (they change the update but not which data or learning rate it sees)
 LOGGED_KEYS = (
+    "comm.compile",
+    "comm.telemetry_interval",
     "optimizer.weight_decay",
     "optimizer.beta1",
     "optimizer.beta2",
@@ -82,7 +133,8 @@ _PATH_KEYS = ("data.train_prefix",)
 
 
 def parse_allow_changes(text: str) -> set[str]:
-    """``checkpoint.allow_changes`` (comma-separated keys, or ``all``) as a set of dotted keys.
+    """``checkpoint.allow_changes`` (comma-separated keys, a section ``comm`` / ``geo`` for all its keys, or
+    ``all``) as a set of dotted keys.
 
     Raises:
         ConfigError: a key that is not one of :data:`ALLOWABLE` (names it and the valid keys).
@@ -90,11 +142,14 @@ def parse_allow_changes(text: str) -> set[str]:
     keys = {k.strip() for k in str(text or "").split(",") if k.strip()}
     if "all" in keys:
         return set(ALLOWABLE)
+    for sec, members in SECTIONS.items():
+        if sec in keys:
+            keys = (keys - {sec}) | set(members)
     bad = sorted(keys - set(ALLOWABLE))
     if bad:
         raise ConfigError(
             f"checkpoint.allow_changes names {', '.join(bad)}, which a resume never refuses; valid keys: "
-            f"{', '.join(ALLOWABLE)} (or all)"
+            f"{', '.join(ALLOWABLE)} (or comm, geo, all)"
         )
     return keys
 
@@ -182,7 +237,10 @@ def check_resume_changes(saved: dict, cfg: Config, start_step: int, kind: str) -
     now = config_to_dict(cfg)
     allowed = parse_allow_changes(cfg.checkpoint.allow_changes)
     notes, refused, refused_keys = [], [], []
-    for key, what in DATA_KEYS.items():
+    compared = {**DATA_KEYS, **MODEL_KEYS, **COMM_KEYS}
+    if "geo" in (_get(saved, "comm.transform"), _get(now, "comm.transform")):
+        compared.update(GEO_KEYS)
+    for key, what in compared.items():
         old, new = _norm(key, _saved(saved, key)), _norm(key, _get(now, key))
         if old is None or old == new:
             continue
@@ -230,22 +288,55 @@ def check_resume_changes(saved: dict, cfg: Config, start_step: int, kind: str) -
     return notes
 
 
-def check_data_files(saved: list[dict] | None, now: list[dict], cfg: Config, kind: str) -> list[str]:
-    """Compare the training files a checkpoint recorded (:func:`megatron_geo.data.identity.dataset_identity` per
-    prefix) with this launch's: the same prefixes whose files changed on disk would silently change the documents.
+_SOURCE_KEYS = {
+    "training": ("data.source", "data.train_prefix", "data.train_blend"),
+    "validation": ("data.source", "data.valid_prefix", "data.valid_blend"),
+}
+
+
+def check_data_files(
+    saved: list[dict] | None,
+    now: list[dict],
+    cfg: Config,
+    kind: str,
+    saved_cfg: dict | None = None,
+    what: str = "training",
+) -> list[str]:
+    """Compare the files a checkpoint recorded (:func:`megatron_geo.data.identity.dataset_identity` per prefix)
+    with this launch's: the same prefixes whose files changed on disk, or the same config text that now reaches
+    other files (a ``$VAR`` in a prefix of a checkpoint that recorded it unexpanded), would silently change the
+    documents.
+
+    Args:
+        what: ``training`` (key ``data.files``) or ``validation`` (the separate validation files of
+            ``data.valid_prefix`` / ``data.valid_blend``, key ``data.valid_files``).
+        saved_cfg: the checkpoint's config mapping; with it, prefixes that differ while the config keys that name
+            them compare equal are a change of files.
 
     Returns:
         Start-up log lines (a change on ``init`` / ``rollback``, or allowed by ``checkpoint.allow_changes``).
 
     Raises:
-        ConfigError: on a resume, a changed file unless ``checkpoint.allow_changes`` names ``data.files``.
+        ConfigError: on a resume, a changed file unless ``checkpoint.allow_changes`` names the key.
     """
     from ..data.identity import identity_changes
 
+    key = DATA_FILES if what == "training" else VALID_FILES
+    if saved is None:  # a checkpoint that did not record these files (validation files before they were recorded)
+        return []
     changes = identity_changes(saved or [], now)
+    old_prefixes = [str(s.get("prefix")) for s in saved]
+    new_prefixes = [str(n.get("prefix")) for n in now]
+    if saved_cfg is not None and cfg.data.source != "shakespeare" and old_prefixes != new_prefixes:
+        now_cfg = config_to_dict(cfg)
+        same_text = all(_norm(k, _saved(saved_cfg, k)) == _norm(k, _get(now_cfg, k)) for k in _SOURCE_KEYS[what])
+        if same_text:  # else the config keys' own comparison reports (or allows) the change
+            changes.append(
+                f"the same config resolves to other files ({', '.join(old_prefixes)} -> {', '.join(new_prefixes)})"
+            )
     # the cache folder and file name, not the cache root (data.cache_dir may differ between nodes)
-    old = [Path(str(s.get("prefix"))).parts[-2:] for s in saved or []]
-    new = [Path(str(n.get("prefix"))).parts[-2:] for n in now]
+    old = [Path(p).parts[-2:] for p in old_prefixes]
+    new = [Path(p).parts[-2:] for p in new_prefixes]
     if saved and cfg.data.source == "shakespeare" and old != new:
         # the embedded corpus' folders are named after its tokenizer (a fingerprint of a Hugging Face tokenizer's
         # files): other folders under the same config keys mean other token ids, e.g. a tokenizer folder rewritten
@@ -256,10 +347,11 @@ def check_data_files(saved: list[dict] | None, now: list[dict], cfg: Config, kin
         )
     if not changes:
         return []
-    line = "the training files changed since the checkpoint was saved: " + "; ".join(changes)
-    if kind == "resume" and DATA_FILES not in parse_allow_changes(cfg.checkpoint.allow_changes):
+    line = f"the {what} files changed since the checkpoint was saved: " + "; ".join(changes)
+    if kind == "resume" and key not in parse_allow_changes(cfg.checkpoint.allow_changes):
+        effect = "documents" if what == "training" else "validation loss (not comparable with the earlier steps')"
         raise ConfigError(
-            f"resuming would change this run's documents: {line}. Restore the files the run was started on, or "
-            f"accept the change with checkpoint.allow_changes={DATA_FILES}"
+            f"resuming would change this run's {effect}: {line}. Restore the files the run was started on, or "
+            f"accept the change with checkpoint.allow_changes={key}"
         )
     return [line + (" (allowed by checkpoint.allow_changes)" if kind == "resume" else "")]

@@ -8,8 +8,10 @@ One meaning per spelling:
   required path or a number.
 - A section written as null or with no keys sets nothing. Top-level keys starting with ``x-`` are ignored: a
   place for YAML anchors that sections merge in (``<<: *name``, see :mod:`.yaml_read`).
-- Path keys (:func:`~megatron_geo.config.schema.path_field`) are expanded once, after the last override:
-  ``~`` and ``$VAR`` / ``${VAR}``; an unset variable or an empty required path is an error.
+- Path keys (:func:`~megatron_geo.config.schema.path_field`) and the prefixes of a blend are resolved once, after
+  the last override: ``~``, ``$VAR`` / ``${VAR}`` / ``${VAR:-default}`` / ``${VAR-default}`` expanded and the path
+  made absolute, so the config a run records (``config.yaml``, the checkpoint) names the files it read; an unset
+  variable without a default or an empty required path is an error.
 
 Errors are :class:`ConfigError` with a message that names the offending file/key/value and the fix.
 """
@@ -32,7 +34,15 @@ from .errors import ConfigError
 from .schema import Config
 from .yaml_read import NULL_WORDS, read_yaml
 
-__all__ = ["ConfigError", "config_to_dict", "dump_config", "expand_path", "load_config", "resolve_paths"]
+__all__ = [
+    "ConfigError",
+    "config_to_dict",
+    "dump_config",
+    "expand_blend",
+    "expand_path",
+    "load_config",
+    "resolve_paths",
+]
 
 
 def _section_fields(obj) -> dict[str, dataclasses.Field]:
@@ -147,24 +157,67 @@ def _override_value(text: str) -> str | None:
     return None if text.strip() in NULL_WORDS else text
 
 
-_VAR = re.compile(r"\$(\w+|\{[^}]*\})")  # the forms os.path.expandvars replaces
+# $NAME, ${NAME} and the shell's ${NAME:-default} / ${NAME-default} (default: any text without a closing brace)
+_VAR = re.compile(r"\$(?:(\w+)|\{(\w+)(?:(:?-)([^}]*))?\})")
+_MALFORMED = re.compile(r"\$\{[^}]*\}?")
 
 
 def expand_path(value: str, key: str) -> str:
-    """``value`` with a leading ``~`` / ``~user`` and every ``$VAR`` / ``${VAR}`` expanded (as a shell would).
+    """``value`` with a leading ``~`` / ``~user`` and every variable expanded as a POSIX shell would, made absolute
+    (relative to the working directory of the launch).
+
+    Forms: ``$NAME``, ``${NAME}``, ``${NAME:-default}`` (the default when NAME is unset or empty) and
+    ``${NAME-default}`` (the default when NAME is unset). What a run reads is then recorded resolved: a relaunch
+    under another environment or working directory is compared with the files the run was started on.
 
     Raises:
-        ConfigError: a variable that is not set (naming ``key`` and the variable).
+        ConfigError: a variable that is not set and has no default, or a ``${...}`` that is none of these forms
+            (naming ``key`` and the variable).
     """
-    home = os.path.expanduser(value)
-    for m in _VAR.finditer(home):
-        name = m.group(1).strip("{}")
-        if name not in os.environ:
+
+    def one(m: re.Match) -> str:
+        name = m.group(1) or m.group(2)
+        op, default = m.group(3), m.group(4)
+        got = os.environ.get(name)
+        if op == ":-" and not got:
+            return default
+        if op == "-" and got is None:
+            return default
+        if got is None:
             raise ConfigError(
-                f"{key}={value!r}: the environment variable {name!r} is not set; set it (export "
-                f"{name or 'NAME'}=...) or write the path out"
+                f"{key}={value!r}: the environment variable {name!r} is not set; set it (export {name}=...), "
+                f"give a default (${{{name}:-DEFAULT}}) or write the path out"
             )
-    return os.path.expandvars(home)
+        return got
+
+    home = os.path.expanduser(value)
+    out = _VAR.sub(one, home)
+    bad = _MALFORMED.search(out if "${" in home else "")
+    if bad and "${" in bad.group(0):
+        raise ConfigError(
+            f"{key}={value!r}: {bad.group(0)!r} is not a variable form this loader expands ($NAME, ${{NAME}}, "
+            f"${{NAME:-default}} or ${{NAME-default}}); write the path out"
+        )
+    return os.path.abspath(os.path.expanduser(out)) if out else out
+
+
+def expand_blend(value: str, key: str) -> str:
+    """A Megatron ``--data-path`` style blend (``"W1 PREFIX1 W2 PREFIX2"`` or prefixes alone) with every prefix
+    expanded by :func:`expand_path` and the weights as written (their parsing and errors belong to
+    ``megatron_geo.data.blending.blend_entries``).
+
+    Raises:
+        ConfigError: as :func:`expand_path`.
+    """
+    out = []
+    for tok in value.split():
+        try:
+            float(tok)
+        except ValueError:
+            out.append(expand_path(tok, key))
+        else:
+            out.append(tok)
+    return " ".join(out)
 
 
 def _resolve_path(value: str, key: str, field: dataclasses.Field) -> str:
@@ -181,7 +234,8 @@ def _resolve_path(value: str, key: str, field: dataclasses.Field) -> str:
 
 
 def resolve_paths(cfg: Config) -> None:
-    """Expand every path key of ``cfg`` in place (the schema marks them with ``path_field``).
+    """Expand every path key of ``cfg`` in place (the schema marks them with ``path_field``), and the prefixes of
+    ``data.train_blend`` / ``data.valid_blend``: absolute, with ``~`` and variables expanded.
 
     Raises:
         ConfigError: an empty required path or an unset ``$VAR``.
@@ -191,6 +245,8 @@ def resolve_paths(cfg: Config) -> None:
         for f in dataclasses.fields(sec):
             if f.metadata.get("path"):
                 setattr(sec, f.name, _resolve_path(getattr(sec, f.name), f"{sec_field.name}.{f.name}", f))
+    for key in ("train_blend", "valid_blend"):
+        setattr(cfg.data, key, expand_blend(getattr(cfg.data, key), f"data.{key}"))
 
 
 def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | tuple[str, ...] = ()) -> Config:
