@@ -239,3 +239,20 @@ def test_ctrl_c_during_a_sweep_is_one_line_and_exit_130(tmp_path):
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 130 and "interrupted; run the same command again" in err and "Traceback" not in err
+
+
+def test_a_sweep_of_presets_shares_an_override_that_one_preset_switches_off(tmp_path):
+    """geo.refresh_interval=10 means nothing to bf16 and fp8: they run, and say so; a voided key that would change
+    what is trained (a data file with the embedded corpus) still refuses the sweep."""
+    sw = tmp_path / "sw"
+    common = ["--presets", "bf16", "fp8", "geofp8", "--seeds", "1", "--sweep-dir", str(sw)]
+    res = subprocess.run(
+        TOOL + ["--dry-run", *common, "geo.refresh_interval=10"], capture_output=True, text=True, cwd=REPO
+    )
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 3 and all(line.endswith("geo.refresh_interval=10") for line in lines)
+    res = subprocess.run(
+        TOOL + ["--dry-run", *common, "data.train_prefix=data/train"], capture_output=True, text=True, cwd=REPO
+    )
+    assert res.returncode == 2 and "has no effect with data.source=shakespeare" in res.stderr, res.stderr

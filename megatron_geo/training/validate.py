@@ -416,6 +416,14 @@ def _inert_rules(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
                 "set optimizer.name=muon",
             )
         )
+    if not cfg.parallel.distributed_optimizer and o.name == "muon":
+        rules.append(
+            (
+                ("optimizer.muon_split",),
+                "parallel.distributed_optimizer=false (every rank orthogonalises every matrix whole)",
+                "set parallel.distributed_optimizer=true",
+            )
+        )
     if not cfg.parallel.distributed_optimizer:
         rules.append(
             (
@@ -458,29 +466,56 @@ def _same_setting(key: str, value, default) -> bool:
     return value == default
 
 
-def reject_inert_keys(cfg: Config) -> None:
-    """A key set away from its default while the other settings give it no effect is an error, never ignored
-    (e.g. ``data.train_prefix`` with ``data.source=shakespeare``, ``geo.*`` without ``comm.transform=geo``,
-    ``optimizer.muon_*`` with ``optimizer.name=adamw``). A key at its default, in any spelling, passes, so a
-    resolved ``config.yaml`` (which lists every key) loads again.
+def _preset_section(keys: tuple[str, ...]) -> bool:
+    """Whether a rule's keys all belong to the sections a comm preset sets whole (``comm``, ``geo``)."""
+    return all(k.split(".")[0] in ("comm", "geo") for k in keys)
 
-    Left alone on purpose: keys that a switch documented as "off" voids while a shipped model config sets them
-    (``train.eval_interval`` with ``train.eval_batches=0``, ``optimizer.min_lr`` with
-    ``train.lr_decay_style=constant``, ``logging.wandb_*`` with ``logging.wandb=disabled``), and per-bucket or
-    per-codec options that a sweep passes to every mode (``comm.compile``, ``comm.telemetry_interval``).
 
-    Raises:
-        ConfigError: naming the first such key, its value, the setting that voids it and the fix.
-    """
+def _inert_settings(cfg: Config) -> list[tuple[str, str, str, bool]]:
+    """``(key=value, the setting that voids it, the fix, whether a comm preset switched it off)`` for every key of
+    ``cfg`` set away from its default while its rule gives it no effect."""
     defaults = Config()
     resolve_paths(defaults)
+    out = []
     for keys, why, fix in _inert_rules(cfg):
         for key in keys:
             sec, name = key.split(".")
             value, default = getattr(getattr(cfg, sec), name), getattr(getattr(defaults, sec), name)
             if not _same_setting(key, value, default):
                 shown = str(value).lower() if isinstance(value, bool) else value
-                raise ConfigError(f"{key}={shown} has no effect with {why}; drop {key} or {fix}")
+                out.append((f"{key}={shown}", why, fix, _preset_section(keys)))
+    return out
+
+
+def reject_inert_keys(cfg: Config) -> list[str]:
+    """A key set away from its default while the other settings give it no effect is an error, never ignored
+    (e.g. ``data.train_prefix`` with ``data.source=shakespeare``, ``optimizer.muon_*`` with
+    ``optimizer.name=adamw``): a user who set it believes it shapes what is trained. A key at its default, in any
+    spelling, passes, so a resolved ``config.yaml`` (which lists every key) loads again.
+
+    The exception is a ``comm`` / ``geo`` key that the chosen comm preset switches off (``geo.*`` on ``bf16``,
+    ``comm.block_size`` with tensor scaling): a comparison of presets passes one list of overrides to every run, so
+    such keys are returned as notes, which the trainer logs at start-up and records in ``config.yaml``
+    (``x-inert_keys``), instead of refusing the sweep.
+
+    Left alone on purpose: keys that a switch documented as "off" voids while a shipped model config sets them
+    (``train.eval_interval`` with ``train.eval_batches=0``, ``optimizer.min_lr`` with
+    ``train.lr_decay_style=constant``, ``logging.wandb_*`` with ``logging.wandb=disabled``), and per-bucket or
+    per-codec options that a sweep passes to every mode (``comm.compile``, ``comm.telemetry_interval``).
+
+    Returns:
+        One line per inert comm/geo key: ``key=value has no effect with <setting> (recorded, not used)``.
+
+    Raises:
+        ConfigError: naming the first other such key, its value, the setting that voids it and the fix.
+    """
+    notes = []
+    for setting, why, fix, preset in _inert_settings(cfg):
+        if not preset:
+            key = setting.split("=")[0]
+            raise ConfigError(f"{setting} has no effect with {why}; drop {key} or {fix}")
+        notes.append(f"{setting} has no effect with {why} (recorded, not used)")
+    return notes
 
 
 def parse_power(spec, key: str = "geo.power") -> float | str:
