@@ -37,8 +37,14 @@ smollm2: $(STAMP)
 	test -f $(SMOL)/init/meta.json || $(BIN)/python tools/convert_checkpoint.py $(SMOL)/hf $(SMOL)/init --from hf \
 		--config configs/smollm2_135m.yaml
 
+# the fast tier first (a broken basic path shows in ~2 minutes), then the rest; both always run, and the target
+# fails if either does; --durations names the slowest tests of each tier (tests/markers.py keeps SLOW from them)
 test: $(STAMP)
-	$(BIN)/python -m pytest tests
+	@rc=0; \
+	echo "== fast tier: $(FAST)"; $(BIN)/python -m pytest tests -m "$(FAST)" --durations=10 || rc=1; \
+	echo "== the rest: distributed, slow, Slurm and GPU tests"; \
+	$(BIN)/python -m pytest tests -m "not ($(FAST))" --durations=30 || rc=1; \
+	exit $$rc
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests -m "$(FAST)"
