@@ -4,10 +4,15 @@ Its ``shksprdata/texts/`` holds 77 files (42 works), most plays in two editions 
 ``*_gut.txt`` and First Folio ``*_gut_f.txt``, near-duplicates). Every file is one
 document; validation is held out *by work*, so both editions of a play always land
 on the same side and no text leaks from train into validation.
+
+It is the data of ``data.source=shakespeare``: its errors name the settings that chose its arguments
+(``data.cache_dir``, ``model.vocab_size``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import glob
 import importlib.util
@@ -23,6 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tqdm import tqdm
 
+from ..config.errors import ConfigError
 from .indexed_dataset import IndexedDatasetBuilder
 from .tokenizer import Tokenizer, train_tokenizer
 
@@ -30,6 +36,14 @@ if TYPE_CHECKING:
     from .hf_tokenizer import HFTokenizer
 
 CORPUS_FORMAT = 1
+# The smallest vocabulary SentencePiece trains on the default training split (val_fraction 0.1, seed 1234): one
+# piece for each of its 88 characters (newline and space included) and unk, bos, eos. SentencePiece refuses less
+# ("smaller than required_chars"); tests/test_input_errors.py pins the figure against it.
+SHAKESPEARE_MIN_VOCAB = 91
+# errors of a cache folder that cannot be written (the fix is another data.cache_dir)
+_CACHE_ERRNOS = frozenset(
+    {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR, errno.EEXIST}
+)
 # Folio file stems whose spelling differs from the modern edition of the same work.
 _FOLIO_ALIASES = {
     "all_is_well_that_ends_well": "alls_well_that_ends_well",
@@ -117,6 +131,53 @@ def _cache_name(vocab_size: int, val_fraction: float, seed: int, tokenizer: HFTo
     return name
 
 
+def _related(path: str, cache_dir: str) -> bool:
+    """Whether ``path`` is ``cache_dir``, one of its parents or a path inside it."""
+    a, b = os.path.abspath(path), os.path.abspath(cache_dir)
+    try:
+        return os.path.commonpath([a, b]) in (a, b)
+    except ValueError:
+        return False
+
+
+@contextlib.contextmanager
+def _cache_writes(cache_dir: str):
+    """Turn an OSError of writing the cache (read-only file system, permission, no space, a file in the way)
+    into one ConfigError line naming ``data.cache_dir``, the reason and the fix; other errors pass."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in _CACHE_ERRNOS or (e.filename is not None and not _related(str(e.filename), cache_dir)):
+            raise
+        default = os.path.expanduser("~/.cache/megatron_geo")
+        note = " (the default, under HOME)" if os.path.abspath(cache_dir) == os.path.abspath(default) else ""
+        at = f" at {e.filename!r}" if e.filename is not None and str(e.filename) != cache_dir else ""
+        raise ConfigError(
+            f"data.cache_dir={cache_dir!r}{note}: cannot write the embedded corpus there "
+            f"({e.strerror or os.strerror(e.errno)}{at}); set data.cache_dir to a writable folder "
+            f"(e.g. data.cache_dir=/tmp/megatron_geo), or build the corpus once where it can be written and copy "
+            f"its folder there"
+        ) from None
+
+
+def check_cache_dir(cache_dir: str, vocab_size: int, tokenizer: HFTokenizer | None = None) -> None:
+    """Start-up check of ``data.cache_dir``: :func:`prepare_default_corpus` will find its corpus there already
+    built (then the folder may be read-only), or can create the folder and write in it (a probe file is made and
+    removed).
+
+    Raises:
+        ConfigError: one line naming ``data.cache_dir``, the reason (read-only file system, permission denied,
+            no space, a file in the way) and the fix.
+    """
+    if os.path.exists(os.path.join(corpus_dir(cache_dir, vocab_size, tokenizer=tokenizer), "DONE")):
+        return
+    with _cache_writes(cache_dir):
+        os.makedirs(cache_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=cache_dir)
+        os.close(fd)
+        os.remove(probe)
+
+
 def corpus_dir(
     cache_dir: str, vocab_size: int, val_fraction: float = 0.1, seed: int = 1234, tokenizer: HFTokenizer | None = None
 ) -> str:
@@ -155,7 +216,10 @@ def _build(root: str, vocab_size: int, val_fraction: float, seed: int, hf: HFTok
         with open(train_txt, "w", encoding="utf-8") as f:
             for path in train:
                 f.write(read_document(path))
-        train_tokenizer([train_txt], paths.tokenizer_model[: -len(".model")], vocab_size)
+        try:
+            train_tokenizer([train_txt], paths.tokenizer_model[: -len(".model")], vocab_size)
+        except ValueError as e:  # a vocabulary SentencePiece refuses for this text
+            raise ConfigError(f"model.vocab_size={vocab_size} does not suit the embedded corpus: {e}") from None
         os.remove(train_txt)
         tok = Tokenizer(paths.tokenizer_model)
     else:
@@ -209,7 +273,11 @@ def prepare_default_corpus(
 
     Raises:
         FileNotFoundError: the `shakespeare` package is not installed.
-        ValueError: bad arguments (or a vocab size SentencePiece refuses, or one other than the tokenizer's).
+        ValueError: bad arguments, or a vocab size other than the tokenizer's.
+        ConfigError (a ValueError): a vocab size SentencePiece refuses for this text (below
+            :data:`SHAKESPEARE_MIN_VOCAB` with the default split, or above what the text gives), naming
+            ``model.vocab_size`` and the bound; or a ``cache_dir`` that cannot be written (read-only file system,
+            permission denied, no space), naming ``data.cache_dir`` and the fix.
     """
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 8:
         raise ValueError(f"vocab_size={vocab_size!r} must be an int >= 8 (256..32000 suit this corpus).")
@@ -225,6 +293,15 @@ def prepare_default_corpus(
     done = os.path.join(root, "DONE")
     if os.path.exists(done):
         return _paths(root, tokenizer)
+    with _cache_writes(cache_dir):
+        return _prepare(cache_dir, name, root, vocab_size, val_fraction, seed, tokenizer)
+
+
+def _prepare(
+    cache_dir: str, name: str, root: str, vocab_size: int, val_fraction: float, seed: int, tokenizer
+) -> CorpusPaths:
+    """The locked build of :func:`prepare_default_corpus` (``root``: the corpus folder, not built yet)."""
+    done = os.path.join(root, "DONE")
     os.makedirs(cache_dir, exist_ok=True)
     with open(os.path.join(cache_dir, name + ".lock"), "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

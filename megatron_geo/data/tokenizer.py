@@ -158,6 +158,75 @@ def checked_ids(ids: Iterable[int], vocab_size: int, who: str) -> list[int]:
     return out
 
 
+_INDEX_MAGICS = (b"MMIDIDX\x00\x00", b"MGEOIDX\x00")  # the two index formats of indexed_dataset.py
+
+
+def _what_the_file_is(path: str) -> str | None:
+    """What a file that SentencePiece cannot load looks like, when it is a known mistake (else None)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError:
+        return None
+    if head.startswith(_INDEX_MAGICS):
+        return "an indexed dataset's index (.idx), not a tokenizer"
+    root, ext = os.path.splitext(path)
+    if ext == ".bin" and os.path.isfile(root + ".idx"):
+        return "an indexed dataset's token file (.bin), not a tokenizer"
+    if head.lstrip()[:1] in (b"{", b"["):
+        return "a JSON file (a Hugging Face tokenizer.json?), not a SentencePiece model"
+    return None
+
+
+def check_tokenizer_file(path: str, label: str = "data.tokenizer_model") -> Tokenizer:
+    """Load the SentencePiece model at ``path`` as the data pipeline will, for a start-up check: one error line
+    instead of a traceback on every rank after the process group started.
+
+    Args:
+        path: the ``.model`` file (a SentencePiece ``ModelProto``, as :func:`train_tokenizer` writes it).
+        label: the setting that names it in the message (``data.tokenizer_model``, ``--tokenizer-model``).
+
+    Returns:
+        The loaded :class:`Tokenizer` (its ``vocab_size`` and ``eod_id`` are checked to exist).
+
+    Raises:
+        ConfigError: one line naming ``label``, the path, what is wrong (missing, a folder, an indexed dataset's
+            ``.idx`` / ``.bin``, a JSON file, another file SentencePiece cannot parse, no EOS piece) and the fix.
+    """
+    from ..config.errors import ConfigError
+
+    where = f"{label}={str(path)!r}"
+    model = "the .model file tools/train_tokenizer.py writes (PREFIX.model)"
+    if not path or not os.path.exists(path):
+        raise ConfigError(f"{where} not found; train one with tools/train_tokenizer.py or fix the path")
+    if os.path.isdir(path):
+        raise ConfigError(
+            f"{where} is a folder; a SentencePiece tokenizer is {model}, and a Hugging Face tokenizer's folder "
+            f"needs data.tokenizer_type=huggingface"
+        )
+    try:
+        tok = Tokenizer(path)
+    except (ValueError, OSError) as err:
+        what = _what_the_file_is(path)
+        if what is None:
+            cause = err.__cause__ if err.__cause__ is not None else err
+            what = f"not a SentencePiece model (sentencepiece: {' '.join(str(cause).split())[:200]})"
+        hint = ""
+        if what.startswith("an indexed dataset"):
+            hint = "; the dataset's prefix (without .bin/.idx) goes in data.train_prefix"
+        elif what.startswith("a JSON file"):
+            hint = "; for a Hugging Face tokenizer set data.tokenizer_type=huggingface and give its folder"
+        raise ConfigError(f"{where} is {what}; give {model}{hint}") from None
+    try:
+        _ = tok.eod_id
+    except ValueError:
+        raise ConfigError(
+            f"{where} has no EOS piece to end documents with; train the tokenizer with an EOS piece "
+            f"(tools/train_tokenizer.py does: eos id {EOS_ID})"
+        ) from None
+    return tok
+
+
 class Tokenizer:
     """Wrapper around a trained SentencePiece ``.model`` file.
 

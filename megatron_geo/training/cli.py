@@ -23,6 +23,7 @@ from ..checkpoint.manager import CheckpointSaveError
 from ..config import Config, ConfigError, dump_config, load_config
 from ..parallel import LaunchError, destroy_parallel, detect_launch_env, init_parallel
 from .checkpointing import StopRequested
+from .launch_checks import check_data_inputs
 from .trainer import NonFiniteGradientError, train
 from .validate import check_inputs, validate_config
 
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             world = max(1, cfg.parallel.tensor)
         validate_config(cfg, world)
         check_inputs(cfg, devices=not args.print_config)  # files always; devices where the run will happen
+        check_data_inputs(cfg, write=not args.print_config)  # tokenizer, vocabulary, corpus cache
         if args.print_config:
             print(dump_config(cfg), end="")
             return 0
