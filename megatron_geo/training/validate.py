@@ -270,7 +270,7 @@ def check_inputs(cfg: Config, devices: bool = True) -> None:
             from ..data.indexed_dataset import check_dataset_files
 
             check_dataset_files(key, prefix)  # format, header and sizes of both files
-        if d.tokenizer_type == "sentencepiece" and d.tokenizer_model and not os.path.isfile(d.tokenizer_model):
+        if d.tokenizer_type == "sentencepiece" and d.tokenizer_model and not os.path.exists(d.tokenizer_model):
             raise ConfigError(
                 f"data.tokenizer_model={d.tokenizer_model!r} not found; train one with "
                 f"tools/train_tokenizer.py or fix the path"
