@@ -117,6 +117,7 @@ def test_parse_split_spellings():
 
 
 def _reference_ranges(n, weights):
+    """The legacy rule: cumulative rounded part sizes, every bound after the first shifted so that the last is n."""
     bounds = [0]
     for w in weights:
         bounds.append(bounds[-1] + int(round(w * float(n))))
@@ -125,27 +126,35 @@ def _reference_ranges(n, weights):
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def test_split_ranges():
-    assert split_ranges(1000, parse_split("969,30,1")) == [(0, 969), (969, 999), (999, 1000)]
-    assert split_ranges(10, parse_split("8,1,1")) == [(0, 8), (8, 9), (9, 10)]
-    assert split_ranges(7, [1.0, 0.0, 0.0]) == [(0, 7), (7, 7), (7, 7)]
-    assert split_ranges(0, [0.5, 0.5, 0.0]) == [(0, 0), (0, 0), (0, 0)]
+def test_split_ranges_legacy_rule():
+    """The rule of runs checkpointed before megatron-core's (tests/test_megatron_core_split.py) was followed."""
+
+    def legacy(n, w):
+        return split_ranges(n, w, "legacy")
+
+    assert legacy(1000, parse_split("969,30,1")) == [(0, 969), (969, 999), (999, 1000)]
+    assert legacy(10, parse_split("8,1,1")) == [(0, 8), (8, 9), (9, 10)]
+    assert legacy(7, [1.0, 0.0, 0.0]) == [(0, 7), (7, 7), (7, 7)]
+    assert legacy(0, [0.5, 0.5, 0.0]) == [(0, 0), (0, 0), (0, 0)]
     # round half to even: 2.5 -> 2, 2.5 -> 2, 0 -> 0; the bounds then shift by -1 so that the last is 5
-    assert split_ranges(5, [0.5, 0.5, 0.0]) == [(0, 3), (3, 5), (5, 5)]
+    assert legacy(5, [0.5, 0.5, 0.0]) == [(0, 3), (3, 5), (5, 5)]
+    assert split_ranges(5, [0.5, 0.5, 0.0]) == [(0, 2), (2, 5), (5, 5)]  # megatron-core's book-ends: 2.5 -> 2, 5
     for n in (1, 2, 3, 10, 97, 1000, 123457):
         for text in ("969,30,1", "1,1,1", "98,2", "1,0,1", "0.45,0.45,0.1", "2/1/1"):
             w = parse_split(text)
             want = _reference_ranges(n, w)
-            if all(0 <= a <= b <= n for a, b in want):  # where Megatron's bounds are valid: the same bounds
-                assert split_ranges(n, w) == want, (n, text)
-            got = split_ranges(n, w)
-            assert got[0][0] == 0 and got[-1][1] == n and all(a <= b for a, b in got)
-            assert got[0][1] == got[1][0] and got[1][1] == got[2][0]
-    # 0, round(1.5) = 2, round(1.5) = 2: shifting by +1 would give Megatron's invalid bound -1; clamped instead
+            if all(0 <= a <= b <= n for a, b in want):  # where the rule's bounds are valid: the same bounds
+                assert legacy(n, w) == want, (n, text)
+            for got in (legacy(n, w), split_ranges(n, w)):
+                assert got[0][0] == 0 and got[-1][1] == n and all(a <= b for a, b in got)
+                assert got[0][1] == got[1][0] and got[1][1] == got[2][0]
+    # 0, round(1.5) = 2, round(1.5) = 2: shifting by +1 would give an invalid bound -1; clamped instead
     assert _reference_ranges(3, [0.0, 0.5, 0.5]) == [(0, -1), (-1, 1), (1, 3)]
-    assert split_ranges(3, [0.0, 0.5, 0.5]) == [(0, 0), (0, 1), (1, 3)]
+    assert legacy(3, [0.0, 0.5, 0.5]) == [(0, 0), (0, 1), (1, 3)]
     with pytest.raises(ValueError, match="3 non-negative"):
         split_ranges(10, [1.0, 0.0])
+    with pytest.raises(ValueError, match="split rule 'megatron'"):
+        split_ranges(10, [1.0, 0.0, 0.0], "megatron")
 
 
 def _component(tmp_path, name, seed, n_docs, **kw):

@@ -1,11 +1,26 @@
 """Weighted blends of datasets, as Megatron-LM's ``--data-path 0.3 PREFIX_A 0.7 PREFIX_B``.
 
-Sample ``g`` of a blend is sample ``c`` of component ``d``, where ``(d, c)`` come from Megatron-Core's greedy
-blending index (``megatron/core/datasets/helpers.cpp``, ``build_blending_indices``): with the weights normalised to
-sum 1 (float64), sample ``i`` goes to the component with the largest ``w_d * max(i, 1) - count_d`` (float64;
-ties to the lowest ``d``), whose count then grows by one; ``c`` is that count before the increment. Components
-wrap into their later epochs (their ``sample(c)`` takes any counter), so unlike Megatron no component is sized up
-front with a surplus; :func:`samples_needed` gives Megatron's figure for the start-up report.
+Sample ``g`` of a blend is sample ``c`` of component ``d``, where ``(d, c)`` come from megatron-core's greedy
+blending index (``megatron/core/datasets/helpers.cpp``, ``build_blending_indices``): sample ``i`` goes to the
+component with the largest ``w_d * max(i, 1) - count_d`` (float64; ties to the lowest ``d``), whose count then grows
+by one; ``c`` is that count before the increment.
+
+The weights ``w`` are those of megatron-core 0.19 (``rule="megatron_core"``): written weights are normalised twice,
+once by the builder (``blended_megatron_dataset_builder.py``, ``build``, with ``utils.py``'s ``normalize``) and once
+more by its ``BlendedDataset`` (``blended_dataset.py``, ``__init__``) before ``build_blending_indices``. Weights
+whose float64 sum is not exactly 1 (``0.6 0.3 0.1`` sums to ``0.9999999999999999``) give another order than a single
+normalisation: megatron-core's sample 2 of that blend comes from component 2. ``rule="legacy"`` normalises once (this
+package's earlier order, kept for runs checkpointed under it). Without weights (prefixes alone) the weights are the
+components' samples per epoch, normalised once under both rules (megatron-core's unweighted blend).
+
+Megatron-core also sizes each component up front: ``ceil(ceil(N * w_d) * 1.005)`` samples for a run of ``N``
+(:func:`samples_needed`, the builder's ``_get_size_per_split_per_dataset`` with ``mid_level_dataset_surplus``). That
+plan decides how the component's own order is built (``gpt_dataset.megatron_plan``); here it is passed to each
+component as ``planned_samples``. Components still wrap into later epochs (their ``sample(c)`` takes any counter).
+
+A blend may continue from a position (``start``, ``start_counts``): after a change of weights on a resume each
+component goes on from the samples it had given, and the greedy rule runs afresh over the samples from ``start`` on
+(:class:`BlendingIndex`).
 
 The index is sequential by nature. It is computed lazily, in chunks of ``2**16`` samples, as higher counters are
 asked for, by a plain loop over samples (a handful of float operations per component). Measured on a shared
@@ -13,8 +28,10 @@ asked for, by a plain loop over samples (a handful of float operations per compo
 per sample); a run pays it once, spread over its steps, and a resume at counter ``N`` pays it for ``N`` samples
 at start-up.
 
-Unweighted blends (prefixes alone): the weights are the components' samples per epoch. (Megatron switches to
-its exhaustive variant there, which differs only once a component is used up; components here never are.)
+Unweighted blends (prefixes alone): the weights are the components' samples per epoch, and megatron-core builds
+each component as one epoch and the blend for at most their total (``min(N, total)`` samples; the same order up to
+there). Past that total, or when megatron-core is given no size (its exhaustive variant, which differs once a
+component is used up), components here go on into their next epochs.
 """
 
 from __future__ import annotations
@@ -30,6 +47,10 @@ from .gpt_dataset import SampleDataset, collate
 
 BLEND_CHUNK = 1 << 16  # samples added to the lazy blending index at a time
 MAX_DATASETS = 2**15 - 1  # the dataset index is int16, as Megatron's
+# megatron-core's BlendedMegatronDatasetConfig.mid_level_dataset_surplus: components are sized 0.5% above their share
+MID_LEVEL_SURPLUS = 0.005
+# how written weights become the greedy rule's: megatron-core 0.19's two normalisations, or this package's earlier one
+BLEND_RULES = ("megatron_core", "legacy")
 
 
 def _weight(token: str) -> float | None:
@@ -109,10 +130,34 @@ def normalize_weights(weights) -> np.ndarray:
 
 
 def samples_needed(weights, n: int) -> list[int]:
-    """Megatron's size of each component for ``n`` blended samples: ``ceil(n * w_d * 1.005)`` with ``w``
-    normalised (Megatron-Core ``blended_megatron_dataset_builder.py``, ``_get_size_per_split_per_dataset``).
-    Here components wrap into later epochs, so this is only reported."""
-    return [int(math.ceil(int(n) * float(w) * 1.005)) for w in normalize_weights(weights)]
+    """Megatron-core's planned size of each component for ``n`` blended samples: ``ceil(ceil(n * w_d) * (1 +
+    0.005))`` (float64) with ``w`` normalised once, as its builder does (``blended_megatron_dataset_builder.py``,
+    ``_get_size_per_split_per_dataset`` with ``mid_level_dataset_surplus=0.005``).
+
+    Returns:
+        One int per weight: the samples megatron-core builds for that component (its ``num_samples``).
+
+    Raises:
+        ValueError: bad weights (:func:`normalize_weights`) or ``n < 0``.
+    """
+    n = int(n)
+    if n < 0:
+        raise ValueError(f"n={n} must be >= 0.")
+    return [int(math.ceil(math.ceil(n * float(w)) * (1 + MID_LEVEL_SURPLUS))) for w in normalize_weights(weights)]
+
+
+def greedy_weights(weights, rule: str = "megatron_core") -> np.ndarray:
+    """The weights the greedy rule of a weighted blend runs with, float64 [D]: the written ``weights`` normalised
+    twice (``rule="megatron_core"``: megatron-core's builder, then its ``BlendedDataset``) or once
+    (``rule="legacy"``).
+
+    Raises:
+        ValueError: bad weights (:func:`normalize_weights`) or another ``rule``.
+    """
+    if rule not in BLEND_RULES:
+        raise ValueError(f"blend rule {rule!r}: expected one of {', '.join(BLEND_RULES)}.")
+    w = normalize_weights(weights)
+    return normalize_weights(w) if rule == "megatron_core" else w
 
 
 def _greedy(w: list[float], counts: list[int], i0: int, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -148,18 +193,53 @@ def _greedy(w: list[float], counts: list[int], i0: int, n: int) -> tuple[np.ndar
     return np.asarray(d_out, dtype=np.int16), np.asarray(c_out, dtype=np.int64)
 
 
+def greedy_counts(weights, n: int) -> list[int]:
+    """Samples each component gives in the first ``n`` samples of the greedy rule (module docstring) run with
+    ``weights`` exactly as given (float64, not normalised again: e.g. a ``BlendedDataset``'s ``weights``); computed
+    in chunks of ``BLEND_CHUNK`` samples (memory bounded, time as :class:`BlendingIndex`).
+
+    Raises:
+        ValueError: ``n < 0``.
+    """
+    n = int(n)
+    if n < 0:
+        raise ValueError(f"n={n} must be >= 0.")
+    w = [float(x) for x in weights]
+    counts = [0] * len(w)
+    for i0 in range(0, n, BLEND_CHUNK):
+        _greedy(w, counts, i0, min(BLEND_CHUNK, n - i0))
+    return counts
+
+
 class BlendingIndex:
     """Megatron's blending index (module docstring), built lazily in chunks of ``chunk`` samples.
 
+    Counter ``g >= start`` is sample ``i = g - start`` of the greedy rule run from zero counts; its component
+    counter is ``start_counts[d]`` plus that component's count within the rule. ``start=0`` with zero counts is
+    megatron-core's index.
+
     Args:
-        weights: positive numbers, one per component (normalised here).
+        weights: positive numbers, one per component (normalised here once, as megatron-core's
+            ``build_blending_indices`` receives them from its ``BlendedDataset``).
         chunk: samples added at a time (>= 1).
+        start: the first blended counter of the index (>= 0).
+        start_counts: samples each component had given before ``start`` (ints >= 0; default zeros).
+
+    Raises:
+        ValueError: bad weights, a negative ``start`` or count, or a count list of another length.
     """
 
-    def __init__(self, weights, chunk: int = BLEND_CHUNK):
+    def __init__(self, weights, chunk: int = BLEND_CHUNK, start: int = 0, start_counts=None):
         self.weights = normalize_weights(weights)
         self.chunk = max(1, int(chunk))
         self._w = [float(x) for x in self.weights]
+        self.start = int(start)
+        counts = [0] * len(self._w) if start_counts is None else [int(c) for c in start_counts]
+        if self.start < 0 or len(counts) != len(self._w) or any(c < 0 for c in counts):
+            raise ValueError(
+                f"start={start} and start_counts={start_counts!r}: expected start >= 0 and {len(self._w)} counts >= 0."
+            )
+        self.start_counts = np.asarray(counts, dtype=np.int64)
         self._counts = [0] * len(self._w)
         self._dataset: list[np.ndarray] = []
         self._sample: list[np.ndarray] = []
@@ -167,7 +247,7 @@ class BlendingIndex:
         self._flat: tuple[np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
-        """Samples built so far."""
+        """Samples built so far (from ``start`` on)."""
         return self._built
 
     def ensure(self, n: int) -> None:
@@ -180,7 +260,8 @@ class BlendingIndex:
             self._flat = None
 
     def arrays(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(dataset_index int16 [n], dataset_sample_index int64 [n])`` of the first ``n`` samples."""
+        """``(dataset_index int16 [n], dataset_sample_index int64 [n])`` of the first ``n`` samples of the greedy
+        rule (counters ``start .. start + n - 1``; the sample indices without ``start_counts``)."""
         self.ensure(n)
         if self._flat is None:
             self._flat = (np.concatenate(self._dataset), np.concatenate(self._sample))
@@ -188,17 +269,31 @@ class BlendingIndex:
         return self._flat[0][:n], self._flat[1][:n]
 
     def lookup(self, gs) -> tuple[np.ndarray, np.ndarray]:
-        """``(component, component counter)`` int64 arrays for the blended counters ``gs`` (ints >= 0)."""
-        g = np.asarray(gs, dtype=np.int64).reshape(-1)
+        """``(component, component counter)`` int64 arrays for the blended counters ``gs`` (ints >= ``start``).
+
+        Raises:
+            ValueError: a counter below ``start`` (before the position this index continues from).
+        """
+        g = np.asarray(gs, dtype=np.int64).reshape(-1) - self.start
         if g.size and int(g.min()) < 0:
-            raise ValueError(f"blended sample counters must be >= 0, got {int(g.min())}.")
+            raise ValueError(
+                f"blended sample counter {int(g.min()) + self.start} is below {self.start}, where this blend starts."
+            )
         d, c = self.arrays(int(g.max()) + 1 if g.size else 0)
-        return d[g].astype(np.int64), c[g]
+        d = d[g].astype(np.int64)
+        return d, c[g] + self.start_counts[d]
 
     def counts_at(self, n: int) -> list[int]:
-        """Samples each component has given after ``n`` blended samples (exact; builds the index up to ``n``)."""
-        d, _ = self.arrays(n)
-        return np.bincount(d, minlength=len(self._w)).tolist()
+        """Samples each component has given before blended counter ``n >= start`` (``start_counts`` included;
+        exact; builds the index up to ``n``).
+
+        Raises:
+            ValueError: ``n < start``.
+        """
+        if int(n) < self.start:
+            raise ValueError(f"n={n} is below {self.start}, where this blend starts.")
+        d, _ = self.arrays(int(n) - self.start)
+        return (np.bincount(d, minlength=len(self._w)) + self.start_counts).tolist()
 
 
 def blending_index(weights, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -225,18 +320,31 @@ class BlendedDataset:
 
     Args:
         datasets: components (`GPTDataset` or any `SampleDataset`), the same ``seq_length`` and sample keys.
-        weights: positive numbers, one per component (normalised); None: each component's ``len()``.
+        weights: positive numbers, one per component (normalised by :func:`greedy_weights` under ``rule``);
+            None: each component's ``len()`` (normalised once).
         names: labels for `describe` (default: each component's ``prefix`` attribute, else its position).
+        rule: ``"megatron_core"`` (default) or ``"legacy"`` (module docstring).
 
     Raises:
         ValueError: no components, more than 32767, a weight count that differs from the components, a bad
-            weight, or components whose ``seq_length`` or sample keys differ (their batches would not stack).
+            weight or rule, or components whose ``seq_length`` or sample keys differ (their batches would not
+            stack).
     """
 
-    def __init__(self, datasets: Sequence[SampleDataset], weights=None, names: Sequence[str] | None = None):
+    def __init__(
+        self,
+        datasets: Sequence[SampleDataset],
+        weights=None,
+        names: Sequence[str] | None = None,
+        *,
+        rule: str = "megatron_core",
+    ):
         self.datasets = list(datasets)
         if not self.datasets:
             raise ValueError("BlendedDataset needs at least one dataset.")
+        if rule not in BLEND_RULES:
+            raise ValueError(f"blend rule {rule!r}: expected one of {', '.join(BLEND_RULES)}.")
+        weighted = weights is not None
         if weights is None:
             weights = [len(ds) for ds in self.datasets]
         weights = list(weights)
@@ -255,20 +363,35 @@ class BlendedDataset:
                 )
         self.seq_length = first.seq_length
         self.sample_keys = tuple(first.sample_keys)
-        self.index = BlendingIndex(weights)
-        self.weights = self.index.weights
+        self.rule = rule
+        self._written = weights  # as given (or the lengths): what megatron-core's builder sizes the components by
+        # megatron-core's builder normalises written weights once; BlendingIndex normalises again, as its BlendedDataset
+        self._index_weights = normalize_weights(weights) if weighted and rule == "megatron_core" else weights
+        self.index = BlendingIndex(self._index_weights)
+        self.weights = self.index.weights  # float64 [D]: the weights of the greedy rule
+
+    def continue_from(self, start: int, start_counts) -> None:
+        """Continue the blend from blended counter ``start``, where the components had given ``start_counts``
+        samples: counters from ``start`` on follow the greedy rule afresh over these weights (:class:`BlendingIndex`);
+        counters below ``start`` are no longer available.
+
+        Raises:
+            ValueError: a negative ``start`` or count, or a count list of another length than the components.
+        """
+        self.index = BlendingIndex(self._index_weights, self.index.chunk, start, start_counts)
 
     def __len__(self) -> int:
         """Samples of one epoch of every component together: the sum of their lengths."""
         return sum(len(ds) for ds in self.datasets)
 
     def locate(self, g: int) -> tuple[int, int]:
-        """``(component, component counter)`` of the blended counter ``g >= 0``."""
+        """``(component, component counter)`` of the blended counter ``g`` (>= the index's ``start``, 0 unless
+        :meth:`continue_from` moved it)."""
         d, c = self.index.lookup([g])
         return int(d[0]), int(c[0])
 
     def sample(self, g: int) -> dict[str, torch.Tensor]:
-        """The blended sample at global counter ``g >= 0`` (keys and shapes: `SampleDataset`)."""
+        """The blended sample at global counter ``g`` (as :meth:`locate`; keys and shapes: `SampleDataset`)."""
         d, c = self.locate(g)
         return self.datasets[d].sample(c)
 
@@ -294,7 +417,7 @@ class BlendedDataset:
         its epochs that is, and Megatron's :func:`samples_needed` size), then each component's own lines."""
         lines = [f"blend of {len(self.datasets)} datasets, {len(self):,} samples per epoch of all components"]
         n = consumed_samples
-        needed = samples_needed(self.weights, n) if n is not None else []
+        needed = samples_needed(self._written, n) if n is not None else []
         for k, (name, ds, w) in enumerate(zip(self.names, self.datasets, self.weights)):
             line = f"  [{k}] weight {w:.6g}: {name}, {len(ds):,} samples per epoch"
             if n is not None:

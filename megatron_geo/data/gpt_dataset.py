@@ -22,6 +22,13 @@ it needs and shuffles it once (and separates a short final epoch). Runs here are
 ``e >= 1`` (and epoch 0 of a seed ``>= 2**32``) uses ``RandomState([seed % 2**32, seed // 2**32, e])``, each
 with its own document shuffle, sample index and sample shuffle; no sample crosses an epoch boundary.
 
+Megatron's plan (``planned_samples``, the ``num_samples`` megatron-core builds for the dataset; :func:`megatron_plan`)
+also shapes its first epoch. A blend component is planned with a 0.5% surplus, so one used at 99.5-100% of its
+epoch is planned two epochs, the second one short and separate; megatron-core then shuffles the documents of both
+epochs before it shuffles the samples of the first. With such a plan (two epochs, separate final epoch) epoch 0 here
+does the same: a second document shuffle of the same length, then the sample shuffle, so that every sample of
+epoch 0 is megatron-core's. Other plans leave epoch 0 as above.
+
 ``stream`` (this package's earlier order, bitwise unchanged): sample ``i`` is ``stream[i*S : i*S + S + 1]`` of
 the sequences concatenated in file order, and epoch ``e`` visits the samples in the order
 ``numpy.random.default_rng(seed + e).permutation(num_samples)``.
@@ -44,6 +51,8 @@ import torch
 from .indexed_dataset import IndexedDataset
 
 SAMPLE_ORDERS = ("megatron", "stream")
+# megatron-core's GPTDataset keeps a final epoch out of the joint shuffle when it is below this fraction of an epoch
+SEPARATE_FINAL_EPOCH_BELOW = 0.80
 MAX_SEED = 2**63  # seeds are ints in [0, MAX_SEED)
 EOD_CHECK_DOCUMENTS = 100_000  # documents whose last token the eod check reads, evenly spaced
 
@@ -89,6 +98,40 @@ def epoch_random_state(seed: int, epoch: int) -> np.random.RandomState:
     return np.random.RandomState([seed % 2**32, seed // 2**32, epoch])
 
 
+class MegatronPlan(NamedTuple):
+    """How megatron-core lays out a dataset planned at ``num_samples``: ``num_epochs`` epochs of its sequences, and
+    whether the final one is shuffled on its own (``separate_final_epoch``)."""
+
+    num_epochs: int
+    separate_final_epoch: bool
+
+
+def megatron_plan(num_tokens: int, seq_length: int, planned_samples: int | None) -> MegatronPlan:
+    """Megatron-core's epoch plan for ``planned_samples`` samples of ``seq_length`` tokens (+1) from ``num_tokens``
+    tokens per epoch: the fewest epochs whose tokens reach ``planned_samples * seq_length + 1``, and a separate final
+    epoch when the samples it must give are fewer than ``int(0.8 * samples_per_epoch)``.
+
+    Rule: megatron-core 0.19 ``gpt_dataset.py``, ``GPTDataset._get_num_epochs`` and
+    ``_build_document_sample_shuffle_indices`` (its ``separate_final_epoch``). ``None`` (no plan: megatron-core's
+    one-epoch build of an unweighted blend component) is one epoch.
+
+    Raises:
+        ValueError: ``num_tokens < seq_length + 1``, ``seq_length < 1`` or ``planned_samples < 0``.
+    """
+    seq_length = _check_int("seq_length", seq_length, 1)
+    num_tokens = _check_int("num_tokens", num_tokens, seq_length + 1)
+    if planned_samples is None:
+        return MegatronPlan(1, False)
+    planned = _check_int("planned_samples", planned_samples, 0)
+    need = planned * seq_length + 1
+    epochs = max(1, -(-need // num_tokens))
+    if epochs == 1:
+        return MegatronPlan(1, False)
+    before_final = ((epochs - 1) * num_tokens - 1) // seq_length
+    per_epoch = (num_tokens - 1) // seq_length
+    return MegatronPlan(epochs, planned - before_final < int(SEPARATE_FINAL_EPOCH_BELOW * per_epoch))
+
+
 class EpochIndex(NamedTuple):
     """The index arrays of one epoch of the megatron order.
 
@@ -102,13 +145,23 @@ class EpochIndex(NamedTuple):
     shuffle_index: np.ndarray
 
 
-def build_epoch_index(sizes: np.ndarray, start: int, stop: int, seq_length: int, seed: int, epoch: int) -> EpochIndex:
+def build_epoch_index(
+    sizes: np.ndarray,
+    start: int,
+    stop: int,
+    seq_length: int,
+    seed: int,
+    epoch: int,
+    second_document_shuffle: bool = False,
+) -> EpochIndex:
     """Document index, cumulative stream ends and shuffle index of one megatron-order epoch over sequences
     ``[start, stop)`` of a dataset whose sequence lengths are ``sizes`` (int [num_sequences]); vectorised (no
     loop over sequences or samples). Samples: ``(sum(sizes[start:stop]) - 1) // seq_length``.
 
     Rule: Megatron-Core ``gpt_dataset.py`` (``_build_document_index``, ``_build_shuffle_index``) and
-    ``helpers.cpp`` (``build_sample_idx``), one epoch at a time (module docstring).
+    ``helpers.cpp`` (``build_sample_idx``), one epoch at a time (module docstring). ``second_document_shuffle``:
+    the generator shuffles a second document index of the same length before the samples, as megatron-core does
+    for a plan of two epochs with a separate final epoch (the first epoch of that plan).
 
     Raises:
         ValueError: an empty or too short range (fewer than ``seq_length + 1`` tokens), a bad seed or epoch.
@@ -118,6 +171,8 @@ def build_epoch_index(sizes: np.ndarray, start: int, stop: int, seq_length: int,
     document_index = np.arange(start, stop, dtype=id_dtype)
     rs.shuffle(document_index)
     ends = np.cumsum(np.asarray(sizes[document_index], dtype=np.int64), dtype=np.int64)
+    if second_document_shuffle:  # only the generator's state matters: its draws depend on the length alone
+        rs.shuffle(np.zeros(stop - start, dtype=np.uint8))
     total = int(ends[-1]) if ends.size else 0
     if total < seq_length + 1:
         raise ValueError(f"sequences [{start}, {stop}) hold {total} tokens, fewer than seq_length + 1.")
@@ -145,6 +200,9 @@ class GPTDataset(torch.utils.data.Dataset):
             ``eod_id``).
         vocab_size: if given, a sample holding an id ``>= vocab_size`` raises ValueError when read; defaults to
             the vocabulary the index records (None for MMIDIDX files: no check).
+        planned_samples: megatron-core's ``num_samples`` for this dataset (a blend component's
+            :func:`~megatron_geo.data.blending.samples_needed`), or None; only the megatron order uses it (module
+            docstring, :meth:`set_planned_samples`).
 
     Raises:
         ValueError: bad arguments, fewer than ``seq_length + 1`` tokens in the sequences, ``eod_id`` outside the
@@ -164,6 +222,7 @@ class GPTDataset(torch.utils.data.Dataset):
         reset_position_ids: bool = False,
         reset_attention_mask: bool = False,
         vocab_size: int | None = None,
+        planned_samples: int | None = None,
     ):
         self.indexed = indexed
         self.prefix = str(getattr(indexed, "prefix", "?"))
@@ -225,6 +284,20 @@ class GPTDataset(torch.utils.data.Dataset):
         self.sample_keys = tuple(keys)
         self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
         self._epochs: OrderedDict[int, EpochIndex] = OrderedDict()
+        self.set_planned_samples(planned_samples)
+
+    def set_planned_samples(self, planned_samples: int | None) -> None:
+        """Set megatron-core's plan for this dataset (``num_samples``; None: none) and forget the epoch indices built
+        so far. With a plan of two epochs and a separate final epoch (:func:`megatron_plan`) the megatron order's
+        epoch 0 is that plan's first epoch (module docstring); ``two_epoch_plan`` says whether it is.
+
+        Raises:
+            ValueError: a negative ``planned_samples``.
+        """
+        self.planned_samples = None if planned_samples is None else _check_int("planned_samples", planned_samples, 0)
+        plan = megatron_plan(self.num_tokens, self.seq_length, self.planned_samples)
+        self.two_epoch_plan = self.sample_order == "megatron" and plan == MegatronPlan(2, True)
+        self._epochs.clear()
 
     # ------------------------------------------------------------ checks
 
@@ -304,7 +377,15 @@ class GPTDataset(torch.utils.data.Dataset):
         """The megatron-order index arrays of ``epoch`` (the last two built are cached)."""
         ep = self._epochs.get(epoch)
         if ep is None:
-            ep = build_epoch_index(self.indexed.sizes, self.start, self.stop, self.seq_length, self.seed, epoch)
+            ep = build_epoch_index(
+                self.indexed.sizes,
+                self.start,
+                self.stop,
+                self.seq_length,
+                self.seed,
+                epoch,
+                second_document_shuffle=epoch == 0 and self.two_epoch_plan,
+            )
             self._epochs[epoch] = ep
             while len(self._epochs) > 2:  # a step spans at most two epochs
                 self._epochs.popitem(last=False)
@@ -418,6 +499,18 @@ class GPTDataset(torch.utils.data.Dataset):
             f"{self.num_samples:,} samples per epoch of {self.seq_length} tokens, order {self.sample_order}, "
             f"seed {self.seed}",
         ]
+        if self.planned_samples is not None and self.sample_order == "megatron":
+            plan = megatron_plan(self.num_tokens, self.seq_length, self.planned_samples)
+            if self.two_epoch_plan:
+                how = "epoch 0 is megatron-core's first epoch of that plan"
+            elif plan.num_epochs == 1:
+                how = "epoch 0 is megatron-core's epoch"
+            else:
+                how = "megatron-core shuffles these epochs together, so its order differs from epoch 0 here"
+            final = ", the final one separate" if plan.separate_final_epoch else ""
+            lines.append(
+                f"megatron-core plans {self.planned_samples:,} samples: {plan.num_epochs} epoch(s){final}; {how}"
+            )
         opts = [k for k in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask") if getattr(self, k)]
         lines.append(f"options: {', '.join(opts) if opts else 'none'} (eod_id={self.eod_id})")
         if self.eod_note:

@@ -68,6 +68,9 @@ class Checkpointer:
         self.timeline: dict = {"start": "fresh"}  # recorded in every checkpoint this launch saves
         # the training files (data/identity.py): recorded in every checkpoint, compared on resume
         self.data_files: list[dict] = list(data_files or [])
+        self.meta: dict | None = None  # set by resume(): the loaded checkpoint's meta.json (None: a fresh start)
+        # the training data's index rule and blend position (training/data_setup.py): recorded as ``data``
+        self.data_record: dict | None = None
 
     def resume(self) -> tuple[int, int, int]:
         """Load the checkpoint :func:`megatron_geo.checkpoint.start.resolve_start` selects, if any (collective
@@ -159,6 +162,7 @@ class Checkpointer:
                 f"start fresh (checkpoint.load=none)"
             ) from None
         self.last_saved_step = meta["step"]
+        self.meta = meta
         self._abandon(meta["step"])
         self.log(f"checkpoint: {start.reason}, at step {meta['step']} ({meta['consumed_samples']:,} samples consumed)")
         return meta["step"], meta["consumed_samples"], meta.get("skipped_in_a_row", 0)
@@ -252,6 +256,7 @@ class Checkpointer:
             "timeline": self.timeline,
             "config": _record_config(self.cfg),
             "data_files": self.data_files,
+            "data": self.data_record,
             "geo": None
             if geo is None
             else {"last_refresh": geo.last_refresh, "selected": sorted(geo.selected), "profiled": geo.profiled},

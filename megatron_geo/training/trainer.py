@@ -15,7 +15,7 @@ from ..optim.schedule import lr_at
 from ..parallel import ParallelContext
 from . import telemetry
 from .checkpointing import Checkpointer
-from .data_setup import build_data, train_global_tokens, train_micro_batches, valid_micro_batches
+from .data_setup import build_data, resume_data, train_global_tokens, train_micro_batches, valid_micro_batches
 from .eta import RunTimer
 from .log_line import StepOutput
 from .metrics import StepRecords, open_run_outputs
@@ -117,6 +117,11 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
             f"learning rate of the steps after {start_step})"
         )
         return nothing_to_do(n_params, start_step, str(Path(t.run_dir).resolve()))
+    # the checkpoint's index rule and blend position (a changed blend continues every component where it stopped)
+    data, data_notes = resume_data(data, cfg, pctx, ckpt.meta, consumed)
+    for line in data_notes:
+        log(f"data: {line}")
+    ckpt.data_record = data.record
     profiler = StepProfiler(cfg, pctx, t.run_dir, log)  # profiling.steps (1-based, as logged)
     logger = open_run_outputs(cfg, pctx, start_step, log)
     valid_batches = valid_micro_batches(data.valid, cfg, pctx) if data.valid and t.eval_batches else []
