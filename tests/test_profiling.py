@@ -128,6 +128,59 @@ def test_an_error_inside_the_window_is_not_hidden_by_a_failed_export(tmp_path, m
     assert not torch.autograd._profiler_enabled()
 
 
+def _profile_steps(cfg, tmp_path, steps, log=None):
+    """A StepProfiler over ``steps`` (1-based) of a tiny CPU workload; returns the files of profile/ afterwards."""
+    p = StepProfiler(cfg, _pctx(), tmp_path, log)
+    for s in steps:
+        p.step_begin(s)
+        torch.ones(8).sum()
+        p.step_end(s)
+    p.close()
+    return sorted(f.name for f in (tmp_path / "profile").iterdir())
+
+
+def _step_names(path: Path) -> list[str]:
+    return sorted(e["name"] for e in _user_annotations(path) if e["name"].startswith("step "))
+
+
+def test_a_relaunch_inside_the_window_writes_the_rest_beside_the_first_part(tmp_path):
+    cfg = load_config([], ["profiling.steps=3:7", "train.steps=8"])
+    lines: list[str] = []
+    _profile_steps(cfg, tmp_path, [1, 2, 3, 4], log=lines.append)  # stopped after step 4 (train.exit_interval=4)
+    files = _profile_steps(cfg, tmp_path, [5, 6, 7, 8], log=lines.append)  # the relaunch resumes at step 4
+    # both parts of the window are kept, each in a file named by the steps it holds
+    held = {name: _step_names(tmp_path / "profile" / name) for name in files}
+    assert held == {
+        "trace_rank0_steps3-4.json": ["step 3", "step 4"],
+        "trace_rank0_steps5-6.json": ["step 5", "step 6"],
+    }, held
+    assert "trace_rank{R}_steps3-4.json" in lines[0] and "trace_rank{R}_steps5-6.json" in lines[1], lines
+    # the same steps profiled again (a roll-back, a fresh start over the folder) get a free name
+    got = _profile_steps(cfg, tmp_path, [5, 6])
+    assert got == ["trace_rank0_steps3-4.json", "trace_rank0_steps5-6.1.json", "trace_rank0_steps5-6.json"]
+
+
+def test_a_window_this_launch_never_reaches_is_a_start_up_line(tmp_path):
+    lines: list[str] = []
+    cfg = load_config([], ["train.steps=4", "profiling.steps=10:12"])
+    assert StepProfiler(cfg, _pctx(), tmp_path, lines.append).window == (10, 12)
+    assert lines == [
+        "warning: profiling.steps=10:12 starts after the last step (train.steps=4): nothing is profiled unless "
+        "the run is extended past step 9"
+    ]
+    lines.clear()
+    # a launch resumed after the window: said once, naming the folder of the earlier traces
+    StepProfiler(load_config([], ["train.steps=20", "profiling.steps=3:5"]), _pctx(), tmp_path, lines.append, 6)
+    assert len(lines) == 1 and "ended before step 7" in lines[0] and str(tmp_path / "profile") in lines[0], lines
+    lines.clear()
+    # windows the launch reaches, in full or in part, and no window at all: nothing at start-up
+    for steps, start in (("3:5", 0), ("3:9", 0), ("3:5", 3), ("4:5", 3)):
+        cfg = load_config([], ["train.steps=4", f"profiling.steps={steps}"])
+        StepProfiler(cfg, _pctx(), tmp_path, lines.append, start)
+    StepProfiler(load_config([], ["train.steps=4"]), _pctx(), tmp_path, lines.append)
+    assert lines == [], lines
+
+
 # ---- tiny training runs (2 DP ranks on CPU) ------------------------------------------------------------------
 
 
@@ -234,9 +287,9 @@ def _spans(path: Path, name: str) -> list[tuple[float, float]]:
 
 def test_the_fp8_window_holds_the_named_ranges_of_its_steps_only(runs):
     run = runs["fp8"]
-    assert run["ranks"][0]["files"] == ["trace_rank0.json", "trace_rank1.json"]
+    assert run["ranks"][0]["files"] == ["trace_rank0_steps2-3.json", "trace_rank1_steps2-3.json"]
     for r in range(2):
-        path = run["dir"] / f"trace_rank{r}.json"
+        path = run["dir"] / f"trace_rank{r}_steps2-3.json"
         names = _names(path)
         steps = sorted(n for n in names if n.startswith("step "))
         assert steps == ["step 2", "step 3"] and names["step 2"] == names["step 3"] == 1, names
@@ -262,7 +315,7 @@ def test_the_fp8_window_holds_the_named_ranges_of_its_steps_only(runs):
 
 def test_the_geo_window_shows_the_transform_and_the_refresh_step(runs):
     run = runs["geo"]
-    path = run["dir"] / "trace_rank0.json"
+    path = run["dir"] / "trace_rank0_steps2-3.json"
     names = _names(path)
     assert sorted(n for n in names if n.startswith("step ")) == ["step 2", "step 3"], names
     for n in RANGES:
@@ -285,14 +338,14 @@ def test_a_memory_snapshot_on_cpu_is_a_note_and_the_run_goes_on(runs):
     log0 = run["ranks"][0]["log"]
     assert log0.count("profiling.memory_snapshot needs CUDA; no snapshot written") == 1, log0
     assert "profiling.memory_snapshot" not in run["ranks"][1]["log"]
-    assert run["ranks"][0]["files"] == ["trace_rank0.json", "trace_rank1.json"]  # no pickle
-    assert sorted(n for n in _names(run["dir"] / "trace_rank0.json") if n.startswith("step ")) == ["step 1"]
+    assert run["ranks"][0]["files"] == ["trace_rank0_steps1-1.json", "trace_rank1_steps1-1.json"]  # no pickle
+    assert sorted(n for n in _names(run["dir"] / "trace_rank0_steps1-1.json") if n.startswith("step ")) == ["step 1"]
 
 
 def test_a_resume_inside_the_window_profiles_the_rest_and_the_end_of_training_closes_it(runs):
     assert runs["before_resume"]["ranks"][0]["files"] == []
     run = runs["resumed"]
-    names = _names(run["dir"] / "trace_rank1.json")
+    names = _names(run["dir"] / "trace_rank1_steps3-4.json")
     assert sorted(n for n in names if n.startswith("step ")) == ["step 3", "step 4"], names
     lines = [ln for ln in run["ranks"][0]["log"].splitlines() if ln.startswith("profiling: ")]
     assert len(lines) == 1 and "steps 3-4 of profiling.steps=2:9 (training ended after step 4)" in lines[0], lines

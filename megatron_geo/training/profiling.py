@@ -3,12 +3,14 @@ per rank, and with ``profiling.memory_snapshot`` a CUDA memory snapshot over the
 
 The reduction path names its phases (:data:`megatron_geo.parallel.trace.RANGE_NAMES`: ``encode``, ``collective``,
 ``decode``, ``transform``, ``optimizer``) and every profiled step is one ``step N`` range (N as in the log), so a
-trace shows where a step's time goes for each ``comm.dtype``. Files, in ``<train.run_dir>/profile/``:
+trace shows where a step's time goes for each ``comm.dtype``. Files, in ``<train.run_dir>/profile/``, named by the
+steps they hold (a launch resumed inside the window writes the rest of it next to the first part; a name that
+exists already, the same steps profiled by an earlier launch, gets ``.1``, ``.2``, ... before its extension):
 
-- ``trace_rank{R}.json``: the Chrome trace of global rank R (open it in https://ui.perfetto.dev or
-  ``chrome://tracing``); :func:`summarise_trace` counts and sums its named ranges;
-- ``memory_snapshot_rank{R}.pickle``: ``torch.cuda.memory._dump_snapshot`` of the window (CUDA only; open it in
-  https://pytorch.org/memory_viz).
+- ``trace_rank{R}_steps{A}-{B}.json``: the Chrome trace of global rank R over steps A..B (open it in
+  https://ui.perfetto.dev or ``chrome://tracing``); :func:`summarise_trace` counts and sums its named ranges;
+- ``memory_snapshot_rank{R}_steps{A}-{B}.pickle``: ``torch.cuda.memory._dump_snapshot`` of the window (CUDA only;
+  open it in https://pytorch.org/memory_viz).
 
 The same idea as torchtitan's ``profiling.enable_profiling`` and Megatron-LM's ``--profile --profile-step-start
 --profile-step-end`` (own implementation).
@@ -74,26 +76,43 @@ class StepProfiler:
       (``torch.cuda.memory._record_memory_history``);
     - every profiled step is a ``record_function("step N")`` range;
     - after step ``END - 1``, or at :meth:`close` when training ends inside the window, the profiler stops and
-      the trace goes to ``<run_dir>/profile/trace_rank{R}.json`` (R: global rank; written to a temporary file and
-      renamed, so a reader never sees half a trace), the snapshot to ``memory_snapshot_rank{R}.pickle``, and rank 0
-      prints one line naming the folder and the steps.
+      the trace goes to ``<run_dir>/profile/trace_rank{R}_steps{A}-{B}.json`` (R: global rank, A..B the steps it
+      holds; never over an existing file; written to a temporary file and renamed, so a reader never sees half a
+      trace), the snapshot to ``memory_snapshot_rank{R}_steps{A}-{B}.pickle``, and rank 0 prints one line naming
+      the folder, the steps and the file.
+
+    At construction rank 0 warns when this launch profiles nothing: the window starts after ``train.steps`` (it
+    would run only if the run is extended) or ends before ``start_step + 1``.
 
     Args:
-        cfg: the run's config (``profiling.steps``, ``profiling.memory_snapshot``).
+        cfg: the run's config (``profiling.steps``, ``profiling.memory_snapshot``, ``train.steps``).
         pctx: this rank's parallel context (``rank``, ``device``, ``is_main``).
         run_dir: the run folder (``train.run_dir``).
         log: prints a line on rank 0 (default: ``print`` on the main rank).
+        start_step: the steps done before this launch (its first step is ``start_step + 1``).
 
     Raises:
         ConfigError: a malformed ``profiling.steps`` (:func:`parse_profile_steps`).
     """
 
-    def __init__(self, cfg: Config, pctx: ParallelContext, run_dir, log=None):
+    def __init__(self, cfg: Config, pctx: ParallelContext, run_dir, log=None, start_step: int = 0):
         self.window = parse_profile_steps(cfg.profiling.steps)
         self.rank = pctx.rank
         self.cuda = pctx.device.type == "cuda"
         self.folder = Path(run_dir) / "profile"
         self._log = log if log is not None else (lambda m: print(m, flush=True)) if pctx.is_main else (lambda m: None)
+        if self.window is not None:
+            start, end = self.window
+            if start > cfg.train.steps:
+                self._log(
+                    f"warning: profiling.steps={start}:{end} starts after the last step (train.steps="
+                    f"{cfg.train.steps}): nothing is profiled unless the run is extended past step {start - 1}"
+                )
+            elif end - 1 <= start_step:
+                self._log(
+                    f"profiling: profiling.steps={start}:{end} ended before step {start_step + 1}, where this launch "
+                    f"resumes: nothing is profiled in it (an earlier launch's traces are in {self.folder})"
+                )
         self._memory = bool(cfg.profiling.memory_snapshot) and self.window is not None
         if self._memory and not self.cuda:
             self._log("profiling.memory_snapshot needs CUDA; no snapshot written")
@@ -160,24 +179,38 @@ class StepProfiler:
     def _stop(self) -> None:
         prof, self._prof, self._done = self._prof, None, True
         assert prof is not None and self.window is not None
+        held = f"steps{self._first}-{self._last}"
+        trace = _free_name(self.folder, f"trace_rank{self.rank}_{held}", ".json")
         try:
             prof.stop()
-            _write_atomically(self.folder / f"trace_rank{self.rank}.json", prof.export_chrome_trace)
+            _write_atomically(trace, prof.export_chrome_trace)
         finally:
             if self._memory:  # the history is switched off even when the trace could not be written
                 try:
-                    snap = self.folder / f"memory_snapshot_rank{self.rank}.pickle"
+                    snap = _free_name(self.folder, f"memory_snapshot_rank{self.rank}_{held}", ".pickle")
                     _write_atomically(snap, torch.cuda.memory._dump_snapshot)
                 finally:
                     torch.cuda.memory._record_memory_history(enabled=None)
         start, end = self.window
         cut = "" if self._last == end - 1 else f" (training ended after step {self._last})"
         steps = f"step {self._first}" if self._first == self._last else f"steps {self._first}-{self._last}"
-        files = "trace_rank{R}.json" + (" and memory_snapshot_rank{R}.pickle" if self._memory else "")
+        files = trace.name.replace(f"rank{self.rank}_", "rank{R}_") + (
+            " and its memory snapshot" if self._memory else ""
+        )
         self._log(
             f"profiling: {steps} of profiling.steps={start}:{end}{cut} written to {self.folder} ({files} per "
             f"rank R; open the traces in https://ui.perfetto.dev)"
         )
+
+
+def _free_name(folder: Path, stem: str, ext: str) -> Path:
+    """``folder/stem+ext``, or with ``.1``, ``.2``, ... before ``ext`` when that file exists (nothing is
+    overwritten)."""
+    path, n = folder / f"{stem}{ext}", 0
+    while path.exists():
+        n += 1
+        path = folder / f"{stem}.{n}{ext}"
+    return path
 
 
 def _write_atomically(path: Path, write) -> None:
@@ -202,7 +235,7 @@ def summarise_trace(path) -> dict[str, tuple[int, float]]:
     ``comm.scale_sync=max``) counts in both.
 
     Args:
-        path: the ``trace_rank{R}.json`` file.
+        path: a ``trace_rank{R}_steps{A}-{B}.json`` file.
 
     Returns:
         ``{name: (events, total microseconds)}`` for the five range names (``(0, 0.0)`` when absent) and every
