@@ -70,10 +70,11 @@ def test_samples_needed_is_megatrons_sizing():
         samples_needed([1, 0], 10)
 
 
-def test_parse_blend_spellings(monkeypatch):
-    assert parse_blend("0.3 a 0.7 b") == [(0.3, "a"), (0.7, "b")]
+def test_parse_blend_spellings(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # a relative prefix is one under the launch's working directory
+    assert parse_blend("0.3 a 0.7 b") == [(0.3, str(tmp_path / "a")), (0.7, str(tmp_path / "b"))]
     assert parse_blend("  2 /x/a\n1 /x/b ") == [(2.0, "/x/a"), (1.0, "/x/b")]
-    assert parse_blend("a b c") == [(None, "a"), (None, "b"), (None, "c")]
+    assert parse_blend("a b c") == [(None, str(tmp_path / n)) for n in "abc"]
     monkeypatch.setenv("BLEND_ROOT", "/data/root")
     assert parse_blend("1 $BLEND_ROOT/a 1 ${BLEND_ROOT}/b") == [(1.0, "/data/root/a"), (1.0, "/data/root/b")]
     assert parse_blend("~/c") == [(None, os.path.expanduser("~/c"))]

@@ -447,6 +447,7 @@ def _mismatch_worker(rank, world, root):
 
     cfg2 = tiny_cfg(
         f"checkpoint.dir={root}",
+        f"train.run_dir={root}",  # the same run (a checkpoint.dir of another run folder is refused)
         "comm.dtype=fp8_e4m3",
         "train.global_batch_size=12",
         "checkpoint.allow_changes=comm.dtype",

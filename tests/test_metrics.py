@@ -25,3 +25,115 @@ def test_offline_wandb_run_and_resume_keep_one_run_and_the_records(tmp_path):
     recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3] and recs[1]["grad_norm"] is None and recs[2]["loss"] == 1.5
     assert json.loads((tmp_path / "wandb_run_id").read_text())["id"] == run_id
+
+
+def test_a_new_timeline_logs_a_new_wandb_run_forked_from_the_kept_one(tmp_path):
+    from megatron_geo.training.metrics import fork_of, read_wandb_id
+
+    def logger(resume_step, new_timeline=False, lines=None):
+        return MetricsLogger(
+            str(tmp_path),
+            True,
+            "offline",
+            "megatron-geo-test",
+            "g",
+            "n",
+            [],
+            {"a": 1},
+            resume_step=resume_step,
+            log=None if lines is None else lines.append,
+            new_timeline=new_timeline,
+        )
+
+    m = logger(0)
+    for step in (1, 2, 3, 4):
+        m.log({"step": step, "loss": 5.0 - step})
+    m.close()
+    first = read_wandb_id(tmp_path)[0]
+    # rolled back to the checkpoint of step 2: wandb would drop steps 3 and 4 of the new timeline in the old run
+    lines: list[str] = []
+    m = logger(2, new_timeline=True, lines=lines)
+    assert m._wandb.config["forked_from"] == {"run": first, "step": 2} and m._wandb.name == "n-from-step2"
+    m.log({"step": 3, "loss": 0.5})
+    m.close()
+    forked = read_wandb_id(tmp_path)[0]
+    assert forked != first and forked.startswith(f"{first}-s2-") and fork_of(forked) == (first, 2)
+    assert list((tmp_path / "wandb").glob(f"offline-run-*-{forked}")) and list((tmp_path / "wandb").glob(f"*-{first}"))
+    assert f"wandb: new run {forked}: this launch starts a new timeline at step 2, and run {first} keeps" in lines[0]
+    # metrics.jsonl holds the new timeline; the replaced records are kept aside
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in recs] == [(1, 4.0), (2, 3.0), (3, 0.5)]
+    (aside,) = tmp_path.glob("metrics.abandoned-*.jsonl")
+    assert [json.loads(line)["step"] for line in aside.read_text().splitlines()] == [3, 4]
+    # a requeue of the new timeline continues the forked run
+    m = logger(3)
+    m.close()
+    assert read_wandb_id(tmp_path)[0] == forked and fork_of(first) is None
+
+
+def _no_wandb_credentials(monkeypatch, home):
+    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "NETRC"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(home / ".config/wandb"))
+
+
+def test_wandb_credentials_are_found_where_wandb_looks(tmp_path, monkeypatch):
+    from megatron_geo.training.wandb_login import wandb_credentials
+
+    home = tmp_path / "home"
+    home.mkdir()
+    _no_wandb_credentials(monkeypatch, home)
+    run = tmp_path / "run"
+    assert wandb_credentials(str(run)) is None
+    (home / ".netrc").write_text("machine example.org login u password p\n")  # another host's entry
+    assert wandb_credentials(str(run)) is None
+    (home / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    assert wandb_credentials(str(run)) == f"{home / '.netrc'} (machine api.wandb.ai)"
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org")  # a private server: its own entry
+    assert wandb_credentials(str(run)) is None
+    monkeypatch.setenv("NETRC", str(tmp_path / "other-netrc"))
+    (tmp_path / "other-netrc").write_text("machine wandb.example.org login user password x\n")
+    assert wandb_credentials(str(run)).startswith(str(tmp_path / "other-netrc"))
+    monkeypatch.delenv("NETRC")
+    (home / ".config/wandb").mkdir(parents=True)
+    (home / ".config/wandb/settings").write_text("[default]\napi_key = " + "k" * 40 + "\n")
+    assert wandb_credentials(str(run)) == "the wandb settings file"
+    (home / ".config/wandb/settings").unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    assert wandb_credentials(str(run)) == "WANDB_API_KEY"
+
+
+def test_online_wandb_without_a_key_exits_2_before_anything_starts(tmp_path, monkeypatch, capsys):
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from ckpt_helpers import tiny_train_overrides
+    from megatron_geo.training.cli import main
+
+    home = tmp_path / "home"
+    home.mkdir()
+    _no_wandb_credentials(monkeypatch, home)
+    corpus = Path(__file__).resolve().parent / "data" / "golden" / "corpus"
+    data = [
+        "data.source=indexed",
+        f"data.train_prefix={corpus}/train",
+        f"data.valid_prefix={corpus}/valid",
+        f"data.tokenizer_model={corpus}/tok.model",
+        "model.vocab_size=96",
+    ]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("kept: true\n")  # an existing run's record
+    capsys.readouterr()
+    rc = main(tiny_train_overrides(run, data, "train.steps=1", "logging.wandb=online"))
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: logging.wandb=online but no W&B API key is set up on this machine")
+    for fix in ("`wandb login`", "WANDB_API_KEY", "logging.wandb=offline"):
+        assert fix in lines[0], lines[0]
+    assert not dist.is_initialized()
+    assert (
+        sorted(p.name for p in run.iterdir()) == ["config.yaml"] and (run / "config.yaml").read_text() == "kept: true\n"
+    )

@@ -16,7 +16,7 @@ from dist_harness import run_distributed
 from megatron_geo.config import ConfigError, load_config
 
 
-def _fake_checkpoint(root: Path, step: int, timeline: dict | None = None) -> Path:
+def _fake_checkpoint(root: Path, step: int, timeline: dict | None = None, **extra) -> Path:
     """A folder that passes the completeness checks (meta.json with the required keys and a .metadata)."""
     p = root / f"step_{step:08d}"
     p.mkdir(parents=True)
@@ -27,6 +27,7 @@ def _fake_checkpoint(root: Path, step: int, timeline: dict | None = None) -> Pat
         "dp_size": 1,
         "tp_size": 1,
         "config": {},
+        **extra,
     }
     if timeline is not None:
         meta["timeline"] = timeline
@@ -102,6 +103,125 @@ def test_a_damaged_own_checkpoint_is_never_started_over_from_an_explicit_one(tmp
     (root / "latest").write_text("step_00000004\n")  # names a folder that is not complete
     with pytest.raises(ConfigError, match="would silently start its timeline over"):
         resolve_start(_cfg(tmp_path / "B", str(a)))
+
+
+def _saved_by(run_dir: Path) -> dict:
+    """What a checkpoint of today records of its run folder (meta.json ``run_dir``)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return {"run_dir": {"path": str(run_dir.resolve()), "inode": run_dir.stat().st_ino}}
+
+
+def test_a_shared_checkpoint_dir_never_continues_another_run_folder(tmp_path):
+    shared = tmp_path / "shared"
+    a, b = tmp_path / "A", tmp_path / "B"
+    s2 = _fake_checkpoint(shared, 2, **_saved_by(a))
+
+    def start(run_dir, load):
+        return resolve_start(
+            load_config([], [f"train.run_dir={run_dir}", f"checkpoint.dir={shared}", f"checkpoint.load={load}"])
+        )
+
+    # run A (its own checkpoint) resumes; run B is refused whatever checkpoint.load says: resuming would train A's
+    # timeline on, none would move A's checkpoints aside, a roll-back would cut A's timeline
+    assert (start(a, "auto").kind, start(a, "auto").path) == ("resume", s2)
+    for load in ("auto", "latest", "none", str(s2)):
+        with pytest.raises(ConfigError) as e:
+            start(b, load)
+        msg = str(e.value)
+        assert msg.startswith(f"checkpoint.dir={shared} holds step_00000002, saved by the run folder {a.resolve()},")
+        assert f"train.run_dir={b.resolve()}" in msg and "its own checkpoint.dir" in msg, msg
+        assert f"checkpoint.load={s2}" in msg, msg
+    # a checkpoint of an earlier version names its folder by the config's train.run_dir
+    legacy = tmp_path / "legacy"
+    _fake_checkpoint(legacy, 3, config={"train": {"run_dir": str(a)}})
+    with pytest.raises(ConfigError, match=f"saved by the run folder {a.resolve()}"):
+        resolve_start(load_config([], [f"train.run_dir={b}", f"checkpoint.dir={legacy}"]))
+    assert resolve_start(load_config([], [f"train.run_dir={a}", f"checkpoint.dir={legacy}"])).kind == "resume"
+    # a run folder moved within its file system (same inode) keeps its outside checkpoint.dir
+    moved = tmp_path / "A-moved"
+    a.rename(moved)
+    assert start(moved, "auto").path == s2
+
+
+def test_a_moved_run_folder_resumes_its_own_checkpoints(tmp_path):
+    old = tmp_path / "old"
+    own = _fake_checkpoint(old / "checkpoints", 4, **_saved_by(old))
+    new = tmp_path / "elsewhere" / "new"
+    new.parent.mkdir()
+    shutil.copytree(old, new)  # a copy (another inode) and a path the checkpoint does not name
+    shutil.rmtree(old)
+    sp = resolve_start(_cfg(new, "auto"))
+    assert (sp.kind, sp.path) == ("resume", new / "checkpoints" / own.name)
+    # an explicit checkpoint.dir inside the run folder is the folder's own as well
+    cfg = load_config([], [f"train.run_dir={new}", f"checkpoint.dir={new}/checkpoints", "checkpoint.load=auto"])
+    assert resolve_start(cfg).kind == "resume"
+
+
+def test_an_explicit_checkpoint_that_does_not_exist_is_an_error_also_beside_own_checkpoints(tmp_path):
+    root = tmp_path / "R/checkpoints"
+    _fake_checkpoint(root, 2)
+    _fake_checkpoint(root, 4)
+    typo = root / "step_0000002"  # a digit short
+    with pytest.raises(ConfigError) as e:
+        resolve_start(_cfg(tmp_path / "R", str(typo)))
+    msg = str(e.value)
+    assert msg.startswith(f"checkpoint.load={str(typo)!r} does not exist; {root} holds step_00000002, step_00000004")
+    assert "checkpoint.load=auto to resume this run's newest checkpoint" in msg, msg
+    # the same in a folder without checkpoints, naming those next to the path
+    with pytest.raises(ConfigError, match=f"does not exist; {root} holds step_00000002, step_00000004.*start fresh"):
+        resolve_start(_cfg(tmp_path / "S", str(typo)))
+    # a folder that exists but holds no complete checkpoint is refused too
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="is not a complete checkpoint"):
+        resolve_start(_cfg(tmp_path / "R", str(tmp_path / "empty")))
+    # a roll-back whose source was pruned since: the new timeline began there, so a requeue resumes it
+    s2 = root / "step_00000002"
+    shutil.rmtree(root / "step_00000004")
+    new6 = _fake_checkpoint(root, 6, {"start": "rollback", "from": str(s2.resolve()), "from_step": 2})
+    shutil.rmtree(s2)
+    sp = resolve_start(_cfg(tmp_path / "R", str(s2)))
+    assert (sp.kind, sp.path) == ("resume", new6) and "its timeline started from it" in sp.reason
+
+
+def _main_error(args, capsys) -> tuple[int, list[str]]:
+    import torch.distributed as dist
+
+    from megatron_geo.training.cli import main
+
+    capsys.readouterr()
+    rc = main([str(a) for a in args])
+    assert not dist.is_initialized()
+    return rc, [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+
+
+def test_a_launch_on_another_runs_checkpoints_or_a_missing_path_exits_2_before_starting(tmp_path, capsys):
+    corpus = Path(__file__).resolve().parent / "data" / "golden" / "corpus"
+    data = [
+        "data.source=indexed",
+        f"data.train_prefix={corpus}/train",
+        f"data.valid_prefix={corpus}/valid",
+        f"data.tokenizer_model={corpus}/tok.model",
+        "model.vocab_size=96",
+    ]
+    shared, a, b = tmp_path / "shared", tmp_path / "A", tmp_path / "B"
+    _fake_checkpoint(shared, 2, config={"train": {"run_dir": str(a)}})
+    b.mkdir()
+    (b / "config.yaml").write_text("kept: true\n")
+    rc, lines = _main_error(
+        tiny_train_overrides(b, data, "train.steps=4", "comm.dtype=bf16", f"checkpoint.dir={shared}"), capsys
+    )
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"error: checkpoint.dir={shared} holds step_00000002")
+    assert str(a.resolve()) in lines[0] and str(b.resolve()) in lines[0]
+    assert (b / "config.yaml").read_text() == "kept: true\n" and sorted(p.name for p in shared.iterdir()) == [
+        "latest",
+        "step_00000002",
+    ]
+    # a typo in checkpoint.load beside the run's own checkpoints
+    own = _fake_checkpoint(b / "checkpoints", 2)
+    typo = f"{b}/checkpoints/step_0000002"
+    rc, lines = _main_error(tiny_train_overrides(b, data, "train.steps=4", f"checkpoint.load={typo}"), capsys)
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"error: checkpoint.load={typo!r} does not exist")
+    assert f"{b / 'checkpoints'} holds {own.name}" in lines[0]
 
 
 # ---- end to end: a requeued run continues its own timeline ----------------------------------------------
@@ -290,3 +410,19 @@ def test_start_up_values_that_used_to_crash_later_are_config_errors(tmp_path):
     assert read_wandb_id(tmp_path) == (None, None)
     assert "checkpoint.load=auto" in resume_hint(load_config([], ["checkpoint.load=none"]))
     assert "same train.run_dir" in resume_hint(load_config([], []))
+
+
+def test_a_roll_back_logs_into_a_new_wandb_run(tmp_path):
+    from megatron_geo.training.metrics import read_wandb_id
+
+    data = make_corpus(tmp_path / "data")
+    r = tmp_path / "R"
+    base = tiny_train_overrides(r, data, "train.steps=4", "checkpoint.interval=2", "logging.wandb=offline")
+    first = run_distributed(_jobs_worker, 1, [base])[0]
+    assert first == [{"start_step": 0, "steps": 4}]
+    kept = read_wandb_id(r)[0]
+    again = run_distributed(_jobs_worker, 1, [base + [f"checkpoint.load={r}/checkpoints/step_00000002"]])[0]
+    assert again == [{"start_step": 2, "steps": 4}]
+    forked = read_wandb_id(r)[0]
+    assert forked != kept and forked.startswith(f"{kept}-s2-"), (kept, forked)
+    assert list((r / "wandb").glob(f"offline-run-*-{kept}")) and list((r / "wandb").glob(f"offline-run-*-{forked}"))

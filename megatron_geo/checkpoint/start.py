@@ -24,16 +24,30 @@ PATH (inside the folder)     a checkpoint made after a        resumes that check
 
 Every checkpoint records the start of its timeline (``meta.json`` ``timeline``: how it began and from
 which folder), inherited on resume, so the last rule can tell a requeue from a new roll-back.
+
+Two more rules hold whatever ``checkpoint.load`` says:
+
+- The checkpoints of ``checkpoint.dir`` belong to the run folder that saved them (``meta.json`` ``run_dir``).
+  When ``checkpoint.dir`` is outside this run's folder (a shared ``checkpoint.dir`` in a sweep's YAML) and holds
+  a checkpoint saved by another run folder, the launch is refused: it would continue (or, with ``none``, move
+  aside) another run's timeline. A ``checkpoint.dir`` inside the run folder (the default ``<run_dir>/checkpoints``)
+  is always the folder's own, so a moved run folder keeps resuming.
+- An explicit path that is not a complete checkpoint is an error, also when the run folder has checkpoints of its
+  own (a typo must not silently skip the roll-back it asked for), except when the run's own timeline started
+  from that path (a requeue after the source was pruned or moved).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config, ConfigError
 from .manager import (
+    META,
     checkpoint_root,
+    complete_checkpoints,
     explicit_checkpoint,
     latest_checkpoint,
     latest_pointer_problem,
@@ -88,12 +102,82 @@ def _inside(path: Path, root: Path) -> bool:
 
 
 def _started_from(own: Path, target: Path) -> bool:
-    """Whether the timeline of the checkpoint ``own`` began at ``target``."""
+    """Whether the timeline of the checkpoint ``own`` began at ``target`` (a step folder, or the checkpoints
+    folder holding it); ``target`` need not exist any more."""
     try:
         tl = read_meta(own).get("timeline")
     except ConfigError:
         return False
-    return isinstance(tl, dict) and tl.get("from") == str(target.resolve())
+    if not isinstance(tl, dict) or not isinstance(tl.get("from"), str):
+        return False
+    want = str(target.resolve())
+    return tl["from"] == want or str(Path(tl["from"]).parent) == want
+
+
+def run_folder_identity(run_dir: str | Path) -> dict:
+    """What a checkpoint records of the run folder that saved it (``meta.json`` ``run_dir``): the resolved path
+    and the folder's inode (so a folder moved within its file system, or mounted elsewhere, is still known)."""
+    path = Path(run_dir)
+    try:
+        inode = path.stat().st_ino
+    except OSError:
+        inode = None
+    return {"path": str(path.resolve()), "inode": inode}
+
+
+def _saved_by(path: Path) -> dict | None:
+    """The run folder a checkpoint was saved by (:func:`run_folder_identity`; for checkpoints of earlier versions
+    the resolved ``train.run_dir`` of its config, without an inode), or None when ``meta.json`` does not say."""
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError):
+        return None  # a damaged folder: the load reports it
+    if not isinstance(meta, dict):
+        return None
+    rec = meta.get("run_dir")
+    if isinstance(rec, dict) and isinstance(rec.get("path"), str):
+        return {"path": rec["path"], "inode": rec.get("inode")}
+    train = meta.get("config", {}).get("train") if isinstance(meta.get("config"), dict) else None
+    if isinstance(train, dict) and isinstance(train.get("run_dir"), str) and train["run_dir"]:
+        return {"path": str(Path(train["run_dir"]).resolve()), "inode": None}
+    return None
+
+
+def _is_inside(path: Path, folder: Path) -> bool:
+    try:
+        path.resolve().relative_to(folder.resolve())
+    except ValueError:
+        return False
+    return True
+
+
+def foreign_checkpoint(cfg: Config) -> tuple[Path, str] | None:
+    """A checkpoint of ``checkpoint.dir`` saved by another run folder than ``train.run_dir``:
+    ``(its folder, that run folder)``, the newest such one; None when there is none, or when ``checkpoint.dir`` is
+    inside the run folder (the default ``<run_dir>/checkpoints``: a moved run folder's checkpoints stay its own)."""
+    root, run_dir = checkpoint_root(cfg), Path(cfg.train.run_dir)
+    if _is_inside(root, run_dir):
+        return None
+    here = run_folder_identity(run_dir)
+    for ckpt in reversed(complete_checkpoints(root)):
+        by = _saved_by(ckpt)
+        if by is None or by["path"] == here["path"]:
+            continue
+        if by.get("inode") is not None and by["inode"] == here["inode"]:
+            continue  # the same folder, moved or mounted elsewhere
+        return ckpt, by["path"]
+    return None
+
+
+def _names_near(mode: str, root: Path) -> str:
+    """The complete checkpoints next to a missing explicit path and in the run's own folder, for its error."""
+    parts = []
+    for folder in dict.fromkeys((Path(mode).parent, root)):
+        found = [p.name for p in complete_checkpoints(folder)]
+        if found:
+            more = f" and {len(found) - 8} more" if len(found) > 8 else ""
+            parts.append(f"{folder} holds {', '.join(found[-8:])}{more}")
+    return "; ".join(parts) if parts else f"{root} holds no complete checkpoint"
 
 
 def resolve_start(cfg: Config, log=None) -> StartPoint:
@@ -101,12 +185,22 @@ def resolve_start(cfg: Config, log=None) -> StartPoint:
     ``checkpoint.dir`` is shared).
 
     Raises:
-        ConfigError: ``latest`` with nothing to resume, a damaged ``latest`` pointer with no complete
-            checkpoint left (for ``auto`` and explicit paths alike: a run is never restarted over its own
-            damaged checkpoint), an explicit path that is not a complete checkpoint while the run folder has
-            none of its own.
+        ConfigError: ``checkpoint.dir`` (outside the run folder) holds a checkpoint saved by another run folder
+            (naming both folders and the fix); ``latest`` with nothing to resume; a damaged ``latest`` pointer with
+            no complete checkpoint left (for ``auto`` and explicit paths alike: a run is never restarted over its
+            own damaged checkpoint); an explicit path that is not a complete checkpoint (naming the checkpoints
+            that exist), unless the run's own timeline started from it.
     """
     mode, root = cfg.checkpoint.load, checkpoint_root(cfg)
+    foreign = foreign_checkpoint(cfg)
+    if foreign is not None:
+        ckpt, other = foreign
+        raise ConfigError(
+            f"checkpoint.dir={root} holds {ckpt.name}, saved by the run folder {other}, not by this run's "
+            f"train.run_dir={Path(cfg.train.run_dir).resolve()}; a run never continues (or moves aside) another "
+            f"run's checkpoints: give this run its own checkpoint.dir (empty: <train.run_dir>/checkpoints), and "
+            f"to start it from that checkpoint use checkpoint.load={ckpt}"
+        )
     if mode == "none":
         return StartPoint(None, "fresh", "starting fresh (checkpoint.load=none)")
     if mode in ("auto", "latest"):
@@ -125,15 +219,17 @@ def resolve_start(cfg: Config, log=None) -> StartPoint:
     try:
         target = _explicit_target(mode)
     except ConfigError:
-        if own is None:
+        if own is None or not _started_from(own, Path(mode)):
             raise
-        target = None  # the run's own checkpoint is resumed whatever the explicit path holds
+        target = None  # the run's own timeline began there: a requeue resumes it
+    if target is None and (own is None or not _started_from(own, Path(mode))):
+        # a typo or a pruned folder: never resume something else than what was asked for
+        raise ConfigError(
+            f"checkpoint.load={mode!r} does not exist; {_names_near(mode, root)}: fix the path (a step_* folder "
+            f"or a checkpoints folder), or use checkpoint.load=auto to "
+            + ("resume this run's newest checkpoint" if own is not None else "start fresh")
+        )
     if own is None:
-        if target is None:
-            raise ConfigError(
-                f"checkpoint.load={mode!r} does not exist and {root} holds no checkpoint of this run; "
-                f"fix the path, or use checkpoint.load=auto to start fresh"
-            )
         return StartPoint(
             target,
             "init",
@@ -154,7 +250,7 @@ def resolve_start(cfg: Config, log=None) -> StartPoint:
         )
     why = (
         "its timeline started from it"
-        if target is not None and _started_from(own, target)
+        if _started_from(own, target if target is not None else Path(mode))
         else "checkpoint.load only initialises a run folder that has no checkpoint of its own; use a new "
         "train.run_dir to start another run from it"
     )

@@ -21,7 +21,7 @@ from ..checkpoint.manager import (
 )
 from ..checkpoint.resume_changes import check_data_files, check_resume_changes
 from ..checkpoint.shared_dir import check_checkpoint_dir
-from ..checkpoint.start import StartPoint, resolve_start, timeline_of
+from ..checkpoint.start import StartPoint, resolve_start, run_folder_identity, timeline_of
 from ..checkpoint.state import StateLayout, build_save_state, load_state, optimizer_state_ready
 from ..config import Config, ConfigError, config_to_dict
 from ..parallel import ParallelContext
@@ -269,6 +269,7 @@ class Checkpointer:
             self.cfg.checkpoint.keep_latest,
             self.pctx.world_group,
             self.pctx.is_main,
+            "run_dir": run_folder_identity(self.cfg.train.run_dir),  # whose checkpoint it is (checkpoint/start.py)
             device=self.pctx.device,
         )
         self.last_saved_step = step

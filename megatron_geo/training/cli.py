@@ -2,7 +2,8 @@
 training run, and the exit codes:
 
 - 0: done (or ``--print-config``, or ``train.exit_interval`` reached);
-- 2: a config, input, launch or checkpoint-load error, said in one line (``error: ...``);
+- 2: a config, input, launch or checkpoint-load error, or a run folder in use by another live launch
+  (:mod:`.run_lock`), said in one line (``error: ...``);
 - 3: a non-finite gradient norm stopped the run (``train.nonfinite=stop`` or ``train.max_skipped_steps``);
 - 4: a stop signal (SIGTERM / SIGUSR1 / SIGINT) arrived and a checkpoint was saved;
 - 5: a collective failed (another rank died or did not answer within ``parallel.timeout_minutes``);
@@ -20,12 +21,15 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..checkpoint.manager import CheckpointSaveError
+from ..checkpoint.start import resolve_start
 from ..config import Config, ConfigError, dump_config, load_config
 from ..parallel import LaunchError, destroy_parallel, detect_launch_env, init_parallel
 from .checkpointing import StopRequested
 from .launch_checks import check_data_inputs
+from .run_lock import RunLock, acquire_run_lock
 from .trainer import NonFiniteGradientError, train
 from .validate import check_inputs, validate_config
+from .wandb_login import check_wandb_login
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -70,6 +74,35 @@ def prepare_output_dirs(cfg: Config) -> None:
             ) from None
 
 
+class RunFolderBusy(ConfigError):
+    """Another live launch holds the run folder's lock (:mod:`.run_lock`); the message is rank 0's."""
+
+
+def _lock_run_folder(cfg: Config, pctx) -> RunLock | None:
+    """Rank 0 locks the run folder (:func:`.run_lock.acquire_run_lock`) and every rank learns the outcome
+    (collective over the world group). Returns rank 0's lock (None on the other ranks).
+
+    Raises:
+        RunFolderBusy: on every rank, when rank 0 could not take the lock (rank 0's message).
+    """
+    from ..checkpoint.agreement import CheckpointRankError, agree
+
+    lock, err = None, None
+    if pctx.is_main:
+        try:
+            lock = acquire_run_lock(cfg)
+        except ConfigError as e:
+            err = e
+    try:
+        agree(err, pctx.world_group, pctx.device, "locking the run folder")
+    except CheckpointRankError as e:
+        raise RunFolderBusy(str(err) if err is not None else e.message) from None
+    if lock is not None:
+        for note in lock.notes:
+            print(note, flush=True)
+    return lock
+
+
 def _is_collective_failure(e: BaseException) -> bool:
     """gloo reports a dead peer or a timeout as a plain RuntimeError from its transport."""
     msg = str(e)
@@ -94,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(dump_config(cfg), end="")
             return 0
+        if env.rank == 0:  # the wandb run is made on rank 0, with rank 0's credentials
+            check_wandb_login(cfg)
+        resolve_start(cfg)  # where the launch starts, or why it cannot (read-only; again after the lock)
         prepare_output_dirs(cfg)
     except LaunchError as e:  # the rank itself may be wrong: every process says it
         print(f"error: {e}", file=sys.stderr)
@@ -115,6 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     except LaunchError as e:  # a rendezvous that did not complete: every process says what it saw
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        lock = _lock_run_folder(cfg, pctx)
+    except RunFolderBusy as e:
+        if pctx.is_main:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        destroy_parallel()
         return 2
     try:
         train(cfg, pctx)
@@ -142,5 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 5
     finally:
+        if lock is not None:
+            lock.release()
         destroy_parallel()
     return 0

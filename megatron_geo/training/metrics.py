@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Literal, cast
 
 import torch
+import yaml
 
 from ..config import Config, ConfigError, config_to_dict, dump_config
 from ..model import flops_per_token
@@ -53,7 +55,7 @@ def _valid_id(run_id: str) -> bool:
     return 0 < len(run_id) <= 64 and all(c.isascii() and (c.isalnum() or c in "_-") for c in run_id)
 
 
-def choose_wandb_id(run_dir: Path, resume_step: int, mode: str = "auto") -> tuple[str, str]:
+def choose_wandb_id(run_dir: Path, resume_step: int, mode: str = "auto", new_timeline: bool = False) -> tuple[str, str]:
     """The wandb run id a launch logs under, and a line saying why.
 
     A fresh run (``resume_step == 0``) gets a new id. A resumed run continues the id kept in its folder
@@ -62,12 +64,27 @@ def choose_wandb_id(run_dir: Path, resume_step: int, mode: str = "auto") -> tupl
     ``mode``: ``auto`` (that rule), ``never`` (always a new id), ``must`` (continue the kept id even in a
     copy; an error when there is none).
 
+    ``new_timeline``: this launch starts a new timeline at ``resume_step`` (a roll-back to an earlier checkpoint of
+    the run, or a start from another checkpoint). wandb ignores steps below a run's last logged step, so the kept
+    run, which may hold later steps of the abandoned timeline, is never continued (whatever ``mode``): the id is
+    a new one derived from it, ``<kept id>-s<step>-<6 hex digits>`` (:func:`fork_of` reads it back).
+
     Raises:
         ConfigError: ``mode="must"`` and the folder keeps no id, or an unknown mode.
     """
     if mode not in ("auto", "never", "must"):
         raise ConfigError(f"logging.wandb_resume={mode!r}; choose auto, never or must")
     kept, origin = read_wandb_id(run_dir) if resume_step > 0 else (None, None)
+    if new_timeline and resume_step > 0:
+        if kept is None:
+            new = uuid.uuid4().hex[:12]
+            return new, f"wandb: new run {new} (a new timeline from step {resume_step})"
+        fork = f"{kept[:40]}-s{resume_step}-{uuid.uuid4().hex[:6]}"
+        return fork, (
+            f"wandb: new run {fork}: this launch starts a new timeline at step {resume_step}, and run {kept} keeps "
+            f"the steps of the one it replaces (wandb drops steps below a run's last); its config records "
+            f"forked_from"
+        )
     if mode == "must":
         if kept is None:
             raise ConfigError(
@@ -87,13 +104,25 @@ def choose_wandb_id(run_dir: Path, resume_step: int, mode: str = "auto") -> tupl
     )
 
 
+def fork_of(run_id: str) -> tuple[str, int] | None:
+    """``(parent id, step)`` of an id made by :func:`choose_wandb_id` for a new timeline, else None."""
+    head, sep, tail = run_id.rpartition("-")
+    parent, sep2, step = head.rpartition("-s")
+    if not (sep and sep2 and parent and len(tail) == 6 and step.isdigit()):
+        return None
+    return parent, int(step)
+
+
 class MetricsLogger:
     """Append one JSON object per logged step to ``run_dir/metrics.jsonl`` and mirror it to wandb.
 
     A fresh run (``resume_step=0``) starts a new file; a run resumed from the checkpoint of step
     ``resume_step`` keeps the records up to that step and continues the same wandb run when the folder is
     the one that run was made in (its id and the folder's identity are kept in ``run_dir/wandb_run_id``;
-    see :func:`choose_wandb_id` and ``wandb_resume``).
+    see :func:`choose_wandb_id` and ``wandb_resume``). ``new_timeline`` (a roll-back, or a start from another
+    checkpoint): a new wandb run forked from the kept one (its config's ``forked_from`` names that run and the
+    step, its name ends in ``-from-step<N>``), and the records after ``resume_step`` are moved to
+    ``metrics.abandoned-<time>.jsonl``. The wandb run starts before any file of the folder is rewritten.
 
     ``wandb_mode``: offline | online | disabled. The wandb group defaults to the comm settings, so runs of
     different comm modes line up in one project.
@@ -112,37 +141,32 @@ class MetricsLogger:
         resume_step: int = 0,
         wandb_resume: str = "auto",
         log=None,
+        new_timeline: bool = False,
     ):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self._wandb = None
         if not enabled:
             return
-        kept = []
+        kept, dropped = [], []
         if resume_step > 0 and self.path.is_file():  # a resumed run keeps the records up to its checkpoint
             for line in self.path.read_text().splitlines():
                 try:
-                    if json.loads(line).get("step", 0) <= resume_step:
-                        kept.append(line)
+                    (kept if json.loads(line).get("step", 0) <= resume_step else dropped).append(line)
                 except ValueError:
                     break  # a line cut by a crash: drop it and what follows
-        # a new run starts a new file; a resumed one rewrites the kept records first (atomically, so a kill
-        # at any point loses nothing that was written) and then appends
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.path)
-        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 -- appended to until close()
-        if wandb_mode != "disabled":
+        if wandb_mode != "disabled":  # first: a wandb run that cannot start leaves the folder's files as they were
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
 
             folder = Path(run_dir)
-            run_id, why = choose_wandb_id(folder, resume_step, wandb_resume)
+            run_id, why = choose_wandb_id(folder, resume_step, wandb_resume, new_timeline)
             if log is not None:
                 log(why)
-            tmp_id = folder / (ID_FILE + ".tmp")
-            tmp_id.write_text(json.dumps({"id": run_id, **_folder_identity(folder)}) + "\n")
-            os.replace(tmp_id, folder / ID_FILE)
+            fork = fork_of(run_id) if new_timeline else None
+            if fork is not None:
+                config = dict(config, forked_from={"run": fork[0], "step": fork[1]})
+                name = f"{name or 'run'}-from-step{fork[1]}"
             self._wandb = wandb.init(
                 project=project,
                 group=group or None,
@@ -155,6 +179,20 @@ class MetricsLogger:
                 id=run_id,
                 resume="allow",
             )
+            tmp_id = folder / (ID_FILE + ".tmp")
+            tmp_id.write_text(json.dumps({"id": run_id, **_folder_identity(folder)}) + "\n")
+            os.replace(tmp_id, folder / ID_FILE)
+        if new_timeline and dropped:  # the replaced timeline's later records are kept aside, not lost
+            aside = self.path.with_name(f"metrics.abandoned-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+            aside.write_text("".join(line + "\n" for line in dropped))
+            if log is not None:
+                log(f"metrics: the records after step {resume_step} of the replaced timeline moved to {aside}")
+        # a new run starts a new file; a resumed one rewrites the kept records first (atomically, so a kill
+        # at any point loses nothing that was written) and then appends
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 -- appended to until close()
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -173,15 +211,17 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def open_run_outputs(cfg: Config, pctx: ParallelContext, start_step: int, log) -> MetricsLogger:
-    """Rank 0 writes ``train.run_dir/config.yaml`` (:func:`~.checkpointing.launch_neutral`) and every rank opens
-    the run's :class:`MetricsLogger` (tags and wandb names from the comm settings). Call it once the checkpoint,
-    if any, loaded: a failed start leaves the run folder as it was."""
+def open_run_outputs(
+    cfg: Config, pctx: ParallelContext, start_step: int, log, new_timeline: bool = False
+) -> MetricsLogger:
+    """Every rank opens the run's :class:`MetricsLogger` (tags and wandb names from the comm settings; rank 0's
+    logs), then rank 0 writes ``train.run_dir/config.yaml`` (:func:`~.checkpointing.launch_neutral`). Call it once
+    the checkpoint, if any, loaded: a failed start (or a wandb run that cannot start) leaves the run folder as it
+    was. ``new_timeline``: the launch rolled back or started from another checkpoint (:func:`choose_wandb_id`)."""
     t, lg, label = cfg.train, cfg.logging, cfg.comm.label
     run_dir = Path(t.run_dir)
     if pctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(dump_config(launch_neutral(cfg)))
     tags = [
         f"comm={label}",
         f"comm.dtype={cfg.comm.dtype}",
@@ -189,7 +229,7 @@ def open_run_outputs(cfg: Config, pctx: ParallelContext, start_step: int, log) -
         f"tp={pctx.tp_size}",
         f"dp={pctx.dp_size}",
     ]
-    return MetricsLogger(
+    logger = MetricsLogger(
         str(run_dir),
         pctx.is_main,
         lg.wandb,
@@ -201,7 +241,25 @@ def open_run_outputs(cfg: Config, pctx: ParallelContext, start_step: int, log) -
         resume_step=start_step,
         wandb_resume=lg.wandb_resume,
         log=log,
+        new_timeline=new_timeline,
     )
+    if pctx.is_main:
+        try:
+            (run_dir / "config.yaml").write_text(_config_record(cfg))
+        except BaseException:
+            logger.close()
+            raise
+    return logger
+
+
+def _config_record(cfg: Config) -> str:
+    """``config.yaml``: the resolved config, and under ``x-inert_keys`` (which the loader skips) the keys this run
+    was given that its comm preset switches off."""
+    from .validate import reject_inert_keys
+
+    text = dump_config(launch_neutral(cfg))
+    notes = reject_inert_keys(cfg)
+    return text + (yaml.safe_dump({"x-inert_keys": notes}, sort_keys=False, width=1000) if notes else "")
 
 
 class StepRecords:

@@ -122,8 +122,10 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
     for line in data_notes:
         log(f"data: {line}")
     ckpt.data_record = data.record
-    profiler = StepProfiler(cfg, pctx, t.run_dir, log)  # profiling.steps (1-based, as logged)
-    logger = open_run_outputs(cfg, pctx, start_step, log)
+    profiler = StepProfiler(cfg, pctx, t.run_dir, log, start_step=start_step)  # profiling.steps (1-based, as logged)
+    logger = open_run_outputs(
+        cfg, pctx, start_step, log, new_timeline=ckpt.start is not None and ckpt.start.kind in ("init", "rollback")
+    )
     valid_batches = valid_micro_batches(data.valid, cfg, pctx) if data.valid and t.eval_batches else []
     output, stop, records = StepOutput(t, start_step, pctx.is_main), StopRequest(), StepRecords(cfg, pctx, geo)
     # measured evaluations and periodic saves: the ETA adds the ones still to come; a save's seconds go into the
