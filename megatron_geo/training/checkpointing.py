@@ -56,7 +56,16 @@ class Checkpointer:
     """Save and resume one run's complete training state (collective calls: every rank makes them)."""
 
     def __init__(
-        self, cfg: Config, pctx: ParallelContext, model, optimizer, reducer, geo, log, data_files: list | None = None
+        self,
+        cfg: Config,
+        pctx: ParallelContext,
+        model,
+        optimizer,
+        reducer,
+        geo,
+        log,
+        data_files: list | None = None,
+        valid_files: list | None = None,
     ):
         self.cfg, self.pctx, self.reducer, self.geo, self.log = cfg, pctx, reducer, geo, log
         self.layout = StateLayout(model, optimizer, pctx, cfg.model.vocab_size, cfg.optimizer.name)
@@ -68,6 +77,7 @@ class Checkpointer:
         self.timeline: dict = {"start": "fresh"}  # recorded in every checkpoint this launch saves
         # the training files (data/identity.py): recorded in every checkpoint, compared on resume
         self.data_files: list[dict] = list(data_files or [])
+        self.valid_files: list[dict] = list(valid_files or [])
         self.meta: dict | None = None  # set by resume(): the loaded checkpoint's meta.json (None: a fresh start)
         # the training data's index rule and blend position (training/data_setup.py): recorded as ``data``
         self.data_record: dict | None = None
@@ -97,7 +107,12 @@ class Checkpointer:
                 meta["path"] = str(path)
                 same, notes = check_compatible(meta, self.cfg, pctx.dp_size, pctx.tp_size)
                 notes += check_resume_changes(meta["config"], self.cfg, meta["step"], start.kind)
-                notes += check_data_files(meta.get("data_files"), self.data_files, self.cfg, start.kind)
+                notes += check_data_files(
+                    meta.get("data_files"), self.data_files, self.cfg, start.kind, saved_cfg=meta["config"]
+                )
+                notes += check_data_files(
+                    meta.get("valid_files"), self.valid_files, self.cfg, start.kind, meta["config"], "validation"
+                )
                 for n in notes:
                     self.log(f"checkpoint: {n}")
         except Exception as e:  # noqa: BLE001 - the other ranks would wait in the load's collectives
@@ -254,8 +269,10 @@ class Checkpointer:
             "tp_size": self.pctx.tp_size,
             "skipped_in_a_row": skipped_in_a_row,
             "timeline": self.timeline,
+            "run_dir": run_folder_identity(self.cfg.train.run_dir),  # whose checkpoint it is (checkpoint/start.py)
             "config": _record_config(self.cfg),
             "data_files": self.data_files,
+            "valid_files": self.valid_files,
             "data": self.data_record,
             "geo": None
             if geo is None
@@ -269,7 +286,6 @@ class Checkpointer:
             self.cfg.checkpoint.keep_latest,
             self.pctx.world_group,
             self.pctx.is_main,
-            "run_dir": run_folder_identity(self.cfg.train.run_dir),  # whose checkpoint it is (checkpoint/start.py)
             device=self.pctx.device,
         )
         self.last_saved_step = step

@@ -45,16 +45,18 @@ INDEX_RULES = ("megatron_core", "legacy")  # the rules of data/splits.py and dat
 @dataclass
 class DataBundle:
     """The run's datasets: ``train`` / ``valid`` follow the ``SampleDataset`` protocol (addressed by the global
-    consumed-sample counter); ``files`` identifies the training files for the checkpoints
-    (:func:`megatron_geo.data.identity.dataset_identity`); ``lines`` are the start-up facts; ``rule`` is the index
-    rule (:data:`INDEX_RULES`); ``train_prefixes`` the training prefixes in component order; ``record`` what every
-    checkpoint stores as ``data`` (:func:`train_record`)."""
+    consumed-sample counter); ``files`` / ``valid_files`` identify the training and the separate validation files
+    for the checkpoints (:func:`megatron_geo.data.identity.dataset_identity`; validation split off the training
+    files is identified by those); ``lines`` are the start-up facts; ``rule`` is the index rule (:data:`INDEX_RULES`);
+    ``train_prefixes`` the training prefixes in component order; ``record`` what every checkpoint stores as ``data``
+    (:func:`train_record`)."""
 
     train: SampleDataset
     valid: SampleDataset | None
     tokenizer_model: str
     files: list[dict] = field(default_factory=list)
     lines: list[str] = field(default_factory=list)
+    valid_files: list[dict] = field(default_factory=list)
     rule: str = "megatron_core"
     train_prefixes: list[str] = field(default_factory=list)
     record: dict = field(default_factory=dict)
@@ -242,12 +244,14 @@ def build_data(cfg: Config, pctx: ParallelContext, rule: str = "megatron_core") 
             "recorded)"
         )
     files = [dataset_identity(p) for p in names]
+    valid_files = [dataset_identity(p) for _, p in valid_entries] if valid is not None and not valid_parts else []
     return DataBundle(
         train,
         valid,
         tok_path,
         files,
         lines,
+        valid_files,
         rule=rule,
         train_prefixes=list(names),
         record=train_record(train, rule, names),

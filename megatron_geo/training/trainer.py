@@ -24,6 +24,7 @@ from .setup import build_model_and_optimizer, compile_model, startup_text
 from .signals import StopRequest
 from .step import evaluate, train_step
 from .summary import RunStats, format_summary, nothing_to_do
+from .validate import reject_inert_keys
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -108,7 +109,11 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
     log(startup_text(cfg, pctx, buckets, optimizer, n_params))
     for line in data.lines:
         log(f"data: {line}")
-    ckpt = Checkpointer(cfg, pctx, model, optimizer, reducer, geo, log, data_files=data.files)
+    for note in reject_inert_keys(cfg):  # a sweep's shared override that this run's comm preset switches off
+        log(f"config: {note}")
+    ckpt = Checkpointer(
+        cfg, pctx, model, optimizer, reducer, geo, log, data_files=data.files, valid_files=data.valid_files
+    )
     start_step, consumed, skipped_in_a_row = ckpt.resume()
     if start_step >= t.steps:  # nothing to train: write nothing (no checkpoint, metrics untouched)
         log(
