@@ -183,18 +183,20 @@ def test_an_explicit_checkpoint_that_does_not_exist_is_an_error_also_beside_own_
     assert (sp.kind, sp.path) == ("resume", new6) and "its timeline started from it" in sp.reason
 
 
-def _main_error(args, capsys) -> tuple[int, list[str]]:
-    import torch.distributed as dist
+def _main_error(args, capsys, monkeypatch) -> tuple[int, list[str]]:
+    """``pretrain_llama.py ARGS`` in this process: (exit code, stderr lines); starting a process group fails."""
+    from megatron_geo.training import cli
 
-    from megatron_geo.training.cli import main
+    def no_group(*a, **k):
+        raise AssertionError("the process group started before the bad input was found")
 
+    monkeypatch.setattr(cli, "init_parallel", no_group)
     capsys.readouterr()
-    rc = main([str(a) for a in args])
-    assert not dist.is_initialized()
+    rc = cli.main([str(a) for a in args])
     return rc, [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
 
 
-def test_a_launch_on_another_runs_checkpoints_or_a_missing_path_exits_2_before_starting(tmp_path, capsys):
+def test_a_launch_on_another_runs_checkpoints_or_a_missing_path_exits_2_before_starting(tmp_path, capsys, monkeypatch):
     corpus = Path(__file__).resolve().parent / "data" / "golden" / "corpus"
     data = [
         "data.source=indexed",
@@ -208,7 +210,9 @@ def test_a_launch_on_another_runs_checkpoints_or_a_missing_path_exits_2_before_s
     b.mkdir()
     (b / "config.yaml").write_text("kept: true\n")
     rc, lines = _main_error(
-        tiny_train_overrides(b, data, "train.steps=4", "comm.dtype=bf16", f"checkpoint.dir={shared}"), capsys
+        tiny_train_overrides(b, data, "train.steps=4", "comm.dtype=bf16", f"checkpoint.dir={shared}"),
+        capsys,
+        monkeypatch,
     )
     assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"error: checkpoint.dir={shared} holds step_00000002")
     assert str(a.resolve()) in lines[0] and str(b.resolve()) in lines[0]
@@ -219,7 +223,9 @@ def test_a_launch_on_another_runs_checkpoints_or_a_missing_path_exits_2_before_s
     # a typo in checkpoint.load beside the run's own checkpoints
     own = _fake_checkpoint(b / "checkpoints", 2)
     typo = f"{b}/checkpoints/step_0000002"
-    rc, lines = _main_error(tiny_train_overrides(b, data, "train.steps=4", f"checkpoint.load={typo}"), capsys)
+    rc, lines = _main_error(
+        tiny_train_overrides(b, data, "train.steps=4", f"checkpoint.load={typo}"), capsys, monkeypatch
+    )
     assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"error: checkpoint.load={typo!r} does not exist")
     assert f"{b / 'checkpoints'} holds {own.name}" in lines[0]
 
