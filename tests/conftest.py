@@ -4,9 +4,6 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("WANDB_MODE", "disabled")
 
-import cpu_pin  # noqa: E402,F401  (before torch: one CPU kernel family on every host)
-
-# isort: split
 import pytest  # noqa: E402
 
 from markers import marks_for  # noqa: E402

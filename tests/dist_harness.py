@@ -38,9 +38,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _context():
-    ctx = mp.get_context(_START)
-    if _START == "forkserver":
+def _context(start: str = _START):
+    ctx = mp.get_context(start)
+    if start == "forkserver":
         ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (first call)
     return ctx
 
@@ -98,16 +98,21 @@ def _worker(rank, world, port, fn, args, queue, env=None, log_path=None):
         sys.stderr.flush()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> list:
+def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, start: str | None = None) -> list:
     """Return ``[fn(0, world, *args), ..., fn(world - 1, world, *args)]`` computed in separate processes.
+
+    ``start``: the multiprocessing start method (default ``DIST_HARNESS_START`` or ``forkserver``); ``spawn``
+    gives every rank a fresh interpreter, which reads settings that torch and MKL fix once per process (e.g.
+    ``ATEN_CPU_CAPABILITY``, ``MKL_CBWR``) from this process's environment.
 
     Raises AssertionError with every failing rank's traceback; ``queue.Empty`` when a rank sends nothing
     within ``timeout`` seconds.
     """
-    ctx = _context()
+    start = start or _START
+    ctx = _context(start)
     queue = ctx.Queue()
     port = free_port()
-    forked = _START == "forkserver"
+    forked = start == "forkserver"
     logs = []
     procs = []
     for r in range(world_size):

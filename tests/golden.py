@@ -26,12 +26,16 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-import cpu_pin  # noqa: F401  (before torch)
+from cpu_pin import pinned_env
+
+if __name__ == "__main__":  # regenerating: this process and its ranks run the recorded kernel family
+    os.environ.update(pinned_env())
 
 # isort: split
 import torch
@@ -84,11 +88,27 @@ def lapack_fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
+def pinned_fingerprint() -> str:
+    """:func:`lapack_fingerprint` in a fresh interpreter under the recorded kernel family (``cpu_pin.py``; MKL fixes
+    its code path once per process, so this process may run another)."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", "import golden; print(golden.lapack_fingerprint())"],
+        cwd=HERE,
+        env={**os.environ, **pinned_env()},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.strip()
+
+
 def host_records(path: Path = HOST_RECORDS) -> dict | None:
     """This host's LAPACK family's records ``{"wire": {name: record}, "resume": {name: losses}}``, or None."""
     if not path.exists():
         return None
-    return json.loads(path.read_text()).get(lapack_fingerprint())
+    return json.loads(path.read_text()).get(pinned_fingerprint())
 
 
 def overrides(corpus: Path, run_dir: Path, preset: str, extra: list[str]) -> list[str]:
@@ -190,13 +210,14 @@ def resume_committed(run_distributed, corpus: Path, run: Path, name: str) -> lis
     shutil.copytree(GOLDEN / "ckpt" / name, run / "checkpoints")
     for f in (run / "checkpoints" / "step_00000002").glob("*.json"):
         f.write_text(f.read_text().replace(CORPUS_TOKEN, str(corpus)).replace(RUN_TOKEN, str(run)))
-    out = run_distributed(
+    out = run_distributed(  # fresh interpreters: the kernel family of this process's environment (cpu_pin.py)
         record_wire,
         2,
         str(corpus),
         str(run),
         recorded["preset"],
         [*recorded["extra"], "checkpoint.interval=2", "checkpoint.keep_latest=0"],
+        start="spawn",
     )
     return out
 
@@ -219,7 +240,7 @@ def record_host_variant(work: Path) -> None:
     for name in CHECKPOINTS:
         resume[name] = resume_committed(run_distributed, corpus, work / f"resume_{name}", name)[0]["losses"]
     have = json.loads(HOST_RECORDS.read_text()) if HOST_RECORDS.exists() else {}
-    have[lapack_fingerprint()] = {"cpu": _cpu_name(), "wire": wire, "resume": resume}
+    have[pinned_fingerprint()] = {"cpu": _cpu_name(), "wire": wire, "resume": resume}
     HOST_RECORDS.write_text(json.dumps(have, indent=1) + "\n")
 
 

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from cpu_pin import pinned_env
 from dist_harness import run_distributed
 from golden import CHECKPOINTS, GOLDEN, RUNS, host_records, record_wire, resume_committed, uses_eigh
 
@@ -30,6 +31,13 @@ WIRE_DTYPES = {"uint8", "bfloat16", "float32"}
 
 def _wire(calls: list) -> list:
     return [c for c in calls if c[1] in WIRE_DTYPES]
+
+
+@pytest.fixture(autouse=True)
+def _one_kernel_family(monkeypatch):
+    """The ranks (fresh interpreters: ``run_distributed(..., start="spawn")``) run the recorded kernel family."""
+    for k, v in pinned_env().items():
+        monkeypatch.setenv(k, v)
 
 
 def _close(want: list, got: list) -> bool:
@@ -57,7 +65,7 @@ def _first_difference(want: list, got: list) -> str:
 def test_every_preset_hands_the_collectives_the_recorded_bytes(tmp_path, group):
     assert sorted(RECORDED) == sorted(RUNS), "a preset was added or removed: regenerate tests/data/golden"
     names = sorted(RUNS)[group::3]
-    out = run_distributed(_record_many, 2, str(GOLDEN / "corpus"), str(tmp_path), names)
+    out = run_distributed(_record_many, 2, str(GOLDEN / "corpus"), str(tmp_path), names, start="spawn")
     for name in names:
         exact = not uses_eigh(RUNS[name][0]) or HOST is not None
         records = HOST["wire"][name] if uses_eigh(RUNS[name][0]) and HOST is not None else RECORDED[name]
