@@ -1,8 +1,8 @@
 """Config loading, merging, overrides and the validation messages users see."""
 
+import os
 import re
 import subprocess
-import os
 import sys
 from pathlib import Path
 
