@@ -6,7 +6,13 @@ only look at the config or at file headers are :func:`megatron_geo.training.vali
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..config.schema import Config
+
+if TYPE_CHECKING:
+    from ..data.hf_tokenizer import HFTokenizer
+    from ..data.tokenizer import Tokenizer
 
 
 def check_data_inputs(cfg: Config, write: bool = True) -> None:
@@ -30,7 +36,7 @@ def check_data_inputs(cfg: Config, write: bool = True) -> None:
 
     d = cfg.data
     hf = None
-    tok = None
+    tok: Tokenizer | HFTokenizer | None = None
     if d.tokenizer_type == "huggingface":
         from ..data.hf_tokenizer import HFTokenizer
 

@@ -148,7 +148,8 @@ class MetricsLogger:
         self._wandb = None
         if not enabled:
             return
-        kept, dropped = [], []
+        kept: list[str] = []
+        dropped: list[str] = []
         if resume_step > 0 and self.path.is_file():  # a resumed run keeps the records up to its checkpoint
             for line in self.path.read_text().splitlines():
                 try:
