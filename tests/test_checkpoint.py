@@ -627,7 +627,7 @@ def test_truncated_data_file_and_damaged_meta_and_latest_are_clear_errors(tmp_pa
 
 
 # ---------------------------------------------------------------------------------------------------
-# c07: resuming from step N starts a new timeline; later checkpoints of the old one are moved aside
+# resuming from step N starts a new timeline; later checkpoints of the old one are moved aside
 
 
 def test_resuming_from_an_earlier_step_moves_the_abandoned_timeline_aside(tmp_path, corpus):
@@ -660,7 +660,7 @@ def test_resuming_from_an_earlier_step_moves_the_abandoned_timeline_aside(tmp_pa
 
 
 # ---------------------------------------------------------------------------------------------------
-# c08: a save that fails (disk full) is one error line, exit 6, no partial folder, the previous checkpoint intact
+# a save that fails (disk full) is one error line, exit 6, no partial folder, the previous checkpoint intact
 
 _ENOSPC_SCRIPT = textwrap.dedent("""
     import errno, sys

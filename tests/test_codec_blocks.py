@@ -1,10 +1,10 @@
-"""No codec scale, block or rotation spans two parameters (handed cases c02 and c03).
+"""No codec scale, block or rotation spans two parameters.
 
-c02: with TP = 2, a TP-replicated parameter (the norm weights) must stay bitwise identical on the two TP ranks
+TP-replicated parameters: with TP = 2, a TP-replicated parameter (the norm weights) must stay bitwise identical on the two TP ranks
 of a DP rank after several steps, in every preset: its reduced gradient may not depend on the TP-sharded
 neighbours in its bucket (NVFP4's global scale, FP8 scale blocks, Hadamard blocks).
 
-c03: a small parameter between two large ones, reduced with block codecs (Hadamard, block scaling, NVFP4),
+Neighbours: a small parameter between two large ones, reduced with block codecs (Hadamard, block scaling, NVFP4),
 must come back as accurate as if it were reduced alone with the same codec (the reference: the same
 reducer on a bucket holding only that parameter, both against the FP64 mean).
 """

@@ -212,7 +212,7 @@ def test_power_search_accepts_a_yaml_list_and_the_preset(tmp_path):
         load_config([str(g)])
 
 
-# -- c05: values are typed against the schema field, never guessed first --------------------------------------------
+# -- values are typed against the schema field, never guessed first --------------------------------------------
 
 
 @pytest.mark.parametrize("text", ["2.5e0", "2.5", "2.5E+0", "nan", "inf", "3x"])

@@ -353,7 +353,7 @@ def test_default_corpus_concurrent_callers(tmp_path):
     assert len(IndexedDataset(results[0].valid_prefix)) > 0
 
 
-# -- c09: a UTF-8 byte-order mark is not part of the text ----------------------------------------------------------
+# -- a UTF-8 byte-order mark is not part of the text ----------------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", ["txt", "jsonl"])

@@ -111,7 +111,7 @@ def test_bad_launch_variables_are_clear_errors(env, bad, message):
         detect_launch_env()
 
 
-# -- c06: Slurm's full host-list syntax in the fallback (no scontrol) ----------------------------------------------
+# -- Slurm's full host-list syntax in the fallback (no scontrol) ----------------------------------------------
 
 
 @pytest.mark.parametrize(
