@@ -69,6 +69,9 @@ SLOW = {
     # measured in a test-fast run with the machine loaded (load average 7)
     "test_codec_compile.py::test_fp8_wire_functions_compile_to_one_graph_each_and_match_eager_bitwise",  # 41
     "test_codec_compile.py::test_nvfp4_wire_functions_compile_to_one_graph_each_and_match_eager_bitwise",  # 25
+    # compiles one 64-source graph per decoder: 11-16 s each on 2 cores (a cold Inductor cache)
+    "test_codec_compile.py::test_dp64_mean_is_bitwise_one_value_eager_compiled_and_by_the_fp64_reference",
+    "test_gpu_check.py::test_codec_phase_compiled_on_the_cpu_reports_every_preset_and_the_dp_check",  # 66
     "test_benchmarks.py::test_run_gloo_reports_a_dead_worker_instead_of_hanging",  # 26 (benchmarks/ spawns the ranks)
 }
 

@@ -17,6 +17,23 @@ from dist_harness import run_distributed
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def _inductor_vector_width_of_the_host():
+    """Compile the codec graphs for the host's widest vector unit, as a training run does.
+
+    tests/cpu_pin.py pins ATen's CPU kernels to AVX2 for the recorded wire bytes (``ATEN_CPU_CAPABILITY``), and
+    Inductor's C++ backend reads the same variable while ``cpp.simdlen`` is unset: it then writes AVX2 code and
+    compiles it with ``-march=native``, which on an AVX-512 host (torch 2.13) inverts int32 selects (``where(m >= c,
+    a, b)`` returns b where the mask holds), and its FX graph cache key leaves the vector width out, so processes of
+    either width would load each other's code. An explicit ``cpp.simdlen`` (part of the key) avoids both."""
+    from torch._inductor import config
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    widths = [isa.bit_width() for isa in valid_vec_isa_list()]
+    with config.patch({"cpp.simdlen": max(widths)} if widths else {}):
+        yield
+
+
 def _inputs(nb: int, granule: int, seed: int) -> torch.Tensor:
     """float32 ``[nb, granule]``: normal values over 12 decades, exact zeros, one all-zero row, NaN and inf rows."""
     g = torch.Generator().manual_seed(seed)
@@ -56,6 +73,7 @@ def _compiled_graphs(counters) -> int:
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_wire_functions_compile_to_one_graph_each_and_match_eager_bitwise(fmt):
     from megatron_geo.comm import wire_fp8 as W
+    from megatron_geo.comm.codecs import dp_divisor
 
     counters = _fresh()
     fmax = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}[fmt]
@@ -75,8 +93,9 @@ def test_fp8_wire_functions_compile_to_one_graph_each_and_match_eager_bitwise(fm
         s2 = torch.stack([s, s])
         # the compiled decode writes into a range of a larger buffer (the bucket), as the reducer calls it
         big = torch.full((3 * nb * granule,), 7.0)
-        d_e = eager.decode_sum(recv, s2, torch.empty(nb * granule))
-        d_c = comp.decode_sum(recv, s2, big[nb * granule : 2 * nb * granule])
+        two = dp_divisor(2, "cpu")
+        d_e = eager.decode_sum(recv, s2, torch.empty(nb * granule), two)
+        d_c = comp.decode_sum(recv, s2, big[nb * granule : 2 * nb * granule], two)
         assert d_c.data_ptr() == big[nb * granule :].data_ptr()
         assert (big[: nb * granule] == 7).all() and (big[2 * nb * granule :] == 7).all()
         assert torch.equal(d_c.nan_to_num(), d_e.nan_to_num()) and torch.equal(d_c.isnan(), d_e.isnan())
@@ -93,7 +112,7 @@ def test_fp8_wire_functions_compile_to_one_graph_each_and_match_eager_bitwise(fm
 
 def test_nvfp4_wire_functions_compile_to_one_graph_each_and_match_eager_bitwise():
     from megatron_geo.comm import wire_nvfp4 as W
-    from megatron_geo.comm.codecs import nvfp4_decode, nvfp4_encode, nvfp4_global_scale
+    from megatron_geo.comm.codecs import dp_divisor, nvfp4_decode, nvfp4_encode, nvfp4_global_scale
 
     counters = _fresh()
     eager, comp = W.NVFP4Wire("nearest", None, False), W.NVFP4Wire("nearest", None, True)
@@ -113,12 +132,13 @@ def test_nvfp4_wire_functions_compile_to_one_graph_each_and_match_eager_bitwise(
         want = x - nvfp4_decode(p_ref, b_ref, g.unsqueeze(1))
         assert torch.equal(r_c.nan_to_num(), r_e.nan_to_num()) and torch.equal(r_e.nan_to_num(), want.nan_to_num())
         pk, bk, gk = torch.stack([p_e, p_e.flip(0)]), torch.stack([b_e, b_e.flip(0)]), torch.stack([g, g.flip(0)])
-        d_e = eager.sum_sources(eager.unpack(pk).view(2, nb, 16), bk, gk, torch.empty(nb * 16))
-        d_c = comp.sum_sources(comp.unpack(pk).view(2, nb, 16), bk, gk, torch.empty(nb * 16))
+        two = dp_divisor(2, "cpu")
+        d_e = eager.sum_sources(eager.unpack(pk).view(2, nb, 16), bk, gk, torch.empty(nb * 16), two)
+        d_c = comp.sum_sources(comp.unpack(pk).view(2, nb, 16), bk, gk, torch.empty(nb * 16), two)
         ref = (nvfp4_decode(pk[0], bk[0], gk[0].unsqueeze(1)) + nvfp4_decode(pk[1], bk[1], gk[1].unsqueeze(1))) / 2
         # the one-graph form GPUs use (unpacking inside the sum), the same values
         for w in (eager, comp):
-            d_p = w.sum_packed(pk, bk, gk, torch.empty(nb * 16))
+            d_p = w.sum_packed(pk, bk, gk, torch.empty(nb * 16), two)
             assert torch.equal(d_p.nan_to_num(), ref.view(-1).nan_to_num()) and torch.equal(
                 d_p.isnan(), ref.view(-1).isnan()
             )
@@ -315,3 +335,202 @@ def test_eager_numerics_options_keep_only_what_the_running_torch_knows(monkeypat
     assert not any(k.startswith("eager_numerics.") for k in opts)
     assert "cpp.enable_floating_point_contract_flag" not in opts
     assert all(k in old and type(old[k]) is type(v) for k, v in opts.items())
+
+
+# -- the mean over DP sources: one summation order and one division, eager and compiled, at any DP size -----------
+
+# every decode-and-mean graph a preset compiles: FP8 on 16-element blocks (tensor scaling) and 128-element ones (block
+# scaling), NVFP4 from unpacked codes (the CPU path) and from packed ones (the GPU path)
+DECODERS = ["fp8_e4m3/16", "fp8_e4m3/128", "fp8_e5m2/16", "nvfp4/sources", "nvfp4/packed"]
+_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # OCP / NVIDIA E2M1 magnitudes by 3-bit code
+VALUES = 16384  # per source
+
+
+def _fp64_reference_mean(vals: torch.Tensor) -> torch.Tensor:
+    """float32 ``[...]``: the mean over dim 0 of the float64 values ``vals`` ``[dp, ...]`` as the codecs define it,
+    computed in FP64: each value rounded to FP32 once, then (((+0.0 + v_0) + v_1) + ...) with every sum rounded to
+    FP32, then the quotient by dp rounded to FP32 (FP64 carries more than 2 * 24 + 2 bits, so each of these double
+    roundings is the correctly rounded FP32 operation)."""
+    v = vals.float().double()
+    acc = torch.zeros(vals.shape[1:], dtype=torch.float64)
+    for i in range(vals.shape[0]):
+        acc = (acc + v[i]).float().double()
+    return (acc / vals.shape[0]).float()
+
+
+def _dp_sources(decoder: str, dp: int, seed: int = 0):
+    """Random finite payloads of ``dp`` sources for ``decoder`` (one block of every source all -0.0) and their
+    reference mean: ``(run, reference)``, ``run(compile: bool, divisor)`` -> float32 ``[VALUES]`` through the wire
+    class's own decode-and-mean function, ``reference`` float32 ``[VALUES]`` (:func:`_fp64_reference_mean`)."""
+    from megatron_geo.comm.wire_fp8 import FP8Wire
+    from megatron_geo.comm.wire_nvfp4 import NVFP4Wire
+
+    g = torch.Generator().manual_seed(seed * 100 + dp)
+    fmt, form = decoder.split("/")
+    if fmt != "nvfp4":
+        blk = int(form)
+        nb = VALUES // blk
+        codes = torch.randint(0, 256, (dp, nb, blk), generator=g, dtype=torch.int32)
+        nonfinite = (codes & 0x7F) == 0x7F if fmt == "fp8_e4m3" else (codes & 0x7F) >= 0x7C
+        codes = torch.where(nonfinite, 0, codes).to(torch.uint8)
+        codes[:, 1] = 0x80  # -0.0 from every source: the mean is +0.0
+        scale = torch.exp2(torch.rand(dp, nb, generator=g) * 40 - 30)  # 2^-30 .. 2^10, 24 significant bits
+        dt = torch.float8_e4m3fn if fmt == "fp8_e4m3" else torch.float8_e5m2
+        ref = _fp64_reference_mean(codes.view(dt).double() * scale.double().unsqueeze(-1)).view(-1)
+
+        def run(compile: bool, divisor: torch.Tensor) -> torch.Tensor:
+            return FP8Wire(fmt, "nearest", None, compile).decode_sum(codes, scale, torch.empty(VALUES), divisor)
+
+        return run, ref
+    nb = VALUES // 16
+    packed = torch.randint(0, 256, (dp, nb, 8), generator=g, dtype=torch.int32).to(torch.uint8)
+    packed[:, 1] = 0x88  # -0.0 in both nibbles
+    bscale = torch.randint(0, 0x7F, (dp, nb), generator=g, dtype=torch.int32).to(torch.uint8)  # finite E4M3
+    gscale = torch.exp2(torch.rand(dp, nb, generator=g) * 40 - 30)
+    nibbles = torch.stack((packed & 15, packed >> 4), dim=-1).view(dp, nb, 16).long()  # low nibble first
+    e2m1 = torch.tensor(_E2M1_GRID + tuple(-v for v in _E2M1_GRID), dtype=torch.float64)[nibbles]
+    blockwise = e2m1 * bscale.view(torch.float8_e4m3fn).double().unsqueeze(-1)  # exact in FP32 as well
+    ref = _fp64_reference_mean(blockwise * gscale.double().unsqueeze(-1)).view(-1)
+
+    def run(compile: bool, divisor: torch.Tensor) -> torch.Tensor:
+        w = NVFP4Wire("nearest", None, compile)
+        if form == "packed":
+            return w.sum_packed(packed, bscale, gscale, torch.empty(VALUES), divisor)
+        return w.sum_sources(w.unpack(packed).view(dp, nb, 16), bscale, gscale, torch.empty(VALUES), divisor)
+
+    return run, ref
+
+
+def _differing(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Values whose FP32 bit patterns differ (the sign of zero included)."""
+    return int((a.view(torch.int32) != b.view(torch.int32)).sum())
+
+
+def _check_dp_mean(decoder: str, dp: int) -> None:
+    """Every decode-and-mean function gives the reference's bits eagerly and compiled: one left-to-right FP32 sum
+    from +0.0, one IEEE division (so a block of -0.0 from every source averages to +0.0)."""
+    from megatron_geo.comm.codecs import dp_divisor
+
+    counters = _fresh()
+    run, ref = _dp_sources(decoder, dp)
+    assert ref.isfinite().all() and not ref.signbit()[ref == 0].any()
+    eager = run(False, dp_divisor(dp, "cpu"))
+    compiled = run(True, dp_divisor(dp, "cpu"))
+    assert (_differing(eager, ref), _differing(compiled, eager)) == (0, 0)
+    assert not counters["graph_break"]
+
+
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_dp3_mean_is_bitwise_one_value_eager_compiled_and_by_the_fp64_reference(decoder):
+    """DP 3: a divisor that is no power of two (a reciprocal multiply would be one ulp off for about a third of the
+    values), and three sources of -0.0 (a sum seeded with the first source would stay -0.0)."""
+    _check_dp_mean(decoder, 3)
+
+
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_dp64_mean_is_bitwise_one_value_eager_compiled_and_by_the_fp64_reference(decoder):
+    """DP 64: past the 16 rows after which eager CPU ``sum(dim=0)`` switches to a cascade of partial sums, and past
+    Inductor's unrolling of small reductions (a reduction loop of its own order)."""
+    _check_dp_mean(decoder, 64)
+
+
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_the_dp_mean_divides_by_a_runtime_tensor_in_eager_and_compiled_code(decoder, monkeypatch):
+    """The division by dp never sees a Python number: eager CUDA multiplies by the reciprocal of a CPU-scalar divisor,
+    and Inductor lowers a division by a graph constant to a reciprocal multiply on every device but the CPU (both
+    one rounding more: ~1/3 of the quotients one ulp off at DP 3). Eagerly the divisor is a one-element tensor on the
+    values' device; in the graph Inductor receives (aten level) the one division divides by a graph input."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch.overrides import TorchFunctionMode
+
+    from megatron_geo.comm.codecs import dp_divisor
+
+    dp = 3
+    run, _ = _dp_sources(decoder, dp)
+    divisions = []
+
+    class Divisions(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("div", "div_", "true_divide", "__truediv__", "__itruediv__"):
+                divisions.append(args[1])
+            return func(*args, **(kwargs or {}))
+
+    with Divisions():
+        run(False, dp_divisor(dp, "cpu"))
+    assert divisions and all(isinstance(d, torch.Tensor) and d.shape == (1,) for d in divisions), divisions
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    _fresh()
+    aten = torch.ops.aten
+    real_compile = torch.compile
+    backend = aot_autograd(fw_compiler=keep)  # keeps the aten graph that Inductor would lower
+    # the codec graphs as maybe_compile makes them (fullgraph, dynamic sizes, static DP), on that backend
+    monkeypatch.setattr(torch, "compile", lambda fn, options=None, **kw: real_compile(fn, backend=backend, **kw))
+    run(True, dp_divisor(dp, "cpu"))
+    divs = [
+        n
+        for gm in graphs
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target in (aten.div.Tensor, aten.div_.Tensor, aten.div.Scalar)
+    ]
+    assert len(divs) == 1, [str(n) for n in divs]
+    assert isinstance(divs[0].args[1], torch.fx.Node) and divs[0].args[1].op == "placeholder", divs[0].args
+    scalars = [a for gm in graphs for n in gm.graph.nodes if n.op == "call_function" for a in n.args]
+    assert not any(isinstance(a, float) and abs(a - 1 / dp) < 1e-6 for a in scalars)  # no multiply by 1/3
+
+
+def test_dp_divisor_is_one_cached_float32_element_per_size_and_device():
+    from megatron_geo.comm.codecs import dp_divisor
+
+    d = dp_divisor(3, "cpu")
+    assert d.dtype == torch.float32 and d.shape == (1,) and d.device.type == "cpu" and d.item() == 3.0
+    assert dp_divisor(3, "cpu") is d and dp_divisor(64, "cpu").item() == 64.0
+    with pytest.raises(ValueError, match="DP size must be >= 1, got 0"):
+        dp_divisor(0, "cpu")
+
+
+def test_wire_sum_mean_divides_by_a_runtime_tensor_and_rounds_once():
+    """``ring_mean`` (the paper's collective, eager): the IEEE quotient by a one-element tensor, equal to the FP64
+    quotient rounded to FP32, at DP 3 and 96."""
+    from torch.overrides import TorchFunctionMode
+
+    from megatron_geo.comm.wire_sum import ring_mean
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, generator=g) * torch.logspace(-40, 30, 4096)
+    seen = []
+
+    class Divisions(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("div", "div_"):
+                seen.append(args[1])
+            return func(*args, **(kwargs or {}))
+
+    for dp in (3, 96):
+        with Divisions():
+            got = ring_mean(x.clone(), dp)
+        assert torch.equal(got.view(torch.int32), (x.double() / dp).float().view(torch.int32))
+    assert len(seen) == 2 and all(isinstance(d, torch.Tensor) and d.shape == (1,) for d in seen), seen
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3, 17, 64])
+def test_both_eager_row_sums_add_the_sources_left_to_right_from_plus_zero(dp):
+    """The eager CPU form (one ``index_add_``) and the form that eager GPUs run (a loop of additions) give the
+    left-to-right FP32 sum from +0.0 (a column of -0.0 sums to +0.0), past 16 rows as well."""
+    from megatron_geo.comm.codecs import _row_sum_index_add, _row_sum_loop
+
+    g = torch.Generator().manual_seed(dp)
+    vals = torch.randn(dp, 4096, generator=g) * torch.exp2(torch.randint(-30, 30, (dp, 4096), generator=g).float())
+    vals[:, 7] = -0.0
+    acc = torch.zeros(4096, dtype=torch.float64)  # each FP32 addition as the FP64 sum rounded to FP32
+    for i in range(dp):
+        acc = (acc + vals[i].double()).float().double()
+    want = acc.float()
+    assert _differing(_row_sum_index_add(vals), want) == 0 and _differing(_row_sum_loop(vals), want) == 0
+    assert want[7].item() == 0.0 and not want[7].signbit()

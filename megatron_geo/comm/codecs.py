@@ -59,6 +59,83 @@ def _const(values: tuple[float, ...], device: torch.device) -> Tensor:
     return _cached_const(values, device)
 
 
+@functools.lru_cache(maxsize=64)
+def dp_divisor(dp: int, device: torch.device | str) -> Tensor:
+    """float32 ``[1]`` tensor holding ``dp`` on ``device``, made once per ``(dp, device)`` and shared: treat it as
+    read-only.
+
+    :func:`mean_over_sources` and :func:`.wire_sum.ring_mean` divide by this tensor instead of by the Python
+    number, because a number lets a backend multiply by its reciprocal (one rounding more, off by one ulp for
+    about a third of the quotients at DP 3): eager CUDA does so for any CPU-scalar divisor, and Inductor for
+    any divisor that is a graph constant on every device but the CPU. A tensor on ``device`` that enters a
+    compiled graph as an input is divided by with an IEEE division on every backend (on Triton with the
+    division-rounding option of :func:`.compiled.eager_numerics_options`).
+
+    Raises:
+        ValueError: ``dp < 1``.
+    """
+    if dp < 1:
+        raise ValueError(f"the DP size must be >= 1, got {dp}")
+    return torch.full((1,), float(dp), dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _first_row_index(dp: int, device: torch.device) -> Tensor:
+    """int64 ``[dp]`` zeros on ``device``: every source's row added into row 0 by ``index_add_`` (made once)."""
+    return torch.zeros(dp, dtype=torch.int64, device=device)
+
+
+def mean_over_sources(vals: Tensor, divisor: Tensor, out: Tensor | None = None) -> Tensor:
+    """float32 ``vals.shape[1:]``: the mean over dim 0 of float32 ``vals`` ``[dp, ...]`` (one row per DP source), as
+    ``((((+0.0 + v_0) + v_1) + ...) + v_{dp-1}) / divisor``: one FP32 rounding per addition, strictly in source
+    order, then one IEEE division.
+
+    The order is fixed so that eager and compiled code compute the same sum at every DP size: ``Tensor.sum(dim=0)``
+    leaves it to the backend (eager CPU switches to a cascade of 16-row partial sums past 16 rows, CUDA interleaves
+    accumulators, Inductor unrolls small reductions and loops over larger ones). How each path keeps the order:
+
+    - eager on the CPU: one ``index_add_`` of every row into a zeroed row (its CPU kernel adds the rows one after
+      the other, in index order), so the number of ops does not grow with dp (three, as ``sum``, ``div_`` and the
+      copy into ``out`` were);
+    - compiled (any device) and eager elsewhere: a Python loop of additions, unrolled into the one fused kernel of
+      the compiled graph (eagerly on a GPU: dp - 1 launches).
+
+    The ``+0.0`` start is what a reduction starting from zero gives: a sum of negative zeros is ``+0.0``.
+    ``divisor`` is :func:`dp_divisor` (a runtime tensor, so no backend turns the division into a reciprocal
+    multiply).
+
+    Args:
+        vals: float32 ``[dp, ...]``, ``dp >= 1``.
+        divisor: float32 tensor broadcastable to ``vals.shape[1:]`` on ``vals``' device, normally ``dp_divisor(dp,
+            vals.device)``.
+        out: float32 tensor of shape ``vals.shape[1:]`` (a view into a larger buffer is fine) that receives the
+            mean, or None for a new tensor.
+
+    Returns:
+        ``out`` (or a new tensor) holding the mean; NaN in any source gives NaN.
+    """
+    if vals.device.type == "cpu" and not torch.compiler.is_compiling():
+        return _row_sum_index_add(vals, out).div_(divisor)
+    mean = _row_sum_loop(vals).div_(divisor)
+    return mean if out is None else out.copy_(mean)
+
+
+def _row_sum_index_add(vals: Tensor, out: Tensor | None = None) -> Tensor:
+    """``+0.0 + v_0 + v_1 + ...`` over dim 0 of ``vals`` in one ``index_add_`` (sequential on the CPU), into ``out``
+    (shape ``vals.shape[1:]``) or a new tensor."""
+    acc = torch.empty(vals.shape[1:], dtype=vals.dtype, device=vals.device) if out is None else out
+    acc.unsqueeze(0).zero_().index_add_(0, _first_row_index(vals.shape[0], vals.device), vals)
+    return acc
+
+
+def _row_sum_loop(vals: Tensor) -> Tensor:
+    """``+0.0 + v_0 + v_1 + ...`` over dim 0 of ``vals`` as a Python loop of additions (a new tensor)."""
+    acc = vals[0] + 0.0
+    for i in range(1, vals.shape[0]):
+        acc.add_(vals[i])
+    return acc
+
+
 def _compiling_on_cpu(t: Tensor) -> bool:
     """Inside a ``torch.compile`` trace for a CPU tensor: where inductor's C++ code runs FP8 conversions and
     narrow integer views lane by lane, so the codecs use integer arithmetic that vectorises instead (the same

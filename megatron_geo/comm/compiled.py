@@ -6,13 +6,23 @@ no host syncs; :func:`maybe_compile` turns each into one graph
 (``fullgraph=True``: a graph break is an error, not a silent fallback) with dynamic sizes, so buckets of
 different lengths share the graph. Inductor fuses the scale broadcast, the division, the clamp and the cast
 into one pass over the bucket (encode) and the FP8 upcast, the scale and the sum over DP into one pass
-(decode); the codes are bitwise equal to eager (``tests/test_codec_compile.py``).
+(decode); the codes, and the decoded DP mean at any DP size, are bitwise equal to eager
+(``tests/test_codec_compile.py`` on the CPU backend at DP 2, 3 and 64; ``benchmarks/gpu_check.sh``'s ``codec``
+phase on a GPU).
+
+The DP mean is written so that no backend can choose its own arithmetic (:func:`.codecs.mean_over_sources`): the
+sources are added left to right in a Python loop (unrolled in the graph; ``Tensor.sum(dim=0)`` would leave the
+order to eager CPU, which switches to a cascade past 16 rows, and to Inductor, which unrolls only small
+reductions), and the division is by a float32 tensor passed into the graph as an argument
+(:func:`.codecs.dp_divisor`): Inductor lowers a division by a graph constant to a multiplication by its reciprocal
+on every device but the CPU, one rounding more.
 
 Bitwise equality on GPUs needs Inductor's eager-numerics settings, which each codec graph gets through
 ``torch.compile(options=...)`` (:func:`eager_numerics_options`; no global config changes): by default Triton
 lowers an FP32 ``x / y`` to an approximate division (up to 2 ulp off) and lets LLVM contract ``a * b + c`` into
-one FMA, so a quotient on an FP8 / E2M1 rounding boundary would round to the neighbouring code. The CPU
-backend divides exactly and does not contract, so CPU tests match with or without them.
+one FMA, so a quotient on an FP8 / E2M1 rounding boundary would round to the neighbouring code, and the FP32
+sum over DP sources (a product of each source added to the running sum) would be contracted too. The CPU backend
+divides exactly and does not contract, so CPU tests match with or without them.
 """
 
 from __future__ import annotations

@@ -18,7 +18,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .codecs import FP8_FORMATS, fp8_decode, fp8_encode, fp8_max, fp8_scale_from_amax
+from .codecs import (
+    FP8_FORMATS,
+    dp_divisor,
+    fp8_decode,
+    fp8_encode,
+    fp8_max,
+    fp8_scale_from_amax,
+    mean_over_sources,
+)
 from .compiled import maybe_compile
 from .scale_layout import ScaleLayout
 
@@ -47,12 +55,13 @@ def _encoder_ef(fmt: str):
 
 
 def _decoder_sum(fmt: str):
-    def decode_sum(codes: Tensor, scale: Tensor, out: Tensor) -> Tensor:
+    def decode_sum(codes: Tensor, scale: Tensor, out: Tensor, divisor: Tensor) -> Tensor:
         """Writes into float32 ``out`` ``[nb * granule]`` (and returns it) the mean over sources of ``codes``
-        ``[dp, nb, granule]`` decoded with ``scale`` ``[dp, nb]`` (summed in FP32 over dim 0, then divided by dp
-        once). ``out`` may be the bucket's own range: a compiled graph writes there directly."""
-        dp = codes.shape[0]
-        return out.copy_(fp8_decode(codes, scale.unsqueeze(2), fmt).sum(dim=0).div_(dp).view(-1))
+        ``[dp, nb, granule]`` decoded with ``scale`` ``[dp, nb]`` (summed in FP32 in source order, then divided by
+        ``divisor``, float32 ``[1]`` holding dp, once: :func:`.codecs.mean_over_sources`). ``out`` may be the
+        bucket's own range: a compiled graph writes there directly."""
+        mean_over_sources(fp8_decode(codes, scale.unsqueeze(2), fmt), divisor, out.view(codes.shape[1:]))
+        return out
 
     return decode_sum
 
@@ -132,7 +141,8 @@ class FP8Wire:
         """``out`` (FP32 ``[own]``, returned) <- the mean over sources of this rank's range ``r`` from the received
         codes ``recv[0]`` ``[dp * own]`` and every source's scales ``[dp, K]``."""
         dp, g = scales.shape[0], layout.granule
-        return self.decode_sum(recv[0].view(dp, -1, g), layout.row_block_values(scales, r), out)
+        codes = recv[0].view(dp, -1, g)
+        return self.decode_sum(codes, layout.row_block_values(scales, r), out, dp_divisor(dp, codes.device))
 
     def encode_chunk(self, x: Tensor, layout: ScaleLayout, r: int) -> Tensor:
         """Payload uint8 ``[1, bytes]`` of range ``r`` (``x``) for the all-gather stage of an all-reduce: its codes

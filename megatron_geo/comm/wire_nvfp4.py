@@ -22,6 +22,8 @@ from torch import Tensor
 from .codecs import (
     NVFP4_BLOCK,
     _e2m1_values,
+    dp_divisor,
+    mean_over_sources,
     nvfp4_block_scales,
     nvfp4_decode,
     nvfp4_element_codes,
@@ -50,21 +52,22 @@ def _encode_ef(x: Tensor, divisor: Tensor, scale: Tensor, g: Tensor, residual: T
     return pack_nibbles(codes)
 
 
-def _sum_sources(codes: Tensor, bscale: Tensor, g: Tensor, out: Tensor) -> Tensor:
+def _sum_sources(codes: Tensor, bscale: Tensor, g: Tensor, out: Tensor, divisor: Tensor) -> Tensor:
     """Writes into float32 ``out`` ``[nb * 16]`` (and returns it) the mean over sources of the E2M1 ``codes``
     ``[dp, nb, 16]`` (uint8, one per element) with block scale codes ``[dp, nb]`` and global scales ``[dp, nb]``
-    (each value ``(e2m1 * block scale) * global`` as :func:`.codecs.nvfp4_decode`, FP32 sum over dim 0, then one
-    division by dp)."""
-    dp = codes.shape[0]
+    (each value ``(e2m1 * block scale) * global`` as :func:`.codecs.nvfp4_decode`, FP32 sum in source order, then
+    one division by ``divisor``, float32 ``[1]`` holding dp: :func:`.codecs.mean_over_sources`)."""
     s = bscale.view(torch.float8_e4m3fn).float().unsqueeze(-1)
-    return out.copy_(((_e2m1_values(codes.to(torch.int32)) * s) * g.unsqueeze(-1)).sum(dim=0).div_(dp).view(-1))
+    vals = (_e2m1_values(codes.to(torch.int32)) * s) * g.unsqueeze(-1)
+    mean_over_sources(vals, divisor, out.view(codes.shape[1:]))
+    return out
 
 
-def _sum_packed(packed: Tensor, bscale: Tensor, g: Tensor, out: Tensor) -> Tensor:
+def _sum_packed(packed: Tensor, bscale: Tensor, g: Tensor, out: Tensor, divisor: Tensor) -> Tensor:
     """As :func:`_sum_sources` from the packed codes ``[dp, nb, 8]``: the unpacking inside the same graph (GPUs,
     where Triton extracts the nibbles in registers; on CPU the unpacking is its own graph)."""
     dp, nb = packed.shape[0], packed.shape[1]
-    return _sum_sources(unpack_nibbles(packed).view(dp, nb, NVFP4_BLOCK), bscale, g, out)
+    return _sum_sources(unpack_nibbles(packed).view(dp, nb, NVFP4_BLOCK), bscale, g, out, divisor)
 
 
 def _decode(packed: Tensor, bscale: Tensor, g: Tensor) -> Tensor:
@@ -130,10 +133,11 @@ class NVFP4Wire:
         scales ``recv[1]``, every source's global scales ``scales`` ``[dp, K]``)."""
         dp = scales.shape[0]
         g = layout.row_block_values(scales, r)  # [dp, nb]
+        divisor = dp_divisor(dp, recv[0].device)
         if recv[0].device.type != "cpu":
-            return self.sum_packed(recv[0].view(dp, -1, NVFP4_BLOCK // 2), recv[1].view(dp, -1), g, out)
+            return self.sum_packed(recv[0].view(dp, -1, NVFP4_BLOCK // 2), recv[1].view(dp, -1), g, out, divisor)
         codes = self.unpack(recv[0]).view(dp, -1, NVFP4_BLOCK)
-        return self.sum_sources(codes, recv[1].view(dp, -1), g, out)
+        return self.sum_sources(codes, recv[1].view(dp, -1), g, out, divisor)
 
     def encode_chunk(self, x: Tensor, layout: ScaleLayout, r: int) -> Tensor:
         """Payload uint8 ``[1, bytes]`` of range ``r``: packed codes, block scale codes, then its own

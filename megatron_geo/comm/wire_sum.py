@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .codecs import FP8_FORMATS, fp8_decode, fp8_encode, fp8_max, fp8_scale_from_amax
+from .codecs import FP8_FORMATS, dp_divisor, fp8_decode, fp8_encode, fp8_max, fp8_scale_from_amax
 
 REDUCE_OPS = ("fp32_sum", "wire_sum")
 
@@ -78,9 +78,11 @@ def ring_mean(decoded_total: Tensor, dp: int) -> Tensor:
         dp: the DP size ``N`` (>= 1).
 
     Returns:
-        ``decoded_total`` divided by ``dp`` (one more FP32 rounding): the collective's documented result.
+        ``decoded_total`` divided by ``dp`` (one more FP32 rounding, an IEEE division by the float32 tensor
+        :func:`.codecs.dp_divisor` on every backend; a Python-number divisor is a multiplication by its reciprocal
+        on CUDA): the collective's documented result.
     """
-    return decoded_total.div_(dp)
+    return decoded_total.div_(dp_divisor(dp, decoded_total.device))
 
 
 def wire_sum_scale(amax: Tensor, fmt: str, dp: int, prediv: bool) -> Tensor:
