@@ -11,7 +11,9 @@ phase that did not pass its ``error`` and the last lines of its log) and ``gpu_c
 log as ``gpu_check_logs/<phase>.log``, and this runner's own as ``gpu_check_logs/gpu_check.log``). Top level:
 ``finished`` (the run got to its end), ``failed`` (the phases that did not pass), ``python``, ``overall_limit_s``,
 ``budgets_s``, ``launch``. The phases run with the optional packages (wandb, datasets, lm_eval) made absent, as on a
-machine without them (the CUDA tests see the machine as it is).
+machine without them (the CUDA tests see the machine as it is). A phase that finds it cannot run on the machine
+(``cuda_tests`` without pytest) is ``skipped`` with its ``reason``, not failed. Speeds relative to a device copy are
+``time_over_copy`` throughout: the operation's time / the copy's (> 1: slower than the copy).
 
 A phase's limit is its budget (:data:`PHASES`, seconds; they add up to 450) or what is left of the overall limit,
 whichever is smaller; at its limit the phase's process group gets SIGTERM, then SIGKILL. SIGTERM / SIGINT to the
@@ -208,6 +210,7 @@ class Runner:
         self.deadline = self.t0 + overall_s - min(15.0, overall_s / 4)
         self.out_dir, self.dry_run, self.python, self.only, self.limits = out_dir, dry_run, python, only, limits
         self.fork = launch == "fork"
+        self.self_skipped: list[str] = []  # phases that found they cannot run on this machine
         if dry_run:  # tiny CPU ops: threads only contend (10x slower on 2 shared cores); before torch is imported
             os.environ.setdefault("OMP_NUM_THREADS", "1")
         self.installed = {p: importlib.util.find_spec(p) is not None for p in OPTIONAL_PACKAGES}
@@ -295,8 +298,10 @@ class Runner:
         }
         if name == "compile":
             env.setdefault("TORCH_LOGS", "recompiles,graph_breaks")  # the reasons, in its log
-        if name == "checkpoint":
-            env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS for the bitwise resume comparison
+        if name in ("checkpoint", "cuda_tests"):
+            # deterministic cuBLAS for the bitwise comparisons (the resume; the CUDA tests' runs under
+            # torch.use_deterministic_algorithms), set before the process makes its first cuBLAS handle
+            env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         base = {
             "status": "running",
             "what": self.state[name]["what"],
@@ -365,14 +370,18 @@ class Runner:
         else:
             entry["status"] = "failed"
         entry = self._merge_part(name, entry)
-        if entry["status"] != "ok":
+        if entry["status"] == "ok" and entry.get("phase_skipped"):  # the phase found it cannot run here, and said why
+            entry.update(status="skipped", reason=entry.pop("phase_skipped"))
+            self.self_skipped.append(name)
+        elif entry["status"] != "ok":
             if entry["status"] == "failed" and "error" not in entry:
                 bad = entry.get("failed_checks")
                 entry["error"] = f"failed checks: {'; '.join(bad)}" if bad else f"exit code {rc}"
             entry["log_tail"] = _tail(log)
             self.state["failed"].append(name)
         self.state[name] = entry
-        self.say(f"{name}: {entry['status']} in {secs:.1f} s" + (f" -- {entry['error']}" if "error" in entry else ""))
+        why = entry.get("error") or (entry.get("reason") if entry["status"] == "skipped" else None)
+        self.say(f"{name}: {entry['status']} in {secs:.1f} s" + (f" -- {why}" if why else ""))
         for line in entry.get("log_tail", [])[-6:]:
             self.say(f"    | {line[:300]}")
         head = headline(name, entry)
@@ -474,7 +483,8 @@ class Runner:
             code = 1
         self.say(f"figures: {self.out_dir / 'gpu_check.json'}; logs: {self.out_dir / 'gpu_check_logs.tar.gz'}")
         if code == 0:
-            self.say("all phases passed")
+            skipped = self.self_skipped
+            self.say("all phases passed" + (f" (skipped: {', '.join(skipped)}; see their reason)" if skipped else ""))
         elif self.state["failed"]:
             self.say(f"phases that did not pass: {', '.join(self.state['failed'])}")
         self.runlog.flush()
@@ -532,8 +542,19 @@ def headline(name: str, e: dict) -> str:
                 if "eager" not in r:
                     rows.append(f"{p} {'skipped' if 'skipped' in r else 'failed'}")
                     continue
-                bits = [f"{m} x{r[m]['ratio_to_memcpy']:.2f}" for m in ("eager", "compiled") if m in r]
-                rows.append(f"{p} {'/'.join(bits)} of copy")
+                bits = [f"{m} x{r[m]['time_over_copy']:.2f}" for m in ("eager", "compiled") if m in r]
+                rows.append(f"{p} {'/'.join(bits)} the copy's time")
+            counts = [
+                v[k]
+                for per_dp in (e.get("decode_dp", {}).get("codecs") or {}).values()
+                for v in per_dp.values()
+                for k in ("eager_differing_from_reference", "compiled_differing_from_eager")
+                if k in v
+            ]
+            if counts:
+                dps = "/".join(str(d) for d in e["decode_dp"]["dp_sizes"])
+                which = "eager vs FP64 reference" + (", compiled vs eager" if e["decode_dp"].get("compiled") else "")
+                rows.append(f"decoded DP means differing ({which}) at DP {dps}: {sum(counts)}")
             return "; ".join(rows)
     except Exception:  # noqa: BLE001 -- a figure missing from a phase that did not finish
         return ""

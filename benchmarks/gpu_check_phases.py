@@ -586,7 +586,8 @@ def _time_ops(ctx: Ctx, ops: dict, repeats: int) -> dict[str, float]:
 
 def _geo_layer_cost(ctx: Ctx) -> dict:
     """GeoFP8's extra work per selected layer (G T before encoding, G^ T^-1 after decoding) on the gradient shapes
-    of the MLP down projections, next to the FP8 round trip and a copy of the same gradient (``ratio_to_copy``)."""
+    of the MLP down projections, next to the FP8 round trip and a copy of the same gradient (``time_over_copy``: the
+    operation's time / the copy's)."""
     from megatron_geo.comm.roundtrip import quantize_roundtrip
     from megatron_geo.config import load_config
     from megatron_geo.config.presets import preset_config
@@ -622,13 +623,11 @@ def _geo_layer_cost(ctx: Ctx) -> dict:
         }
         med = _time_ops(ctx, ops, 2 if ctx.dry_run else 10)
         nbytes = 4 * g.numel()
-        copy = nbytes / med["copy"] / 1e9
         out[os.path.basename(cfg_path)] = {
             "shape": [d_out, d_in],
             "rank": r,
             "ops": {
-                k: {"ms": v * 1e3, "gbps": nbytes / v / 1e9, "ratio_to_copy": nbytes / v / 1e9 / copy}
-                for k, v in med.items()
+                k: {"ms": v * 1e3, "gbps": nbytes / v / 1e9, "time_over_copy": v / med["copy"]} for k, v in med.items()
             },
             "geo_added_ms_per_layer": (med["geofp8 round trip"] - med["fp8_e4m3 round trip"]) * 1e3,
             "geofp8_rel_l2": float((geo_rt() - g).norm() / g.norm()),
@@ -877,13 +876,27 @@ def cuda_test_files() -> list[str]:
 def phase_cuda_tests(ctx_args, rec: Record) -> None:
     """``python3 -m pytest -q`` (in this process) on the tests that need CUDA, selected by
     benchmarks/gpu_check_pytest.py (a skipif whose reason names CUDA); without CUDA they skip themselves. The
-    optional packages are not blocked for the tests (they see the machine as it is)."""
+    optional packages are not blocked for the tests (they see the machine as it is).
+
+    Without pytest (a bare device Python) the phase is skipped: ``phase_skipped`` says why and how to install it, and
+    the runner records the phase as ``skipped`` (not failed); the test files import pytest themselves, so they
+    cannot run without it."""
     import xml.etree.ElementTree as ET
 
-    import gpu_check_pytest
-    import pytest
-
     files = cuda_test_files()
+    try:
+        import pytest
+    except ImportError as e:
+        rec.update(files=files, cuda_available=torch.cuda.is_available(), pytest_available=False)
+        rec["phase_skipped"] = (
+            f"pytest is not installed for {sys.executable} ({e}); the tests that need CUDA did not run: "
+            f"`{sys.executable} -m pip install pytest`, or set MG_PYTHON to a Python that has it"
+        )
+        rec.save()
+        return
+    import gpu_check_pytest
+
+    rec["pytest_available"] = True
     xml = Path(ctx_args.work) / "cuda_tests.xml"
     args = ["-q", "-rs", "-p", "no:cacheprovider", "--junitxml", str(xml), *files]
     rec.update(
@@ -1108,98 +1121,422 @@ def codec_presets() -> list[str]:
     return first + [p for p in all_codec_presets() if p not in first]
 
 
-def phase_codec(ctx: Ctx, rec: Record) -> None:
-    """The codec kernels (benchmarks/codec_kernels.py) and the reducers' own bucket path per preset
-    (benchmarks/codec.py: eager and ``comm.compile=true``, compiled = eager checked bitwise), each next to a
-    device-to-device copy of the same buffer timed in the same run."""
+def compile_group(preset: str) -> str | None:
+    """Which codec graphs ``preset`` compiles with ``comm.compile=true``, as a key: its ``comm.dtype`` and the
+    layout's block (``"fp8_e4m3 granule16"``; block scaling's 128-element blocks are another static size), None for
+    a plain cast (nothing is compiled). Presets of one group share their graphs in one process (error feedback
+    adds one graph, the Hadamard rotation runs eagerly)."""
+    from megatron_geo.comm.formats import get_format, layout_granule
+    from megatron_geo.config.presets import preset_config
+
+    comm = preset_config(preset).comm
+    if not get_format(comm.dtype).scaled:
+        return None
+    return f"{comm.dtype} granule{layout_granule(comm)}"
+
+
+# -- compiled = eager at several DP sizes: the decode-and-mean of every scaled codec --------------------------------
+
+CODEC_DP_SIZES = (2, 3, 64)
+# (row, comm.dtype, elements per block): the decode graphs of the presets (FP8 tensor scaling reads 16-element blocks,
+# block scaling 128-element ones; NVFP4 16)
+DP_CHECK_CODECS = (
+    ("fp8_e4m3 granule16", "fp8_e4m3", 16),
+    ("fp8_e4m3 granule128", "fp8_e4m3", 128),
+    ("fp8_e5m2 granule16", "fp8_e5m2", 16),
+    ("nvfp4", "nvfp4", 16),
+)
+# E2M1 magnitude of each 3-bit code (OCP / NVIDIA NVFP4), written out here so the reference shares no code with
+# the codecs
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def differing_values(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many elements of the float32 tensors ``a`` and ``b`` (one shape) differ in their bit pattern; two NaNs
+    count as equal whatever their payload and sign (backends disagree on those)."""
+    na, nb = a.isnan(), b.isnan()
+    same = (a.view(torch.int32) == b.view(torch.int32)) | (na & nb)
+    return int((~same).sum())
+
+
+def _finite_fp8_codes(shape, fmt: str, gen: torch.Generator) -> torch.Tensor:
+    """Random uint8 FP8 codes of ``fmt`` with the non-finite ones (E4M3 0x7F; E5M2 0x7C-0x7F, either sign) set to 0;
+    block 1 of every source is all 0x80 (-0.0), whose mean must be +0.0."""
+    c = torch.randint(0, 256, shape, generator=gen, dtype=torch.int32)
+    mag = c & 0x7F
+    bad = mag == 0x7F if fmt == "fp8_e4m3" else mag >= 0x7C
+    c = torch.where(bad, 0, c).to(torch.uint8)
+    c[:, 1] = 0x80
+    return c
+
+
+def _reference_mean(vals: torch.Tensor) -> torch.Tensor:
+    """float32 mean over dim 0 of float64 ``vals`` ``[dp, ...]`` (each an exact product, rounded to FP32 here): the
+    FP32 sum from +0.0 in source order, each addition formed in FP64 and rounded to FP32, then the FP64 quotient by
+    dp rounded to FP32. FP64 has more than 2 * 24 + 2 bits, so each double rounding equals the FP32 operation's
+    correct rounding."""
+    v = vals.float()
+    acc = torch.zeros(vals.shape[1:], dtype=torch.float32)
+    for i in range(vals.shape[0]):
+        acc = (acc.double() + v[i].double()).float()
+    return (acc.double() / vals.shape[0]).float()
+
+
+def codec_dp_check(
+    device, compiled: bool, dps=CODEC_DP_SIZES, codecs=DP_CHECK_CODECS, numel: int = 1 << 16, seed: int = 0
+) -> dict:
+    """The receive side of every scaled codec (each DP source's codes decoded with its scales, summed over the
+    sources, divided by dp: what ``decode_own`` runs) at the DP sizes ``dps``, on random finite codes of ``numel``
+    values per source: eager against an independent FP64-based reference, and compiled (``comm.compile``) against
+    eager, bitwise.
+
+    Args:
+        device: where the codecs run (``"cuda:0"``, ``"cpu"``); the reference runs on the CPU.
+        compiled: also run the compiled codecs (a C++ compiler on the CPU, Triton on a GPU).
+        dps: DP sizes (sources), each >= 1.
+        codecs: ``(row, comm.dtype, elements per block)`` rows (:data:`DP_CHECK_CODECS`).
+        numel: values per source, a multiple of 128.
+
+    Returns:
+        ``{row: {"dp<N>": {"eager_differing_from_reference": int, "compiled_differing_from_eager": int (with
+        ``compiled``)}}}``: counts of values out of ``numel`` whose FP32 bits differ.
+    """
+    from megatron_geo.comm.codecs import dp_divisor
+    from megatron_geo.comm.wire_fp8 import FP8Wire
+    from megatron_geo.comm.wire_nvfp4 import NVFP4Wire
+
+    dev = torch.device(device)
+    out: dict = {}
+    for row, dtype, blk in codecs:
+        nb = numel // blk
+        wires = {"eager": None, "compiled": None}
+        for mode in ("eager", "compiled") if compiled else ("eager",):
+            c = mode == "compiled"
+            wires[mode] = NVFP4Wire("nearest", None, c) if dtype == "nvfp4" else FP8Wire(dtype, "nearest", None, c)
+        out[row] = {}
+        for dp in dps:
+            gen = torch.Generator().manual_seed(seed * 1000 + dp)
+            res: dict[str, torch.Tensor] = {}
+            if dtype == "nvfp4":
+                packed = torch.randint(0, 256, (dp, nb, blk // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+                packed[:, 1] = 0x88  # -0.0 in both nibbles
+                bscale = torch.randint(0, 0x7F, (dp, nb), generator=gen, dtype=torch.int32).to(torch.uint8)
+                g = torch.exp2(torch.rand(dp, nb, generator=gen) * 40 - 30)
+                nib = torch.stack((packed & 15, packed >> 4), dim=-1).view(dp, nb, blk).long()
+                e2m1 = torch.tensor(_E2M1 + tuple(-v for v in _E2M1), dtype=torch.float64)[nib]
+                s = bscale.view(torch.float8_e4m3fn).double().unsqueeze(-1)
+                vals = (e2m1 * s).float().double() * g.double().unsqueeze(-1)  # (e2m1 * s) exact in FP32
+                ref = _reference_mean(vals).view(-1)
+                args = (packed.to(dev), bscale.to(dev), g.to(dev))
+                for mode, w in wires.items():
+                    if w is None:
+                        continue
+                    o = torch.empty(numel, device=dev)
+                    if dev.type != "cpu":  # decode_own's GPU form: the unpacking inside the graph
+                        w.sum_packed(*args, o, dp_divisor(dp, dev))
+                    else:
+                        w.sum_sources(w.unpack(args[0]).view(dp, nb, blk), *args[1:], o, dp_divisor(dp, dev))
+                    res[mode] = o.cpu()
+            else:
+                dt = torch.float8_e4m3fn if dtype == "fp8_e4m3" else torch.float8_e5m2
+                codes = _finite_fp8_codes((dp, nb, blk), dtype, gen)
+                scale = torch.exp2(torch.rand(dp, nb, generator=gen) * 40 - 30)
+                vals = codes.view(dt).double() * scale.double().unsqueeze(-1)
+                ref = _reference_mean(vals).view(-1)
+                for mode, w in wires.items():
+                    if w is None:
+                        continue
+                    o = torch.empty(numel, device=dev)
+                    w.decode_sum(codes.to(dev), scale.to(dev), o, dp_divisor(dp, dev))
+                    res[mode] = o.cpu()
+            r = {"eager_differing_from_reference": differing_values(res["eager"], ref)}
+            if "compiled" in res:
+                r["compiled_differing_from_eager"] = differing_values(res["compiled"], res["eager"])
+            out[row][f"dp{dp}"] = r
+    return out
+
+
+def _record_dp_check(rec: Record, found: dict, compiled: bool) -> None:
+    """``found`` (:func:`codec_dp_check`) into ``rec["decode_dp"]``, with one check per comparison."""
+    rec["decode_dp"].update(codecs=found)
+    for row, per_dp in found.items():
+        ref = {k: v["eager_differing_from_reference"] for k, v in per_dp.items()}
+        rec.check(f"{row}: eager decode = FP64-based reference bitwise at every DP", not any(ref.values()), ref)
+        if compiled:
+            comp = {k: v.get("compiled_differing_from_eager") for k, v in per_dp.items()}
+            rec.check(f"{row}: compiled decode = eager bitwise at every DP", comp and not any(comp.values()), comp)
+
+
+# -- the codec phase ------------------------------------------------------------------------------------------------
+
+WARM_NUMEL = 1 << 16  # bucket size of the background compiles (the graphs have dynamic lengths)
+COLD_COMPILE_S = 25.0  # what a preset needs whose graphs nobody compiled yet (a GPU's first compile of a codec)
+WARM_COMPILE_S = 6.0  # ... whose graphs are compiled or in the on-disk caches
+
+
+def _bench_row(r: dict, numel: int) -> dict:
+    """One ``benchmarks/codec.py`` row in the phase's units: ``time_over_copy`` (its ``ratio_to_memcpy``, time / copy
+    time) and ``traffic_bound_time_over_copy``, plus ``gbps`` and ``memcpy_gbps``."""
+    renamed = {"ratio_to_memcpy": "time_over_copy", "traffic_bound_ratio_to_memcpy": "traffic_bound_time_over_copy"}
+    row = {renamed.get(k, k): v for k, v in r.items()}
+    row.update(gbps=4 * numel / (r["ms"] / 1e3) / 1e9, memcpy_gbps=4 * numel / (r["memcpy_ms"] / 1e3) / 1e9)
+    return row
+
+
+def _codec_bench(ctx: Ctx, presets: list[str], mode: str, numel: int, out: Path) -> tuple[dict, str | None]:
+    """``benchmarks/codec.py --compile mode --presets ...`` in this process: (its JSON or {}, why it failed or None)."""
     import codec as reducer_bench
+
+    try:
+        rc = reducer_bench.main(
+            ["--device", str(ctx.device), "--numel", str(numel), "--repeats", "1" if ctx.dry_run else "10"]
+            + ["--compile", mode, "--presets", *presets, "--json", str(out)]
+        )
+    except Exception as e:  # noqa: BLE001 -- one failure (a compile error) leaves the other presets to run
+        import traceback
+
+        traceback.print_exc()
+        rc = f"{type(e).__name__}: {str(e)[:500]}"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if rc != 0 or not out.is_file():
+        return {}, f"benchmarks/codec.py: {rc if isinstance(rc, str) else f'exit code {rc}'}"
+    return json.loads(out.read_text()), None
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies (a background job never outlives a killed phase)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 -- not Linux: the runner's process-group kill still applies
+        pass
+
+
+class Background:
+    """Jobs started next to the phase (same process group: the runner's kill at the time limit reaches them), each
+    with its own log in the work folder; :meth:`stop` ends those still running."""
+
+    def __init__(self, work: Path):
+        self.work, self.jobs, self.ended = work, {}, {}
+
+    def start(self, name: str, argv: list[str], threads: int) -> None:
+        """``python argv...`` from the repository root, Inductor limited to ``threads`` compile workers."""
+        import subprocess
+
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_COMPILE_THREADS": str(threads)}
+        log = self.work / f"codec_bg_{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.log"
+        with open(log, "w") as f:
+            p = subprocess.Popen(
+                [sys.executable, *argv],
+                cwd=ROOT,
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
+            )
+        self.jobs[name] = (p, log, time.perf_counter())
+
+    def _poll(self) -> None:
+        for n, (p, _, _) in self.jobs.items():
+            if n not in self.ended and p.poll() is not None:
+                self.ended[n] = time.perf_counter()
+
+    def done(self, name: str) -> bool:
+        self._poll()
+        return name in self.ended
+
+    def running(self) -> list[str]:
+        self._poll()
+        return [n for n in self.jobs if n not in self.ended]
+
+    def summary(self) -> dict:
+        """``{job: {"exit_code": int or None (running), "seconds": from its start to its end (or to now), "log_tail"
+        (unless it passed)}}``."""
+        self._poll()
+        out = {}
+        for n, (p, log, t0) in self.jobs.items():
+            rc = p.poll()
+            out[n] = {"exit_code": rc, "seconds": self.ended.get(n, time.perf_counter()) - t0}
+            if rc != 0:
+                out[n]["log_tail"] = log.read_text(errors="replace").splitlines()[-5:]
+        return out
+
+    def stop(self) -> None:
+        for p, _, _ in self.jobs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def phase_codec(
+    ctx: Ctx,
+    rec: Record,
+    presets: list[str] | None = None,
+    compiled: bool | None = None,
+    dps=CODEC_DP_SIZES,
+    dp_codecs=DP_CHECK_CODECS,
+) -> None:
+    """The codec kernels (benchmarks/codec_kernels.py) and the reducers' own bucket path per preset
+    (benchmarks/codec.py at DP 2: eager, and with ``comm.compile=true`` compiled = eager checked bitwise), each next
+    to a device-to-device copy of the same buffer timed in the same run; and every scaled codec's decode-and-mean at
+    DP 2, 3 and 64, eager against an FP64-based reference and compiled against eager, with the count of differing
+    values (:func:`codec_dp_check`).
+
+    Time: every preset's eager row comes first (one benchmarks/codec.py run, no compilation); on a GPU each group of
+    presets that compiles the same graphs (:func:`compile_group`) and the DP check are compiled at the same time in
+    background processes that fill Inductor's on-disk caches, so the compiled rows, preset by preset, load their
+    graphs instead of compiling them; a preset is left out (``compiled_skipped``, with the reason) only when less
+    time is left than it needs (:data:`WARM_COMPILE_S` once its graphs are warm, else :data:`COLD_COMPILE_S`).
+    ``time_over_copy`` everywhere: the operation's time / the copy's (> 1: slower than a copy).
+
+    Args:
+        presets: the presets (default: :func:`dry_codec_presets` in the dry run, else :func:`codec_presets`).
+        compiled: run the compiled codecs (default: on a GPU when Inductor can compile; never in the dry run).
+        dps / dp_codecs: the DP sizes and codecs of the DP check.
+    """
     from codec_kernels import make_ops
 
     numel = 1 << 18 if ctx.dry_run else 64 * 2**20
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(ctx.device)
-    med = _time_ops(ctx, make_ops(x, torch.empty_like(x)), 2 if ctx.dry_run else 10)
-    nbytes = 4 * numel
-    copy = nbytes / med["copy"] / 1e9
-    rec.update(
-        numel=numel,
-        ops={
-            k: {"ms": v * 1e3, "gbps": nbytes / v / 1e9, "ratio_to_copy": nbytes / v / 1e9 / copy}
-            for k, v in med.items()
-        },
-    )
-    del x
-    rec.save()
     from megatron_geo.comm.compiled import compiler_problem
 
     problem = compiler_problem(str(ctx.device))
-    if ctx.dry_run:
-        mode, rec["compiled_skipped"] = (
-            "eager",
-            ("the dry run times the eager codecs only (torch.compile on the CPU needs a C++ compiler and minutes)"),
-        )
-    elif problem:
-        mode, rec["compiled_skipped"] = "eager", problem
-    else:
-        mode = "both"
-    presets = dry_codec_presets() if ctx.dry_run else codec_presets()
-    rnumel = 1 << 20 if ctx.dry_run else 64 * 2**20
-    rec["reducer"] = {"numel": rnumel, "dp": 2, "modes": mode, "presets": {}}
-    for p in presets:  # one run per preset, each with its own copy reference: a time limit keeps the finished ones
-        if ctx.time_left() < (5 if ctx.dry_run else 25):
-            rec["reducer"]["presets"][p] = {"skipped": f"{ctx.time_left():.0f} s left of the phase's time limit"}
-            rec.save()
-            continue
-        out = ctx.work / f"codec_{p}.json"
-        t0 = time.perf_counter()
-        try:
-            rc = reducer_bench.main(
-                [
-                    "--device",
-                    str(ctx.device),
-                    "--numel",
-                    str(rnumel),
-                    "--repeats",
-                    "1" if ctx.dry_run else "10",
-                    "--compile",
-                    mode,
-                    "--presets",
-                    p,
-                    "--json",
-                    str(out),
-                ]
+    if compiled is None:
+        compiled = not ctx.dry_run and problem is None
+        if ctx.dry_run:
+            rec["compiled_skipped"] = (
+                "the dry run times the eager codecs only (torch.compile on the CPU needs a C++ compiler and minutes)"
             )
-        except Exception as e:  # noqa: BLE001 -- one preset's failure (a compile error) leaves the others to run
-            import traceback
+        elif problem:
+            rec["compiled_skipped"] = problem
+    if presets is None:
+        presets = dry_codec_presets() if ctx.dry_run else codec_presets()
+    groups = {p: compile_group(p) for p in presets}
+    bg = Background(ctx.work)
+    dp_out = ctx.work / "codec_dp_check.json"
+    dp_numel = 1 << 14 if ctx.dry_run else 1 << 16
+    rec["decode_dp"] = {"dp_sizes": list(dps), "values_per_source": dp_numel, "compiled": compiled}
+    try:
+        if compiled:
+            jobs = sorted({g for g in groups.values() if g is not None})
+            threads = max(1, ((os.cpu_count() or 2) - 2) // (len(jobs) + 1))
+            for gname in jobs:
+                members = [p for p in presets if groups[p] == gname]
+                bg.start(
+                    gname,
+                    [str(HERE / "codec.py"), "--device", str(ctx.device), "--numel", str(WARM_NUMEL), "--repeats", "1"]
+                    + ["--compile", "compiled", "--presets", *members],
+                    threads,
+                )
+            bg.start(
+                "dp_check",
+                [str(HERE / "gpu_check_phases.py"), "codec-dp", "--device", str(ctx.device), "--out", str(dp_out)]
+                + ["--numel", str(dp_numel), "--dps", *map(str, dps), "--codecs", *(c[0] for c in dp_codecs)],
+                threads,
+            )
+        med = _time_ops(ctx, make_ops(x, torch.empty_like(x)), 2 if ctx.dry_run else 10)
+        nbytes = 4 * numel
+        rec.update(
+            numel=numel,
+            ops={
+                k: {"ms": v * 1e3, "gbps": nbytes / v / 1e9, "time_over_copy": v / med["copy"]} for k, v in med.items()
+            },
+        )
+        del x
+        rec.save()
+        if not compiled:  # eager only: the DP check here (no compilation, a few seconds)
+            _record_dp_check(rec, codec_dp_check(ctx.device, False, dps, dp_codecs, dp_numel), False)
+            rec.save()
+        _codec_rows(ctx, rec, presets, groups, compiled, bg)
+        if compiled:
+            while "dp_check" in bg.running() and ctx.time_left() > 2:
+                time.sleep(0.5)
+            if dp_out.is_file():
+                _record_dp_check(rec, json.loads(dp_out.read_text()), True)
+            else:
+                why = "still running at the phase's time limit" if "dp_check" in bg.running() else "failed"
+                rec["decode_dp"]["error"] = f"the DP check {why}"
+                rec.check("DP check ran", False, bg.summary().get("dp_check"))
+    finally:
+        if bg.jobs:
+            rec["background"] = bg.summary()
+        bg.stop()
+        rec.save()
 
-            traceback.print_exc()
-            rc = f"{type(e).__name__}: {str(e)[:500]}"
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        if rc != 0 or not out.is_file():
-            why = rc if isinstance(rc, str) else f"exit code {rc}"
-            rec["reducer"]["presets"][p] = {"error": f"benchmarks/codec.py: {why}"}
-            rec.check(f"{p}: benchmarks/codec.py ran", False, rc)
+
+def _codec_rows(ctx: Ctx, rec: Record, presets: list[str], groups: dict, compiled: bool, bg: Background) -> None:
+    """The ``reducer`` rows of :func:`phase_codec`: every preset eagerly, then (``compiled``) preset by preset with
+    ``--compile both`` as time allows, those whose graphs are warm first."""
+    rnumel = 1 << 20 if ctx.dry_run else 64 * 2**20
+    rows: dict = {}
+    rec["reducer"] = {"numel": rnumel, "dp": 2, "modes": "both" if compiled else "eager", "presets": rows}
+    d, err = _codec_bench(ctx, presets, "eager", rnumel, ctx.work / "codec_eager.json")
+    for p in presets:
+        r = d.get("presets_eager", {}).get(p)
+        rows[p] = {"eager": _bench_row(r, rnumel)} if r is not None else {"error": err or "no row"}
+        rec.check(f"{p}: benchmarks/codec.py ran (eager)", r is not None, err)
+    rec.save()
+    if not compiled:
+        return
+    pending = list(presets)
+    ready_groups: set = set()  # compiled in this process already
+    while pending:
+        ready = [p for p in pending if groups[p] is None or groups[p] in ready_groups or bg.done(groups[p])]
+        if not ready and any(groups[p] in bg.running() for p in pending) and ctx.time_left() > COLD_COMPILE_S + 5:
+            time.sleep(0.5)  # a background compile is still filling the caches: wait for it while time allows
+            continue
+        p = (ready or pending)[0]
+        pending.remove(p)
+        need = WARM_COMPILE_S if p in ready else COLD_COMPILE_S
+        if ctx.time_left() < need:
+            rows[p]["compiled_skipped"] = (
+                f"{ctx.time_left():.0f} s left of the phase's time limit; the compiled run needs about {need:.0f} s"
+            )
             rec.save()
             continue
-        d = json.loads(out.read_text())
-        row = {"seconds": time.perf_counter() - t0}
-        for m in ("eager", "compiled"):
+        t0 = time.perf_counter()
+        d, err = _codec_bench(ctx, [p], "both", rnumel, ctx.work / f"codec_{p}.json")
+        if err:
+            rows[p]["compiled_error"] = err
+            rec.check(f"{p}: benchmarks/codec.py ran (compiled)", False, err)
+            rec.save()
+            continue
+        ready_groups.add(groups[p])
+        for m in ("eager", "compiled"):  # the eager row of the same run replaces the first one
             r = d.get(f"presets_{m}", {}).get(p)
             if r is not None:
-                row[m] = {
-                    **r,
-                    "gbps": 4 * rnumel / (r["ms"] / 1e3) / 1e9,
-                    "memcpy_gbps": 4 * rnumel / (r["memcpy_ms"] / 1e3) / 1e9,
-                }
-        rec["reducer"]["presets"][p] = row
-        if "compiled" in row:
-            rec.check(
-                f"{p}: compiled = eager bitwise",
-                row["compiled"].get("bitwise_equal_eager") is True,
-                row["compiled"].get("bitwise_equal_eager"),
-            )
+                rows[p][m] = _bench_row(r, rnumel)
+        rows[p]["compiled_run_s"] = time.perf_counter() - t0
+        same = rows[p].get("compiled", {}).get("bitwise_equal_eager")
+        rec.check(f"{p}: compiled = eager bitwise (DP 2, two reductions)", same is True, same)
         rec.save()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python benchmarks/gpu_check_phases.py codec-dp --device D --out FILE [--dps 2 3 64] [--codecs ROW ...]
+    [--numel 65536]``:
+    :func:`codec_dp_check` with the compiled codecs, written to FILE as JSON (the codec phase's background job)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("codec-dp")
+    c.add_argument("--device", required=True)
+    c.add_argument("--out", required=True)
+    c.add_argument("--dps", type=int, nargs="+", default=list(CODEC_DP_SIZES))
+    c.add_argument("--codecs", nargs="+", default=[r[0] for r in DP_CHECK_CODECS])
+    c.add_argument("--numel", type=int, default=1 << 16)
+    a = ap.parse_args(argv)
+    codecs = [r for r in DP_CHECK_CODECS if r[0] in a.codecs]
+    found = codec_dp_check(a.device, True, a.dps, codecs, a.numel)
+    tmp = a.out + ".tmp"
+    Path(tmp).write_text(json.dumps(found, indent=1) + "\n")
+    os.replace(tmp, a.out)
+    return 0
 
 
 PHASES = {
@@ -1225,3 +1562,7 @@ def run(name: str, args, rec: Record) -> None:
         fn(ctx, rec)
     else:
         fn(args, rec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -156,11 +156,38 @@ def test_dry_run_figures(dry_run):
     assert m["muon_overlap"] is True and m["early_muon_hits"] + m["early_muon_misses"] > 0  # DP 1 owns every matrix
 
     k = d["codec"]
-    assert k["ops"]["copy"]["ratio_to_copy"] == pytest.approx(1.0)
+    assert k["ops"]["copy"]["time_over_copy"] == pytest.approx(1.0)
     assert {"fp8_e4m3 tensor", "nvfp4", "bf16 cast", "hadamard128 rot+inv"} <= set(k["ops"])
+    for op in k["ops"].values():  # one convention: time / the copy's time
+        assert op["time_over_copy"] == pytest.approx(op["ms"] / k["ops"]["copy"]["ms"])
     rows = k["reducer"]["presets"]
     assert set(rows) == {"fp8", "nvfp4"} and "compiled_skipped" in k
     assert all(r["eager"]["ms"] > 0 and r["eager"]["syncs_per_bucket"] == 0 for r in rows.values())
+    for r in rows.values():
+        e = r["eager"]
+        assert e["time_over_copy"] == pytest.approx(e["ms"] / e["memcpy_ms"]) and e["time_over_copy"] > 1
+    for op in geo["layers"]["tiny.yaml"]["ops"].values():
+        assert op["time_over_copy"] == pytest.approx(op["ms"] / geo["layers"]["tiny.yaml"]["ops"]["copy"]["ms"])
+    assert not _keys_containing(d, "ratio_to"), _keys_containing(d, "ratio_to")  # no second convention
+    # the decode-and-mean of every codec at DP 2, 3 and 64 against the FP64-based reference (eager in the dry run)
+    dpc = k["decode_dp"]
+    assert dpc["dp_sizes"] == [2, 3, 64] and dpc["compiled"] is False
+    assert set(dpc["codecs"]) == {"fp8_e4m3 granule16", "fp8_e4m3 granule128", "fp8_e5m2 granule16", "nvfp4"}
+    for per_dp in dpc["codecs"].values():
+        assert per_dp == {f"dp{n}": {"eager_differing_from_reference": 0} for n in (2, 3, 64)}
+
+
+def _keys_containing(obj, text: str, path: str = "") -> list[str]:
+    """Paths of the dict keys in ``obj`` (nested dicts and lists) that contain ``text``."""
+    out = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out += [f"{path}/{k}"] if text in str(k) else []
+            out += _keys_containing(v, text, f"{path}/{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            out += _keys_containing(v, text, f"{path}/{i}")
+    return out
 
 
 def test_phase_past_its_budget_is_timed_out_and_the_json_stays_valid(tmp_path):
@@ -296,3 +323,82 @@ def test_pytest_plugin_keeps_the_tests_whose_skip_reason_names_cuda():
     other = SimpleNamespace(args=(True,), kwargs={"reason": "needs a C++ compiler"})
     assert needs_cuda(item(cuda)) and needs_cuda(item(other, cuda))
     assert not needs_cuda(item(other)) and not needs_cuda(item())
+
+
+def _phases():
+    """benchmarks/gpu_check_phases.py as a module, with benchmarks/ on sys.path (its phases import their
+    neighbours: codec.py, codec_kernels.py)."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check_phases
+
+    return gpu_check_phases
+
+
+def test_cuda_tests_without_pytest_are_skipped_with_the_reason(tmp_path):
+    """A device Python without pytest: the phase says so in the JSON and is skipped, not failed."""
+    shadow = tmp_path / "no_pytest"
+    shadow.mkdir()
+    (shadow / "pytest.py").write_text("raise ModuleNotFoundError(\"No module named 'pytest'\", name='pytest')\n")
+    out = tmp_path / "out"
+    env = _env(tmp_path, MG_PYTHON=sys.executable, GPU_CHECK_ONLY="cuda_tests", PYTHONPATH=str(shadow))
+    r, _ = _run(["--dry-run", str(out)], env, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    d, members = _outputs(out)
+    t = d["cuda_tests"]
+    assert t["status"] == "skipped" and t["pytest_available"] is False, t
+    assert t["reason"].startswith("pytest is not installed for ") and "pip install pytest" in t["reason"]
+    assert "phase_skipped" not in t and "gpu_check_logs/cuda_tests.log" in members
+    assert d["failed"] == [] and d["finished"] is True
+    assert "cuda_tests: skipped" in r.stdout and "all phases passed (skipped: " in r.stdout
+
+
+def test_codec_dp_check_counts_the_values_a_reciprocal_multiply_changes(monkeypatch):
+    """The DP check against its FP64-based reference: exact for the codecs' own mean; a mean that multiplies by
+    1 / dp (what a division by a constant becomes on a GPU) differs at DP 3, not at DP 2 (0.5 is exact)."""
+    P = _phases()
+    from megatron_geo.comm import wire_fp8
+
+    rows = P.DP_CHECK_CODECS[:1]
+    found = P.codec_dp_check("cpu", False, (2, 3, 64), rows, numel=1 << 14)
+    assert found == {rows[0][0]: {f"dp{n}": {"eager_differing_from_reference": 0} for n in (2, 3, 64)}}
+
+    def reciprocal_mean(vals, divisor, out):
+        return out.copy_(vals.sum(0) * (1.0 / divisor))
+
+    monkeypatch.setattr(wire_fp8, "mean_over_sources", reciprocal_mean)
+    bad = P.codec_dp_check("cpu", False, (2, 3), rows, numel=1 << 14)[rows[0][0]]
+    assert bad["dp2"]["eager_differing_from_reference"] == 0
+    assert 1000 < bad["dp3"]["eager_differing_from_reference"] < 16384 - 1000, bad
+
+
+def test_codec_phase_compiled_on_the_cpu_reports_every_preset_and_the_dp_check(tmp_path, monkeypatch):
+    """The codec phase with the compiled codecs (a GPU run's path, here on the CPU backend with two presets and
+    DP 2 and 3): the background compiles finish, every preset has its eager and compiled row (compiled = eager
+    bitwise), and the DP check counts no differing value."""
+    P = _phases()
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    # the phase's processes compile for the host's widest vector unit into their own Inductor cache (the suite pins
+    # ATen to AVX2, and Inductor's AVX2 code built with -march=native on an AVX-512 host miscompiles int32 selects)
+    widest = max([isa.bit_width() for isa in valid_vec_isa_list()], default=0)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", {512: "avx512", 256: "avx2"}.get(widest, "default"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    threads = torch.get_num_threads()
+    try:
+        rec = P.Record(str(tmp_path / "codec.json"))
+        P.phase_codec(
+            P.Ctx(True, str(tmp_path)), rec, ["fp8", "bf16"], True, (2, 3), [r for r in P.DP_CHECK_CODECS[:1]]
+        )
+    finally:
+        torch.set_num_threads(threads)  # benchmarks/codec.py sets its own
+    d = json.loads((tmp_path / "codec.json").read_text())
+    assert d["checks"] and all(d["checks"].values()), d["checks"]
+    rows = d["reducer"]["presets"]
+    assert d["reducer"]["modes"] == "both" and set(rows) == {"fp8", "bf16"}
+    for p in ("fp8", "bf16"):
+        assert rows[p]["compiled"]["bitwise_equal_eager"] is True and rows[p]["compiled_run_s"] > 0, rows[p]
+        assert rows[p]["compiled"]["time_over_copy"] > 0 and "ratio_to_memcpy" not in rows[p]["compiled"]
+    want = {"eager_differing_from_reference": 0, "compiled_differing_from_eager": 0}
+    assert d["decode_dp"]["codecs"] == {"fp8_e4m3 granule16": {"dp2": want, "dp3": want}}
+    assert {n: j["exit_code"] for n, j in d["background"].items()} == {"fp8_e4m3 granule16": 0, "dp_check": 0}
