@@ -147,13 +147,52 @@ def _train_cuda(overlap: bool, steps: int = 4):
     return [p.detach().cpu() for p in model.parameters()], grad_sync.early_updates
 
 
+# run in a fresh interpreter: CUBLAS_WORKSPACE_CONFIG only takes effect before the process's first cuBLAS handle
+_DETERMINISTIC_CUDA_RUNS = """
+import json, sys
+sys.path[:0] = sys.argv[1:3]
+import torch
+import test_early_muon as t
+
+torch.use_deterministic_algorithms(True, warn_only=True)
+plain, _ = t._train_cuda(False)
+again, _ = t._train_cuda(False)
+early_params, early = t._train_cuda(True)
+print(json.dumps({
+    "plain_repeats_bitwise": all(torch.equal(a, b) for a, b in zip(plain, again)),
+    "early_equals_plain_bitwise": all(torch.equal(a, b) for a, b in zip(plain, early_params)),
+    "hits": early.hits,
+    "misses": early.misses,
+}))
+"""
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run benchmarks/gpu_check.sh on a GPU machine)")
 def test_cuda_early_updates_in_the_side_stream_equal_torch_muon_after_backward():
     """On CUDA the early orthogonalisation runs in the gradient sync's side stream, behind each bucket's decode, with
     torch.optim.Muon's own iteration; the parameters after 4 steps equal those of torch.optim.Muon run after the
-    whole backward (the same kernels on another stream), and every step after the first used the early result."""
-    plain, _ = _train_cuda(False)
-    early_params, early = _train_cuda(True)
-    assert early is not None and early.hits > 0 and early.misses == 0
-    for a, b in zip(plain, early_params):
-        assert torch.equal(a, b)
+    whole backward (the same kernels on another stream), and every step after the first used the early result.
+
+    All three runs (plain, plain again, early) use deterministic algorithms and cuBLAS workspaces
+    (``torch.use_deterministic_algorithms``, ``CUBLAS_WORKSPACE_CONFIG=:4096:8``), in a process of their own; the two
+    plain runs must agree bitwise first, or a difference from the early run would say nothing about it."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    r = subprocess.run(
+        [sys.executable, "-c", _DETERMINISTIC_CUDA_RUNS, str(tests.parent), str(tests)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["plain_repeats_bitwise"], "two plain runs under deterministic algorithms differ"
+    assert res["hits"] > 0 and res["misses"] == 0, res
+    assert res["early_equals_plain_bitwise"], res

@@ -73,7 +73,7 @@ class StepProfiler:
     - at the beginning of the first step in ``[START, END)`` that runs (START, or the first step after a resume
       inside the window) a ``torch.profiler.profile`` (CPU, and CUDA on a CUDA device; no shapes, no stacks)
       starts, and with ``profiling.memory_snapshot`` on CUDA the memory history
-      (``torch.cuda.memory._record_memory_history``);
+      (``torch.cuda.memory._record_memory_history`` with the Python stack of every allocation, no C++ frames);
     - every profiled step is a ``record_function("step N")`` range;
     - after step ``END - 1``, or at :meth:`close` when training ends inside the window, the profiler stops and
       the trace goes to ``<run_dir>/profile/trace_rank{R}_steps{A}-{B}.json`` (R: global rank, A..B the steps it
@@ -166,7 +166,8 @@ class StepProfiler:
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         if self._memory:
-            torch.cuda.memory._record_memory_history(max_entries=_MEMORY_ENTRIES)
+            # Python stacks only: C++ unwinding at every allocation slows the profiled steps many times over
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=_MEMORY_ENTRIES)
         prof = self._prof = torch.profiler.profile(activities=activities, record_shapes=False, with_stack=False)
         prof.start()
         self._first = step
