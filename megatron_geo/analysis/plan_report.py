@@ -39,7 +39,8 @@ import torch
 from ..comm.formats import comm_alignment, get_format
 from ..config import Config, ConfigError
 from ..distributed.ownership import ParamInfo, param_infos, param_specs
-from ..distributed.shard_plan import ADAMW_FLOPS_PER_ELEMENT, ShardPlan, plan_model
+from ..distributed.plan_types import ADAMW_FLOPS_PER_ELEMENT, ShardPlan
+from ..distributed.shard_plan import plan_model
 from ..distributed.split_plan import gram_reductions, relayout_elements, split_member_flops
 
 

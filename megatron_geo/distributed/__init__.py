@@ -3,6 +3,7 @@
 from .buckets import Bucket, build_buckets
 from .data_parallel import GradSync
 from .optimizer import DistributedOptimizer
-from .shard_plan import Piece, ShardPlan, plan_shards
+from .plan_types import Piece, ShardPlan
+from .shard_plan import plan_shards
 
 __all__ = ["Bucket", "DistributedOptimizer", "GradSync", "Piece", "ShardPlan", "build_buckets", "plan_shards"]

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .shard_plan import ADAMW_FLOPS_PER_ELEMENT, ParamSpec, ShardPlan, plan_model
+from .plan_types import ADAMW_FLOPS_PER_ELEMENT, ParamSpec, ShardPlan
+from .shard_plan import plan_model
 
 
 @dataclass

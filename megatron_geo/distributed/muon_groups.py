@@ -23,7 +23,7 @@ from ..optim.muon import NS_CHOICES, MuonNS
 from ..optim.split_ns import split_orthogonalize
 from ..parallel import ParallelContext
 from ..parallel import collectives as C
-from .shard_plan import Split
+from .plan_types import Split
 from .split_plan import col_cuts
 
 

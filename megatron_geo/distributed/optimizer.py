@@ -32,7 +32,7 @@ from ..parallel import collectives as C
 from ..parallel.trace import trace_range
 from .buckets import Bucket
 from .muon_groups import MuonGroups, SplitMuon
-from .shard_plan import Split
+from .plan_types import Split
 
 
 class _Work(Protocol):

@@ -9,9 +9,9 @@ For every parameter that needs a gradient, :func:`param_specs` decides
   layers (``comm.transform=geo``) under the distributed optimizer keep whole rows on their owner (``G T`` mixes
   columns only and each row is inverted on its own), cut at a multiple of the reducer's alignment as well;
   every other parameter 1 (anywhere; the planner rounds cuts to the alignment);
-- *optimizer FLOPs* per step of owning it: :func:`~.shard_plan.newton_schulz_flops` for Muon matrices (of
+- *optimizer FLOPs* per step of owning it: :func:`~.plan_types.newton_schulz_flops` for Muon matrices (of
   ``optimizer.muon_ns``'s form: quintic, or Gram Newton-Schulz for rectangular matrices),
-  :data:`~.shard_plan.ADAMW_FLOPS_PER_ELEMENT` per element otherwise (element-wise AdamW / Muon's AdamW group);
+  :data:`~.plan_types.ADAMW_FLOPS_PER_ELEMENT` per element otherwise (element-wise AdamW / Muon's AdamW group);
 - *split*: a Muon matrix under the distributed optimizer carries its shape and ``optimizer.muon_split``, so the
   planner may split it by rows over a small group of DP ranks where owning it whole cannot balance
   (:mod:`.split_plan`).
@@ -25,7 +25,7 @@ import math
 from collections.abc import Collection, Sequence
 
 from ..config import ConfigError
-from .shard_plan import ADAMW_FLOPS_PER_ELEMENT, ParamSpec, newton_schulz_flops
+from .plan_types import ADAMW_FLOPS_PER_ELEMENT, ParamSpec, newton_schulz_flops
 from .split_plan import parse_split
 
 ParamInfo = tuple[str, tuple[int, ...], bool]
@@ -47,7 +47,7 @@ def param_specs(
             ``comm.transform=geo``).
 
     Returns:
-        One :class:`~.shard_plan.ParamSpec` per entry: ``numel``, ``atomic``, ``flops`` (FLOPs per step),
+        One :class:`~.plan_types.ParamSpec` per entry: ``numel``, ``atomic``, ``flops`` (FLOPs per step),
         ``granule`` (elements).
 
     Raises:

@@ -34,107 +34,39 @@ sizes (low-precision codecs, FP32 sum on the owner); the parameter gather is one
 a ring reduce-scatter / all-gather of an unpadded buffer, and the per-step totals stay balanced because
 every rank owns about the same number of elements. Padding is at most ``dp_size x (align - 1)`` elements per
 bucket. The price is more (smaller) collectives per bucket, i.e. latency, not bandwidth.
+
+The types and the per-parameter cost model are in :mod:`.plan_types`; the owners of atomic parameters (whole or
+split by rows) come from :mod:`.split_plan`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
-from ..optim.muon import gram_restarts
+from .plan_types import (
+    ADAMW_FLOPS_PER_ELEMENT,
+    ParamSpec,
+    Piece,
+    ShardPlan,
+    Split,
+    ceil_to,
+    newton_schulz_flops,
+)
+from .split_plan import assign_owners, plan_owners, split_bucket
 
-
-@dataclass
-class Piece:
-    """Part ``[param_start, param_end)`` of parameter ``index`` (flattened), at ``buffer_start`` in the bucket."""
-
-    index: int
-    param_start: int
-    param_end: int
-    buffer_start: int
-
-    @property
-    def numel(self) -> int:
-        return self.param_end - self.param_start
-
-
-@dataclass(frozen=True)
-class Split:
-    """A Muon matrix ``[rows, cols]`` of a bucket owned by rows by the consecutive DP ranks ``first, first + 1,
-    ...`` (its *group*, ``size`` members): member k owns rows ``[row_cuts[k], row_cuts[k + 1])``, one contiguous
-    range of the flat parameter and of the bucket (see :mod:`.split_plan`)."""
-
-    first: int
-    row_cuts: tuple[int, ...]
-    cols: int
-
-    @property
-    def size(self) -> int:
-        return len(self.row_cuts) - 1
-
-    @property
-    def rows(self) -> int:
-        return self.row_cuts[-1]
-
-    def member(self, rank: int) -> int:
-        """The member index of DP rank ``rank`` (``0 .. size - 1``).
-
-        Raises:
-            ValueError: ``rank`` is not in the group.
-        """
-        if not self.first <= rank < self.first + self.size:
-            raise ValueError(f"DP rank {rank} is not in the group of ranks {self.first}..{self.first + self.size - 1}")
-        return rank - self.first
-
-
-@dataclass
-class ShardPlan:
-    """Layout of one bucket: ``offsets[i]`` is where parameter i starts; ``pieces[r]`` what rank r owns;
-    rank r owns buffer elements ``[bounds[r], bounds[r + 1])`` (``len(bounds) == dp_size + 1``);
-    ``splits[i]``: how parameter i (a Muon matrix) is split by rows over a group of ranks (empty: every atomic
-    parameter is owned whole)."""
-
-    bounds: list[int]
-    offsets: list[int]
-    pieces: list[list[Piece]] = field(default_factory=list)
-    splits: dict[int, Split] = field(default_factory=dict)
-
-    @property
-    def dp_size(self) -> int:
-        return len(self.bounds) - 1
-
-    @property
-    def buffer_numel(self) -> int:
-        return self.bounds[-1]
-
-    @property
-    def even(self) -> bool:
-        """True when every rank's range has the same length (the classic reduce-scatter layout)."""
-        sizes = self.sizes
-        return all(n == sizes[0] for n in sizes)
-
-    @property
-    def sizes(self) -> list[int]:
-        return [self.bounds[r + 1] - self.bounds[r] for r in range(self.dp_size)]
-
-    @property
-    def chunk(self) -> int:
-        """The per-rank range length of an even plan.
-
-        Raises:
-            ValueError: the plan is uneven (whole-parameter ownership); use ``bounds``.
-        """
-        if not self.even:
-            raise ValueError("this bucket's ranges are uneven (whole-parameter ownership); use plan.bounds")
-        return self.bounds[1] - self.bounds[0]
-
-    def padding(self, numels: list[int]) -> int:
-        """Elements of the buffer that hold no parameter."""
-        return self.buffer_numel - sum(numels)
-
-
-def _ceil_to(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
+__all__ = [  # with the planner's types and cost model (defined in plan_types) and assign_owners (split_plan)
+    "ADAMW_FLOPS_PER_ELEMENT",
+    "ParamSpec",
+    "Piece",
+    "ShardPlan",
+    "Split",
+    "assign_owners",
+    "group_in_buckets",
+    "newton_schulz_flops",
+    "plan_model",
+    "plan_shards",
+    "splittable_quotas",
+]
 
 
 def _try_pack(numels: list[int], atomic: list[bool], dp: int, chunk: int, align: int = 1) -> ShardPlan | None:
@@ -156,7 +88,7 @@ def _try_pack(numels: list[int], atomic: list[bool], dp: int, chunk: int, align:
         if carry_idx is None:
             remaining = []
             for i in atoms:
-                start = _ceil_to(pos, align)  # every parameter starts aligned: no codec block spans two
+                start = ceil_to(pos, align)  # every parameter starts aligned: no codec block spans two
                 if numels[i] <= end - start:
                     offsets[i] = start
                     pieces[r].append(Piece(i, 0, numels[i], start))
@@ -164,8 +96,8 @@ def _try_pack(numels: list[int], atomic: list[bool], dp: int, chunk: int, align:
                 else:
                     remaining.append(i)
             atoms = remaining
-            while si < len(splits) and _ceil_to(pos, align) < end:
-                pos = _ceil_to(pos, align)
+            while si < len(splits) and ceil_to(pos, align) < end:
+                pos = ceil_to(pos, align)
                 i = splits[si]
                 si += 1
                 offsets[i] = pos
@@ -204,84 +136,15 @@ def plan_shards(numels: list[int], atomic: list[bool], dp_size: int, align: int 
         raise ValueError(f"dp_size={dp_size} and align={align} must be >= 1")
     total = sum(numels)
     biggest = max((n for n, a in zip(numels, atomic) if a), default=0)
-    chunk = _ceil_to(max(math.ceil(total / dp_size), biggest, 1), align)
+    chunk = ceil_to(max(math.ceil(total / dp_size), biggest, 1), align)
     while True:
         plan = _try_pack(numels, atomic, dp_size, chunk, align)
         if plan is not None:
             return plan
-        chunk = _ceil_to(chunk + max(1, chunk // 32), align)
+        chunk = ceil_to(chunk + max(1, chunk // 32), align)
 
 
 # -- whole-model planning ---------------------------------------------------------------------------------------------
-
-ADAMW_FLOPS_PER_ELEMENT = 12.0
-"""Approximate FLOPs of one AdamW update per element (moments, bias correction, sqrt, divide, decay)."""
-
-
-def _gram_cube_products(steps: int) -> int:
-    """``[m, m] x [m, m]`` products of :func:`~megatron_geo.optim.muon.gram_newton_schulz` for ``steps`` steps
-    (counted along its loop: ``Z``, ``P Q`` unless ``Q`` is the identity, and ``S``, ``P R P`` unless the next
-    step restarts or there is none)."""
-    restart_at, count, identity = set(gram_restarts(steps)), 0, True
-    for t in range(steps):
-        if t > 0 and t in restart_at:
-            identity = True
-        count += 1 if identity else 2
-        identity = False
-        if t + 1 < steps and (t + 1) not in restart_at:
-            count += 2
-    return count
-
-
-def newton_schulz_flops(shape: tuple[int, ...], steps: int = 5, ns: str = "quintic", share: float = 1.0) -> float:
-    """FLOPs of Muon's Newton-Schulz orthogonalisation of an ``m x n`` matrix, or of one member's part of it.
-
-    With ``k = min(m, n)``, ``K = max(m, n)`` (the wide orientation ``X`` ``[k, K]``):
-
-    - ``ns=quintic`` (or a square matrix): one iteration forms ``A = X X^T`` (``2 k^2 K``), ``B = b A + c A^2``
-      (``2 k^3``) and ``B X`` (``2 k^2 K``): ``steps (4 k^2 K + 2 k^3)``, i.e. ~ ``m n min(m, n)`` (Jordan et al.
-      2024);
-    - ``ns=gram`` (rectangular): :func:`~megatron_geo.optim.muon.gram_newton_schulz` touches ``X`` in
-      ``2 + 2 restarts`` ``[k, k] x [k, K]``-sized products and does the rest on ``[k, k]`` matrices: for 5 steps
-      with one restart ``2 (4 k^2 K + 14 k^3)`` FLOPs (Zhang, Amsel, Chen, Dao 2026).
-
-    ``share``: the fraction of the columns of ``X`` one member of a split group holds (:mod:`.split_plan`): the
-    ``k^2 K`` terms scale with it, the ``[k, k]`` polynomial is computed by every member alike (``share=0``: that
-    replicated part alone).
-
-    Raises:
-        ValueError: ``ns`` is not ``quintic`` or ``gram``, or ``share`` outside ``[0, 1]``.
-    """
-    if ns not in ("quintic", "gram"):
-        raise ValueError(f"ns={ns!r} is not one of ('quintic', 'gram')")
-    if not 0.0 <= share <= 1.0:
-        raise ValueError(f"share={share} must be in [0, 1]")
-    m, n = shape[0], math.prod(shape[1:]) if len(shape) > 1 else 1
-    k, big = min(m, n), max(m, n)
-    if ns == "gram" and m != n:
-        wide_products = 2 + 2 * len(gram_restarts(steps))
-        return 2.0 * (wide_products * k * k * big * share + _gram_cube_products(steps) * k**3)
-    return float(steps) * (4.0 * k * k * big * share + 2.0 * k**3)
-
-
-@dataclass
-class ParamSpec:
-    """What the planner needs of one parameter: elements, whether one rank must own it whole, the optimizer
-    FLOPs per step of owning it (``newton_schulz_flops`` for Muon, ~12 per element for AdamW), and the
-    granule a splittable parameter may be cut at.
-
-    A Muon matrix that may instead be split by rows over a group of DP ranks (:mod:`.split_plan`) also gives its
-    ``rows`` and ``cols``, its Newton-Schulz form ``ns`` (for the members' FLOPs) and the split rule
-    ``split`` (``optimizer.muon_split``: ``off``, ``auto`` or a group size such as ``"2"``)."""
-
-    numel: int
-    atomic: bool
-    flops: float
-    granule: int = 1  # splittable only at multiples of this many elements from the start (e.g. a row)
-    rows: int = 0
-    cols: int = 0
-    ns: str = "quintic"
-    split: str = "off"
 
 
 def group_in_buckets(indices: list[int], numels: list[int], bucket_size: int) -> list[list[int]]:
@@ -295,35 +158,6 @@ def group_in_buckets(indices: list[int], numels: list[int], bucket_size: int) ->
             groups.append([])
             count = 0
     return [g for g in groups if g]
-
-
-def assign_owners(specs: list[ParamSpec], dp_size: int) -> list[int]:
-    """Owner rank of every atomic parameter (-1 for splittable ones), balancing FLOPs and bytes.
-
-    Largest FLOPs first, each parameter goes to the rank where ``max(flops / mean_flops, elements /
-    mean_elements)`` after adding it is smallest (ties: fewer FLOPs, fewer elements, lower rank); the means
-    are over the whole model, splittable parameters included (they fill the byte gaps later).
-    """
-    total_el = max(sum(s.numel for s in specs), 1)
-    total_fl = max(sum(s.flops for s in specs), 1.0)
-    mean_el, mean_fl = total_el / dp_size, total_fl / dp_size
-    F, B = [0.0] * dp_size, [0] * dp_size
-    owner = [-1] * len(specs)
-    for i in sorted((i for i, s in enumerate(specs) if s.atomic), key=lambda i: (-specs[i].flops, -specs[i].numel, i)):
-        s = specs[i]
-        r = min(
-            range(dp_size),
-            key=lambda r: (
-                max((F[r] + s.flops) / mean_fl, (B[r] + s.numel) / mean_el),
-                F[r] + s.flops,
-                B[r] + s.numel,
-                r,
-            ),
-        )
-        owner[i] = r
-        F[r] += s.flops
-        B[r] += s.numel
-    return owner
 
 
 def splittable_quotas(atomic_elements: list[int], splittable_total: int) -> list[int]:
@@ -357,12 +191,12 @@ def _atomic_bucket(idx: list[int], specs: list[ParamSpec], owner: list[int], dp:
         start = pos
         for j, i in enumerate(idx):
             if owner[i] == r:
-                pos = _ceil_to(pos, align)  # every parameter starts aligned: no codec block spans two
+                pos = ceil_to(pos, align)  # every parameter starts aligned: no codec block spans two
                 offsets[j] = pos
                 pieces[r].append(Piece(j, 0, specs[i].numel, pos))
                 pos += specs[i].numel
         if pos > start:
-            pos = _ceil_to(pos, align)
+            pos = ceil_to(pos, align)
         bounds.append(pos)
     return ShardPlan(bounds, offsets, pieces)
 
@@ -376,10 +210,10 @@ def _splittable_bucket(
     offsets, pos = [], 0
     for i in idx:  # with align > 1 every parameter starts aligned (no codec block spans two parameters)
         g = specs[i].granule > 1 or align > 1
-        pos = _ceil_to(pos, align) if g else pos
+        pos = ceil_to(pos, align) if g else pos
         offsets.append(pos)
-        pos = _ceil_to(pos + specs[i].numel, align) if g else pos + specs[i].numel
-    padded = _ceil_to(pos, align)
+        pos = ceil_to(pos + specs[i].numel, align) if g else pos + specs[i].numel
+    padded = ceil_to(pos, align)
     dp = len(cuts) - 1
     starts, seen = [], 0  # where each parameter starts in the splittable stream (no padding there)
     for i in idx:
@@ -401,7 +235,7 @@ def _splittable_bucket(
                 b = offsets[j] + within
                 if g <= 1:
                     return b // align * align
-                return _ceil_to(b, align) if within == n else b  # the end: into the padding after it
+                return ceil_to(b, align) if within == n else b  # the end: into the padding after it
         return padded
 
     bounds = [0] + [min(to_buffer(cuts[r]), padded) for r in range(1, dp)] + [padded]
@@ -448,8 +282,6 @@ def plan_model(
             for g in group_in_buckets(order, numels, bucket_size)
         ]
     a_groups = group_in_buckets([i for i in order if specs[i].atomic], numels, bucket_size)
-    from .split_plan import plan_owners, split_bucket
-
     owner, splits = plan_owners(specs, dp_size, align, {i: b for b, grp in enumerate(a_groups) for i in grp})
     atomic_el = [0] * dp_size
     for i, r in enumerate(owner):

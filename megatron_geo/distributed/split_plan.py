@@ -28,7 +28,7 @@ stays aligned. Member k gets rows ``even_cuts`` of those units (the last member 
 
 Assignment: split matrices first (largest FLOPs first), each to the free group whose worst member has the
 smallest ``max(flops / mean_flops, elements / mean_elements)`` after adding its share; then the whole
-matrices as :func:`~.shard_plan.assign_owners` does (never onto a middle member of a split in their bucket).
+matrices as :func:`assign_owners` does (never onto a middle member of a split in their bucket).
 The means count what each member really does: ``g`` times a member's cost for a split matrix.
 """
 
@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 
 from ..optim.muon import gram_restarts
-from .shard_plan import ParamSpec, Piece, ShardPlan, Split, _ceil_to, newton_schulz_flops
+from .plan_types import ParamSpec, Piece, ShardPlan, Split, ceil_to, newton_schulz_flops
 
 MAX_AUTO_GROUP = 8
 """The largest group size ``auto`` chooses."""
@@ -120,12 +120,41 @@ def plan_loads(
     return F, B
 
 
+def assign_owners(specs: list[ParamSpec], dp_size: int) -> list[int]:
+    """Owner rank of every atomic parameter (-1 for splittable ones), balancing FLOPs and bytes.
+
+    Largest FLOPs first, each parameter goes to the rank where ``max(flops / mean_flops, elements /
+    mean_elements)`` after adding it is smallest (ties: fewer FLOPs, fewer elements, lower rank); the means
+    are over the whole model, splittable parameters included (they fill the byte gaps later).
+    """
+    total_el = max(sum(s.numel for s in specs), 1)
+    total_fl = max(sum(s.flops for s in specs), 1.0)
+    mean_el, mean_fl = total_el / dp_size, total_fl / dp_size
+    F, B = [0.0] * dp_size, [0] * dp_size
+    owner = [-1] * len(specs)
+    for i in sorted((i for i, s in enumerate(specs) if s.atomic), key=lambda i: (-specs[i].flops, -specs[i].numel, i)):
+        s = specs[i]
+        r = min(
+            range(dp_size),
+            key=lambda r: (
+                max((F[r] + s.flops) / mean_fl, (B[r] + s.numel) / mean_el),
+                F[r] + s.flops,
+                B[r] + s.numel,
+                r,
+            ),
+        )
+        owner[i] = r
+        F[r] += s.flops
+        B[r] += s.numel
+    return owner
+
+
 def plan_owners(
     specs: list[ParamSpec], dp_size: int, align: int, bucket_of: dict[int, int]
 ) -> tuple[list[int], dict[int, Split]]:
     """Owners of the atomic parameters and the splits, under the rule of the module docstring.
 
-    ``auto`` tries the whole-matrix plan (:func:`~.shard_plan.assign_owners`) and, when some Muon matrix costs
+    ``auto`` tries the whole-matrix plan (:func:`assign_owners`) and, when some Muon matrix costs
     more than the mean share, each group size (:func:`assign_with_splits`); it keeps the plan with the smallest
     ``max(max_flops / mean_flops, max_elements / mean_elements)`` (both means of the whole-matrix plan: a fixed
     yardstick, so a split that adds more replicated work than it removes from the busiest rank loses), the
@@ -137,8 +166,6 @@ def plan_owners(
     Raises:
         ValueError: a spec's ``split`` is not a valid ``optimizer.muon_split``.
     """
-    from .shard_plan import assign_owners
-
     whole = assign_owners(specs, dp_size)
     cand = [i for i, s in enumerate(specs) if s.atomic and s.rows > 0 and s.cols > 0]
     if not cand or dp_size < 2:
@@ -234,7 +261,7 @@ def assign_with_splits(
 
     Returns:
         ``(owner, splits)``: ``owner[i]`` the rank owning atomic parameter i whole (the group's first rank for a
-        split one, -1 for splittable parameters); ``splits[i]`` the :class:`~.shard_plan.Split` of each split one.
+        split one, -1 for splittable parameters); ``splits[i]`` the :class:`~.plan_types.Split` of each split one.
     """
     blocks = dp_size // g
     rep = {i: newton_schulz_flops((specs[i].rows, specs[i].cols), ns=specs[i].ns, share=0.0) for i in to_split}
@@ -327,18 +354,18 @@ def split_bucket(
         if sp is None or k == 0 or k == sp.size - 1:
             for jj, i in enumerate(idx):
                 if owner[i] == r and i not in splits:
-                    pos = _ceil_to(pos, align)
+                    pos = ceil_to(pos, align)
                     offsets[jj] = pos
                     pieces[r].append(Piece(jj, 0, specs[i].numel, pos))
                     pos += specs[i].numel
         if sp is not None and k == 0:
-            pos = _ceil_to(pos, align)
+            pos = ceil_to(pos, align)
             offsets[j] = pos
             hi = sp.row_cuts[1] * sp.cols
             pieces[r].append(Piece(j, 0, hi, pos))
             pos += hi
         elif pos > start:
-            pos = _ceil_to(pos, align)
+            pos = ceil_to(pos, align)
         bounds.append(pos)
     return ShardPlan(bounds, offsets, pieces, dict(local))
 
@@ -360,7 +387,7 @@ def member_share(split: Split, member: int) -> float:
 
 def split_member_flops(split: Split, member: int, ns: str, steps: int = 5) -> float:
     """Newton-Schulz FLOPs per step of member ``member`` of ``split`` (its share of the ``k^2 K`` products plus the
-    replicated ``[k, k]`` polynomial, :func:`~.shard_plan.newton_schulz_flops`)."""
+    replicated ``[k, k]`` polynomial, :func:`~.plan_types.newton_schulz_flops`)."""
     return newton_schulz_flops((split.rows, split.cols), steps, ns, member_share(split, member))
 
 
