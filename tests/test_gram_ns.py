@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from ckpt_helpers import make_corpus, tiny_train_overrides
-from megatron_geo.optim.muon import MuonNS, build_muon, gram_newton_schulz, gram_restarts, orthogonalize
+from megatron_geo.optim.muon import (
+    MuonNS,
+    build_muon,
+    gram_newton_schulz,
+    gram_restarts,
+    newton_schulz_dtype,
+    orthogonalize,
+)
 
 COEFFS = (3.4445, -4.7750, 2.0315)
 SHAPES = [(24, 80), (80, 24), (40, 40), (64, 192), (192, 64)]
@@ -143,20 +150,31 @@ def _quintic_like_torch(u):
 
 
 def test_build_muon_choices():
+    from megatron_geo.config import ConfigError
+    from megatron_geo.config.schema import OptimizerConfig
+
     p = [torch.nn.Parameter(torch.zeros(4, 8))]
-    assert type(build_muon(p, on_cuda=True)) is torch.optim.Muon  # quintic default: torch's own on CUDA
-    cpu = build_muon(p, on_cuda=False)
+
+    def dtype(spec, device):
+        return newton_schulz_dtype(OptimizerConfig(muon_ns_dtype=spec), device)
+
+    assert type(build_muon(p, ns_dtype=dtype("auto", "cuda"))) is torch.optim.Muon  # quintic: torch's own on CUDA
+    cpu = build_muon(p, ns_dtype=dtype("auto", "cpu"))
     assert type(cpu) is MuonNS and cpu.ns == "quintic" and cpu.ns_dtype == torch.float32
-    for on_cuda, dtype, want in (
-        (True, "auto", torch.bfloat16),
-        (False, "auto", torch.float32),
-        (True, "fp32", torch.float32),
-        (False, "bf16", torch.bfloat16),
+    for device, spec, want in (
+        ("cuda", "auto", torch.bfloat16),
+        ("cpu", "auto", torch.float32),
+        ("cuda", "fp32", torch.float32),
+        ("cpu", "bf16", torch.bfloat16),
     ):
-        o = build_muon(p, on_cuda=on_cuda, ns_dtype=dtype, ns="gram")
-        assert type(o) is MuonNS and o.ns == "gram" and o.ns_dtype == want, (on_cuda, dtype)
+        o = build_muon(p, ns_dtype=dtype(spec, torch.device(device)), ns="gram")
+        assert type(o) is MuonNS and o.ns == "gram" and o.ns_dtype == want, (device, spec)
     with pytest.raises(ValueError, match="optimizer.muon_ns='x'"):
-        build_muon(p, on_cuda=False, ns="x")
+        build_muon(p, ns="x")
+    with pytest.raises(ConfigError, match="optimizer.muon_ns_dtype='fp16' is not supported"):
+        dtype("fp16", "cpu")
+    with pytest.raises(ValueError, match="neither torch.bfloat16 nor torch.float32"):
+        build_muon(p, ns_dtype=torch.float16)
 
 
 def test_gram_muon_state_is_the_momentum_buffer_only_and_updates_like_the_quintic():

@@ -516,7 +516,7 @@ def preset_side(name: str, root: str) -> tuple[str, dict, tuple]:
     import os
 
     from ..config import load_config
-    from ..training.validate import parse_power, parse_power_search
+    from ..config.schema import parse_power, parse_power_search
 
     path = os.path.join(root, "configs", "comm", f"{name}.yaml")
     if not os.path.exists(path):

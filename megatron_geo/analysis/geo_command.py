@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from ..training.validate import parse_power_search
+from ..config.schema import parse_power_search
 from . import scenarios as SC
 from .geo_ablation import GEO_FP4, _Transforms, geo_rows, preset_side, run_geo
 from .model_capture import REPO_ROOT, Session, capture_model

@@ -42,6 +42,8 @@ from ..distributed.ownership import ParamInfo, param_infos, param_specs
 from ..distributed.plan_types import ADAMW_FLOPS_PER_ELEMENT, ShardPlan
 from ..distributed.shard_plan import plan_model
 from ..distributed.split_plan import gram_reductions, relayout_elements, split_member_flops
+from ..model.llama import param_dtype
+from ..optim.muon import newton_schulz_dtype
 
 
 @dataclass(frozen=True)
@@ -105,8 +107,7 @@ def meta_model_params(cfg: Config, tp_size: int = 1) -> ModelParams:
                 f"torch.distributed is not initialised (a fresh process)"
             )
         group = dist.group.WORLD if dist.get_world_size() == tp_size else dist.new_group([dist.get_rank()])
-        dtype = torch.bfloat16 if cfg.train.param_dtype == "bf16" else torch.float32
-        model = Llama(cfg.model, group, cfg.train.seed, dtype=dtype, device=torch.device("meta"))
+        model = Llama(cfg.model, group, cfg.train.seed, dtype=param_dtype(cfg.train), device=torch.device("meta"))
         try:
             geo = frozenset(select_parameters(model, cfg.geo.layers)) if cfg.comm.transform == "geo" else frozenset()
         except ValueError as e:
@@ -148,7 +149,7 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
     buffer = sum(pl.buffer_numel for _, pl in plans)
     wire_b = get_format(cfg.comm.dtype).bytes_per_element(cfg.comm)
     all_to_all = not (cfg.comm.dtype == "fp32" and cfg.comm.transform == "none")
-    param_b = 2 if cfg.train.param_dtype == "bf16" else 4
+    param_b = param_dtype(cfg.train).itemsize
     own = [0] * dp_size
     sent = [0.0] * dp_size
     recv = [0.0] * dp_size
@@ -156,7 +157,7 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
     muon_own = [0] * dp_size
     scratch = 0.0
     ns = cfg.optimizer.muon_ns
-    ns_b = 4 if cfg.optimizer.muon_ns_dtype == "fp32" else 2
+    ns_b = newton_schulz_dtype(cfg.optimizer, "cuda").itemsize  # the figures are for GPUs
     group_bytes = [0.0] * dp_size  # Gram all-reduces + block exchanges of split matrices, sent per step
     n_split, sizes_split, member_fl = 0, set(), []
     for _, pl in plans:

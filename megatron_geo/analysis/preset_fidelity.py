@@ -23,6 +23,7 @@ import torch
 
 from ..comm.roundtrip import CODEC_DEFAULTS, codec_label
 from ..config.presets import comm_presets, preset_config
+from ..config.schema import parse_power
 from ..geometry import InputStats
 from ..training.step import autocast_context
 from .capture import Capture
@@ -74,6 +75,7 @@ def preset_plan(name: str) -> dict:
         ValueError: no such preset; a preset whose geo.power_search needs trial quantisation, or whose scales
             are shared (``comm.scale_sync=max``) or codes summed in FP8 (``comm.reduce_op=wire_sum``): not
             simulated here.
+        ConfigError: the preset's ``geo.power`` is not ``auto`` or a number in (0, 1] (:func:`parse_power`).
     """
     cfg = preset_config(name)
     comm = cfg.comm
@@ -88,12 +90,11 @@ def preset_plan(name: str) -> dict:
         codec["transform"] = "none"
         if cfg.geo.power_search:
             raise ValueError(f"preset {name!r} chooses its power by trial quantisation; use --geo for it")
-        p = cfg.geo.power
         geo = {
             "layers": cfg.geo.layers,
             "rank": cfg.geo.rank,
             "damping": cfg.geo.damping,
-            "power": p if p == "auto" else float(p),
+            "power": parse_power(cfg.geo.power),
         }
     return {"codec": codec, "geo": geo}
 

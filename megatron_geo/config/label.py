@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from .schema import CommConfig, Config, GeoConfig
+from .errors import ConfigError
+from .schema import CommConfig, Config, GeoConfig, parse_power
 
 PRESET_DIR = "comm"  # a YAML file in a folder of this name is a comm preset (configs/comm/*.yaml)
 # comm keys that say how the run executes or reports, not what travels on the wire: not part of the label
@@ -55,16 +56,18 @@ def wire_settings(cfg: Config) -> dict:
         comm.pop("wire_sum_prediv")
     geo = asdict(cfg.geo) if cfg.comm.transform == "geo" else {}
     if geo:
-        geo["power"] = _power_text(cfg.geo.power)
+        geo["power"] = _power_text(cfg.geo)
     return {"comm": comm, "geo": geo}
 
 
-def _power_text(power: str) -> str:
-    """``geo.power`` in one spelling (``0.50`` and ``5e-1`` are ``0.5``; ``auto`` stays)."""
+def _power_text(geo: GeoConfig) -> str:
+    """``geo.power`` in one spelling (``0.50`` and ``5e-1`` are ``0.5``; ``auto`` stays) by :func:`parse_power`; a
+    value it rejects as written (validation reports it; the label is taken before validation)."""
     try:
-        return format(float(power), "g")
-    except ValueError:
-        return str(power).strip().lower()
+        power = parse_power(geo.power)
+    except ConfigError:
+        return f"{geo.power}"
+    return power if isinstance(power, str) else format(power, "g")
 
 
 def derive_label(cfg: Config) -> str:
@@ -93,7 +96,7 @@ def derive_label(cfg: Config) -> str:
         parts.append(f"had{c.hadamard_block}")
     elif c.transform == "geo":
         d = GeoConfig()
-        inner = [f"r{g.rank}", f"p={'search' if g.power_search else _power_text(g.power)}"]
+        inner = [f"r{g.rank}", f"p={'search' if g.power_search else _power_text(g)}"]
         if g.select != "layers":
             inner.append(f"sel={g.select}")
         for f in fields(GeoConfig):

@@ -4,13 +4,22 @@ Every key a YAML file or a ``dotted.key=value`` override may set is a field here
 (:mod:`megatron_geo.config.loader`) rejects anything else. Sections mirror the architecture in
 docs/configuration.md. A YAML null (or a ``key=null`` override) sets a key to the default written here.
 
+A key whose text has a meaning beyond its type is parsed by one function, next to its section here when the config
+layer itself needs it (``geo.power``: :func:`parse_power`, which the label and the comm-preset comparison use too)
+or next to the code that uses it otherwise (``optimizer.muon_split``: ``distributed/split_plan.py``;
+``optimizer.muon_ns_dtype``: ``optim/muon.py``; ``train.param_dtype``: ``model/llama.py``); validation and every
+reader call that function.
+
 Path-valued keys are declared with :func:`path_field`: the loader expands ``~`` and ``$VAR`` in them once,
 when the config is resolved, so every later reader (and the dumped ``config.yaml``) sees the final path.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from .errors import ConfigError
 
 
 def path_field(default: str, *, required: bool, keywords: tuple[str, ...] = ()):
@@ -187,6 +196,65 @@ class GeoConfig:
         "auto"  # full A (d_in^2) | sketch A·Omega (d_in x sketch_size) | auto: sketch if d_in > 4 x sketch_size
     )
     sketch_size: int = 64  # columns of Omega (>= rank; 2 x rank is a good choice)
+
+
+def parse_power(spec, key: str = "geo.power") -> float | str:
+    """``geo.power`` ("0.5", "0.25", "auto") -> 0.5, 0.25 or ``"auto"`` (``key`` names it in errors).
+
+    Raises:
+        ConfigError: anything but ``auto`` or a number in (0, 1].
+    """
+    text = str(spec).strip().lower()
+    if text == "auto":
+        return "auto"
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not (math.isfinite(v) and 0 < v <= 1):
+        raise ConfigError(
+            f"{key}={spec!r} must be a number in (0, 1] (0.5 whitens the top-r directions, 0.25 "
+            f"goes halfway) or auto (p = clip(s / 4, 0, 1/2) per layer from the refresh's statistics)"
+        )
+    return v
+
+
+def parse_power_search(spec, key: str = "geo.power_search") -> tuple[float, ...]:
+    """``geo.power_search`` ("0.5,0.25,0", or "[0.5, 0.25, 0]") -> (0.5, 0.25, 0.0); "" -> () (the fixed
+    ``geo.power``). ``key`` names the setting in error messages.
+
+    Raises:
+        ConfigError: an element that is not a number in [0, 1] (or empty), a repeated value, or more
+            than 8 values.
+    """
+    text = "" if spec is None else str(spec).strip()
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    if not text.strip():
+        return ()
+    out: list[float] = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            v = float(part) if part else float("nan")
+        except ValueError:
+            v = float("nan")
+        if not (math.isfinite(v) and 0.0 <= v <= 1.0):
+            shown = repr(part) if part else "an empty element"
+            raise ConfigError(
+                f"{key}={spec!r}: {shown} is not a power in [0, 1]; give comma-separated "
+                f"exponents such as {key}=0.5,0.25,0 (0 = Euclidean), or an empty value to "
+                f"turn the search off"
+            )
+        if v in out:
+            raise ConfigError(f"{key}={spec!r} repeats {v:g}; list each power once")
+        out.append(v)
+    if len(out) > 8:
+        raise ConfigError(
+            f"{key}={spec!r} has {len(out)} powers; at most 8 (each costs a trial "
+            f"quantization of every selected gradient at every refresh)"
+        )
+    return tuple(out)
 
 
 @dataclass

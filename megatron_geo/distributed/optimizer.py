@@ -26,7 +26,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ..config.schema import OptimizerConfig
-from ..optim import build_muon
+from ..optim import build_muon, newton_schulz_dtype
 from ..parallel import ParallelContext
 from ..parallel import collectives as C
 from ..parallel.trace import trace_range
@@ -134,12 +134,12 @@ class DistributedOptimizer:
         if groups:
             fused = all(m.main.is_cuda for m in self.mains)
             opts.append(torch.optim.AdamW(groups, lr=adam_lr, betas=(c.beta1, c.beta2), eps=c.eps, fused=fused or None))
+        ns_dtype = newton_schulz_dtype(c, self.pctx.device)
         if muon:
             opts.append(
                 build_muon(
                     [{"params": muon, "base_lr": c.lr}],
-                    on_cuda=self.pctx.device.type == "cuda",
-                    ns_dtype=c.muon_ns_dtype,
+                    ns_dtype=ns_dtype,
                     ns=c.muon_ns,
                     early=c.muon_overlap,
                     lr=c.lr,
@@ -150,15 +150,13 @@ class DistributedOptimizer:
             )
         if split:
             assert self.muon_groups is not None  # created in __init__ whenever a plan splits a matrix
-            on_cuda = self.pctx.device.type == "cuda"
-            bf16 = c.muon_ns_dtype == "bf16" or (c.muon_ns_dtype == "auto" and on_cuda)  # as build_muon
             opts.append(
                 SplitMuon(
                     [{"params": [m.main for m in split], "base_lr": c.lr}],
                     self.muon_groups,
                     {id(m.main): (m.split, tuple(m.param.shape)) for m in split},
                     ns=c.muon_ns,
-                    ns_dtype=torch.bfloat16 if bf16 else torch.float32,
+                    ns_dtype=ns_dtype,
                     lr=c.lr,
                     weight_decay=c.weight_decay,
                     momentum=c.muon_momentum,

@@ -24,9 +24,8 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 
-from ..config import ConfigError
 from .plan_types import ADAMW_FLOPS_PER_ELEMENT, ParamSpec, newton_schulz_flops
-from .split_plan import parse_split
+from .split_plan import parse_muon_split
 
 ParamInfo = tuple[str, tuple[int, ...], bool]
 """``(name, local shape, use_muon)`` of one parameter (``use_muon``: Muon's orthogonalised group)."""
@@ -52,19 +51,17 @@ def param_specs(
 
     Raises:
         ValueError: ``alignment`` below 1.
-        ConfigError: ``optimizer.muon_split`` is not ``auto``, ``off`` or a group size >= 2.
+        ConfigError: ``optimizer.muon_split`` is not ``auto``, ``off`` or a group size >= 2
+            (:func:`~.split_plan.parse_muon_split`).
     """
     if alignment < 1:
         raise ValueError(f"alignment={alignment} must be >= 1")
     muon = cfg.optimizer.name == "muon"
     sharded = cfg.parallel.distributed_optimizer
     ns = cfg.optimizer.muon_ns
-    split = str(getattr(cfg.optimizer, "muon_split", "off"))
+    split = cfg.optimizer.muon_split  # carried as written; the planner reads it with parse_muon_split
     if muon:
-        try:
-            parse_split(split)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        parse_muon_split(split)  # a bad value is an error before any plan
     specs = []
     for name, shape, use_muon in names_shapes:
         numel = math.prod(shape)

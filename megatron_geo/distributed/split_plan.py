@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 
+from ..config.errors import ConfigError
 from ..optim.muon import gram_restarts
 from .plan_types import ParamSpec, Piece, ShardPlan, Split, ceil_to, newton_schulz_flops
 
@@ -43,11 +44,13 @@ MAX_AUTO_GROUP = 8
 """The largest group size ``auto`` chooses."""
 
 
-def parse_split(value) -> int:
-    """``optimizer.muon_split`` as a group size: 0 for ``auto``, 1 for ``off``, else the size (>= 2).
+def parse_muon_split(value: str) -> int:
+    """``optimizer.muon_split`` (the setting's text, e.g. ``"auto"``, ``"off"``, ``"2"``) as a group size: 0 for
+    ``auto``, 1 for ``off``, else the size (>= 2). The one reader of the setting: validation, the ownership rule
+    and the planner all call it.
 
     Raises:
-        ValueError: anything else, naming the value and the valid ones.
+        ConfigError: anything else (a ``ValueError``), naming the value and the valid ones.
     """
     text = str(value).strip().lower()
     if text == "auto":
@@ -56,7 +59,7 @@ def parse_split(value) -> int:
         return 1
     if text.isdigit() and int(text) >= 2:
         return int(text)
-    raise ValueError(
+    raise ConfigError(
         f"optimizer.muon_split={value!r} is not auto, off or a group size >= 2; set optimizer.muon_split=auto "
         f"(split only the matrices whole ownership cannot balance), off, or e.g. 2"
     )
@@ -164,13 +167,13 @@ def plan_owners(
         ``(owner, splits)`` as :func:`assign_with_splits` (``splits`` empty: the whole-matrix plan).
 
     Raises:
-        ValueError: a spec's ``split`` is not a valid ``optimizer.muon_split``.
+        ConfigError: a spec's ``split`` is not a valid ``optimizer.muon_split`` (:func:`parse_muon_split`).
     """
     whole = assign_owners(specs, dp_size)
     cand = [i for i, s in enumerate(specs) if s.atomic and s.rows > 0 and s.cols > 0]
     if not cand or dp_size < 2:
         return whole, {}
-    policy = parse_split(specs[cand[0]].split)
+    policy = parse_muon_split(specs[cand[0]].split)
     if policy == 1:
         return whole, {}
     if policy >= 2:

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..config.schema import ModelConfig
+from ..config.errors import ConfigError
+from ..config.schema import ModelConfig, TrainConfig
 from ..tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -151,6 +152,24 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, attn_mask=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask)
         return x + self.mlp(self.mlp_norm(x))
+
+
+def param_dtype(train: TrainConfig) -> torch.dtype:
+    """``train.param_dtype`` (``fp32`` or ``bf16``) as the torch dtype the model's parameters are built in: the one
+    reader of the setting (validation, the trainer's model and the plan report's meta model call it).
+
+    Args:
+        train: the ``train`` section (:class:`~megatron_geo.config.schema.TrainConfig`).
+
+    Raises:
+        ConfigError: any other value, naming the key and the choices.
+    """
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    if train.param_dtype not in dtypes:
+        raise ConfigError(
+            f"train.param_dtype={train.param_dtype!r} is not supported; choose one of {', '.join(dtypes)}"
+        )
+    return dtypes[train.param_dtype]
 
 
 class Llama(nn.Module):

@@ -3,8 +3,8 @@
 ``torch.optim.Muon`` runs its Newton-Schulz orthogonalisation in BF16. That is right on GPUs, but CPU
 BF16 matmuls are pathologically slow (measured on the 2-core CI machine: three 1536x4096 products take
 76 s in BF16 and 0.56 s in FP32; one Llama-600M Muon step would take over an hour). ``build_muon``
-therefore returns torch's own ``Muon`` on CUDA (or with ``ns_dtype=bf16``) and :class:`MuonNS`, a
-subclass that only changes the precision of the orthogonalisation, on CPU.
+therefore returns torch's own ``Muon`` on CUDA (or with ``optimizer.muon_ns_dtype=bf16``) and :class:`MuonNS`, a
+subclass that only changes the precision of the orthogonalisation, on CPU (:func:`newton_schulz_dtype`).
 
 The update is Muon's (Jordan et al. 2024, "Muon: An optimizer for hidden layers"; torch.optim.Muon):
 momentum ``B <- m B + (1 - m) G``, Nesterov ``U = (1 - m) G + m B``, ``O = NS5(U)`` (quintic
@@ -15,14 +15,20 @@ norm), decoupled weight decay ``W <- W (1 - lr wd)``, ``W <- W - lr' O`` with lr
 ``NS5`` is computed one of two ways, chosen by ``optimizer.muon_ns``: ``quintic`` (:func:`newton_schulz5`,
 torch's own iteration, the default) or ``gram`` (:func:`gram_newton_schulz`, the same polynomial carried on
 the small Gram matrix; Zhang, Amsel, Chen, Dao 2026, "Gram Newton-Schulz"). With ``gram``, :class:`MuonNS`
-is used on CUDA too (BF16 there, unless ``ns_dtype`` says otherwise).
+is used on CUDA too (BF16 there, unless ``optimizer.muon_ns_dtype`` says otherwise).
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
+
+from ..config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..config.schema import OptimizerConfig
 
 
 def newton_schulz5(
@@ -282,28 +288,51 @@ class MuonNS(torch.optim.Muon):
         return loss
 
 
-def build_muon(
-    params, on_cuda: bool, ns_dtype: str = "auto", ns: str = "quintic", early: bool = False, **kwargs
-) -> torch.optim.Optimizer:
-    """The Muon optimizer for ``optimizer.muon_ns_dtype`` / ``optimizer.muon_ns``.
+NS_DTYPES = ("auto", "bf16", "fp32")
+"""The values of ``optimizer.muon_ns_dtype``."""
 
-    ``ns=quintic``: torch's ``Muon`` on CUDA (or ``ns_dtype=bf16``), :class:`MuonNS` with FP32 Newton-Schulz
-    otherwise (unchanged behaviour). ``ns=gram``: :class:`MuonNS` with Gram Newton-Schulz everywhere, in BF16
-    where torch's Muon would run (CUDA with ``auto``, or ``bf16``) and FP32 otherwise. ``early=True`` (updates
-    started per bucket, ``optimizer.muon_overlap``): where torch's ``Muon`` would be returned, :class:`MuonNS`
-    with ``ns="torch"`` instead (torch's iteration and update, plus :meth:`MuonNS.precompute`). ``kwargs`` go to
-    torch.optim.Muon's constructor.
+
+def newton_schulz_dtype(optimizer: OptimizerConfig, device: torch.device | str) -> torch.dtype:
+    """``optimizer.muon_ns_dtype`` as the dtype of the Newton-Schulz iteration on ``device``: ``bf16`` ->
+    ``torch.bfloat16``, ``fp32`` -> ``torch.float32``, ``auto`` -> BF16 on CUDA (torch.optim.Muon's) and FP32
+    elsewhere (CPU BF16 matmuls are slow: see the module docstring). The one reader of the setting: validation, the
+    distributed optimizer and the plan report call it.
+
+    Args:
+        optimizer: the ``optimizer`` section (:class:`~megatron_geo.config.schema.OptimizerConfig`).
+        device: where the iteration runs (a ``torch.device`` or its name, e.g. ``"cuda"``, ``"cpu"``).
 
     Raises:
-        ValueError: ``ns`` or ``ns_dtype`` is not a known choice.
+        ConfigError: ``optimizer.muon_ns_dtype`` is not one of :data:`NS_DTYPES`.
     """
-    if ns_dtype not in ("auto", "bf16", "fp32"):
-        raise ValueError(
-            f"optimizer.muon_ns_dtype={ns_dtype!r} is not one of ('auto', 'bf16', 'fp32'); set one of them"
-        )
-    bf16 = ns_dtype == "bf16" or (ns_dtype == "auto" and on_cuda)
+    spec = optimizer.muon_ns_dtype
+    if spec not in NS_DTYPES:
+        raise ConfigError(f"optimizer.muon_ns_dtype={spec!r} is not supported; choose one of {', '.join(NS_DTYPES)}")
+    if spec == "bf16" or (spec == "auto" and torch.device(device).type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def build_muon(
+    params, ns_dtype: torch.dtype = torch.float32, ns: str = "quintic", early: bool = False, **kwargs
+) -> torch.optim.Optimizer:
+    """The Muon optimizer for the Newton-Schulz dtype ``ns_dtype`` (:func:`newton_schulz_dtype`: ``torch.bfloat16``
+    or ``torch.float32``) and ``optimizer.muon_ns`` ``ns``.
+
+    ``ns=quintic``: torch's ``Muon`` in BF16 (CUDA, or ``muon_ns_dtype=bf16``), :class:`MuonNS` with FP32
+    Newton-Schulz otherwise. ``ns=gram``: :class:`MuonNS` with Gram Newton-Schulz in ``ns_dtype``. ``early=True``
+    (updates started per bucket, ``optimizer.muon_overlap``): where torch's ``Muon`` would be returned,
+    :class:`MuonNS` with ``ns="torch"`` instead (torch's iteration and update, plus :meth:`MuonNS.precompute`).
+    ``kwargs`` go to torch.optim.Muon's constructor.
+
+    Raises:
+        ValueError: ``ns`` is not a known choice, or ``ns_dtype`` is neither BF16 nor FP32.
+    """
+    if ns_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"ns_dtype={ns_dtype} is neither torch.bfloat16 nor torch.float32 (newton_schulz_dtype)")
+    bf16 = ns_dtype == torch.bfloat16
     if ns == "gram":
-        return MuonNS(params, ns_dtype=torch.bfloat16 if bf16 else torch.float32, ns="gram", **kwargs)
+        return MuonNS(params, ns_dtype=ns_dtype, ns="gram", **kwargs)
     if ns != "quintic":
         raise ValueError(f"optimizer.muon_ns={ns!r} is not one of {NS_CHOICES}; set optimizer.muon_ns=quintic or gram")
     if bf16:

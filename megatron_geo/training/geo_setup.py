@@ -12,10 +12,10 @@ import torch
 from ..comm.formats import get_format
 from ..comm.roundtrip import quantize_roundtrip
 from ..config import Config, ConfigError
+from ..config.schema import parse_power, parse_power_search
 from ..geometry import GeoState, GeoTransform
 from ..model.compile import eager_calls
 from ..parallel import ParallelContext
-from .validate import parse_power, parse_power_search
 
 # limits for a wire without FP8 codes (fp32 / bf16 / nvfp4 behind GeoFP8): the bound-hit profile counts E4M3's
 _DEFAULT_FP8 = "fp8_e4m3"

@@ -13,7 +13,7 @@ from ..config import Config
 from ..distributed import Bucket, DistributedOptimizer, GradSync, build_buckets
 from ..distributed.early_muon import EarlyMuonUpdates
 from ..distributed.ownership import param_infos, param_specs
-from ..model import Llama
+from ..model import Llama, param_dtype
 from ..parallel import ParallelContext
 from .geo_setup import attach_geo, build_geo
 
@@ -49,8 +49,7 @@ def build_model_and_optimizer(cfg: Config, pctx: ParallelContext):
     Raises:
         ConfigError: a ``geo.layers`` pattern matches no linear weight.
     """
-    dtype = torch.bfloat16 if cfg.train.param_dtype == "bf16" else torch.float32
-    model = Llama(cfg.model, pctx.tp_group, cfg.train.seed, dtype=dtype, device=pctx.device)
+    model = Llama(cfg.model, pctx.tp_group, cfg.train.seed, dtype=param_dtype(cfg.train), device=pctx.device)
     geo = build_geo(cfg, model, pctx) if cfg.comm.transform == "geo" else None
     reducer = build_reducer(
         cfg.comm, pctx.dp_group, pctx.dp_size, pctx.dp_rank, seed=cfg.train.seed, device=pctx.device

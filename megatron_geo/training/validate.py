@@ -1,26 +1,32 @@
 """Cross-field checks of a loaded config that need no process group, run before any distributed work starts.
 
 They live above ``config`` (like Megatron-LM's argument validation in its training package) because they consult
-the wire-format registry, the checkpoint folder, the data files and the launch environment."""
+the wire-format registry, the checkpoint folder, the data files and the launch environment. A setting with a parser
+of its own next to its owner (``optimizer.muon_split``, ``optimizer.muon_ns_dtype``, ``train.param_dtype``,
+``geo.power``) is checked here by calling that parser, never by a second list of its values."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import os
+from collections.abc import Callable
 
 from ..config.loader import ConfigError, resolve_paths
-from ..config.schema import Config
-from ..distributed.split_plan import parse_split
+from ..config.schema import Config, parse_power, parse_power_search
+from ..distributed.split_plan import parse_muon_split
+from ..model.llama import param_dtype
+from ..optim.muon import newton_schulz_dtype
 
-_CHOICES = {
+# a key's choices, or the key's own parser (given the config; raises ConfigError), checked in this order
+_CHOICES: dict[tuple[str, str], tuple[str, ...] | Callable[[Config], object]] = {
     ("optimizer", "name"): ("adamw", "muon"),
-    ("optimizer", "muon_ns_dtype"): ("auto", "bf16", "fp32"),
+    ("optimizer", "muon_ns_dtype"): lambda cfg: newton_schulz_dtype(cfg.optimizer, "cpu"),  # the device: auto only
     ("optimizer", "muon_ns"): ("quintic", "gram"),
     ("optimizer", "muon_adjust_lr_fn"): ("match_rms_adamw", "original"),
     ("train", "lr_decay_style"): ("cosine", "linear", "constant"),
     ("train", "device"): ("auto", "cpu", "cuda"),
-    ("train", "param_dtype"): ("fp32", "bf16"),
+    ("train", "param_dtype"): lambda cfg: param_dtype(cfg.train),
     ("train", "autocast_dtype"): ("auto", "none", "bf16"),
     ("parallel", "backend"): ("auto", "gloo", "nccl"),
     ("parallel", "overlap_param_gather"): ("auto", "true", "false"),
@@ -68,6 +74,9 @@ def validate_config(cfg: Config, world_size: int) -> None:
         ConfigError: naming the key, the bad value and how to fix it.
     """
     for (sec, key), choices in _CHOICES.items():
+        if callable(choices):
+            choices(cfg)
+            continue
         v = getattr(getattr(cfg, sec), key)
         if v not in choices:
             raise ConfigError(f"{sec}.{key}={v!r} is not supported; choose one of {', '.join(choices)}")
@@ -79,10 +88,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
             raise ConfigError(f"{sec}.{key}={v} must be positive{hint}")
     m, p, t, c = cfg.model, cfg.parallel, cfg.train, cfg.comm
     o = cfg.optimizer
-    try:
-        parse_split(o.muon_split)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    parse_muon_split(o.muon_split)
     if not (math.isfinite(o.lr) and o.lr > 0):
         raise ConfigError(f"optimizer.lr={o.lr} must be a positive finite number")
     if not (math.isfinite(o.min_lr) and 0 <= o.min_lr <= o.lr):
@@ -516,62 +522,3 @@ def reject_inert_keys(cfg: Config) -> list[str]:
             raise ConfigError(f"{setting} has no effect with {why}; drop {key} or {fix}")
         notes.append(f"{setting} has no effect with {why} (recorded, not used)")
     return notes
-
-
-def parse_power(spec, key: str = "geo.power") -> float | str:
-    """``geo.power`` ("0.5", "0.25", "auto") -> 0.5, 0.25 or ``"auto"`` (``key`` names it in errors).
-
-    Raises:
-        ConfigError: anything but ``auto`` or a number in (0, 1].
-    """
-    text = str(spec).strip().lower()
-    if text == "auto":
-        return "auto"
-    try:
-        v = float(text)
-    except ValueError:
-        v = float("nan")
-    if not (math.isfinite(v) and 0 < v <= 1):
-        raise ConfigError(
-            f"{key}={spec!r} must be a number in (0, 1] (0.5 whitens the top-r directions, 0.25 "
-            f"goes halfway) or auto (p = clip(s / 4, 0, 1/2) per layer from the refresh's statistics)"
-        )
-    return v
-
-
-def parse_power_search(spec, key: str = "geo.power_search") -> tuple[float, ...]:
-    """``geo.power_search`` ("0.5,0.25,0", or "[0.5, 0.25, 0]") -> (0.5, 0.25, 0.0); "" -> () (the fixed
-    ``geo.power``). ``key`` names the setting in error messages.
-
-    Raises:
-        ConfigError: an element that is not a number in [0, 1] (or empty), a repeated value, or more
-            than 8 values.
-    """
-    text = "" if spec is None else str(spec).strip()
-    if text.startswith("[") and text.endswith("]"):
-        text = text[1:-1]
-    if not text.strip():
-        return ()
-    out: list[float] = []
-    for part in text.split(","):
-        part = part.strip()
-        try:
-            v = float(part) if part else float("nan")
-        except ValueError:
-            v = float("nan")
-        if not (math.isfinite(v) and 0.0 <= v <= 1.0):
-            shown = repr(part) if part else "an empty element"
-            raise ConfigError(
-                f"{key}={spec!r}: {shown} is not a power in [0, 1]; give comma-separated "
-                f"exponents such as {key}=0.5,0.25,0 (0 = Euclidean), or an empty value to "
-                f"turn the search off"
-            )
-        if v in out:
-            raise ConfigError(f"{key}={spec!r} repeats {v:g}; list each power once")
-        out.append(v)
-    if len(out) > 8:
-        raise ConfigError(
-            f"{key}={spec!r} has {len(out)} powers; at most 8 (each costs a trial "
-            f"quantization of every selected gradient at every refresh)"
-        )
-    return tuple(out)
