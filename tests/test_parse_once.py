@@ -271,3 +271,20 @@ def test_a_second_parser_is_found(path, code, key):
 )
 def test_the_allowed_reads_pass(code):
     assert second_parsers({"m.py": code}) == {key: [] for key in PARSERS}, code
+
+
+def test_resume_compares_geo_power_by_its_parsed_value():
+    """A checkpoint's ``geo.power`` in another spelling (an older release stored the number 0.5) is the same value;
+    a different power is still refused."""
+    from megatron_geo.checkpoint.resume_changes import check_resume_changes
+    from megatron_geo.config import ConfigError, config_to_dict, load_config
+
+    def cfg(*extra):
+        return load_config([], ["comm.dtype=fp8_e4m3", "comm.transform=geo", *extra])
+
+    saved = config_to_dict(cfg())
+    for old in (0.5, "0.50", "5e-1"):
+        saved["geo"]["power"] = old
+        assert check_resume_changes(saved, cfg(), 10, "resume") == [], old
+    with pytest.raises(ConfigError, match=r"geo.power changed on resume: 0.5 -> 0.25"):
+        check_resume_changes(saved, cfg("geo.power=0.25"), 10, "resume")

@@ -34,6 +34,7 @@ import os
 from pathlib import Path
 
 from ..config import Config, ConfigError, config_to_dict
+from ..config.schema import parse_power
 from ..optim.schedule import lr_at
 
 DATA_KEYS = {
@@ -184,6 +185,11 @@ def _norm(key: str, v):
         return _abs(v)
     if key == "data.train_blend" and isinstance(v, str):  # weights as numbers, prefixes as absolute paths
         return " ".join(str(float(t)) if _is_number(t) else _abs(t) for t in v.split())
+    if key == "geo.power" and v is not None:  # one value in any spelling (an older checkpoint holds the number 0.5)
+        try:
+            return parse_power(v)
+        except ConfigError:
+            return v
     return v
 
 
