@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 import zlib
+from dataclasses import dataclass
 
 import torch
 
@@ -63,30 +64,40 @@ def _side_label(sd: dict | None) -> str:
     return f"{what} d{sd['damping']:g}{extra}"
 
 
-def geo_rows(
-    rank: int,
-    damping: float,
-    lowranks: list[int],
-    blocks: list[int],
-    dampings: list[float],
-    staleness: list[int],
-    investigate: bool = True,
-    search: tuple = (),
-    sketch: int | None = 64,
-    fp8: str = GEO_FP8,
-    default: tuple[str, dict] | None = None,
-    auto: bool = True,
-    nvfp4: bool = True,
-) -> list[dict]:
-    """The ablation rows: ``{"key", "group", "label", "codec", "input", "output" (side dicts or None),
-    "capture" (step offset of the gradients), "stats" (offset of the factors), "baseline" (key)}``.
+@dataclass(frozen=True)
+class GeoRows:
+    """Which ablation rows :func:`geo_rows` lists.
 
-    ``search``: the candidate powers of ``geo.power_search`` (rows with ``power="search"``: per layer,
-    the power chosen as the trainer chooses it, from the gradients of the factors' capture). ``auto``: rows
-    with ``geo.power=auto`` (p from the capture's refresh statistics). ``default``: ``(label, input side)``
-    of the ``geofp8`` preset (:func:`preset_side`), the row the summary reports as ``geo_default``.
-    ``fp8``: the codec of every row not in the NVFP4 group (default E4M3, tensor scaling); ``sketch``:
-    columns of the sketched-factor row (None: no such row); ``nvfp4``: the NVFP4 rows."""
+    ``rank`` / ``damping``: the GeoFP8 transform the coordinate, staleness and power rows use; ``lowranks``,
+    ``blocks``, ``dampings``: the factor approximations and the damping sweep; ``staleness``: step offsets k of the
+    captures at t + k (rows with the factor of t and of t + k). ``search``: the candidate powers of
+    ``geo.power_search`` (rows with ``power="search"``: per layer, the power chosen as the trainer chooses it, from
+    the gradients of the factors' capture). ``auto``: rows with ``geo.power=auto`` (p from the capture's refresh
+    statistics). ``default``: ``(label, input side)`` of the ``geofp8`` preset (:func:`preset_side`), the row the
+    summary reports as ``geo_default``. ``fp8``: the codec of every row not in the NVFP4 group (default E4M3,
+    tensor scaling); ``sketch``: columns of the sketched-factor row (None: no such row); ``nvfp4``: the NVFP4 rows;
+    ``investigate``: the rows that probe D's exponent and the gradient-Gram factor."""
+
+    rank: int
+    damping: float
+    lowranks: list[int]
+    blocks: list[int]
+    dampings: list[float]
+    staleness: list[int]
+    investigate: bool = True
+    search: tuple = ()
+    sketch: int | None = 64
+    fp8: str = GEO_FP8
+    default: tuple[str, dict] | None = None
+    auto: bool = True
+    nvfp4: bool = True
+
+
+def geo_rows(spec: GeoRows) -> list[dict]:
+    """The ablation rows of ``spec``: ``{"key", "group", "label", "codec", "input", "output" (side dicts or None),
+    "capture" (step offset of the gradients), "stats" (offset of the factors), "baseline" (key)}``."""
+    rank, damping, fp8, staleness, search = spec.rank, spec.damping, spec.fp8, spec.staleness, spec.search
+    blocks, lowranks, dampings, sketch, default = spec.blocks, spec.lowranks, spec.dampings, spec.sketch, spec.default
     geo = _side("lowrank", rank, damping=damping)
     rows = []
 
@@ -138,7 +149,7 @@ def geo_rows(
         add("power search", lab, inp=ps, baseline=eu)
         for k in staleness:
             add("power search", f"{lab}, chosen at t @ t+{k}", inp=ps, capture=k, stats=0, baseline=eu_at[k])
-    if auto:
+    if spec.auto:
         pa = _side("lowrank", rank, damping=damping, power="auto")
         add("power auto", f"input r{rank}, geo.power=auto", inp=pa, baseline=eu)
         for k in staleness:
@@ -154,7 +165,7 @@ def geo_rows(
         add("default", f"geofp8 default ({default[0]})", inp=default[1], baseline=eu)
         for k in staleness:
             add("default", f"geofp8 default, built at t @ t+{k}", inp=default[1], capture=k, stats=0, baseline=eu_at[k])
-    if not nvfp4:
+    if not spec.nvfp4:
         return rows
     e4 = add("nvfp4", "NVFP4 Euclidean", codec=GEO_FP4)
     add("nvfp4", f"NVFP4 input-side geo r{rank}", codec=GEO_FP4, inp=geo, baseline=e4)
@@ -166,7 +177,7 @@ def geo_rows(
             inp=_side("lowrank", rank, damping=damping, power="search"),
             baseline=e4,
         )
-    if investigate:
+    if spec.investigate:
         # why (docs/geofp8_fidelity.md): D's exponent, and a factor that measures the gradient's own energy
         add(
             "investigate",
@@ -537,24 +548,29 @@ def preset_side(name: str, root: str) -> tuple[str, dict, tuple]:
     return label, _side("lowrank", g.rank, damping=g.damping, power=power), search
 
 
-def run_geo(
-    caps: dict,
-    scopes: dict,
-    rows: list[dict],
-    search: tuple,
-    output_factor: str = "grads",
-    directions: bool = True,
-    fp64: bool = True,
-    rank: int = 32,
-    damping: float = 1e-3,
-    fp8: str = GEO_FP8,
-    quiet: bool = False,
-    collective: tuple = ("fp32", True),
-) -> dict:
+@dataclass(frozen=True)
+class GeoEval:
+    """How :func:`run_geo` evaluates the rows: ``output_factor`` (``grads`` or ``hooks``: where the output-side
+    factor comes from), ``directions`` (the direction metrics), ``fp64`` (transforms built in FP64), ``rank`` /
+    ``damping`` / ``fp8`` (the per-layer diagnostics' transform and codec), ``quiet`` (no line per row) and
+    ``collective`` (``(reduce_op, wire_sum_prediv)`` of the simulated reduction)."""
+
+    output_factor: str = "grads"
+    directions: bool = True
+    fp64: bool = True
+    rank: int = 32
+    damping: float = 1e-3
+    fp8: str = GEO_FP8
+    quiet: bool = False
+    collective: tuple = ("fp32", True)
+
+
+def run_geo(caps: dict, scopes: dict, rows: list[dict], search: tuple, ev: GeoEval = GeoEval()) -> dict:
     """Evaluate every row (:func:`geo_rows`) on the captures ``caps`` (``{step offset: Capture}``; offset 0
-    is the capture at t) for each scope (``{"selected": names, "all_linear": names}``), add the reductions
-    against each row's baseline, and the per-layer diagnostics of the selected layers at t. Returns the
+    is the capture at t) for each scope (``{"selected": names, "all_linear": names}``) as ``ev`` says, add the
+    reductions against each row's baseline, and the per-layer diagnostics of the selected layers at t. Returns the
     ``geo`` JSON section (without ``settings``)."""
+    output_factor, directions, fp64, collective = ev.output_factor, ev.directions, ev.fp64, ev.collective
     timings = {}
     tf = _Transforms(caps, output_factor, search)
     done, t_eval = {}, time.perf_counter()
@@ -562,7 +578,7 @@ def run_geo(
         if r["key"] not in done:
             ts = time.perf_counter()
             done[r["key"]] = evaluate_geo_row(r, caps, tf, scopes, directions, fp64, collective)
-            if not quiet:
+            if not ev.quiet:
                 print(
                     f"  {r['group']:<12} {r['label']:<36} RelL2(selected) "
                     f"{done[r['key']]['selected']['rel_l2']:.3e}  ({time.perf_counter() - ts:.1f} s)",
@@ -573,7 +589,7 @@ def run_geo(
     timings["build_transforms_s"] = tf.seconds
     _add_relative(rows)
     ts = time.perf_counter()
-    diag = geo_diagnostics(caps[0], scopes["selected"], rank, damping, fp8)
+    diag = geo_diagnostics(caps[0], scopes["selected"], ev.rank, ev.damping, ev.fp8)
     timings["diagnostics_s"] = time.perf_counter() - ts
     lay_e = {x["name"]: x["rel_l2"] for x in rows[0]["layers"]}
     lay_g = {x["name"]: x["rel_l2"] for x in rows[1]["layers"]}

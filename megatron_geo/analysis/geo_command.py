@@ -14,7 +14,7 @@ import time
 
 from ..config.schema import parse_power_search
 from . import scenarios as SC
-from .geo_ablation import GEO_FP4, _Transforms, geo_rows, preset_side, run_geo
+from .geo_ablation import GEO_FP4, GeoEval, GeoRows, _Transforms, geo_rows, preset_side, run_geo
 from .model_capture import REPO_ROOT, Session, capture_model
 from .paper import PAPER_BLOCKS, PAPER_LOWRANKS
 from .summary import aggregate, summarize
@@ -46,18 +46,20 @@ def _setup(opts, staleness: list[int]) -> tuple[list[dict], tuple, dict]:
         lowranks = sorted(set(lowranks) | set(PAPER_LOWRANKS))
     dampings = float_list(opts.geo_dampings) if model else []
     rows = geo_rows(
-        opts.geo_rank,
-        opts.geo_damping,
-        lowranks,
-        blocks,
-        dampings,
-        staleness,
-        investigate=model and not opts.no_investigate,
-        search=search,
-        sketch=64 if model else None,
-        fp8=opts.geo_fp8_codec,
-        default=(label, side),
-        nvfp4=model,
+        GeoRows(
+            opts.geo_rank,
+            opts.geo_damping,
+            lowranks,
+            blocks,
+            dampings,
+            staleness,
+            investigate=model and not opts.no_investigate,
+            search=search,
+            sketch=64 if model else None,
+            fp8=opts.geo_fp8_codec,
+            default=(label, side),
+            nvfp4=model,
+        )
     )
     settings = {
         "layers": opts.geo_layers,
@@ -79,6 +81,20 @@ def _setup(opts, staleness: list[int]) -> tuple[list[dict], tuple, dict]:
         "wire_sum_prediv": opts.wire_sum_prediv == "true",
     }
     return rows, search, settings
+
+
+def _evaluation(opts, quiet: bool = False) -> GeoEval:
+    """How :func:`~.geo_ablation.run_geo` evaluates the rows under the tool's options."""
+    return GeoEval(
+        opts.output_factor,
+        not opts.no_directions,
+        opts.geo_transform_precision == "fp64",
+        opts.geo_rank,
+        opts.geo_damping,
+        opts.geo_fp8_codec,
+        quiet=quiet,
+        collective=(opts.collective, opts.wire_sum_prediv == "true"),
+    )
 
 
 def _default_transforms(caps: dict, names: list[str], side: dict, search: tuple, codec: str) -> dict:
@@ -122,20 +138,7 @@ def run_scenario(opts) -> dict:
         cap = SC.generate(scenario_params(opts, seed))
         rows = [dict(r) for r in rows0]
         scopes = {"selected": cap.names, "all_linear": cap.names}
-        geo = run_geo(
-            {0: cap},
-            scopes,
-            rows,
-            search,
-            opts.output_factor,
-            not opts.no_directions,
-            opts.geo_transform_precision == "fp64",
-            opts.geo_rank,
-            opts.geo_damping,
-            opts.geo_fp8_codec,
-            quiet=True,
-            collective=(opts.collective, opts.wire_sum_prediv == "true"),
-        )
+        geo = run_geo({0: cap}, scopes, rows, search, _evaluation(opts, quiet=True))
         geo["settings"] = settings
         summ = summarize(geo, "selected", {"scenario": opts.scenario, **cap.params}, opts.paper, opts.geo_rank)
         if opts.window > 1:
@@ -190,19 +193,7 @@ def run_model(sess: Session, opts, losses: list[float]) -> dict:
     names = caps[0].names
     scopes = {"selected": [n for n in names if n in selected], "all_linear": names}
     eval_caps = {k: c for k, c in caps.items() if k == 0 or k in staleness}
-    geo = run_geo(
-        eval_caps,
-        scopes,
-        rows,
-        search,
-        opts.output_factor,
-        not opts.no_directions,
-        opts.geo_transform_precision == "fp64",
-        opts.geo_rank,
-        opts.geo_damping,
-        opts.geo_fp8_codec,
-        collective=(opts.collective, opts.wire_sum_prediv == "true"),
-    )
+    geo = run_geo(eval_caps, scopes, rows, search, _evaluation(opts))
     geo["settings"] = settings
     geo["timings"].update(timings)
     summ = summarize(

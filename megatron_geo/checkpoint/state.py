@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -331,9 +332,10 @@ def load_state(
     pctx = layout.pctx
     world, dev = pctx.world_group, pctx.device
     devices = rank_devices(pctx)
+    target = _LoadTarget(layout, reducer, geo, geo_meta, same_layout, same_layout if same_tp is None else same_tp, log)
     req, err = None, None
     try:
-        req = _load_request(path, layout, reducer, geo, same_layout, geo_meta, log, same_tp, devices)
+        req = _load_request(path, target, devices)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it before DCP's collectives
         err = e
     agree(err, world, dev, "preparing the checkpoint load")
@@ -346,7 +348,7 @@ def load_state(
 
     err = None
     try:
-        _apply_loaded(layout, reducer, geo, geo_meta, same_layout, log, req)
+        _apply_loaded(target, req)
     except Exception as e:  # noqa: BLE001 - the broadcasts and the parameter gather below are collectives
         err = e
     agree(err, world, dev, "restoring the loaded state")
@@ -365,18 +367,22 @@ def _tensor_size(keys, key: str) -> torch.Size:
     return meta.size
 
 
-def _load_request(
-    path: str,
-    layout: StateLayout,
-    reducer,
-    geo,
-    same_layout: bool,
-    geo_meta: dict | None,
-    log,
-    same_tp: bool | None,
-    devices: list[torch.device],
-) -> dict:
-    """The state dict for DCP's read and where each loaded value goes (local: no collectives).
+@dataclass(frozen=True)
+class _LoadTarget:
+    """The live state a load fills and what it may restore (the arguments of :func:`load_state`, with ``same_tp``
+    resolved)."""
+
+    layout: StateLayout
+    reducer: GradientReducer
+    geo: GeoState | None
+    geo_meta: dict | None
+    same_layout: bool
+    same_tp: bool
+    log: Callable[[str], None]
+
+
+def _load_request(path: str, target: _LoadTarget, devices: list[torch.device]) -> dict:
+    """The state dict for DCP's read of ``path`` and where each loaded value goes (local: no collectives).
 
     Raises:
         ValueError: a parameter of this model is missing from the checkpoint, or its optimizer state is of
@@ -384,6 +390,7 @@ def _load_request(
     """
     from .safe_reader import SafeFileSystemReader
 
+    layout, reducer, geo, log = target.layout, target.reducer, target.geo, target.log
     pctx, opt = layout.pctx, layout.optimizer
     keys = SafeFileSystemReader(path).read_metadata().state_dict_metadata
     names = [n for n, p in layout.params.items() if p.requires_grad]
@@ -428,7 +435,7 @@ def _load_request(
     red = reducer.state_dict()
     ef = residual_views(layout, red.get("residuals", {}))
     live_geo = geo.state_dict() if geo is not None else None
-    if same_layout:
+    if target.same_layout:
         for k in ("rng/torch", "rng/cuda", "rng/reducer"):
             if (
                 f"{tag}/{k}" in keys
@@ -448,8 +455,7 @@ def _load_request(
         ):
             sd[f"{tag}/geo/hits"] = torch.zeros(n_hits, dtype=torch.float64, device="cpu")
     geo_tp = f"tp{pctx.tp_rank}/geo/"
-    same_tp = same_layout if same_tp is None else same_tp
-    if geo is not None and geo_meta is not None and same_tp:
+    if geo is not None and target.geo_meta is not None and target.same_tp:
         assert live_geo is not None  # geo.state_dict() above
         for name in live_geo["transforms"]:
             if f"{geo_tp}{name}/U" in keys:
@@ -468,9 +474,10 @@ def _load_request(
     }
 
 
-def _apply_loaded(layout: StateLayout, reducer, geo, geo_meta: dict | None, same_layout: bool, log, req: dict) -> None:
-    """Copy what DCP read into the live state: main params, optimizer state, RNG, error feedback, GeoFP8
-    (local: no collectives)."""
+def _apply_loaded(target: _LoadTarget, req: dict) -> None:
+    """Copy what DCP read (``req``: :func:`_load_request`'s, filled) into the live state: main params, optimizer
+    state, RNG, error feedback, GeoFP8 (local: no collectives)."""
+    layout, log = target.layout, target.log
     pctx, opt = layout.pctx, layout.optimizer
     sd, ef, tag, with_state = req["sd"], req["ef"], req["tag"], req["with_state"]
     with torch.no_grad():
@@ -498,14 +505,14 @@ def _apply_loaded(layout: StateLayout, reducer, geo, geo_meta: dict | None, same
                 view.zero_()
         if residuals:
             red["residuals"] = residuals
-        reducer.load_state_dict(red)
+        target.reducer.load_state_dict(red)
         if ef and len(restored_ef) < len(ef):
             log(
                 f"checkpoint: error-feedback residuals of {len(ef) - len(restored_ef)} parameter(s) start at zero "
-                f"({'the DP x TP layout changed' if not same_layout else 'not in the checkpoint'})"
+                f"({'the DP x TP layout changed' if not target.same_layout else 'not in the checkpoint'})"
             )
-    if geo is not None:
-        _restore_geo(geo, req["live_geo"], geo_meta, sd, req["geo_tp"], f"{tag}/geo/hits", log)
+    if target.geo is not None:
+        _restore_geo(target.geo, req["live_geo"], target.geo_meta, sd, req["geo_tp"], f"{tag}/geo/hits", log)
 
 
 def _broadcast_non_writers(layout: StateLayout, with_state: bool) -> None:
