@@ -23,6 +23,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..comm.codecs import dp_divisor, mean_over_sources
 from ..comm.roundtrip import from_wire, normalize_codec, quantize_wire, to_wire, wire_signs
 from .coordinates import fp64_transform
 
@@ -64,7 +65,7 @@ def simulate_reduce(rank_grads: list[Tensor], codec: dict | str) -> Tensor:
     check_rank_grads(rank_grads)
     signs = wire_signs(c)
     acc = torch.stack([quantize_wire(to_wire(g, c, signs), c, r)[0] for r, g in enumerate(rank_grads)])
-    avg = acc.sum(dim=0).div_(len(rank_grads))
+    avg = mean_over_sources(acc, dp_divisor(len(rank_grads), acc.device))  # the reducer's order and division
     return from_wire(avg, c, signs, rank_grads[0].shape)
 
 
