@@ -164,12 +164,13 @@ def _build(overrides, tp, ckpt_dir):
 
 
 def _steps(cfg, pctx, model, grad_sync, opt, first, n):
-    from megatron_geo.training.step import train_step
+    from megatron_geo.training.step import StepContext, train_step
 
+    ctx = StepContext(model, grad_sync, opt, pctx, 1.0)
     losses = []
     for s in range(first, first + n):
         mbs = rank_micro_batches(global_batch(cfg, s), cfg.train.micro_batch_size, pctx.dp_rank, pctx.dp_size)
-        losses.append(train_step(model, mbs, grad_sync, opt, pctx, 1.0, 1.0).loss)
+        losses.append(train_step(ctx, s, mbs).loss)
     return losses
 
 
@@ -316,7 +317,7 @@ def test_save_killed_midway_leaves_previous_checkpoint(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 def _nan_worker(rank, world):
     from megatron_geo.training.setup import build_model_and_optimizer
-    from megatron_geo.training.step import train_step
+    from megatron_geo.training.step import StepContext, train_step
 
     cfg = tiny_cfg("comm.dtype=fp8_e4m3", "comm.error_feedback=true")
     pctx = pctx_for(1)
@@ -327,7 +328,7 @@ def _nan_worker(rank, world):
     if rank == 1:  # poison this rank's activations only
         hook = model.layers[0].register_forward_hook(lambda m, i, o: o * float("nan"))
     mbs = rank_micro_batches(global_batch(cfg, 1), cfg.train.micro_batch_size, pctx.dp_rank, pctx.dp_size)
-    res = train_step(model, mbs, grad_sync, opt, pctx, 1.0, 1.0)
+    res = train_step(StepContext(model, grad_sync, opt, pctx, 1.0), 1, mbs)
     if hook:
         hook.remove()
     unchanged = all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))

@@ -26,14 +26,14 @@ def _build(root: Path, *extra: str, train: bool = True):
     from helpers import global_batch, pctx_for, rank_micro_batches, tiny_cfg
     from megatron_geo.training.checkpointing import Checkpointer
     from megatron_geo.training.setup import build_model_and_optimizer
-    from megatron_geo.training.step import train_step
+    from megatron_geo.training.step import StepContext, train_step
 
     cfg = tiny_cfg(f"checkpoint.dir={root}", f"train.run_dir={root}", "checkpoint.keep_latest=1", *extra)
     pctx = pctx_for(1)
     model, buckets, reducer, grad_sync, opt = build_model_and_optimizer(cfg, pctx)
     if train:  # one step: the checkpoint holds optimizer state
         mbs = rank_micro_batches(global_batch(cfg, 0), cfg.train.micro_batch_size, pctx.dp_rank, pctx.dp_size)
-        train_step(model, mbs, grad_sync, opt, pctx, 1.0, 1.0)
+        train_step(StepContext(model, grad_sync, opt, pctx, 1.0), 0, mbs)
     return Checkpointer(cfg, pctx, model, opt, reducer, None, lambda m: None)
 
 

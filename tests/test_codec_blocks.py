@@ -26,7 +26,7 @@ PRESETS = sorted(p.stem for p in (ROOT / "configs" / "comm").glob("*.yaml"))
 def _tp_replicas(rank, world, presets):
     from megatron_geo.config import load_config
     from megatron_geo.training.setup import build_model_and_optimizer
-    from megatron_geo.training.step import train_step
+    from megatron_geo.training.step import StepContext, train_step
 
     out = {}
     for preset in presets:
@@ -39,9 +39,10 @@ def _tp_replicas(rank, world, presets):
             cfg.geo.layers, cfg.geo.rank, cfg.geo.refresh_interval = "layers.*.mlp.down_proj.weight", 4, 2
         pctx = pctx_for(2)
         model, _, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
+        ctx = StepContext(model, sync, opt, pctx, 1.0, geo=reducer.geo)
         for step in range(3):
             mbs = rank_micro_batches(global_batch(cfg, step), 2, pctx.dp_rank, pctx.dp_size)
-            train_step(model, mbs, sync, opt, pctx, 1.0, 1.0, geo=reducer.geo, step=step)
+            train_step(ctx, step, mbs)
         out[preset] = {
             n: p.detach().clone() for n, p in model.named_parameters() if not getattr(p, "tensor_model_parallel", False)
         }

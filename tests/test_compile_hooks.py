@@ -48,7 +48,7 @@ def _train(cfg, pctx, compile_backend, steps):
     """``steps`` train steps; per refresh the DP-averaged factors GeoFP8 built its transforms from."""
     from megatron_geo.model.compile import compile_blocks
     from megatron_geo.training.setup import build_model_and_optimizer
-    from megatron_geo.training.step import train_step
+    from megatron_geo.training.step import StepContext, train_step
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -67,10 +67,11 @@ def _train(cfg, pctx, compile_backend, steps):
             return out
 
         geo.stats.reduce = recording_reduce  # the statistics instance is rebuilt only by geo.select=auto
+    ctx = StepContext(model, sync, opt, pctx, cfg.optimizer.clip_grad, geo=geo)
     losses = []
     for step in range(steps):
         mbs = rank_micro_batches(global_batch(cfg, step), 2, pctx.dp_rank, pctx.dp_size)
-        losses.append(train_step(model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad, geo=geo, step=step).loss)
+        losses.append(train_step(ctx, step, mbs).loss)
         graphs_after.append(getattr(compile_backend, "graphs", 0))
     opt.wait_param_gather()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}

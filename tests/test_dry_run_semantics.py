@@ -56,7 +56,7 @@ def _both(opt_name: str, json_path: str) -> dict:
     from megatron_geo.config import load_config
     from megatron_geo.parallel import build_groups
     from megatron_geo.training.setup import build_model_and_optimizer
-    from megatron_geo.training.step import train_step
+    from megatron_geo.training.step import StepContext, train_step
 
     torch.set_num_threads(1)
     over = TINY + [f"optimizer.name={opt_name}"]
@@ -110,7 +110,7 @@ def _both(opt_name: str, json_path: str) -> dict:
     for _ in range(cfg.train.global_batch_size // (DP * micro)):
         data = torch.randint(0, v, (micro, seq + 1), generator=g)
         mbs.append({"tokens": data[:, :-1], "labels": data[:, 1:], "loss_mask": torch.ones(micro, seq)})
-    res = train_step(model, mbs, sync, opt, pctx, 1.0, 0.0, cfg.train.autocast_dtype)
+    res = train_step(StepContext(model, sync, opt, pctx, 0.0, cfg.train.autocast_dtype), 0, mbs)
     opt.wait_param_gather()
     out.update(ref_loss=res.loss, ref_params=_params(model))
     dist.destroy_process_group()

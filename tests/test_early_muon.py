@@ -83,7 +83,7 @@ def test_torch_form_is_torch_muon_operation_for_operation():
 
 def _train(overlap: bool, clip: float, steps: int = 5):
     from megatron_geo.training.setup import build_model_and_optimizer
-    from megatron_geo.training.step import train_step
+    from megatron_geo.training.step import StepContext, train_step
 
     cfg = tiny_cfg(
         "optimizer.name=muon", f"optimizer.muon_overlap={str(overlap).lower()}", f"optimizer.clip_grad={clip}"
@@ -91,10 +91,11 @@ def _train(overlap: bool, clip: float, steps: int = 5):
     pctx = pctx_for()
     model, _buckets, _reducer, grad_sync, opt = build_model_and_optimizer(cfg, pctx)
     assert (grad_sync.early_updates is not None) == overlap
+    ctx = StepContext(model, grad_sync, opt, pctx, clip, autocast_dtype="none")
     out = []
     for step in range(steps):
         mbs = rank_micro_batches(global_batch(cfg, step), cfg.train.micro_batch_size, pctx.dp_rank, pctx.dp_size)
-        res = train_step(model, mbs, grad_sync, opt, pctx, 1.0, clip, autocast_dtype="none", step=step)
+        res = train_step(ctx, step, mbs)
         out.append((res.loss, res.grad_norm))
     params = [p.detach().clone() for p in model.parameters()]
     early = grad_sync.early_updates
@@ -130,7 +131,7 @@ def _train_cuda(overlap: bool, steps: int = 4):
 
     from megatron_geo.parallel import build_groups
     from megatron_geo.training.setup import build_model_and_optimizer
-    from megatron_geo.training.step import train_step
+    from megatron_geo.training.step import StepContext, train_step
 
     if not dist.is_initialized():
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
@@ -139,9 +140,10 @@ def _train_cuda(overlap: bool, steps: int = 4):
     torch.manual_seed(0)
     model, _, _, grad_sync, opt = build_model_and_optimizer(cfg, pctx)
     assert grad_sync._stream is not None and (grad_sync.early_updates is not None) == overlap
+    ctx = StepContext(model, grad_sync, opt, pctx, 0.0)
     for step in range(steps):
         mbs = rank_micro_batches(global_batch(cfg, step), cfg.train.micro_batch_size, 0, 1)
-        train_step(model, mbs, grad_sync, opt, pctx, 1.0, 0.0, step=step)
+        train_step(ctx, step, mbs)
     torch.cuda.synchronize()
     grad_sync.remove_hooks()
     return [p.detach().cpu() for p in model.parameters()], grad_sync.early_updates

@@ -278,14 +278,14 @@ def _build_real(root: Path, train: bool = True):
     from helpers import global_batch, pctx_for, rank_micro_batches, tiny_cfg
     from megatron_geo.training.checkpointing import Checkpointer
     from megatron_geo.training.setup import build_model_and_optimizer
-    from megatron_geo.training.step import train_step
+    from megatron_geo.training.step import StepContext, train_step
 
     cfg = tiny_cfg(f"checkpoint.dir={root}", f"train.run_dir={root}", "comm.dtype=fp8_e4m3", "comm.error_feedback=true")
     pctx = pctx_for(1)
     model, buckets, reducer, grad_sync, opt = build_model_and_optimizer(cfg, pctx)
     if train:  # one step: the checkpoint holds optimizer state and error-feedback residuals
         mbs = rank_micro_batches(global_batch(cfg, 0), cfg.train.micro_batch_size, pctx.dp_rank, pctx.dp_size)
-        train_step(model, mbs, grad_sync, opt, pctx, 1.0, 1.0)
+        train_step(StepContext(model, grad_sync, opt, pctx, 1.0), 0, mbs)
     return cfg, pctx, model, opt, reducer, Checkpointer(cfg, pctx, model, opt, reducer, None, lambda m: None)
 
 

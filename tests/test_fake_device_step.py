@@ -28,7 +28,7 @@ def fake_run(world: int) -> dict:
     from megatron_geo.geometry import transform
     from megatron_geo.parallel.context import build_groups
     from megatron_geo.training.setup import build_model_and_optimizer
-    from megatron_geo.training.step import train_step
+    from megatron_geo.training.step import StepContext, train_step
 
     dev = fd.register()
     fd.no_weight_init(llama)
@@ -48,6 +48,7 @@ def fake_run(world: int) -> dict:
         pctx = build_groups(0, world, 1, dev, "fake")
         model, buckets, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
         geo = reducer.geo
+        ctx = StepContext(model, sync, opt, pctx, 1.0, geo=geo)
         s, v = cfg.model.seq_length, cfg.model.vocab_size
         for step in range(2):
             mbs = [
@@ -57,7 +58,7 @@ def fake_run(world: int) -> dict:
                     "loss_mask": torch.ones(2, s),
                 }
             ]
-            train_step(model, mbs, sync, opt, pctx, 1.0, 1.0, geo=geo, step=step, global_tokens=2 * s * world)
+            train_step(ctx, step, mbs, global_tokens=2 * s * world)
             out["steps"] += 1
         opt.wait_param_gather()
 

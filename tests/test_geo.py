@@ -8,6 +8,7 @@ import torch
 from dist_harness import run_distributed
 from helpers import global_batch, pctx_for, rank_micro_batches, tiny_cfg
 from megatron_geo.geometry import TransformMismatchError, build_transform
+from megatron_geo.training.step import StepContext
 
 
 def _factors():
@@ -73,7 +74,7 @@ def _consistency(rank, world):
     cfg, pctx, model, reducer, sync, opt, train_step = _build_geo(rank, world, ["comm.dtype=fp8_e4m3"])
     geo = reducer.geo
     mb = rank_micro_batches(global_batch(cfg, 0), 2, rank, world)  # different data on each rank
-    train_step(model, mb, sync, opt, pctx, 1.0, 1.0, geo=geo, step=0)
+    train_step(StepContext(model, sync, opt, pctx, 1.0, geo=geo), 0, mb)
     sums = {n: t.checksum() for n, t in geo.transforms.items()}
     # now corrupt one rank's transform and check again
     name = sorted(geo.transforms)[1]
@@ -134,7 +135,7 @@ def _rebase(rank, world):
     geo = reducer.geo
     for step in range(2):  # refresh at step 0; builds a residual at steps 0 and 1
         mb = rank_micro_batches(global_batch(cfg, step), 2, rank, world)
-        train_step(model, mb, sync, opt, pctx, 1.0, 1.0, geo=geo, step=step)
+        train_step(StepContext(model, sync, opt, pctx, 1.0, geo=geo), step, mb)
     key, slots = next(iter(reducer.transform.slots.items()))
     name, off, rows, cols = slots[0]
     residual = reducer.state_dict()["residuals"][key]
@@ -252,7 +253,7 @@ def _sketch_train(rank, world):
     geo = reducer.geo
     for step in range(3):
         mb = rank_micro_batches(global_batch(cfg, step), 2, rank, world)
-        res = train_step(model, mb, sync, opt, pctx, 1.0, 1.0, geo=geo, step=step)
+        res = train_step(StepContext(model, sync, opt, pctx, 1.0, geo=geo), step, mb)
     return res.loss, {n: t.checksum() for n, t in geo.transforms.items()}, list(geo.stats.sketches)
 
 
@@ -337,7 +338,7 @@ def _power_search(rank, world):
     losses = []
     for step in range(4):  # refreshes at steps 0 and 2
         mb = rank_micro_batches(global_batch(cfg, step), 2, rank, world)  # different data on each rank
-        losses.append(train_step(model, mb, sync, opt, pctx, 1.0, 1.0, geo=geo, step=step).loss)
+        losses.append(train_step(StepContext(model, sync, opt, pctx, 1.0, geo=geo), step, mb).loss)
     out = {}
     for step, (bases, grads, chosen) in seen.items():
         gathered = {}
@@ -444,7 +445,7 @@ def _power_auto_gain(rank, world):
     geo._auto_powers = spy
     for step in range(3):  # refreshes at steps 0 and 2
         mb = rank_micro_batches(global_batch(cfg, step), 2, rank, world)  # different data on each rank
-        train_step(model, mb, sync, opt, pctx, 1.0, 1.0, geo=geo, step=step)
+        train_step(StepContext(model, sync, opt, pctx, 1.0, geo=geo), step, mb)
     bases, grads = seen[2]
     gathered = {}
     for n, G in grads.items():

@@ -225,16 +225,17 @@ def _cuda_step_body() -> None:
     from megatron_geo.parallel import destroy_parallel, init_parallel
     from megatron_geo.parallel.launch_env import LaunchEnv
     from megatron_geo.training.setup import build_model_and_optimizer
-    from megatron_geo.training.step import train_step
+    from megatron_geo.training.step import StepContext, train_step
 
     pctx = init_parallel(1, "cuda", "auto", env=LaunchEnv(0, 1, 0, "127.0.0.1", 0, "single"))
     assert pctx.device.type == "cuda" and pctx.backend == "nccl" and dist.get_backend(pctx.dp_group) == "nccl"
     cfg = tiny_cfg()
     model, _, _, sync, opt = build_model_and_optimizer(cfg, pctx)
+    ctx = StepContext(model, sync, opt, pctx, 1.0)
     losses = []
     for s in range(3):
         mbs = rank_micro_batches(global_batch(cfg, s), cfg.train.micro_batch_size, 0, 1)
-        res = train_step(model, mbs, sync, opt, pctx, 1.0, 1.0)
+        res = train_step(ctx, s, mbs)
         losses.append(res.loss)
         assert not res.skipped
     assert all(p.dtype == torch.float32 for p in model.parameters())  # FP32 params, BF16 autocast compute

@@ -206,12 +206,12 @@ def _nonfinite(rank, world, dtype):
         sync.finish()
         norms.append(opt.grad_norm())
     # the same through a full train step: every rank skips the update; replicas stay identical
-    from megatron_geo.training.step import train_step
+    from megatron_geo.training.step import StepContext, train_step
 
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     p0 = next(iter(model.parameters()))
     handle = p0.register_hook(lambda g: g * float("nan")) if rank == 1 else None
-    res = train_step(model, [mb], sync, opt, pctx, 1.0, 1.0)
+    res = train_step(StepContext(model, sync, opt, pctx, 1.0), 0, [mb])
     if handle is not None:
         handle.remove()
     unchanged = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
@@ -232,15 +232,16 @@ def test_nonfinite_on_one_rank_is_seen_by_all(dtype):
 def _train_identical(rank, world, overrides):
     from helpers import global_batch, rank_micro_batches, tiny_cfg
     from megatron_geo.training.setup import build_model_and_optimizer
-    from megatron_geo.training.step import train_step
+    from megatron_geo.training.step import StepContext, train_step
 
     cfg = tiny_cfg(*overrides)
     pctx = pctx_for(1)
     model, _, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
+    ctx = StepContext(model, sync, opt, pctx, 1.0)
     losses, sent = [], []
     for step in range(8):
         mbs = rank_micro_batches(global_batch(cfg, step % 2), 2, rank, world)
-        losses.append(train_step(model, mbs, sync, opt, pctx, 1.0, 1.0).loss)
+        losses.append(train_step(ctx, step, mbs).loss)
         sent.append(reducer.reset_bytes())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, sent
 

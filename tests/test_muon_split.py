@@ -75,7 +75,7 @@ def _run(rank, world, overrides, steps, save_at=None, ckpt=None, resume=False):
     from helpers import global_batch, pctx_for, rank_micro_batches, tiny_cfg
     from megatron_geo.training.checkpointing import Checkpointer
     from megatron_geo.training.setup import build_model_and_optimizer
-    from megatron_geo.training.step import train_step
+    from megatron_geo.training.step import StepContext, train_step
 
     extra = [f"checkpoint.dir={ckpt}", f"train.run_dir={ckpt}"] if ckpt else []
     # 24 samples: whole micro-batches of 2 at DP 3 and 4 (the same global batch either way)
@@ -87,10 +87,11 @@ def _run(rank, world, overrides, steps, save_at=None, ckpt=None, resume=False):
     if resume:
         start, _, _ = ck.resume()
         loaded = local_state(opt)
+    ctx = StepContext(model, sync, opt, pctx, cfg.optimizer.clip_grad)
     losses = []
     for step in range(start, start + steps):
         mbs = rank_micro_batches(global_batch(cfg, step), 2, pctx.dp_rank, pctx.dp_size)
-        losses.append(train_step(model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad, step=step).loss)
+        losses.append(train_step(ctx, step, mbs).loss)
         if save_at is not None and step + 1 == save_at:
             ck.save(step + 1, (step + 1) * cfg.train.global_batch_size)
             loaded = local_state(opt)

@@ -13,19 +13,18 @@ from helpers import global_batch, pctx_for, rank_micro_batches, tiny_cfg
 def _train(rank, world, overrides, steps):
     """The same run with the blocking and with the overlapped gather, one after the other in this process."""
     from megatron_geo.training.setup import build_model_and_optimizer
-    from megatron_geo.training.step import train_step
+    from megatron_geo.training.step import StepContext, train_step
 
     out = []
     for overlap in ("false", "true"):
         cfg = tiny_cfg(*overrides, f"parallel.overlap_param_gather={overlap}")
         pctx = pctx_for(1)
         model, buckets, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
+        ctx = StepContext(model, sync, opt, pctx, cfg.optimizer.clip_grad, geo=reducer.geo)
         losses, pending_after_step = [], []
         for step in range(steps):
             mbs = rank_micro_batches(global_batch(cfg, step), 2, pctx.dp_rank, pctx.dp_size)
-            losses.append(
-                train_step(model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad, geo=reducer.geo, step=step).loss
-            )
+            losses.append(train_step(ctx, step, mbs).loss)
             pending_after_step.append(len(opt._gathers))
         opt.wait_param_gather()
         params = {n: p.detach().clone() for n, p in model.named_parameters()}

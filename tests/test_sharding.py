@@ -245,17 +245,16 @@ def sizes_uneven(bounds) -> bool:
 
 def _train(rank, world, overrides, steps, tp=1, micro=2):
     from megatron_geo.training.setup import build_model_and_optimizer
-    from megatron_geo.training.step import train_step
+    from megatron_geo.training.step import StepContext, train_step
 
     cfg = tiny_cfg("train.global_batch_size=12", f"parallel.tensor={tp}", f"train.micro_batch_size={micro}", *overrides)
     pctx = pctx_for(tp)
     model, buckets, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
+    ctx = StepContext(model, sync, opt, pctx, cfg.optimizer.clip_grad, geo=reducer.geo)
     losses = []
     for step in range(steps):
         mbs = rank_micro_batches(global_batch(cfg, step), micro, pctx.dp_rank, pctx.dp_size)
-        losses.append(
-            train_step(model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad, geo=reducer.geo, step=step).loss
-        )
+        losses.append(train_step(ctx, step, mbs).loss)
     uneven = sum(1 for b in buckets if not b.plan.even)
     rows_cut = sum(1 for m in opt.mains if ".mlp." in m.name and not m.whole)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, uneven, rows_cut
@@ -333,7 +332,7 @@ PRE_CASES = {
 def _load_pre(rank, world, root):
     from megatron_geo.training.checkpointing import Checkpointer
     from megatron_geo.training.setup import build_model_and_optimizer
-    from megatron_geo.training.step import train_step
+    from megatron_geo.training.step import StepContext, train_step
 
     out = {}
     for name, ov in PRE_CASES.items():
@@ -348,7 +347,7 @@ def _load_pre(rank, world, root):
         step, consumed, _ = ck.resume()
         state = local_state(opt)
         mbs = rank_micro_batches(global_batch(cfg, step), 2, pctx.dp_rank, pctx.dp_size)
-        loss = train_step(model, mbs, sync, opt, pctx, 1.0, 1.0, geo=reducer.geo, step=step).loss
+        loss = train_step(StepContext(model, sync, opt, pctx, 1.0, geo=reducer.geo), step, mbs).loss
         out[name] = {"state": state, "step": step, "loss": loss, "uneven": sum(1 for b in buckets if not b.plan.even)}
     return out
 

@@ -10,7 +10,7 @@ import torch
 from dist_harness import run_distributed
 from helpers import global_batch, pctx_for, rank_micro_batches, tiny_cfg
 from megatron_geo.training.setup import build_model_and_optimizer
-from megatron_geo.training.step import train_step
+from megatron_geo.training.step import StepContext, train_step
 
 
 def _train(rank, world, overrides, tp, steps, micro):
@@ -18,10 +18,11 @@ def _train(rank, world, overrides, tp, steps, micro):
     pctx = pctx_for(tp)
     model, buckets, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ctx = StepContext(model, sync, opt, pctx, cfg.optimizer.clip_grad)
     losses = []
     for step in range(steps):
         mbs = rank_micro_batches(global_batch(cfg, step), micro, pctx.dp_rank, pctx.dp_size)
-        losses.append(train_step(model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad).loss)
+        losses.append(train_step(ctx, step, mbs).loss)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return losses, params, init
 

@@ -24,10 +24,11 @@ def _grads(rank, world):
     tokens, labels, mask = _batch(cfg)
     if world == 2:
         tokens, labels, mask = tokens[rank : rank + 1], labels[rank : rank + 1], mask[rank : rank + 1]
-    from megatron_geo.training.step import train_step
+    from megatron_geo.training.step import StepContext, train_step
 
     # lr 0 and no clipping: read the reduced gradient the optimizer saw
-    train_step(model, [{"tokens": tokens, "labels": labels, "loss_mask": mask}], sync, opt, pctx, 0.0, 0.0)
+    ctx = StepContext(model, sync, opt, pctx, 0.0, lr_schedule=lambda step: 0.0)
+    train_step(ctx, 0, [{"tokens": tokens, "labels": labels, "loss_mask": mask}])
     return {n: p.main_grad.clone() for n, p in model.named_parameters()}
 
 

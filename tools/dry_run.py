@@ -151,7 +151,7 @@ def run_steps(cfg, pctx, dp: int, steps: int) -> tuple[list[dict], dict]:
         ``buckets``, ``reducer``, ``optimizer`` and ``build_s`` (seconds to build them).
     """
     from megatron_geo.training.setup import build_model_and_optimizer
-    from megatron_geo.training.step import train_step
+    from megatron_geo.training.step import StepContext, train_step
 
     dev = pctx.device
     torch.manual_seed(cfg.train.seed)
@@ -164,14 +164,12 @@ def run_steps(cfg, pctx, dp: int, steps: int) -> tuple[list[dict], dict]:
         "optimizer": opt,
         "build_s": time.perf_counter() - t0,
     }
-    geo = reducer.geo
+    ctx = StepContext(model, sync, opt, pctx, cfg.optimizer.clip_grad, cfg.train.autocast_dtype, geo=reducer.geo)
     records = []
     with loopback_gathers():
         for step, mbs in enumerate(rank0_micro_batches(cfg, dp, steps)):
             t = time.perf_counter()
-            res = train_step(
-                model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad, cfg.train.autocast_dtype, geo=geo, step=step
-            )
+            res = train_step(ctx, step, mbs)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             rec = {"step": step + 1, "time_s": time.perf_counter() - t, "updated": not res.skipped}

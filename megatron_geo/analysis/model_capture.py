@@ -21,7 +21,7 @@ from ..parallel import LaunchEnv, destroy_parallel, init_parallel
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..training.data_setup import build_data, train_micro_batches
 from ..training.setup import build_model_and_optimizer
-from ..training.step import autocast_context, train_step
+from ..training.step import StepContext, autocast_context, train_step
 from ..training.validate import validate_config
 from .capture import Capture
 
@@ -113,20 +113,24 @@ def train_steps(sess: Session, n: int, on_grad=None, label: str = "train") -> li
     cfg, t = sess.cfg, sess.cfg.train
     opt = _GradTap(sess.optimizer, lambda: on_grad(sess.step)) if on_grad else sess.optimizer
     total = max(t.steps, sess.step + n)
-    losses, every, t0 = [], max(1, n // 10), time.perf_counter()
-    for i in range(n):
-        batches = train_micro_batches(sess.data.train, sess.consumed, cfg, sess.pctx)
-        scale = lr_at(
-            sess.step,
+
+    def schedule(step: int) -> float:
+        return lr_at(
+            step,
             max_lr=1.0,
             min_lr=cfg.optimizer.min_lr / cfg.optimizer.lr,
             warmup_steps=t.warmup_steps,
             total_steps=total,
             style=t.lr_decay_style,
         )
-        res = train_step(
-            sess.model, batches, sess.grad_sync, opt, sess.pctx, scale, cfg.optimizer.clip_grad, t.autocast_dtype
-        )
+
+    ctx = StepContext(
+        sess.model, sess.grad_sync, opt, sess.pctx, cfg.optimizer.clip_grad, t.autocast_dtype, lr_schedule=schedule
+    )
+    losses, every, t0 = [], max(1, n // 10), time.perf_counter()
+    for i in range(n):
+        batches = train_micro_batches(sess.data.train, sess.consumed, cfg, sess.pctx)
+        res = train_step(ctx, sess.step, batches)
         sess.consumed += t.global_batch_size
         sess.step += 1
         losses.append(res.loss)

@@ -1,6 +1,6 @@
 """Training loop, step, LR schedule, metrics."""
 
 from ..optim.schedule import lr_at
-from .step import StepResult, evaluate, train_step
+from .step import StepContext, StepResult, evaluate, train_step
 
-__all__ = ["StepResult", "evaluate", "lr_at", "train_step"]
+__all__ = ["StepContext", "StepResult", "evaluate", "lr_at", "train_step"]

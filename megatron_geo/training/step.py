@@ -10,14 +10,54 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..distributed import DistributedOptimizer, GradSync
+from ..distributed import Bucket, DistributedOptimizer, GradSync
 from ..parallel import ParallelContext
 from ..parallel import collectives as C
 from ..parallel.trace import trace_range
+
+if TYPE_CHECKING:
+    from ..geometry import GeoState
+
+
+@dataclass
+class StepContext:
+    """What every optimizer step needs, built once before the loop (in training by
+    :func:`~.trainer.build_step_context`): the model, its gradient path and optimizer, the parallel layout, and the
+    per-run settings of a step.
+
+    ``clip_grad``: the global gradient-norm clip (``optimizer.clip_grad``; 0 clips nothing); ``autocast_dtype``:
+    ``train.autocast_dtype``; ``geo``: the GeoFP8 state, if any (the reducer's); ``lr_schedule``: step (0-based)
+    -> learning rate as a fraction of ``optimizer.lr`` (None: 1.0 on every step).
+    """
+
+    model: torch.nn.Module
+    grad_sync: GradSync
+    optimizer: DistributedOptimizer
+    pctx: ParallelContext
+    clip_grad: float
+    autocast_dtype: str = "auto"
+    geo: GeoState | None = None
+    lr_schedule: Callable[[int], float] | None = None
+
+    @property
+    def reducer(self):
+        """The gradient reducer (codec, error feedback, telemetry, byte counts) of :attr:`grad_sync`."""
+        return self.grad_sync.reducer
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """The bucketed gradient buffers of :attr:`grad_sync`."""
+        return self.grad_sync.buckets
+
+    def lr_scale(self, step: int) -> float:
+        """The learning rate of step ``step`` (0-based) as a fraction of ``optimizer.lr``."""
+        return 1.0 if self.lr_schedule is None else self.lr_schedule(step)
 
 
 @dataclass
@@ -30,6 +70,7 @@ class StepResult:
     tokens: int  # valid tokens in the global batch
     skipped: bool  # True when the gradient was not finite and no update was made
     stop_flags: list[float] = field(default_factory=list)  # ``stop_flags`` summed over all ranks (see train_step)
+    lr_scale: float = 1.0  # the step's learning rate as a fraction of ``optimizer.lr`` (StepContext.lr_scale)
 
     @property
     def loss(self) -> float:
@@ -57,22 +98,16 @@ def document_inputs(mb: dict, device: torch.device) -> dict:
 
 
 def train_step(
-    model: torch.nn.Module,
+    ctx: StepContext,
+    step: int,
     micro_batches: list[dict],
-    grad_sync: GradSync,
-    optimizer: DistributedOptimizer,
-    pctx: ParallelContext,
-    lr_scale: float,
-    clip_grad: float,
-    autocast_dtype: str = "auto",
-    geo=None,
-    step: int = 0,
+    *,
     global_tokens: int | None = None,
-    stop_flags=None,
+    stop_flags: list[float] | Callable[[], list[float]] | None = None,
 ) -> StepResult:
-    """Run one step over this rank's ``micro_batches`` (dicts of ``tokens``, ``labels`` int64 ``[m, s]``
-    and ``loss_mask`` float ``[m, s]``, optionally ``position_ids`` / ``segment_ids``) and update the parameters
-    unless the gradient is non-finite.
+    """Run optimizer step ``step`` (0-based) over this rank's ``micro_batches`` (dicts of ``tokens``, ``labels``
+    int64 ``[m, s]`` and ``loss_mask`` float ``[m, s]``, optionally ``position_ids`` / ``segment_ids``) and update
+    the parameters of ``ctx.model`` at the learning rate ``ctx.lr_scale(step)`` unless the gradient is non-finite.
 
     ``global_tokens``: the valid-token count of the whole global batch (all DP ranks), known on the host from
     the sampler. Pass it in training: otherwise it is all-reduced over the DP group here, a collective plus a
@@ -83,10 +118,13 @@ def train_step(
     summed over all ranks in the same collective as the gradient norm (the stop request's per-signal counts),
     returned as ``StepResult.stop_flags``; the step makes one host read either way.
 
-    With ``geo`` (a :class:`~megatron_geo.geometry.GeoState`) on a refresh step, the input statistics
+    With ``ctx.geo`` (a :class:`~megatron_geo.geometry.GeoState`) on a refresh step, the input statistics
     are collected in the first micro-batch's forward and the transforms rebuilt after backward, before
     any bucket is reduced (those reductions are deferred to the end of backward on that step only).
     """
+    model, grad_sync, optimizer, pctx = ctx.model, ctx.grad_sync, ctx.optimizer, ctx.pctx
+    geo: Any = ctx.geo  # not None wherever ``refresh`` is True
+    lr_scale, clip_grad = ctx.lr_scale(step), ctx.clip_grad
     dev = pctx.device
     if global_tokens is None:
         local_tokens = sum(float(mb["loss_mask"].sum()) for mb in micro_batches)  # host tensors: no device sync
@@ -103,7 +141,7 @@ def train_step(
         tokens, labels, mask = (mb[k].to(dev, non_blocking=True) for k in ("tokens", "labels", "loss_mask"))
         if refresh and i == 0:
             geo.arm()
-        with autocast_context(pctx, autocast_dtype):
+        with autocast_context(pctx, ctx.autocast_dtype):
             per_token = model(tokens, labels, **document_inputs(mb, dev))
         if refresh and i == 0:
             geo.disarm()
@@ -128,7 +166,7 @@ def train_step(
     if not skipped:
         optimizer.clip(norm, clip_grad)
         optimizer.step(lr_scale)
-    return StepResult(loss_sum, norm, int(global_tokens), skipped, flags)
+    return StepResult(loss_sum, norm, int(global_tokens), skipped, flags, lr_scale)
 
 
 @torch.no_grad()
