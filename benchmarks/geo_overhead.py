@@ -43,7 +43,7 @@ from bench_common import WorkerError, run_gloo, synthetic_batches  # noqa: E402
 from megatron_geo.config import ConfigError, load_config  # noqa: E402
 from megatron_geo.parallel import build_groups  # noqa: E402
 from megatron_geo.training.setup import build_model_and_optimizer  # noqa: E402
-from megatron_geo.training.step import train_step  # noqa: E402
+from megatron_geo.training.step import StepContext, train_step  # noqa: E402
 from megatron_geo.training.validate import validate_config  # noqa: E402
 
 MODES = {
@@ -116,13 +116,14 @@ def _run_mode(args, mode, pctx):
     model, _, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
     geo = reducer.geo
     clocks = _instrument(reducer, geo, pctx.dp_group)
+    ctx = StepContext(model, sync, opt, pctx, 1.0, geo=geo)
     times, refresh_times, parts = [], [], {k: [] for k in clocks}
     for s in range(args.steps + 1):
         mbs = synthetic_batches(cfg, pctx.dp_rank, pctx.dp_size, s)
         dist.barrier()
         before = {k: c.total for k, c in clocks.items()}
         t0 = time.perf_counter()
-        train_step(model, mbs, sync, opt, pctx, 1.0, 1.0, geo=geo, step=s)
+        train_step(ctx, s, mbs)
         dt = time.perf_counter() - t0
         if s == 0:
             continue  # warm-up (and the first refresh is also at s=0 for geo: measured below)

@@ -973,7 +973,7 @@ def phase_train_600m(ctx: Ctx, rec: Record) -> None:
     from megatron_geo.parallel.launch_env import LaunchEnv
     from megatron_geo.training.mfu import gpu_flops_metrics, peak_bf16_flops
     from megatron_geo.training.setup import build_model_and_optimizer
-    from megatron_geo.training.step import train_step
+    from megatron_geo.training.step import StepContext, train_step
 
     over = [
         "logging.wandb=disabled",
@@ -1015,22 +1015,12 @@ def phase_train_600m(ctx: Ctx, rec: Record) -> None:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     times, losses = [], []
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
+    step_ctx = StepContext(model, sync, opt, pctx, cfg.optimizer.clip_grad, cfg.train.autocast_dtype)
     for s in range(warmup + timed):
         mbs = synthetic_batches(cfg, 0, 1, s)
         ctx.sync()
         t = time.perf_counter()
-        res = train_step(
-            model,
-            mbs,
-            sync,
-            opt,
-            pctx,
-            1.0,
-            cfg.optimizer.clip_grad,
-            cfg.train.autocast_dtype,
-            step=s,
-            global_tokens=tokens,
-        )
+        res = train_step(step_ctx, s, mbs, global_tokens=tokens)
         ctx.sync()
         if s >= warmup:
             times.append(time.perf_counter() - t)

@@ -53,7 +53,7 @@ def _worker(rank: int, world: int, args: dict) -> dict:
     from megatron_geo.config import load_config
     from megatron_geo.parallel import build_groups
     from megatron_geo.training.setup import build_model_and_optimizer
-    from megatron_geo.training.step import train_step
+    from megatron_geo.training.step import StepContext, train_step
 
     torch.set_num_threads(1)
     pctx = build_groups(rank, world, 1, torch.device("cpu"), "gloo")
@@ -97,7 +97,7 @@ def _worker(rank: int, world: int, args: dict) -> dict:
             ns_time[0] = 0.0
             torch.distributed.barrier()
             t0 = time.perf_counter()
-            train_step(model, mbs, sync, opt, pctx, 1.0, 0.0, autocast_dtype="none", step=s)
+            train_step(StepContext(model, sync, opt, pctx, 0.0, autocast_dtype="none"), s, mbs)
             t1 = time.perf_counter()
             if s:
                 hits = (sync.early_updates.hits if sync.early_updates else 0) - hits0

@@ -89,7 +89,7 @@ def step_times(config: str, repeats: int) -> dict[str, float]:
     """Fastest of ``repeats`` whole CPU training steps (DP = 1) of ``config`` under Muon, seconds, per ``muon_ns``."""
     from megatron_geo.parallel import build_groups
     from megatron_geo.training.setup import build_model_and_optimizer
-    from megatron_geo.training.step import train_step
+    from megatron_geo.training.step import StepContext, train_step
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -103,7 +103,7 @@ def step_times(config: str, repeats: int) -> dict[str, float]:
         for cfg, model, sync, opt, times in runs.values():
             mbs = synthetic_batches(cfg, 0, 1, s)
             t0 = time.perf_counter()
-            train_step(model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad)
+            train_step(StepContext(model, sync, opt, pctx, cfg.optimizer.clip_grad), s, mbs)
             if s:
                 times.append(time.perf_counter() - t0)
     for _, _, sync, _, _ in runs.values():

@@ -30,17 +30,18 @@ from megatron_geo.config import load_config  # noqa: E402
 from megatron_geo.model import Llama  # noqa: E402
 from megatron_geo.parallel import build_groups  # noqa: E402
 from megatron_geo.training.setup import build_model_and_optimizer  # noqa: E402
-from megatron_geo.training.step import train_step  # noqa: E402
+from megatron_geo.training.step import StepContext, train_step  # noqa: E402
 
 
 def _ours(cfg, pctx, steps):
     model, _, reducer, sync, opt = build_model_and_optimizer(cfg, pctx)
+    ctx = StepContext(model, sync, opt, pctx, cfg.optimizer.clip_grad)
     times = []
     for s in range(steps + 1):
         mbs = synthetic_batches(cfg, pctx.dp_rank, pctx.dp_size, s)
         dist.barrier()
         t0 = time.perf_counter()
-        train_step(model, mbs, sync, opt, pctx, 1.0, cfg.optimizer.clip_grad)
+        train_step(ctx, s, mbs)
         times.append(time.perf_counter() - t0)
     sync.remove_hooks()
     return times[1:], reducer.reset_bytes() / (steps + 1)

@@ -1,8 +1,8 @@
 """No codec scale, block or rotation spans two parameters.
 
-TP-replicated parameters: with TP = 2, a TP-replicated parameter (the norm weights) must stay bitwise identical on the two TP ranks
-of a DP rank after several steps, in every preset: its reduced gradient may not depend on the TP-sharded
-neighbours in its bucket (NVFP4's global scale, FP8 scale blocks, Hadamard blocks).
+TP-replicated parameters: with TP = 2, a TP-replicated parameter (the norm weights) must stay bitwise
+identical on the two TP ranks of a DP rank after several steps, in every preset: its reduced gradient may not
+depend on the TP-sharded neighbours in its bucket (NVFP4's global scale, FP8 scale blocks, Hadamard blocks).
 
 Neighbours: a small parameter between two large ones, reduced with block codecs (Hadamard, block scaling, NVFP4),
 must come back as accurate as if it were reduced alone with the same codec (the reference: the same
