@@ -214,7 +214,7 @@ def test_a_read_only_cache_dir_is_one_line_before_the_process_group(launch, monk
     assert "Read-only file system" in line and FIX in line
 
 
-@pytest.mark.parametrize("code", [errno.EROFS, errno.EACCES, errno.ENOSPC])
+@pytest.mark.parametrize("code", [errno.EROFS, errno.EACCES, errno.ENOSPC, errno.ENOENT])
 @pytest.mark.parametrize("where", ["makedirs", "existing folder"])
 def test_check_cache_dir_names_the_key_the_reason_and_the_fix(monkeypatch, tmp_path, code, where):
     cache = tmp_path / "cache"
@@ -258,3 +258,9 @@ def test_a_built_corpus_in_a_read_only_folder_is_used(monkeypatch, tmp_path):
     _refuse_under(monkeypatch, cache, errno.EROFS)
     corpus.check_cache_dir(str(cache), 2048)
     assert corpus.prepare_default_corpus(str(cache), 2048).train_prefix == str(built / "train")
+
+
+def test_a_cache_dir_that_cannot_be_created_is_one_line():
+    """/proc takes no new folders (ENOENT from mkdir), not a traceback."""
+    with pytest.raises(ConfigError, match=r"^data.cache_dir='/proc/megatron_geo_cache': cannot write .*"):
+        corpus.check_cache_dir("/proc/megatron_geo_cache", 2048)

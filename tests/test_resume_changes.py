@@ -4,6 +4,7 @@ resolved them, the model's function, the wire format, GeoFP8's settings, and the
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -52,6 +53,13 @@ def test_the_shells_default_forms_expand_as_a_shell_would(monkeypatch, tmp_path)
         _cfg("train.run_dir=${UNSET_VAR}/r")
     with pytest.raises(ConfigError, match=r"'\$\{SET_VAR:\?x\}' is not a variable form"):
         _cfg("train.run_dir=${SET_VAR:?x}/r")
+    # a default that names a variable, as a shell expands it
+    assert _cfg("train.run_dir=${UNSET_VAR:-${SET_VAR}/x}").train.run_dir == "/set/x"
+    # written, but empty once expanded: never the working directory or "not given" by accident
+    for key in ("train.run_dir", "data.cache_dir", "data.valid_prefix", "checkpoint.dir"):
+        for text in ("${EMPTY_VAR}", "${UNSET_VAR:-}"):
+            with pytest.raises(ConfigError, match=rf"^{re.escape(key)}='.*' expands to an empty path"):
+                _cfg(f"{key}={text}")
 
 
 def test_model_keys_that_change_the_function_are_refused_unless_allowed():

@@ -54,11 +54,14 @@ def _dry(dry_run, capsys, tmp_path, *args) -> tuple[str, dict]:
 def test_dry_run_takes_the_tensor_parallel_size_of_the_config_files(dry_run, configs, capsys, tmp_path):
     header, figures = _dry(dry_run, capsys, tmp_path, *configs)
     assert header.startswith("dry run: rank 0 of DP=2 x TP=2 on cpu") and figures["tp"] == 2
+    # the fake group skips the forward's tensor-parallel all-reduces: no loss is shown at TP > 1
+    assert "no loss at TP > 1" in header and figures["rank0_step1_loss"] is None
 
 
 def test_dry_run_tp_flag_wins_over_the_config_files(dry_run, configs, capsys, tmp_path):
     header, figures = _dry(dry_run, capsys, tmp_path, *configs, "--tp", "1")
     assert "DP=2 x TP=1 " in header and figures["tp"] == 1
+    assert "rank 0's step-1 loss" in header and figures["rank0_step1_loss"] > 0
 
 
 def test_plan_report_takes_the_same_size_from_the_same_files(configs, capsys, tmp_path):

@@ -173,7 +173,9 @@ def run_steps(cfg, pctx, dp: int, steps: int) -> tuple[list[dict], dict]:
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             rec = {"step": step + 1, "time_s": time.perf_counter() - t, "updated": not res.skipped}
-            if step == 0:  # the fake all-reduces leave rank 0's own sums: its own mean loss
+            # the fake all-reduces leave rank 0's own sums: its own mean loss, at TP = 1 only (with TP > 1 the
+            # fake group also skips the tensor-parallel all-reduces inside the forward, so no loss is meaningful)
+            if step == 0 and pctx.tp_size == 1:
                 rec["loss"] = res.loss
             records.append(rec)
     opt.wait_param_gather()
@@ -242,8 +244,13 @@ def main(argv: list[str] | None = None) -> int:
         f"dry run: rank 0 of DP={args.dp} x TP={tp} on {dev} (fake process group); {len(buckets)} buckets, "
         f"{sum(1 for b in buckets if not b.plan.even)} with uneven owner ranges{split_text}; "
         f"built in {state['build_s']:.1f} s. "
-        f"Shown: step times and rank 0's step-1 loss; the global loss and the gradient norm depend on other ranks' "
-        f"data, which the fake process group does not move",
+        + (
+            "Shown: step times and rank 0's step-1 loss; the global loss and the gradient norm depend on other ranks' "
+            "data, which the fake process group does not move"
+            if tp == 1
+            else "Shown: step times; no loss at TP > 1 (the fake process group skips the tensor-parallel all-reduces "
+            "of the forward, so no loss it computes is the model's)"
+        ),
         flush=True,
     )
     for rec in steps:
@@ -258,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         "tp": tp,
         "device": str(dev),
         "steps": [{k: v for k, v in r.items() if k != "loss"} for r in steps],
-        "rank0_step1_loss": steps[0]["loss"],
+        "rank0_step1_loss": steps[0].get("loss"),  # None at TP > 1
         "persistent_bytes": mem,
         "optimizer_steps": sum(1 for s in steps if s["updated"]),
         "muon_split_blocks": split_blocks,

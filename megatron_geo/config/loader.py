@@ -158,7 +158,7 @@ def _override_value(text: str) -> str | None:
 
 
 # $NAME, ${NAME} and the shell's ${NAME:-default} / ${NAME-default} (default: any text without a closing brace)
-_VAR = re.compile(r"\$(?:(\w+)|\{(\w+)(?:(:?-)([^}]*))?\})")
+_VAR = re.compile(r"\$(?:(\w+)|\{(\w+)(?:(:?-)([^${}]*))?\})")  # innermost first: a default holds no ${...}
 _MALFORMED = re.compile(r"\$\{[^}]*\}?")
 
 
@@ -191,7 +191,12 @@ def expand_path(value: str, key: str) -> str:
         return got
 
     home = os.path.expanduser(value)
-    out = _VAR.sub(one, home)
+    out = home
+    for _ in range(8):  # a default may name a variable: ${A:-${HOME}/x} expands ${HOME} first, then ${A:-...}
+        nxt = _VAR.sub(one, out)
+        if nxt == out:
+            break
+        out = nxt
     bad = _MALFORMED.search(out if "${" in home else "")
     if bad and "${" in bad.group(0):
         raise ConfigError(
@@ -230,7 +235,12 @@ def _resolve_path(value: str, key: str, field: dataclasses.Field) -> str:
             words = f"{', '.join(keywords)} or " if keywords else ""
             raise ConfigError(f"{key} is empty; give {words}a path, or null for the default ({default})")
         return ""
-    return expand_path(value, key)
+    out = expand_path(value, key)
+    if not out:  # written, but its variables are empty: never the working directory or "not given" by accident
+        raise ConfigError(
+            f"{key}={value!r} expands to an empty path (its variables are empty); set them, or write the path out"
+        )
+    return out
 
 
 def resolve_paths(cfg: Config) -> None:

@@ -42,7 +42,7 @@ CORPUS_FORMAT = 1
 SHAKESPEARE_MIN_VOCAB = 91
 # errors of a cache folder that cannot be written (the fix is another data.cache_dir)
 _CACHE_ERRNOS = frozenset(
-    {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR, errno.EEXIST}
+    {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR, errno.EEXIST, errno.ENOENT}
 )
 # Folio file stems whose spelling differs from the modern edition of the same work.
 _FOLIO_ALIASES = {

@@ -127,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(dump_config(cfg), end="")
             return 0
-        if env.rank == 0:  # the wandb run is made on rank 0, with rank 0's credentials
-            check_wandb_login(cfg)
+        # every rank (the check reads files only): a rank that went on would create the run's folders while rank 0
+        # stops; the wandb run itself is made on rank 0
+        check_wandb_login(cfg)
         resolve_start(cfg)  # where the launch starts, or why it cannot (read-only; again after the lock)
         prepare_output_dirs(cfg)
     except LaunchError as e:  # the rank itself may be wrong: every process says it
