@@ -256,10 +256,10 @@ def open_run_outputs(
 def _config_record(cfg: Config) -> str:
     """``config.yaml``: the resolved config, and under ``x-inert_keys`` (which the loader skips) the keys this run
     was given that its comm preset switches off."""
-    from .validate import reject_inert_keys
+    from .validate import inert_notes
 
     text = dump_config(launch_neutral(cfg))
-    notes = reject_inert_keys(cfg)
+    notes = inert_notes(cfg)
     return text + (yaml.safe_dump({"x-inert_keys": notes}, sort_keys=False, width=1000) if notes else "")
 
 

@@ -35,7 +35,7 @@ from .setup import build_model_and_optimizer, compile_model, startup_text
 from .signals import StopRequest
 from .step import StepContext, StepResult, evaluate, train_step
 from .summary import RunStats, format_summary, nothing_to_do
-from .validate import reject_inert_keys
+from .validate import inert_notes
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -123,7 +123,7 @@ def startup_lines(cfg: Config, pctx: ParallelContext, ctx: StepContext, data: Da
     return [
         startup_text(cfg, pctx, ctx.buckets, ctx.optimizer, n_params),
         *(f"data: {line}" for line in data.lines),
-        *(f"config: {note}" for note in reject_inert_keys(cfg)),
+        *(f"config: {note}" for note in inert_notes(cfg)),
     ]
 
 

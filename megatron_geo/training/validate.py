@@ -493,6 +493,14 @@ def _inert_settings(cfg: Config) -> list[tuple[str, str, str, bool]]:
     return out
 
 
+def inert_notes(cfg: Config) -> list[str]:
+    """The notes of :func:`reject_inert_keys` (comm/geo keys the chosen comm preset switches off), never raising:
+    for the start-up log and ``config.yaml`` of a run whose config was checked at launch (or built by a tool)."""
+    return [
+        f"{s} has no effect with {why} (recorded, not used)" for s, why, _, preset in _inert_settings(cfg) if preset
+    ]
+
+
 def reject_inert_keys(cfg: Config) -> list[str]:
     """A key set away from its default while the other settings give it no effect is an error, never ignored
     (e.g. ``data.train_prefix`` with ``data.source=shakespeare``, ``optimizer.muon_*`` with
@@ -515,10 +523,8 @@ def reject_inert_keys(cfg: Config) -> list[str]:
     Raises:
         ConfigError: naming the first other such key, its value, the setting that voids it and the fix.
     """
-    notes = []
     for setting, why, fix, preset in _inert_settings(cfg):
         if not preset:
             key = setting.split("=")[0]
             raise ConfigError(f"{setting} has no effect with {why}; drop {key} or {fix}")
-        notes.append(f"{setting} has no effect with {why} (recorded, not used)")
-    return notes
+    return inert_notes(cfg)
