@@ -73,14 +73,13 @@ def _grads(world):
 
 def _small_param(rank, world, kw):
     from megatron_geo.comm.lowp import LowPrecisionReducer
+    from megatron_geo.config.schema import CommConfig
     from megatron_geo.distributed.shard_plan import plan_shards
 
     pctx = pctx_for(1)
     out = []
     for numels, idx in ((NUMELS, [0, 1, 2]), ([NUMELS[1]], [1])):  # the bucket, then the small one alone
-        red = LowPrecisionReducer(
-            pctx.dp_group, world, rank, kw.get("dtype", "fp8_e4m3"), **{k: v for k, v in kw.items() if k != "dtype"}
-        )
+        red = LowPrecisionReducer(CommConfig(**{"dtype": "fp8_e4m3", **kw}), pctx.dp_group, world, rank)
         plan = plan_shards(numels, [False] * len(numels), world, red.alignment())
         red.register_bucket(0, plan.offsets, numels, plan.bounds, "cpu")
         buf = torch.zeros(plan.buffer_numel)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 
@@ -23,11 +24,11 @@ from dist_harness import run_distributed
 from helpers import pctx_for
 from megatron_geo.analysis.codec_table import bytes_per_element_of, evaluate_codec, format_table
 from megatron_geo.analysis.fidelity import simulate_reduce
+from megatron_geo.comm.factory import build_reducer
 from megatron_geo.comm.formats import (
     FORMATS,
     Wire,
     WireFormat,
-    build_reducer,
     comm_alignment,
     get_format,
     register_format,
@@ -231,22 +232,7 @@ def test_every_preset_format_is_registered_with_the_reducers_alignment():
     for name in presets:
         c = preset_config(name).comm
         assert c.dtype in FORMATS, name
-        red = LowPrecisionReducer(
-            None,
-            2,
-            0,
-            c.dtype,
-            scaling=c.scaling,
-            block_size=c.block_size,
-            rounding=c.rounding,
-            error_feedback=c.error_feedback,
-            transform=c.transform,
-            hadamard_block=c.hadamard_block,
-            scale_sync=c.scale_sync,
-            compile=False,
-            reduce_op=c.reduce_op,
-            wire_sum_prediv=c.wire_sum_prediv,
-        )
+        red = LowPrecisionReducer(dataclasses.replace(c, compile="false"), None, 2, 0)
         assert comm_alignment(c) == red.alignment(), name
         if name in want:
             assert comm_alignment(c) == want[name], name

@@ -218,6 +218,7 @@ def _check(rec, outside, what):
 
 def test_transform_and_hadamard_force_highest_precision_and_restore(tf32_on):
     from megatron_geo.comm.lowp import LowPrecisionReducer
+    from megatron_geo.config.schema import CommConfig
 
     g = torch.Generator().manual_seed(4)
     U, _ = torch.linalg.qr(torch.randn(32, 4, generator=g))
@@ -235,7 +236,8 @@ def test_transform_and_hadamard_force_highest_precision_and_restore(tf32_on):
             fn()
         _check(rec, tf32_on, name)
     # the reducer's Hadamard rotation (to the wire, back into the bucket, and back as a new tensor)
-    red = LowPrecisionReducer(None, 1, 0, "fp8_e4m3", transform="hadamard", hadamard_block=16, compile=False)
+    comm = CommConfig(dtype="fp8_e4m3", transform="hadamard", hadamard_block=16, compile="false")
+    red = LowPrecisionReducer(comm, None, 1, 0)
     x = torch.randn(64, generator=g)
     for name, fn in [
         ("rotation", lambda: red.transform.to_wire(x.clone(), None)),

@@ -169,6 +169,7 @@ def _rank_grads(world: int) -> list[list[torch.Tensor]]:
 def _uneven_reduce(rank, world):
     from megatron_geo.comm import build_reducer
     from megatron_geo.comm.lowp import LowPrecisionReducer
+    from megatron_geo.config.schema import CommConfig
 
     pctx = pctx_for(1)
     numels = [int(torch.tensor(s).prod()) for s in SHAPES]
@@ -178,7 +179,7 @@ def _uneven_reduce(rank, world):
         red = (
             build_reducer(dtype, pctx.dp_group, world, rank)
             if not kw
-            else LowPrecisionReducer(pctx.dp_group, world, rank, dtype, **kw)
+            else LowPrecisionReducer(CommConfig(dtype=dtype, **kw), pctx.dp_group, world, rank)
         )
         specs = [ParamSpec(n, True, float(n)) for n in numels]
         plan = _one_bucket(specs, world, red.alignment())

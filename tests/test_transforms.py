@@ -22,6 +22,7 @@ from torch import nn
 from megatron_geo.comm.lowp import LowPrecisionReducer
 from megatron_geo.comm.reducer import FP32Reducer
 from megatron_geo.comm.transforms import HadamardTransform, IdentityTransform, build_transform
+from megatron_geo.config.schema import CommConfig
 from megatron_geo.geometry import GeoState, GeoTransform, LowRankTransform
 
 ROOT = Path(__file__).resolve().parents[1] / "megatron_geo"
@@ -146,9 +147,8 @@ def test_geo_transform_rebases_the_tracked_residuals_at_a_refresh():
 
 
 def _lowp(**kw):
-    red = LowPrecisionReducer(
-        None, 2, 0, "fp8_e4m3", error_feedback=True, rounding="stochastic", seed=11, compile=False, **kw
-    )
+    comm = CommConfig(dtype="fp8_e4m3", error_feedback=True, rounding="stochastic", compile="false", **kw)
+    red = LowPrecisionReducer(comm, None, 2, 0, seed=11)
     red.register_bucket(0, [0, 32], [20, 30], [0, 32, 64], "cpu")
     red.register_bucket(1, [0], [48], [0, 32, 64], "cpu")
     return red

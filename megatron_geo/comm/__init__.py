@@ -1,6 +1,6 @@
 """Gradient reducers behind one interface (``comm.dtype``)."""
 
-from .formats import build_reducer
+from .factory import build_reducer
 from .reducer import CastReducer, FP32Reducer, PendingReduction, Reducer
 
 __all__ = ["CastReducer", "FP32Reducer", "PendingReduction", "Reducer", "build_reducer"]

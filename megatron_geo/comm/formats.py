@@ -1,5 +1,5 @@
-"""The wire-format registry: one :class:`WireFormat` entry per ``comm.dtype`` value, and the one place that knows
-every reducer class (:func:`build_reducer`).
+"""The wire-format registry: one :class:`WireFormat` entry per ``comm.dtype`` value (the reducer for a ``comm``
+section is :func:`.factory.build_reducer`'s).
 
 Everything that lists, checks or sizes wire formats reads :data:`FORMATS`: config validation
 (:meth:`WireFormat.check`), the run label, the per-tensor codec round trip (:mod:`.roundtrip`), the codec table,
@@ -264,48 +264,3 @@ register_format(
         fixed_scales="its scales are fixed: one E4M3 per 16 elements and one FP32 per parameter",
     )
 )
-
-
-# -- reducers ---------------------------------------------------------------------------------------------------------
-
-
-def build_reducer(comm, dp_group, dp_size: int, dp_rank: int, seed: int = 0, device=None):
-    """The reducer for a ``comm`` config section (or just a ``comm.dtype`` string).
-
-    fp32 / bf16 with ``comm.transform=none`` -> :class:`~.reducer.FP32Reducer` / :class:`~.reducer.CastReducer`;
-    every other registered format (and fp32 / bf16 behind a transform) ->
-    :class:`~megatron_geo.comm.lowp.LowPrecisionReducer` with the section's scaling, rounding, error feedback,
-    transform and scale sync.
-
-    Raises:
-        ValueError: an unknown ``comm.dtype``.
-    """
-    from .lowp import LowPrecisionReducer
-    from .reducer import CastReducer, FP32Reducer
-
-    dtype = comm if isinstance(comm, str) else comm.dtype
-    get_format(dtype)
-    plain = isinstance(comm, str) or comm.transform == "none"
-    if dtype == "fp32" and plain:
-        return FP32Reducer(dp_group, dp_size, dp_rank)
-    if dtype == "bf16" and plain:
-        r = CastReducer(dp_group, dp_size, dp_rank, torch.bfloat16)
-        r.name = "bf16"
-        return r
-    kw = (
-        {}
-        if isinstance(comm, str)
-        else dict(
-            scaling=comm.scaling,
-            block_size=comm.block_size,
-            rounding=comm.rounding,
-            error_feedback=comm.error_feedback,
-            transform=comm.transform,
-            hadamard_block=comm.hadamard_block,
-            scale_sync=comm.scale_sync,
-            compile=comm.compile,
-            reduce_op=comm.reduce_op,
-            wire_sum_prediv=comm.wire_sum_prediv,
-        )
-    )
-    return LowPrecisionReducer(dp_group, dp_size, dp_rank, dtype, seed=seed, device=device, **kw)

@@ -30,84 +30,56 @@ values NaN, and the global gradient norm (all-reduced) non-finite on every rank.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 
+from ..config.schema import CommConfig
 from ..parallel import collectives as C
 from ..parallel.trace import NO_RANGE, trace_range
 from .codec_tables import bucket_scale_layout
 from .codecs import FP8_FORMATS, fp8_max
 from .compiled import resolve_compile
-from .formats import comm_alignment, comm_view, get_format
+from .formats import comm_alignment, get_format
 from .reducer import PendingReduction, Reducer
 from .scale_layout import ScaleLayout
 from .transforms import CoordinateTransform, build_transform
-from .wire_sum import REDUCE_OPS, ring_mean, ring_sum
+from .wire_sum import ring_mean, ring_sum
 
 
 class LowPrecisionReducer(Reducer):
     """A registered wire format (``comm.dtype``: fp8_e4m3 | fp8_e5m2 | nvfp4, or a plain cast behind a transform)
     behind the common reducer interface (:class:`~.reducer.GradientReducer`).
 
-    ``wire``: the format's encoder (``formats.get_format(fmt).make_wire``); ``transform``: the one
+    ``wire``: the format's encoder (``formats.get_format(comm.dtype).make_wire``); ``transform``: the one
     :class:`~.transforms.CoordinateTransform` the buckets are quantised in (``comm.transform``; GeoFP8's replaces the
     identity through :meth:`set_transform`). Per-bucket state (scale layout, error-feedback residual) is registered
     with :meth:`register_bucket` before the first reduction; ``key`` in the collectives selects it. The residuals and
     the stochastic-rounding generator are the reducer's :meth:`state_dict`.
 
+    Args:
+        comm: the ``comm`` config section (:class:`~megatron_geo.config.schema.CommConfig`), whole; its combination
+            rules are :meth:`.formats.WireFormat.check`'s (:func:`.factory.build_reducer` applies them). The
+            reducer keeps a copy as ``self.comm``.
+        dp_group: the data-parallel process group (None: the default group).
+        dp_size, dp_rank: data-parallel ranks and this rank's index (ints).
+        seed: int; the Hadamard signs and the stochastic-rounding draws (``seed * 1_000_003 + dp_rank``).
+        device: where the transform's constants and the generator live (None: CPU).
+
     Raises:
-        ValueError: an unregistered ``fmt``, ``reduce_op=wire_sum`` or ``scale_sync=max`` where the format has
-            none, an unknown ``transform``.
+        ValueError: an unregistered ``comm.dtype``, an unknown ``comm.transform`` or ``comm.compile``.
     """
 
     wire_dtype = torch.uint8
 
-    def __init__(
-        self,
-        dp_group,
-        dp_size: int,
-        dp_rank: int,
-        fmt: str,
-        scaling: str = "tensor",
-        block_size: int = 128,
-        rounding: str = "nearest",
-        error_feedback: bool = False,
-        transform: str = "none",
-        hadamard_block: int = 128,
-        scale_sync: str = "none",
-        seed: int = 0,
-        device=None,
-        compile: str | bool = "auto",
-        reduce_op: str = "fp32_sum",
-        wire_sum_prediv: bool = True,
-    ):
+    def __init__(self, comm: CommConfig, dp_group, dp_size: int, dp_rank: int, seed: int = 0, device=None):
         super().__init__(dp_group, dp_size, dp_rank)
-        wire_format = get_format(fmt)  # ValueError naming the registered formats
-        if reduce_op not in REDUCE_OPS or (reduce_op == "wire_sum" and not wire_format.wire_sum):
-            raise ValueError(
-                f"comm.reduce_op={reduce_op!r} with comm.dtype={fmt!r}: wire_sum needs fp8_e4m3 or "
-                f"fp8_e5m2; otherwise use fp32_sum"
-            )
-        if wire_format.scaled and scale_sync != "none" and not wire_format.scale_sync:
-            raise ValueError(f"comm.scale_sync=max is not supported for comm.dtype={fmt} (its block scales are data)")
-        self.name, self.fmt, self.scaling, self.block_size = fmt, fmt, scaling, block_size
-        self.rounding, self.error_feedback, self.transform_name = rounding, error_feedback, transform
-        self.hadamard_block, self.scale_sync = hadamard_block, scale_sync
-        self.reduce_op, self.wire_sum_prediv = reduce_op, wire_sum_prediv
-        self.comm = comm_view(
-            dtype=fmt,
-            scaling=scaling,
-            block_size=block_size,
-            rounding=rounding,
-            error_feedback=error_feedback,
-            transform=transform,
-            hadamard_block=hadamard_block,
-            scale_sync=scale_sync,
-            reduce_op=reduce_op,
-            wire_sum_prediv=wire_sum_prediv,
-        )
+        wire_format = get_format(comm.dtype)  # ValueError naming the registered formats
+        self.comm = copy.copy(comm)
+        self.name = self.fmt = comm.dtype
         # comm.reduce_op=wire_sum on an NCCL with FP8 reductions: its own reduce-scatter; else the exact emulation
-        self.native_wire_sum = reduce_op == "wire_sum" and C.supports_fp8_sum(dp_group)
+        self.native_wire_sum = comm.reduce_op == "wire_sum" and C.supports_fp8_sum(dp_group)
         self.layouts: dict[int, ScaleLayout] = {}
         self._registered: dict[int, tuple[list[int], list[int], object]] = {}  # key -> (offsets, numels, device)
         self._shard_in_wire_coords: dict[int, torch.Tensor] = {}
@@ -116,10 +88,10 @@ class LowPrecisionReducer(Reducer):
         self.telemetry: list | None = None
         dev = torch.device(device) if device is not None else torch.device("cpu")
         # the coordinates that are quantised; GeoFP8's layer transforms replace the identity at set_transform
-        self.transform: CoordinateTransform = build_transform(transform, hadamard_block, seed, dev)
+        self.transform: CoordinateTransform = build_transform(comm.transform, comm.hadamard_block, seed, dev)
         self.generator = torch.Generator(device=dev)
         self.generator.manual_seed(seed * 1_000_003 + dp_rank)
-        self.compile = resolve_compile(compile, dev)
+        self.compile = resolve_compile(comm.compile, dev)
         self.wire = wire_format.make_wire(self.comm, self.generator, self.compile)
 
     @property
@@ -140,7 +112,7 @@ class LowPrecisionReducer(Reducer):
         )
         self._registered[key] = (list(offsets), list(numels), device)
         self.transform.register_bucket(key, offsets, numels, bounds, device)
-        if self.error_feedback:
+        if self.comm.error_feedback:
             self.residuals[key] = torch.zeros(bounds[-1], dtype=torch.float32, device=device)
 
     def set_transform(self, transform: CoordinateTransform) -> None:
@@ -259,9 +231,9 @@ class LowPrecisionReducer(Reducer):
         if residual is not None:  # in place: x is the consumed bucket buffer (or the rotated copy of it)
             with trace_range("encode"):
                 x = x.add_(residual)
-        if self.reduce_op == "wire_sum":
+        if self.comm.reduce_op == "wire_sum":
             return self._wire_sum(buf, x, key, residual, keep_wire)
-        sync = self._sync_amax if self.scale_sync == "max" else None
+        sync = self._sync_amax if self.comm.scale_sync == "max" else None
         # the wire format also sets the residual to what this rank's quantiser lost, in place
         with trace_range("encode"):
             codes, scales, shared = self.wire.encode_ranges(x, layout, sync, residual)
@@ -307,7 +279,7 @@ class LowPrecisionReducer(Reducer):
         layout, bounds = self.layouts[key], self.bounds[key]
         dp, r = self.dp_size, self.dp_rank
         lo, own = bounds[r], layout.sizes[r]
-        prediv = self.wire_sum_prediv
+        prediv = self.comm.wire_sum_prediv
 
         def sync(amax):
             amax = self._sync_amax(amax)
@@ -398,7 +370,7 @@ class LowPrecisionReducer(Reducer):
             self.bytes_sent += (dp - 1) * payload.shape[1]
             with trace_range("decode"):
                 decoded = self.wire.decode_all(out, layout)
-                if self.reduce_op == "wire_sum":  # summed codes with the shared scale: p * s, then / N
+                if self.comm.reduce_op == "wire_sum":  # summed codes with the shared scale: p * s, then / N
                     decoded = ring_mean(decoded, dp)
             with self._transform_range():
                 self.transform.write_back(buf, 0, decoded, key)

@@ -5,7 +5,8 @@ codec spec strings (:func:`parse_codec` / :func:`codec_label`: ``DTYPE[:PART...]
 works as a separator too, e.g. ``fp8_e4m3:block128``, ``fp8_e4m3:tensor+hadamard128``, ``nvfp4``) and the
 per-rank quantizer the offline fidelity simulation (:mod:`megatron_geo.analysis.fidelity`) builds on.
 
-A *codec* is a dict whose keys mirror the ``comm.*`` config keys (missing keys take these defaults)::
+A *codec* is a dict whose keys mirror the ``comm.*`` config keys (missing keys take the schema's
+``CommConfig()`` defaults, shown here)::
 
     {"dtype": "fp8_e4m3",       # a registered wire format (megatron_geo.comm.formats.FORMATS)
      "scaling": "tensor",       # tensor (one FP32 scale per parameter) | block (one per block_size elements)
@@ -33,19 +34,15 @@ import re
 import torch
 from torch import Tensor
 
+from ..config.schema import CommConfig
 from .formats import FORMATS, comm_view, get_format
 from .hadamard import exact_fp32, hadamard_matrix, hadamard_signs
 from .scale_layout import ScaleLayout, build_scale_layout
 
-CODEC_DEFAULTS = {
-    "dtype": "fp32",
-    "scaling": "tensor",
-    "block_size": 128,
-    "transform": "none",
-    "hadamard_block": 128,
-    "rounding": "nearest",
-    "seed": 0,
-}
+#: the ``comm`` keys a per-tensor round trip reads (the rest of the section concerns the collective)
+CODEC_KEYS = ("dtype", "scaling", "block_size", "transform", "hadamard_block", "rounding")
+#: a codec dict's keys and defaults: the schema's ``CommConfig()`` values of :data:`CODEC_KEYS`, and ``seed`` 0
+CODEC_DEFAULTS = {**{k: getattr(CommConfig(), k) for k in CODEC_KEYS}, "seed": 0}
 
 
 def is_pow2(v: int) -> bool:

@@ -8,7 +8,7 @@ from collections.abc import Collection
 
 import torch
 
-from ..comm.formats import build_reducer
+from ..comm.factory import build_reducer
 from ..config import Config
 from ..distributed import Bucket, DistributedOptimizer, GradSync, build_buckets
 from ..distributed.early_muon import EarlyMuonUpdates
