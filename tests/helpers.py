@@ -6,6 +6,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_geo.config import load_config
+from megatron_geo.config.schema import GeoConfig
+from megatron_geo.geometry import GeoState
 from megatron_geo.parallel import build_groups
 
 
@@ -70,3 +72,10 @@ def one_error_line(tool, capsys, *argv) -> str:
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
     return lines[0]
+
+
+def geo_state(model: torch.nn.Module, dp_group=None, *, log=None, roundtrip=None, **geo) -> GeoState:
+    """A :class:`~megatron_geo.geometry.GeoState` over ``model`` for ``GeoConfig(statistics="full", **geo)`` (the
+    ``geo.*`` keys by their config names), E4M3's FP8 limits, silent unless ``log`` is given."""
+    cfg = GeoConfig(**{"statistics": "full", **geo})
+    return GeoState(cfg, model, dp_group, log=log or (lambda m: None), roundtrip=roundtrip)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dist_harness import run_distributed
-from helpers import global_batch, pctx_for, rank_micro_batches, tiny_cfg
+from helpers import geo_state, global_batch, pctx_for, rank_micro_batches, tiny_cfg
 from megatron_geo.geometry import TransformMismatchError, build_transform
 from megatron_geo.training.step import StepContext
 
@@ -199,15 +199,22 @@ def test_tp2_geo_is_block_diagonal_of_the_full_factor():
 
 
 def _auto(rank, world):
-    from megatron_geo.geometry import GeoState
     from megatron_geo.model import Llama
 
     cfg = tiny_cfg()
     pctx = pctx_for(1)
     model = Llama(cfg.model, pctx.tp_group, 0)
     logs = []
-    geo = GeoState(
-        model, "layers.*.weight", 4, 1e-3, 5, "rebase", pctx.dp_group, auto_layers=3, profile_steps=2, log=logs.append
+    geo = geo_state(
+        model,
+        pctx.dp_group,
+        layers="layers.*.weight",
+        rank=4,
+        refresh_interval=5,
+        select="auto",
+        num_layers=3,
+        profile_steps=2,
+        log=logs.append,
     )
     names = sorted(geo.candidates)
     # rank-dependent profiles: rank 0 alone would pick names[0..2], the DP sum picks names[-3:]

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from megatron_geo.geometry import GeoState, LowRankTransform
+from helpers import geo_state
+from megatron_geo.geometry import LowRankTransform
 
 D_FULL, D_SKETCH, K, RANK, TOKENS = 16, 64, 8, 3, 257  # 257 tokens: a count BF16 cannot hold (it rounds to 256)
 
@@ -41,17 +42,8 @@ def _inputs():
 def _geo(world, seed=1):
     torch.manual_seed(seed)
     model = TwoLayers()
-    geo = GeoState(
-        model,
-        "full.weight,sk.weight",
-        RANK,
-        1e-3,
-        1,
-        "rebase",
-        world,
-        statistics="auto",
-        sketch_size=K,
-        log=lambda m: None,
+    geo = geo_state(
+        model, world, layers="full.weight,sk.weight", rank=RANK, refresh_interval=1, statistics="auto", sketch_size=K
     )
     g = torch.Generator().manual_seed(2)
     for p in geo.params.values():  # the local gradient a refresh reads (the reducer's main_grad in training)
@@ -330,17 +322,14 @@ def _fake_refresh(device: str, dp: int) -> dict:
     try:
         with mode:
             model = TwoLayers(device)
-            geo = GeoState(
+            geo = geo_state(
                 model,
-                "full.weight,sk.weight",
-                RANK,
-                1e-3,
-                1,
-                "rebase",
                 dist.group.WORLD,
+                layers="full.weight,sk.weight",
+                rank=RANK,
+                refresh_interval=1,
                 statistics="auto",
                 sketch_size=K,
-                log=lambda m: None,
             )
             for p in geo.params.values():
                 p.main_grad = torch.randn(p.shape, device=device)

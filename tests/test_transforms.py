@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import geo_state
 from megatron_geo.comm.lowp import LowPrecisionReducer
 from megatron_geo.comm.reducer import FP32Reducer
 from megatron_geo.comm.transforms import HadamardTransform, IdentityTransform, build_transform
@@ -50,7 +51,7 @@ def _orthonormal(d_in: int, r: int, seed: int) -> torch.Tensor:
 
 
 def _geo_state(model: nn.Module, **kw) -> GeoState:
-    return GeoState(model, "*.weight", 4, 1e-3, 2, kw.pop("ef_on_refresh", "rebase"), None, log=lambda m: None, **kw)
+    return geo_state(model, layers="*.weight", rank=4, damping=1e-3, refresh_interval=2, **kw)
 
 
 def _bucket(model: nn.Module, pad: int = 8):
@@ -206,7 +207,7 @@ def test_reset_error_feedback_zeroes_every_residual():
 def test_geo_state_dict_round_trip_into_a_fresh_state():
     torch.manual_seed(0)
     model = _TwoLinear()
-    geo = _geo_state(model, auto_layers=1, profile_steps=2)
+    geo = _geo_state(model, select="auto", num_layers=1, profile_steps=2)
     assert geo.profiling
     g = torch.Generator().manual_seed(3)
     for _ in range(2):
@@ -226,7 +227,7 @@ def test_geo_state_dict_round_trip_into_a_fresh_state():
     assert sd["profiled"] == 2 and sd["selected"] == ["down.weight"] and sd["last_refresh"] == 4
     assert sd["hits"]["up.weight"] > 0
 
-    fresh = _geo_state(_TwoLinear(), auto_layers=1, profile_steps=2)
+    fresh = _geo_state(_TwoLinear(), select="auto", num_layers=1, profile_steps=2)
     fresh.load_state_dict({k: v for k, v in sd.items()})
     got = fresh.state_dict()
     assert got["hits"] == sd["hits"] and got["profiled"] == 2 and got["last_refresh"] == 4

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config.schema import GeoConfig, parse_power, parse_power_search
 from ..parallel import collectives as C
 from ..parallel.precision import exact_fp32
 from . import refresh_stats as RS
@@ -99,40 +100,43 @@ def _powers_line(powers: dict[str, float], per_layer_up_to: int = 16) -> str:
 class GeoState:
     """Transforms of the selected parameters, keyed by parameter name.
 
-    Args (beyond the ``geo.*`` settings): ``fp8_max`` / ``underflow_below``: the wire format's largest magnitude
-    and half its smallest subnormal (E4M3: 448 and 2**-10), for the bound-hit counts; ``roundtrip``: ``x ->
-    decode(encode(x))`` of one tensor through the reducer's codec (FP32 out, same shape), needed by
-    ``geo.power_search``; ``run_eagerly``: ``modules -> context manager`` that runs modules compiled in place
-    eagerly (:class:`megatron_geo.model.compile.eager_calls`) while the statistics are armed; by default
-    nothing is bypassed (a compiled block would then not run the statistics hooks).
+    Args:
+        geo: the ``geo`` config section (:class:`~megatron_geo.config.schema.GeoConfig`), whole: ``layers``,
+            ``select`` / ``num_layers`` / ``profile_steps``, ``rank``, ``damping``, ``power`` and ``power_search``
+            (parsed here), ``refresh_interval`` (kept as :attr:`interval`), ``ef_on_refresh``, ``statistics`` and
+            ``sketch_size``.
+        model: the ``nn.Module`` whose linear weights ``geo.layers`` selects.
+        dp_group: the data-parallel process group the statistics are summed over (None: the default group).
+        fp8_limits: ``(fp8_max, underflow_below)`` floats: the wire format's largest magnitude and half its
+            smallest subnormal (E4M3: 448 and 2**-10), for the bound-hit counts.
+        log: ``str -> None`` for the refresh and selection lines.
+        roundtrip: ``x -> decode(encode(x))`` of one tensor through the reducer's codec (FP32 out, same shape),
+            needed by ``geo.power_search``; None without one.
+        run_eagerly: ``modules -> context manager`` that runs modules compiled in place eagerly
+            (:class:`megatron_geo.model.compile.eager_calls`) while the statistics are armed; by default nothing
+            is bypassed (a compiled block would then not run the statistics hooks).
 
     Raises:
         ValueError: a ``geo.layers`` pattern matches no linear weight.
+        ConfigError: a ``geo.power`` or ``geo.power_search`` that does not parse.
     """
 
     def __init__(
         self,
+        geo: GeoConfig,
         model: nn.Module,
-        patterns: str,
-        rank: int,
-        damping: float,
-        refresh_interval: int,
-        ef_on_refresh: str,
         dp_group,
-        auto_layers: int = 0,
-        profile_steps: int = 0,
-        fp8_max: float = 448.0,
-        underflow_below: float = 2.0**-10,
-        log=print,
-        statistics: str = "full",
-        sketch_size: int = 64,
-        power: float | str = 0.5,
-        power_search: tuple[float, ...] = (),
-        select_gain: bool = False,
+        fp8_limits: tuple[float, float] = (448.0, 2.0**-10),
+        log: Callable[[str], object] = print,
         roundtrip: Callable[[torch.Tensor], torch.Tensor] | None = None,
         run_eagerly: Callable[[Iterable[nn.Module]], ContextManager] = _no_bypass,
     ):
-        self.candidates = select_parameters(model, patterns)
+        power, power_search = parse_power(geo.power), parse_power_search(geo.power_search)
+        auto = geo.select in ("auto", "gain")
+        auto_layers, profile_steps = (geo.num_layers, geo.profile_steps) if auto else (0, 0)
+        select_gain = geo.select == "gain"
+        fp8_max, underflow_below = fp8_limits
+        self.candidates = select_parameters(model, geo.layers)
         # every module on the path from the model to each candidate (the model and the candidate included):
         # the ones compiled in place run eagerly while the statistics are armed
         self._enclosing = {
@@ -151,9 +155,14 @@ class GeoState:
         # geo.select=gain: statistics of every candidate at each refresh, the transform for the best auto_layers
         self.select_gain = select_gain
         self.selected = dict(self.candidates) if not auto_layers or select_gain else {}
-        self.rank, self.damping, self.interval, self.ef_on_refresh = rank, damping, refresh_interval, ef_on_refresh
+        self.rank, self.damping, self.interval, self.ef_on_refresh = (
+            geo.rank,
+            geo.damping,
+            geo.refresh_interval,
+            geo.ef_on_refresh,
+        )
         self.dp_group = dp_group
-        self.statistics, self.sketch_size, self.power = statistics, sketch_size, power
+        self.statistics, self.sketch_size, self.power = geo.statistics, geo.sketch_size, power
         self.power_search = tuple(power_search)  # non-empty: p chosen per layer at each refresh
         self.powers: dict[str, float] = {}  # power_search / auto: the p chosen per layer at the last refresh
         self.diagnostics: dict[str, dict[str, float]] = {}  # per layer, from the last refresh (host floats)

@@ -53,34 +53,20 @@ def build_geo(cfg: Config, model: torch.nn.Module, pctx: ParallelContext) -> Geo
     Raises:
         ConfigError: a ``geo.layers`` pattern matches no linear weight.
     """
-    g, auto = cfg.geo, cfg.geo.select in ("auto", "gain")
-    search, power = parse_power_search(g.power_search), parse_power(g.power)
-    if search and power != 0.5:
+    g = cfg.geo
+    if parse_power_search(g.power_search) and parse_power(g.power) != 0.5:
         _log0(
             pctx,
             f"note: geo.power={g.power} is not used: geo.power_search={g.power_search} chooses the power "
             f"per layer at every refresh",
         )
-    fp8_max, underflow_below = fp8_limits(cfg.comm)
     try:
         return GeoState(
+            g,
             model,
-            g.layers,
-            g.rank,
-            g.damping,
-            g.refresh_interval,
-            g.ef_on_refresh,
             pctx.dp_group,
-            auto_layers=g.num_layers if auto else 0,
-            profile_steps=g.profile_steps if auto else 0,
-            fp8_max=fp8_max,
-            underflow_below=underflow_below,
+            fp8_limits=fp8_limits(cfg.comm),
             log=lambda m: _log0(pctx, m),
-            statistics=g.statistics,
-            sketch_size=g.sketch_size,
-            power=power,
-            power_search=search,
-            select_gain=g.select == "gain",
             roundtrip=codec_roundtrip(cfg.comm),
             run_eagerly=eager_calls,
         )
