@@ -38,6 +38,7 @@ QUALIFIED = {"power": "GeoConfig"}
 # files that map "bf16" to torch.bfloat16 for settings other than the dtype keys above
 OTHER_BF16_MAPPINGS = {
     "megatron_geo/comm/formats.py": "comm.dtype (the registered wire formats)",
+    "megatron_geo/comm/factory.py": "comm.dtype=bf16: the plain cast reducer",
     "megatron_geo/checkpoint/hf_io.py": "the Hugging Face export's --dtype",
     "megatron_geo/training/step.py": "train.autocast_dtype",
 }

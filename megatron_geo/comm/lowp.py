@@ -68,7 +68,8 @@ class LowPrecisionReducer(Reducer):
         device: where the transform's constants and the generator live (None: CPU).
 
     Raises:
-        ValueError: an unregistered ``comm.dtype``, an unknown ``comm.transform`` or ``comm.compile``.
+        ValueError: an unregistered ``comm.dtype``, an unknown ``comm.transform``, ``comm.reduce_op`` or
+            ``comm.compile``.
     """
 
     wire_dtype = torch.uint8
@@ -76,6 +77,8 @@ class LowPrecisionReducer(Reducer):
     def __init__(self, comm: CommConfig, dp_group, dp_size: int, dp_rank: int, seed: int = 0, device=None):
         super().__init__(dp_group, dp_size, dp_rank)
         wire_format = get_format(comm.dtype)  # ValueError naming the registered formats
+        if comm.reduce_op not in ("fp32_sum", "wire_sum"):  # an invariant, not a rule: nothing else to fall back on
+            raise ValueError(f"comm.reduce_op={comm.reduce_op!r} is not fp32_sum or wire_sum")
         self.comm = copy.copy(comm)
         self.name = self.fmt = comm.dtype
         # comm.reduce_op=wire_sum on an NCCL with FP8 reductions: its own reduce-scatter; else the exact emulation
