@@ -377,10 +377,14 @@ def test_codec_phase_compiled_on_the_cpu_reports_every_preset_and_the_dp_check(t
     DP 2 and 3): the background compiles finish, every preset has its eager and compiled row (compiled = eager
     bitwise), and the DP check counts no differing value."""
     P = _phases()
+    import torch.distributed as dist
     from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
-    # the phase's processes compile for the host's widest vector unit into their own Inductor cache (the suite pins
-    # ATen to AVX2, and Inductor's AVX2 code built with -march=native on an AVX-512 host miscompiles int32 selects)
+    if dist.is_initialized():  # the phase makes its own (fake) default group, as on a device; an earlier test module's
+        dist.destroy_process_group()  # one-rank group (the `world` fixture) would make that a second one
+    # the phase's processes compile for the host's widest vector unit into their own Inductor cache (an environment
+    # pinned to AVX2 would have Inductor's AVX2 code built with -march=native on an AVX-512 host, which miscompiles
+    # int32 selects)
     widest = max([isa.bit_width() for isa in valid_vec_isa_list()], default=0)
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", {512: "avx512", 256: "avx2"}.get(widest, "default"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
