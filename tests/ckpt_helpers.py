@@ -32,16 +32,44 @@ def make_corpus(root: Path, vocab_size: int = 96) -> list[str]:
     ]
 
 
+# the small test model: 2 layers of width 32, 16-token samples, buckets of 3,000 elements
+TINY_MODEL = [
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_attention_heads=4",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=64",
+    "model.seq_length=16",
+    "model.make_vocab_size_divisible_by=1",
+    "parallel.bucket_size=3000",
+]
+GOLDEN_CORPUS = Path(__file__).resolve().parent / "data" / "golden" / "corpus"  # the committed test corpus
+
+
+def golden_corpus_data(corpus: Path = GOLDEN_CORPUS) -> list[str]:
+    """The data overrides for the committed test corpus (indexed train/valid files, its tokenizer, vocabulary 96)."""
+    return [
+        "data.source=indexed",
+        f"data.train_prefix={corpus}/train",
+        f"data.valid_prefix={corpus}/valid",
+        f"data.tokenizer_model={corpus}/tok.model",
+        "model.vocab_size=96",
+    ]
+
+
+def trap_process_group(monkeypatch) -> None:
+    """Make ``pretrain_llama.py``'s process-group start fail the test: what follows must be refused before it."""
+    from megatron_geo.training import cli
+
+    def no_group(*args, **kwargs):
+        raise AssertionError("the process group started before the bad input was found")
+
+    monkeypatch.setattr(cli, "init_parallel", no_group)
+
+
 def tiny_train_overrides(run_dir: Path, data: list[str], *extra: str) -> list[str]:
     return [
-        "model.hidden_size=32",
-        "model.num_layers=2",
-        "model.num_attention_heads=4",
-        "model.num_kv_heads=2",
-        "model.ffn_hidden_size=64",
-        "model.seq_length=16",
-        "model.make_vocab_size_divisible_by=1",
-        "parallel.bucket_size=3000",
+        *TINY_MODEL,
         "train.global_batch_size=8",
         "train.micro_batch_size=2",
         "train.warmup_steps=2",

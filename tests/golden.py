@@ -114,14 +114,10 @@ def host_records(path: Path = HOST_RECORDS) -> dict | None:
 def overrides(corpus: Path, run_dir: Path, preset: str, extra: list[str]) -> list[str]:
     """The small test model of ``ckpt_helpers.tiny_train_overrides`` on the committed corpus, without validation,
     for ``STEPS`` steps with a GeoFP8 refresh every 2, under the preset ``configs/comm/<preset>``."""
-    from ckpt_helpers import tiny_train_overrides
+    from ckpt_helpers import golden_corpus_data, tiny_train_overrides
 
     data = [
-        "data.source=indexed",
-        f"data.train_prefix={corpus}/train",
-        f"data.valid_prefix={corpus}/valid",
-        f"data.tokenizer_model={corpus}/tok.model",
-        "model.vocab_size=96",
+        *golden_corpus_data(corpus),
         "data.sample_order=stream",  # the order the records were made with (before Megatron's became the default)
     ]
     return tiny_train_overrides(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_helpers import make_corpus
+from ckpt_helpers import make_corpus, trap_process_group
 from megatron_geo.config import ConfigError, load_config
 from megatron_geo.data import corpus
 from megatron_geo.data.tokenizer import check_tokenizer_file, train_tokenizer
@@ -40,10 +40,7 @@ def launch(monkeypatch, capsys, tmp_path):
     for k in LAUNCH_VARS:
         monkeypatch.delenv(k, raising=False)
 
-    def no_group(*args, **kwargs):
-        raise AssertionError("the process group started before the bad input was found")
-
-    monkeypatch.setattr(cli, "init_parallel", no_group)
+    trap_process_group(monkeypatch)
 
     def run(*overrides: str) -> str:
         capsys.readouterr()

@@ -105,31 +105,18 @@ def test_wandb_credentials_are_found_where_wandb_looks(tmp_path, monkeypatch):
 
 
 def test_online_wandb_without_a_key_exits_2_before_anything_starts(tmp_path, monkeypatch, capsys):
-    from pathlib import Path
 
-    from ckpt_helpers import tiny_train_overrides
+    from ckpt_helpers import golden_corpus_data, tiny_train_overrides, trap_process_group
     from megatron_geo.training.cli import main
 
     home = tmp_path / "home"
     home.mkdir()
     _no_wandb_credentials(monkeypatch, home)
-    corpus = Path(__file__).resolve().parent / "data" / "golden" / "corpus"
-    data = [
-        "data.source=indexed",
-        f"data.train_prefix={corpus}/train",
-        f"data.valid_prefix={corpus}/valid",
-        f"data.tokenizer_model={corpus}/tok.model",
-        "model.vocab_size=96",
-    ]
+    data = golden_corpus_data()
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.yaml").write_text("kept: true\n")  # an existing run's record
-    from megatron_geo.training import cli
-
-    def no_group(*a, **k):
-        raise AssertionError("the process group started before the missing key was found")
-
-    monkeypatch.setattr(cli, "init_parallel", no_group)
+    trap_process_group(monkeypatch)
     capsys.readouterr()
     rc = main(tiny_train_overrides(run, data, "train.steps=1", "logging.wandb=online"))
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ckpt_helpers import tiny_train_overrides
+from ckpt_helpers import golden_corpus_data, tiny_train_overrides
 from dist_harness import run_distributed
 from megatron_geo.config import ConfigError, load_config
 from megatron_geo.parallel.trace import trace_range
@@ -231,14 +231,7 @@ def _jobs(rank, world, jobs):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("profiling")
-    corpus = Path(__file__).resolve().parent / "data" / "golden" / "corpus"  # the committed test corpus
-    data = [
-        "data.source=indexed",
-        f"data.train_prefix={corpus}/train",
-        f"data.valid_prefix={corpus}/valid",
-        f"data.tokenizer_model={corpus}/tok.model",
-        "model.vocab_size=96",
-    ]
+    data = golden_corpus_data()
     fp8 = ["comm.dtype=fp8_e4m3"]
     geo = [*fp8, "comm.transform=geo", "geo.rank=8", "geo.refresh_interval=2", "comm.error_feedback=true"]
     jobs = {

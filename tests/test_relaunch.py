@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_helpers import make_corpus, tiny_train_overrides
+from ckpt_helpers import golden_corpus_data, make_corpus, tiny_train_overrides, trap_process_group
 from dist_harness import run_distributed
 from megatron_geo.config import ConfigError, load_config
 
@@ -187,24 +187,14 @@ def _main_error(args, capsys, monkeypatch) -> tuple[int, list[str]]:
     """``pretrain_llama.py ARGS`` in this process: (exit code, stderr lines); starting a process group fails."""
     from megatron_geo.training import cli
 
-    def no_group(*a, **k):
-        raise AssertionError("the process group started before the bad input was found")
-
-    monkeypatch.setattr(cli, "init_parallel", no_group)
+    trap_process_group(monkeypatch)
     capsys.readouterr()
     rc = cli.main([str(a) for a in args])
     return rc, [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
 
 
 def test_a_launch_on_another_runs_checkpoints_or_a_missing_path_exits_2_before_starting(tmp_path, capsys, monkeypatch):
-    corpus = Path(__file__).resolve().parent / "data" / "golden" / "corpus"
-    data = [
-        "data.source=indexed",
-        f"data.train_prefix={corpus}/train",
-        f"data.valid_prefix={corpus}/valid",
-        f"data.tokenizer_model={corpus}/tok.model",
-        "model.vocab_size=96",
-    ]
+    data = golden_corpus_data()
     shared, a, b = tmp_path / "shared", tmp_path / "A", tmp_path / "B"
     _fake_checkpoint(shared, 2, config={"train": {"run_dir": str(a)}})
     b.mkdir()

@@ -6,18 +6,12 @@ import json
 
 import pytest
 
+from ckpt_helpers import TINY_MODEL
 from helpers import load_tool, one_error_line
 
 TINY = [
-    "model.hidden_size=32",
-    "model.num_layers=2",
-    "model.num_attention_heads=4",
-    "model.num_kv_heads=2",
-    "model.ffn_hidden_size=64",
-    "model.seq_length=16",
+    *TINY_MODEL,
     "model.vocab_size=131",
-    "model.make_vocab_size_divisible_by=1",
-    "parallel.bucket_size=3000",
     "train.global_batch_size=4",
     "train.micro_batch_size=2",
     "logging.wandb=disabled",
