@@ -61,8 +61,8 @@ def _const(values: tuple[float, ...], device: torch.device) -> Tensor:
 
 @functools.lru_cache(maxsize=64)
 def dp_divisor(dp: int, device: torch.device | str) -> Tensor:
-    """float32 ``[1]`` tensor holding ``dp`` on ``device``, made once per ``(dp, device)`` and shared: treat it as
-    read-only.
+    """float32 ``[1]`` tensor holding ``dp`` on ``device``: a new one per call (one fill on the device, no host
+    sync; not cached, so a call under a fake-tensor mode never leaks a fake tensor into real steps).
 
     :func:`mean_over_sources` and :func:`.wire_sum.ring_mean` divide by this tensor instead of by the Python
     number, because a number lets a backend multiply by its reciprocal (one rounding more, off by one ulp for
