@@ -42,7 +42,29 @@ def _context(start: str = _START):
     ctx = mp.get_context(start)
     if start == "forkserver":
         ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (first call)
+        _start_fork_server()
     return ctx
+
+
+def _start_fork_server() -> None:
+    """Start the fork server (once) with this folder on its import path.
+
+    The server is a fresh interpreter whose ``sys.path`` lacks this folder (Python 3.11 ignores the ``sys_path`` it
+    is handed), and it skips a preload module it cannot import without a word, so without this every rank
+    imported torch and the package itself. ``PYTHONPATH`` is set only while the server starts.
+    """
+    from multiprocessing import forkserver
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, old) if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
 
 
 def _fresh_process_state(env: dict, log_path: str) -> None:
