@@ -18,9 +18,9 @@ step clips (a clipping step discards its early updates; see ``megatron_geo/distr
 Configs: ``configs/tiny.yaml`` as it is, and ``configs/llama_600m.yaml`` cut to ``--llama-layers`` layers with a short
 sequence and a 512-token vocabulary (the Muon matrices keep the 600M model's shapes, 1536x4096, 1536x1536 and
 768x1536; what changes is their number; the embedding and output layer are AdamW's).
-What CPU figures cannot show: on a GPU the early orthogonalisation runs in the gradient sync's side stream beside
-the rest of backward, which a CPU process (one thread doing backward and Newton-Schulz in turn) cannot do; here it
-can only overlap the gloo transfers of later buckets.
+What CPU figures cannot show: on a GPU the early orthogonalisation runs on a stream of its own beside the rest of
+backward and the later buckets' reductions, which a CPU process (one thread doing backward and Newton-Schulz in
+turn) cannot do; here it can only overlap the gloo transfers of later buckets.
 
     python benchmarks/muon_overlap.py [--steps 4] [--llama-layers 2] [--out docs/bench/muon_overlap_cpu.json]
 """

@@ -140,6 +140,7 @@ def _train_cuda(overlap: bool, steps: int = 4):
     torch.manual_seed(0)
     model, _, _, grad_sync, opt = build_model_and_optimizer(cfg, pctx)
     assert grad_sync._stream is not None and (grad_sync.early_updates is not None) == overlap
+    assert (grad_sync._ns_stream is not None) == overlap  # the early Newton-Schulz runs on a stream of its own
     ctx = StepContext(model, grad_sync, opt, pctx, 0.0)
     for step in range(steps):
         mbs = rank_micro_batches(global_batch(cfg, step), cfg.train.micro_batch_size, 0, 1)
@@ -149,14 +150,18 @@ def _train_cuda(overlap: bool, steps: int = 4):
     return [p.detach().cpu() for p in model.parameters()], grad_sync.early_updates
 
 
-# run in a fresh interpreter: CUBLAS_WORKSPACE_CONFIG only takes effect before the process's first cuBLAS handle
+# run in a fresh interpreter: CUBLAS_WORKSPACE_CONFIG only takes effect before the process's first cuBLAS handle.
+# warn_only stays False: with warn_only=True torch keeps the nondeterministic backward of the flash and
+# memory-efficient attention kernels (it only warns) and may still pick cuDNN attention, so two runs could differ
+# in the attention gradients alone; strict mode makes those backwards deterministic (cuDNN attention is not
+# chosen), and an op with no deterministic implementation raises, naming itself, instead of passing unnoticed.
 _DETERMINISTIC_CUDA_RUNS = """
 import json, sys
 sys.path[:0] = sys.argv[1:3]
 import torch
 import test_early_muon as t
 
-torch.use_deterministic_algorithms(True, warn_only=True)
+torch.use_deterministic_algorithms(True)
 plain, _ = t._train_cuda(False)
 again, _ = t._train_cuda(False)
 early_params, early = t._train_cuda(True)
@@ -171,13 +176,15 @@ print(json.dumps({
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run benchmarks/gpu_check.sh on a GPU machine)")
 def test_cuda_early_updates_in_the_side_stream_equal_torch_muon_after_backward():
-    """On CUDA the early orthogonalisation runs in the gradient sync's side stream, behind each bucket's decode, with
-    torch.optim.Muon's own iteration; the parameters after 4 steps equal those of torch.optim.Muon run after the
-    whole backward (the same kernels on another stream), and every step after the first used the early result.
+    """On CUDA the early orthogonalisation runs on the gradient sync's Newton-Schulz stream, behind an event recorded
+    after each bucket's decode, with torch.optim.Muon's own iteration; the parameters after 4 steps equal those of
+    torch.optim.Muon run after the whole backward (the same kernels on another stream), and every step after the
+    first used the early result.
 
-    All three runs (plain, plain again, early) use deterministic algorithms and cuBLAS workspaces
-    (``torch.use_deterministic_algorithms``, ``CUBLAS_WORKSPACE_CONFIG=:4096:8``), in a process of their own; the two
-    plain runs must agree bitwise first, or a difference from the early run would say nothing about it."""
+    All three runs (plain, plain again, early) use deterministic algorithms in strict mode and cuBLAS workspaces
+    (``torch.use_deterministic_algorithms(True)``, ``CUBLAS_WORKSPACE_CONFIG=:4096:8``), in a process of their own;
+    the two plain runs must agree bitwise first, or a difference from the early run would say nothing about it. An op
+    without a deterministic CUDA implementation makes the child fail with torch's error naming it."""
     import json
     import os
     import subprocess

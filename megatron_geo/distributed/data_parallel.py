@@ -34,9 +34,25 @@ class GradSync:
     sees the finished reduction; every temporary of the reducer is allocated and freed on the side stream.
 
     ``early_updates``: ``None``, or an :class:`~.early_muon.EarlyMuonUpdates` whose ``on_reduced(bucket)`` is
-    called for each bucket once its reduction is complete (it starts the bucket's Muon updates). With the side
-    stream at launch, inside the side stream, right behind the bucket's decode; without one in :meth:`finish`, in
-    bucket order, each right after its bucket's wait, while later buckets are still in flight.
+    called for each bucket once its reduction is complete (it starts the bucket's Muon updates). Without a side
+    stream in :meth:`finish`, in bucket order, each right after its bucket's wait, while later buckets are still in
+    flight. With the side stream (the reduction stream) at launch, on a second stream of its own (the Newton-Schulz
+    stream, made when ``early_updates`` is set), so that no bucket's encode or collective is queued behind an
+    earlier bucket's orthogonalisation (ProcessGroupNCCL makes a collective wait for the stream current when it is
+    issued):
+
+    - after bucket i's decode an event is recorded on the reduction stream, and the Newton-Schulz stream waits for
+      it before bucket i's orthogonalisation (which reads the bucket's reduced gradients);
+    - in :meth:`finish` an event is recorded on the Newton-Schulz stream after the step's last orthogonalisation,
+      and the compute stream waits for it (beside its wait for the reduction stream), so the gradient norm, the
+      clip's in-place scale and the optimizer step that consumes the orthogonalised updates come after it.
+
+    Memory across the streams: the Newton-Schulz stream reads only the gradient buffers and the momentum buffers,
+    which live for the whole run and are next written on the compute stream after the wait above (the next step's
+    zeroing, the clip, the optimizer step); its temporaries are allocated and freed on it; the orthogonalised
+    updates it leaves are allocated on it and read, then freed, on the compute stream after the wait, which
+    ``MuonNS.step`` declares with ``Tensor.record_stream`` so the caching allocator does not hand their blocks to
+    the Newton-Schulz stream again before the compute stream is done with them.
     """
 
     def __init__(
@@ -63,10 +79,23 @@ class GradSync:
         self._last = True
         self._defer = False
         self._handles = []
-        self.early_updates: EarlyMuonUpdates | None = None
+        self._early: EarlyMuonUpdates | None = None
+        self._ns_stream: torch.cuda.Stream | None = None  # the early Newton-Schulz stream (with the side stream)
+        self._ns_queued = False  # orthogonalisations queued on it since the compute stream last waited for it
         for b in buckets:
             for p in b.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(b)))
+
+    @property
+    def early_updates(self) -> EarlyMuonUpdates | None:
+        """The per-bucket early Muon updates, or ``None`` (see the class docstring)."""
+        return self._early
+
+    @early_updates.setter
+    def early_updates(self, early: EarlyMuonUpdates | None) -> None:
+        self._early = early
+        if early is not None and self._stream is not None and self._ns_stream is None:
+            self._ns_stream = torch.cuda.Stream(device=self._stream.device)
 
     def _make_hook(self, bucket: Bucket):
         def hook(p: torch.nn.Parameter) -> None:
@@ -93,6 +122,9 @@ class GradSync:
             self._next += 1
 
     def _launch(self, bucket: Bucket) -> None:
+        """Queue ``bucket``'s reduction: inline without a side stream; with one, encode, collectives, decode and sum
+        on the reduction stream (after it waits for the compute stream) and then the bucket's early Muon updates on
+        the Newton-Schulz stream, behind an event recorded on the reduction stream after the decode."""
         op = self.reducer.reduce_scatter if self.sharded else self.reducer.all_reduce
         if self._stream is None:
             self._pending[bucket.index] = op(bucket.grad_data, key=bucket.index, async_op=True)
@@ -104,8 +136,15 @@ class GradSync:
             # decode and FP32 sum are queued right behind it and overlap the rest of backward
             pending.wait()
             self._pending[bucket.index] = pending
-            if self.early_updates is not None:
-                self.early_updates.on_reduced(bucket)
+        early = self._early
+        if early is not None and early.has_work(bucket):
+            assert self._ns_stream is not None  # made when early_updates was set
+            decoded = torch.cuda.Event()
+            decoded.record(self._stream)
+            self._ns_stream.wait_event(decoded)
+            with torch.cuda.stream(self._ns_stream):
+                early.on_reduced(bucket)
+            self._ns_queued = True
 
     def start_step(self, defer: bool = False) -> None:
         """Zero the FP32 gradient buffers and re-arm the readiness counters.
@@ -127,7 +166,11 @@ class GradSync:
         self._last = last
 
     def finish(self) -> None:
-        """Launch the buckets not launched yet (unused parameters, overlap off) in bucket order, then wait all."""
+        """Launch the buckets not launched yet (unused parameters, overlap off) in bucket order, then wait all.
+
+        With the side stream the host does not wait: the compute stream waits for the reduction stream and, when
+        early Muon updates were queued this step, for an event recorded on the Newton-Schulz stream after the last
+        of them."""
         for b in self.buckets[self._next :]:
             self._launch(b)
         self._next = len(self.buckets)
@@ -142,6 +185,12 @@ class GradSync:
                 for b in self.buckets:
                     self._pending[b.index].wait()
             compute.wait_stream(self._stream)
+            if self._ns_queued:
+                assert self._ns_stream is not None
+                orthogonalised = torch.cuda.Event()
+                orthogonalised.record(self._ns_stream)
+                compute.wait_event(orthogonalised)
+                self._ns_queued = False
         self._pending.clear()
 
     def remove_hooks(self) -> None:

@@ -6,9 +6,12 @@ only in ``optimizer.step()``, after the last bucket's reduction, while the netwo
 :meth:`EarlyMuonUpdates.on_reduced` is called by :class:`~.data_parallel.GradSync` for each bucket once its reduction
 is complete:
 
-- on CUDA inside the gradient sync's side stream, right behind the bucket's decode, so the orthogonalisation runs
-  beside the rest of backward (the compute stream waits for the side stream before the optimizer step, as it does
-  for the reduction itself);
+- on CUDA on a stream of its own (the Newton-Schulz stream, owned by the gradient sync), which waits for an event
+  recorded on the gradient sync's reduction stream after the bucket's decode, so the orthogonalisation runs beside
+  the rest of backward and no later bucket's encode or collective is queued behind it; the compute stream waits for
+  an event recorded on the Newton-Schulz stream after the step's last orthogonalisation before the gradient norm,
+  the clip and the optimizer step (:class:`~.data_parallel.GradSync`, which also says how memory is kept safe
+  across the streams);
 - on CPU in :meth:`~.data_parallel.GradSync.finish`, bucket by bucket, while the reductions of later buckets are
   still in flight.
 
@@ -60,8 +63,14 @@ class EarlyMuonUpdates:
         """True when some owned Muon matrix takes part."""
         return bool(self._by_bucket)
 
+    def has_work(self, bucket: Bucket) -> bool:
+        """True when :meth:`on_reduced` would orthogonalise something for ``bucket`` (it holds owned Muon matrices
+        and this step speculates): the gradient sync orders streams for such buckets only."""
+        return self.speculate and bool(self._by_bucket.get(bucket.index))
+
     def on_reduced(self, bucket: Bucket) -> None:
-        """Orthogonalise the owned Muon matrices of ``bucket`` (its reduction is complete)."""
+        """Orthogonalise the owned Muon matrices of ``bucket`` (its reduction is complete), queued on the current
+        stream (the caller chooses it: the Newton-Schulz stream on CUDA with a side stream)."""
         if not self.speculate:
             return
         for opt, mains in self._by_bucket.get(bucket.index, ()):

@@ -268,7 +268,7 @@ class MuonNS(torch.optim.Muon):
                         self.precompute_misses += 1
                     else:
                         self.precompute_hits += 1
-                        if ortho.is_cuda:  # made on the gradient sync's side stream, read and freed on this one
+                        if ortho.is_cuda:  # made on the early Newton-Schulz stream, read and freed on this one
                             ortho.record_stream(torch.cuda.current_stream(ortho.device))
                 state = self.state[p]
                 if "momentum_buffer" not in state:
