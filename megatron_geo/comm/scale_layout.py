@@ -130,7 +130,7 @@ class ScaleLayout:
         pos = torch.arange(tile * tiles, dtype=torch.int32, device=block_amax.device)
         # every end but the last: the positions past the buffer's end fall in the last segment
         seg = torch.searchsorted(self.seg_ends.view(-1)[:-1], pos, right=True)
-        return _tiled_amax(block_amax, seg, self.groups.view(-1)[seg], self.num_groups, tile)
+        return _tiled_amax(block_amax, seg, self.groups.view(-1).index_select(0, seg), self.num_groups, tile)
 
     def row_segment_amax(self, block_amax: torch.Tensor, r: int) -> torch.Tensor:
         """Max per segment of range ``r`` alone (taken with 0), float32 ``[K]`` (empty segments 0, NaN
