@@ -229,7 +229,7 @@ def test_derived_block_maps_equal_the_stored_tables(scaling, seed):
         torch.testing.assert_close(lay.row_segment_amax(row, r), seg_amax, equal_nan=True, rtol=0, atol=0)
     # what is kept: a few entries per segment (tensor) or per range and per row slot (block), never per block
     assert lay.table_bytes() == layout_table_bytes(offsets, extents, bounds, dp, scaling, block, granule)
-    assert lay.table_bytes() == ((8 + 4 + 1) * dp * k + 4 * num_groups if scaling == "tensor" else 12 * dp + 4 * k)
+    assert lay.table_bytes() == ((8 + 4 + 1) * dp * k if scaling == "tensor" else 12 * dp + 4 * k)
 
 
 def _method_ops(lay) -> tuple[list[tuple[str, int]], list[str]]:

@@ -219,7 +219,9 @@ def test_split_plans_cover_every_element_once_in_contiguous_aligned_row_blocks()
     assert n_split > 100
 
 
-def test_auto_split_keeps_the_whole_matrix_plan_where_it_balances():
+def test_auto_split_keeps_the_whole_matrix_plan_where_splitting_does_not_pay():
+    """Llama-600M and -300M at DP 8 and 64 (nothing costs more than the mean share) and at DP 128 (splitting the MLP
+    matrices over pairs saves less compute than its group collectives cost): the plan of ``off``, bit for bit."""
     from megatron_geo.analysis.plan_report import meta_model_params, plan_layout
     from megatron_geo.config import load_config
 
@@ -227,13 +229,108 @@ def test_auto_split_keeps_the_whole_matrix_plan_where_it_balances():
         auto = load_config([f"configs/{name}.yaml"], [])
         off = load_config([f"configs/{name}.yaml"], ["optimizer.muon_split=off"])
         params = meta_model_params(auto)
-        for dp in (8, 64):
+        for dp in (8, 64, 128):
             a, b = plan_layout(auto, dp, params), plan_layout(off, dp, params)
             assert [(n, p.bounds, p.offsets, p.pieces) for n, p in a] == [
                 (n, p.bounds, p.offsets, p.pieces) for n, p in b
-            ]
+            ], (name, dp)
             assert not any(p.splits for _, p in a)
-        assert any(p.splits for _, p in plan_layout(auto, 128, params))
+
+
+def _specs(cfg):
+    """The planner's view of ``cfg``'s model (meta device), in backward order, and the codec alignment."""
+    from megatron_geo.analysis.plan_report import meta_model_params
+    from megatron_geo.comm.formats import comm_alignment
+    from megatron_geo.distributed.ownership import param_specs
+
+    params = meta_model_params(cfg)
+    align = comm_alignment(cfg.comm)
+    return param_specs(cfg, list(reversed(params.infos)), align, params.geo_layers), align
+
+
+def _hand_time(specs, dp, owner, splits, flops_per_s, link, latency) -> list[float]:
+    """Per rank: optimizer FLOPs at ``flops_per_s``, plus per split it is a member of: the 5 Gram all-reduces of
+    a quintic (ring: ``2 (g - 1) / g`` of ``k^2`` elements sent each, the first FP32, four BF16) and a wide
+    matrix's two re-layouts (its rows of the others' columns, FP32 there and BF16 back), at ``link`` bytes/s
+    plus ``latency`` per collective."""
+    from megatron_geo.distributed.split_plan import plan_loads
+
+    flops = plan_loads(specs, dp, owner, splits)[0]
+    sent, colls = [0.0] * dp, [0] * dp
+    for sp in splits.values():
+        k, g = min(sp.rows, sp.cols), sp.size
+        col = [c * sp.cols // sp.rows for c in sp.row_cuts]
+        for m in range(g):
+            r = sp.first + m
+            sent[r] += 2 * (g - 1) / g * k * k * (4 + 4 * 2)
+            colls[r] += 5
+            if sp.rows < sp.cols:
+                sent[r] += (sp.row_cuts[m + 1] - sp.row_cuts[m]) * (sp.cols - (col[m + 1] - col[m])) * (4 + 2)
+                colls[r] += 2
+    return [flops[r] / flops_per_s + sent[r] / link + colls[r] * latency for r in range(dp)]
+
+
+def test_auto_split_at_llama_600m_dp128_weighs_compute_saved_against_group_collectives():
+    """Llama-600M, DP = 128, quintic in BF16, on the assumed 400 TFLOP/s, 50 GB/s and 20 us per collective. Whole
+    matrices: the busiest rank owns one 4096 x 1536 MLP matrix, ``5 (4 k^2 K + 2 k^3)`` = 229.5 GFLOP (0.574 ms).
+    Split over pairs (the plan ``auto`` tried): the busiest rank does 187.2 GFLOP (0.106 ms less), but the slowest
+    rank also waits on 5 Gram all-reduces and 2 re-layouts of 34.8 MB (0.835 ms more): whole matrices."""
+    from megatron_geo.config import load_config
+    from megatron_geo.distributed.shard_plan import muon_split_decision, plan_model
+    from megatron_geo.distributed.split_plan import SPLIT_COST, SplitCost
+
+    assert SplitCost(flops_per_s=400e12, link_bytes_per_s=50e9, collective_latency_s=20e-6) == SPLIT_COST
+    cfg = load_config(["configs/llama_600m.yaml"], [])
+    specs, align = _specs(cfg)
+    d = muon_split_decision(specs, cfg.parallel.bucket_size, 128, align)
+    assert d is not None and d.split is not None and d.split_plan is not None
+    k, big = 1536, 4096
+    mlp = 5 * (4 * k * k * big + 2 * k**3)
+    assert d.whole.max_flops == mlp and d.whole.time_s == pytest.approx(mlp / 400e12, rel=1e-12)
+    per_rank = _hand_time(specs, 128, *d.split_plan, 400e12, 50e9, 20e-6)
+    t_split = max(per_rank)
+    assert d.split.time_s == pytest.approx(t_split, rel=1e-12) and d.split.group_size == 2
+    assert d.split.rank == per_rank.index(t_split)
+    saved = (mlp - d.split.max_flops) / 400e12
+    added = t_split - d.split.max_flops / 400e12
+    assert d.saved_s == pytest.approx(saved, rel=1e-12) and d.added_s == pytest.approx(added, rel=1e-12)
+    assert 0.09e-3 < saved < 0.12e-3 and 0.75e-3 < added < 0.95e-3, (saved, added)
+    assert not d.chosen_split and t_split > mlp / 400e12
+    assert not any(pl.splits for _, pl in plan_model(specs, cfg.parallel.bucket_size, 128, align))
+
+
+def test_auto_split_splits_where_the_compute_saved_outweighs_the_collectives():
+    """(a) DP = 2 and one 16384 x 2048 matrix: whole, one rank does ``5 (4 k^2 K + 2 k^3)`` = 1460 GFLOP (3.65
+    ms); over the pair each member does ``5 (4 k^2 K / 2 + 2 k^3)`` (1.93 ms) and sends 5 x ``k^2`` elements, one
+    FP32 and four BF16 (50.3 MB, 1.01 ms) in 5 all-reduces (0.1 ms): 3.04 ms, split. (b) Llama-600M at DP = 128 on a
+    machine 10x slower at the optimizer's products (40 TFLOP/s): 1.06 ms saved against 0.835 ms added, split."""
+    from megatron_geo.config import load_config
+    from megatron_geo.distributed.plan_types import ParamSpec
+    from megatron_geo.distributed.shard_plan import muon_split_decision, plan_model
+    from megatron_geo.distributed.split_plan import SplitCost, auto_split
+
+    rows, cols = 16384, 2048
+    k, big = cols, rows
+    whole_fl = 5 * (4 * k * k * big + 2 * k**3)
+    specs = [ParamSpec(rows * cols, True, float(whole_fl), 1, rows, cols, "quintic", "auto")]
+    d, owner, splits = auto_split(specs, 2, 16, {0: 0})
+    member_fl = 5 * (4 * k * k * big / 2 + 2 * k**3)
+    comm = k * k * (4 + 4 * 2) / 50e9 + 5 * 20e-6
+    assert d is not None and d.split is not None
+    assert d.whole.time_s == pytest.approx(whole_fl / 400e12, rel=1e-12)
+    assert d.split.time_s == pytest.approx(member_fl / 400e12 + comm, rel=1e-12)
+    assert d.chosen_split and list(splits) == [0] and splits[0].row_cuts == (0, rows // 2, rows)
+    assert d.saved_s > d.added_s
+
+    slow = SplitCost(flops_per_s=40e12)
+    cfg = load_config(["configs/llama_600m.yaml"], [])
+    specs, align = _specs(cfg)
+    d = muon_split_decision(specs, cfg.parallel.bucket_size, 128, align, slow)
+    assert d is not None and d.split is not None and d.split_plan is not None and d.chosen_split
+    assert d.split.time_s == pytest.approx(max(_hand_time(specs, 128, *d.split_plan, 40e12, 50e9, 20e-6)), rel=1e-12)
+    assert d.saved_s > d.added_s and d.split.group_size == 2
+    plans = plan_model(specs, cfg.parallel.bucket_size, 128, align, slow)
+    assert sum(len(pl.splits) for _, pl in plans) == d.split.matrices > 0
 
 
 def test_flop_model_counts_what_each_member_does():
@@ -279,8 +376,9 @@ def test_muon_split_setting_is_checked():
 
 
 def test_dry_run_of_llama_600m_at_dp128_steps_the_split_plan(tmp_path):
-    """Rank 0 of the 128-rank job on the fake process group: two real steps with its split MLP row blocks (the
-    Gram all-reduces and re-layouts run on the fake group), memory as the plan says."""
+    """Rank 0 of the 128-rank job on the fake process group with the Muon matrices split over pairs: two real
+    steps with its row blocks (the Gram all-reduces and re-layouts run on the fake group), memory as the plan
+    says."""
     import json
     import subprocess
     import sys
@@ -297,6 +395,7 @@ def test_dry_run_of_llama_600m_at_dp128_steps_the_split_plan(tmp_path):
         "128",
         "--steps",
         "2",
+        "optimizer.muon_split=2",  # auto keeps whole matrices at DP 128: force the pairs
         "model.seq_length=16",
         "train.global_batch_size=128",
         "train.micro_batch_size=1",

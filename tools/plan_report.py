@@ -58,6 +58,27 @@ def _fmt_split(f: dict) -> list[str]:
     ]
 
 
+def _fmt_auto_split(f: dict) -> list[str]:
+    d = f.get("muon_split_auto")
+    if not d:
+        return []
+    w, s, c = d["whole"], d["split"], d["assumed"]
+    assumed = (
+        f"assumed {c['flops_per_s'] / 1e12:,.0f} TFLOP/s, {c['link_bytes_per_s'] / 1e9:,.0f} GB/s group links, "
+        f"{c['collective_latency_s'] * 1e6:,.0f} us per collective"
+    )
+    if s is None:
+        return [f"  Muon split auto: whole matrices (no candidate matrix can be split); {assumed}"]
+    return [
+        f"  Muon split auto: {'split' if d['chosen'] == 'split' else 'whole matrices'}: over groups of "
+        f"{s['group_size']}, the busiest rank's optimizer work {w['max_flops'] / 1e9:,.1f} -> "
+        f"{s['max_flops'] / 1e9:,.1f} GFLOP saves {d['compute_saved_s'] * 1e3:.3f} ms and the group collectives "
+        f"add {d['collectives_added_s'] * 1e3:.3f} ms (rank {s['rank']}: {s['collectives']} synchronous "
+        f"collectives, {s['group_bytes'] / 1e6:,.1f} MB); estimated step {w['time_s'] * 1e3:.3f} ms whole vs "
+        f"{s['time_s'] * 1e3:.3f} ms split; {assumed}"
+    ]
+
+
 def report_text(f: dict) -> str:
     lines = [
         f"DP={f['dp']} TP={f['tp']} | {f['config']['optimizer']} | comm.dtype={f['config']['comm.dtype']} "
@@ -71,6 +92,7 @@ def report_text(f: dict) -> str:
         f"  optimizer FLOPs max/mean {f['optimizer_flops_max_over_mean']:.3f}; owned elements max/mean "
         f"{f['elements_owned_max_over_mean']:.3f}; codec scratch (largest bucket, transient) "
         f"{f['codec_scratch_bytes'] / GiB:.2f} GiB",
+        *_fmt_auto_split(f),
         *_fmt_split(f),
         *_fmt_rank("rank 0", f["rank0"]),
         *_fmt_rank(f"rank {f['worst_rank']['rank']} (most wire bytes)", f["worst_rank"]),

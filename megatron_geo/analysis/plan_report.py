@@ -24,6 +24,12 @@
   per step: the Gram all-reduces (ring: ``2 (g - 1) / g`` of ``k^2`` elements each, the first in FP32, the others
   in the Newton-Schulz dtype: BF16 unless ``optimizer.muon_ns_dtype=fp32``, as on GPUs) and, for wide matrices,
   the two block exchanges (the rows of the other members' columns, FP32 there and the Newton-Schulz dtype back);
+- ``muon_split_auto`` (``optimizer.muon_split=auto`` only, where a Muon matrix costs more than the mean share;
+  else None): what the rule weighed (:func:`megatron_geo.distributed.split_plan.auto_split`): the estimated
+  optimizer time per step of the whole-matrix plan and of the fastest split plan (slowest rank, its compute and
+  group-collective seconds, bytes and collectives, busiest rank's FLOPs), the compute the split saves against
+  the collective time it adds, the choice, and the assumed machine
+  (:data:`~megatron_geo.distributed.split_plan.SPLIT_COST`: FLOP/s, link bytes/s, seconds per collective);
 - the codec scratch of the largest bucket (transient, not persistent): the send codes, the receive buffer of
   ``dp x own`` codes and its FP32 decode.
 
@@ -32,7 +38,7 @@ The model is built on the ``meta`` device (shapes only); TP > 1 uses a fake proc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -40,8 +46,8 @@ from ..comm.formats import comm_alignment, get_format
 from ..config import Config, ConfigError
 from ..distributed.ownership import ParamInfo, param_infos, param_specs
 from ..distributed.plan_types import ADAMW_FLOPS_PER_ELEMENT, ShardPlan
-from ..distributed.shard_plan import plan_model
-from ..distributed.split_plan import gram_reductions, relayout_elements, split_member_flops
+from ..distributed.shard_plan import muon_split_decision, plan_model
+from ..distributed.split_plan import member_group_traffic, split_member_flops
 from ..model.llama import param_dtype
 from ..optim.muon import newton_schulz_dtype
 
@@ -164,12 +170,9 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
         for sp in pl.splits.values():
             n_split += 1
             sizes_split.add(sp.size)
-            k = min(sp.rows, sp.cols)
-            ring = 2 * (sp.size - 1) / sp.size * k * k
             for mem in range(sp.size):
                 member_fl.append(split_member_flops(sp, mem, ns))
-                group_bytes[sp.first + mem] += ring * (4 + (gram_reductions(sp, ns) - 1) * ns_b)
-                group_bytes[sp.first + mem] += relayout_elements(sp, mem) * (4 + ns_b)
+                group_bytes[sp.first + mem] += member_group_traffic(sp, mem, ns, ns_b)[0]
     for idx, pl in plans:
         S = pl.buffer_numel
         sizes = pl.sizes
@@ -268,6 +271,7 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
         "elements_owned_max_over_mean": max(own) / (sum(own) / dp_size) if sum(own) else 1.0,
         "persistent_bytes_per_rank": max(rank_bytes(r)["persistent_bytes"] for r in range(dp_size)),
         "codec_scratch_bytes": scratch,
+        "muon_split_auto": _auto_split_figures(cfg, specs, dp_size) if muon and sharded else None,
         "muon_split": {
             "matrices": n_split,
             "group_size": max(sizes_split, default=1),
@@ -280,3 +284,18 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
         "most_memory_rank": {"rank": most_mem, **rank_bytes(most_mem)},
     }
     return out
+
+
+def _auto_split_figures(cfg: Config, specs, dp_size: int) -> dict | None:
+    """``muon_split_auto`` of :func:`plan_figures` (JSON-ready; None where ``auto`` weighs nothing)."""
+    d = muon_split_decision(specs, cfg.parallel.bucket_size, dp_size, comm_alignment(cfg.comm))
+    if d is None:
+        return None
+    return {
+        "chosen": "split" if d.chosen_split else "whole",
+        "compute_saved_s": d.saved_s,
+        "collectives_added_s": d.added_s,
+        "whole": asdict(d.whole),
+        "split": None if d.split is None else asdict(d.split),
+        "assumed": asdict(d.cost),
+    }

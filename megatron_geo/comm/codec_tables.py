@@ -60,7 +60,7 @@ def codec_table_bytes(comm, buckets: Iterable[tuple[Sequence[int], Sequence[int]
         dp_size: data-parallel ranks.
 
     Returns:
-        bytes (int): per bucket, tensor scaling ``13 * dp_size * K + 4 * (parameters + 1)`` (K: scale segments of
+        bytes (int): per bucket, tensor scaling ``13 * dp_size * K`` (K: scale segments of
         the fullest rank range), block scaling ``12 * dp_size + 4 * K`` (K: blocks of the largest range).
 
     Raises:

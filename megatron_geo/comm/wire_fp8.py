@@ -7,8 +7,8 @@ see :mod:`.scale_layout`).
 
 How it is computed: every segment is a whole number of blocks of ``layout.granule`` elements, so a scale
 reaches its elements as one value per block broadcast over a ``[blocks, granule]`` view; the amax is one
-reduction per block followed by the layout's group max (per segment, then per group: :mod:`.scale_layout`, which
-keeps no per-block table). Nothing has a
+reduction per block followed by the layout's group max (whole tiles of one segment, then a scatter into the
+groups: :mod:`.scale_layout`, which keeps no per-block table). Nothing has a
 data-dependent shape and nothing syncs with the host; with ``comm.compile`` each step is one
 ``torch.compile`` graph (:mod:`.compiled`).
 """

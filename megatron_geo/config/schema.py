@@ -81,7 +81,7 @@ class OptimizerConfig:
     muon_adjust_lr_fn: str = "match_rms_adamw"
     muon_ns_dtype: str = "auto"  # auto: bf16 (torch.optim.Muon) on CUDA, fp32 on CPU
     muon_ns: str = "quintic"  # Newton-Schulz form: quintic (torch.optim.Muon's) or gram (same result, on X X^T)
-    muon_split: str = "auto"  # split Muon matrices by rows over DP groups: auto (where whole can't balance), off, 2..
+    muon_split: str = "auto"  # split Muon matrices by rows over DP groups: auto (where it saves time), off, 2..
     muon_overlap: bool = True  # orthogonalise each owned Muon matrix when its bucket is reduced (bitwise the same)
     adamw_lr: float = -1.0  # learning rate of the AdamW part under muon; <0 means same as lr
     clip_grad: float = 1.0

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 
+from ..optim.muon import newton_schulz_dtype
 from .plan_types import ADAMW_FLOPS_PER_ELEMENT, ParamSpec, newton_schulz_flops
 from .split_plan import parse_muon_split
 
@@ -38,7 +39,7 @@ def param_specs(
 
     Args:
         cfg: the run's :class:`~megatron_geo.config.Config` (reads ``optimizer.name``, ``optimizer.muon_ns``,
-            ``optimizer.muon_split`` and ``parallel.distributed_optimizer``).
+            ``optimizer.muon_ns_dtype``, ``optimizer.muon_split`` and ``parallel.distributed_optimizer``).
         names_shapes: ``(name, local shape, use_muon)`` of each parameter that needs a gradient.
         alignment: the reducer's alignment in elements (``comm_alignment(cfg.comm)``, >= 1): every rank's range
             and every parameter start is a multiple of it.
@@ -52,7 +53,8 @@ def param_specs(
     Raises:
         ValueError: ``alignment`` below 1.
         ConfigError: ``optimizer.muon_split`` is not ``auto``, ``off`` or a group size >= 2
-            (:func:`~.split_plan.parse_muon_split`).
+            (:func:`~.split_plan.parse_muon_split`), or ``optimizer.muon_ns_dtype`` is unknown (Muon under the
+            distributed optimizer).
     """
     if alignment < 1:
         raise ValueError(f"alignment={alignment} must be >= 1")
@@ -62,6 +64,8 @@ def param_specs(
     split = cfg.optimizer.muon_split  # carried as written; the planner reads it with parse_muon_split
     if muon:
         parse_muon_split(split)  # a bad value is an error before any plan
+    # the plan is for GPUs (identical on every rank whatever it runs on): the iteration's dtype there
+    ns_bytes = newton_schulz_dtype(cfg.optimizer, "cuda").itemsize if muon and sharded else 2
     specs = []
     for name, shape, use_muon in names_shapes:
         numel = math.prod(shape)
@@ -70,7 +74,7 @@ def param_specs(
         row = shape[1] if sharded and name in geo_layers else 1
         spec = ParamSpec(numel, sharded and matrix, float(flops), math.lcm(row, alignment) if row > 1 else 1)
         if sharded and matrix and len(shape) == 2:
-            spec.rows, spec.cols, spec.ns, spec.split = shape[0], shape[1], ns, split
+            spec.rows, spec.cols, spec.ns, spec.split, spec.ns_bytes = shape[0], shape[1], ns, split, ns_bytes
         specs.append(spec)
     return specs
 

@@ -169,8 +169,10 @@ class ParamSpec:
     granule a splittable parameter may be cut at.
 
     A Muon matrix that may instead be split by rows over a group of DP ranks (:mod:`.split_plan`) also gives its
-    ``rows`` and ``cols``, its Newton-Schulz form ``ns`` (for the members' FLOPs) and the split rule
-    ``split`` (``optimizer.muon_split``: ``off``, ``auto`` or a group size such as ``"2"``)."""
+    ``rows`` and ``cols``, its Newton-Schulz form ``ns`` (for the members' FLOPs), the split rule ``split``
+    (``optimizer.muon_split``: ``off``, ``auto`` or a group size such as ``"2"``) and ``ns_bytes``, the bytes per
+    element of the iteration on a GPU (``optimizer.muon_ns_dtype``: 2 for BF16, 4 for FP32), which sets the
+    bytes of a split's Gram all-reduces."""
 
     numel: int
     atomic: bool
@@ -180,3 +182,4 @@ class ParamSpec:
     cols: int = 0
     ns: str = "quintic"
     split: str = "off"
+    ns_bytes: int = 2  # bytes per element of the Newton-Schulz iteration on a GPU (BF16 unless muon_ns_dtype=fp32)

@@ -52,7 +52,16 @@ from .plan_types import (
     ceil_to,
     newton_schulz_flops,
 )
-from .split_plan import assign_owners, plan_owners, split_bucket
+from .split_plan import (
+    SPLIT_COST,
+    AutoSplit,
+    SplitCost,
+    assign_owners,
+    auto_split,
+    parse_muon_split,
+    plan_owners,
+    split_bucket,
+)
 
 __all__ = [  # with the planner's types and cost model (defined in plan_types) and assign_owners (split_plan)
     "ADAMW_FLOPS_PER_ELEMENT",
@@ -251,8 +260,31 @@ def _splittable_bucket(
     return ShardPlan(bounds, offsets, pieces)
 
 
+def _bucket_of(a_groups: list[list[int]]) -> dict[int, int]:
+    return {i: b for b, grp in enumerate(a_groups) for i in grp}
+
+
+def muon_split_decision(
+    specs: list[ParamSpec], bucket_size: int, dp_size: int, align: int = 1, cost: SplitCost = SPLIT_COST
+) -> AutoSplit | None:
+    """What ``optimizer.muon_split=auto`` weighs for :func:`plan_model` of the same arguments (the same buckets
+    and candidates): :func:`.split_plan.auto_split`'s decision, or None where nothing is weighed (no atomic
+    parameter, ``dp_size < 2``, no Muon matrix above the mean share, or ``optimizer.muon_split`` is not
+    ``auto``).
+
+    Raises:
+        ConfigError: a spec's ``split`` is not a valid ``optimizer.muon_split``.
+    """
+    atomic = [i for i in range(len(specs)) if specs[i].atomic]
+    cand = [i for i in atomic if specs[i].rows > 0 and specs[i].cols > 0]
+    if dp_size < 2 or not cand or parse_muon_split(specs[cand[0]].split) != 0:
+        return None
+    a_groups = group_in_buckets(atomic, [s.numel for s in specs], bucket_size)
+    return auto_split(specs, dp_size, align, _bucket_of(a_groups), cost)[0]
+
+
 def plan_model(
-    specs: list[ParamSpec], bucket_size: int, dp_size: int, align: int = 1
+    specs: list[ParamSpec], bucket_size: int, dp_size: int, align: int = 1, cost: SplitCost = SPLIT_COST
 ) -> list[tuple[list[int], ShardPlan]]:
     """Group the model's parameters into buckets and lay each bucket out over the DP ranks.
 
@@ -262,6 +294,7 @@ def plan_model(
         bucket_size: minimum elements per bucket (the last bucket of each kind may be smaller).
         dp_size: data-parallel size (>= 1).
         align: every rank's range is a multiple of this many elements.
+        cost: the machine ``optimizer.muon_split=auto`` assumes (:class:`~.split_plan.SplitCost`).
 
     Returns:
         ``[(indices into specs, plan), ...]`` in launch order (by each bucket's last parameter in backward
@@ -282,7 +315,7 @@ def plan_model(
             for g in group_in_buckets(order, numels, bucket_size)
         ]
     a_groups = group_in_buckets([i for i in order if specs[i].atomic], numels, bucket_size)
-    owner, splits = plan_owners(specs, dp_size, align, {i: b for b, grp in enumerate(a_groups) for i in grp})
+    owner, splits = plan_owners(specs, dp_size, align, _bucket_of(a_groups), cost)
     atomic_el = [0] * dp_size
     for i, r in enumerate(owner):
         if i in splits:

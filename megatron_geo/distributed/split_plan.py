@@ -11,10 +11,15 @@ per step.
 
 The rule (``optimizer.muon_split``):
 
-- ``auto``: with ``mean`` the model's optimizer FLOPs over ``dp`` (every matrix whole), the Muon matrices
-  costing more than ``mean`` are split, over the smallest group size ``g`` (divisors of ``dp`` first, at most 8)
-  whose members' cost is at most ``mean``. Nothing costs more than ``mean`` -> nothing is split and the plan is
-  the whole-matrix plan, bit for bit (Llama-600M and -300M at DP <= 64).
+- ``auto``: with ``mean`` the model's optimizer FLOPs over ``dp`` (every matrix whole), only the Muon matrices
+  costing more than ``mean`` are candidates (nothing costs more -> the whole-matrix plan, bit for bit: Llama-600M
+  and -300M at DP <= 64). For each group size ``g`` (divisors of ``dp`` first, at most 8) the planner lays out the
+  split plan and estimates the optimizer step's time on it (:class:`PlanTime` under the assumed machine of
+  :data:`SPLIT_COST`): the compute its busiest rank saves (FLOPs at ``flops_per_s``) against what the split's
+  synchronous group collectives add (bytes at ``link_bytes_per_s`` plus ``collective_latency_s`` each). The
+  fastest split plan is kept only if it is faster than the whole-matrix plan (:class:`AutoSplit`). Llama-600M at
+  DP = 128 (quintic, BF16): 229.5 -> 187.2 GFLOP on the busiest rank saves 0.11 ms, the 5 Gram all-reduces
+  of 37.7 MB add 0.85 ms: whole matrices.
 - ``off``: never split.
 - ``G`` (an integer >= 2): every Muon matrix is split over groups of ``G`` (at DP < G nothing is split).
 
@@ -35,6 +40,7 @@ The means count what each member really does: ``g`` times a member's cost for a 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 from ..config.errors import ConfigError
 from ..optim.muon import gram_restarts
@@ -42,6 +48,102 @@ from .plan_types import ParamSpec, Piece, ShardPlan, Split, ceil_to, newton_schu
 
 MAX_AUTO_GROUP = 8
 """The largest group size ``auto`` chooses."""
+
+
+@dataclass(frozen=True)
+class SplitCost:
+    """The machine ``optimizer.muon_split=auto`` assumes when it weighs a split against whole matrices
+    (:class:`PlanTime`): the one place these figures live. None is measured by the planner (the plan must be the
+    same on every rank and on a CPU); they are orders of magnitude for H100/H200-class GPUs.
+
+    Attributes:
+        flops_per_s: FLOP/s one GPU sustains on the optimizer's work (the Newton-Schulz products, BF16). 400e12:
+            about 40% of the dense BF16 tensor-core peak of an H100/H200 SXM (989 TFLOP/s, NVIDIA's H100
+            datasheet), a typical fraction for ``[k, k] x [k, K]`` products at k = 1536 (an assumption).
+        link_bytes_per_s: bytes/s one GPU sends to the other members of its split group. 50e9: one 400 Gb/s NDR
+            InfiniBand NIC per GPU (DGX H100/H200: eight ConnectX-7 at 400 Gb/s), i.e. the members on different
+            nodes, as consecutive DP ranks are when tensor (or pipeline) ranks fill a node: the conservative case.
+        collective_latency_s: seconds one small synchronous group collective (a Gram all-reduce, a re-layout
+            all-to-all) costs beyond its bytes between nodes. 20e-6: the order of NCCL's inter-node latency for
+            small messages over InfiniBand (nccl-tests all_reduce_perf, 10-30 us for 2 nodes).
+    """
+
+    flops_per_s: float = 400e12
+    link_bytes_per_s: float = 50e9
+    collective_latency_s: float = 20e-6
+
+
+SPLIT_COST = SplitCost()
+"""The assumed machine of ``optimizer.muon_split=auto`` (:class:`SplitCost`)."""
+
+
+@dataclass(frozen=True)
+class PlanTime:
+    """The estimated optimizer time per step of one ownership plan under a :class:`SplitCost`.
+
+    Rank r takes ``flops_r / flops_per_s`` (its optimizer FLOPs, :func:`plan_loads`) plus, for every split it is
+    a member of, ``bytes / link_bytes_per_s + collectives * collective_latency_s`` (:func:`member_group_traffic`:
+    the Gram all-reduces and wide re-layouts are synchronous, so each one waits for the whole group); the plan
+    takes its slowest rank's time.
+
+    Attributes:
+        group_size: the groups' size (1: the whole-matrix plan).
+        matrices: Muon matrices split.
+        time_s: the slowest rank's estimate, seconds.
+        rank: that rank.
+        compute_s: that rank's FLOPs at ``flops_per_s``, seconds.
+        comm_s: that rank's group collectives, seconds.
+        group_bytes: bytes that rank sends in its groups per step.
+        collectives: synchronous group collectives that rank waits on per step.
+        max_flops: the busiest rank's optimizer FLOPs per step (whichever rank it is).
+    """
+
+    group_size: int
+    matrices: int
+    time_s: float
+    rank: int
+    compute_s: float
+    comm_s: float
+    group_bytes: float
+    collectives: int
+    max_flops: float
+
+
+@dataclass(frozen=True)
+class AutoSplit:
+    """What ``optimizer.muon_split=auto`` weighed and chose (:func:`auto_split`; the plan report prints it).
+
+    Attributes:
+        whole: the whole-matrix plan's time (no group collectives).
+        split: the fastest split plan over the group sizes tried (None: no candidate matrix could be split).
+        chosen_split: whether the split plan was kept (``split.time_s < whole.time_s``).
+        cost: the assumed machine.
+        split_plan: ``(owner, splits)`` of the fastest split plan, as :func:`assign_with_splits` returns them
+            (None with ``split``).
+    """
+
+    whole: PlanTime
+    split: PlanTime | None
+    chosen_split: bool
+    cost: SplitCost
+    split_plan: tuple[list[int], dict[int, Split]] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def saved_s(self) -> float:
+        """Compute the split takes off the busiest rank: ``(whole.max_flops - split.max_flops) / flops_per_s``,
+        seconds per step (0 without a split)."""
+        if self.split is None:
+            return 0.0
+        return (self.whole.max_flops - self.split.max_flops) / self.cost.flops_per_s
+
+    @property
+    def added_s(self) -> float:
+        """What the group collectives add to the split plan beyond its busiest rank's compute: ``split.time_s -
+        split.max_flops / flops_per_s``, seconds per step (0 without a split). The split wins where ``saved_s >
+        added_s``."""
+        if self.split is None:
+            return 0.0
+        return self.split.time_s - self.split.max_flops / self.cost.flops_per_s
 
 
 def parse_muon_split(value: str) -> int:
@@ -153,15 +255,10 @@ def assign_owners(specs: list[ParamSpec], dp_size: int) -> list[int]:
 
 
 def plan_owners(
-    specs: list[ParamSpec], dp_size: int, align: int, bucket_of: dict[int, int]
+    specs: list[ParamSpec], dp_size: int, align: int, bucket_of: dict[int, int], cost: SplitCost = SPLIT_COST
 ) -> tuple[list[int], dict[int, Split]]:
-    """Owners of the atomic parameters and the splits, under the rule of the module docstring.
-
-    ``auto`` tries the whole-matrix plan (:func:`assign_owners`) and, when some Muon matrix costs
-    more than the mean share, each group size (:func:`assign_with_splits`); it keeps the plan with the smallest
-    ``max(max_flops / mean_flops, max_elements / mean_elements)`` (both means of the whole-matrix plan: a fixed
-    yardstick, so a split that adds more replicated work than it removes from the busiest rank loses), the
-    whole-matrix plan on a tie.
+    """Owners of the atomic parameters and the splits, under the rule of the module docstring (``auto``:
+    :func:`auto_split` under ``cost``).
 
     Returns:
         ``(owner, splits)`` as :func:`assign_with_splits` (``splits`` empty: the whole-matrix plan).
@@ -179,27 +276,112 @@ def plan_owners(
     if policy >= 2:
         idx = _splittable(specs, cand, policy, align) if policy <= dp_size else []
         return assign_with_splits(specs, dp_size, policy, idx, bucket_of, align) if idx else (whole, {})
-    mean_fl = sum(s.flops for s in specs) / dp_size
+    _, owner, splits = auto_split(specs, dp_size, align, bucket_of, cost, whole)
+    return owner, splits
+
+
+def member_group_traffic(split: Split, member: int, ns: str, ns_bytes: int, steps: int = 5) -> tuple[float, int]:
+    """What member ``member`` of ``split`` exchanges with its group per optimizer step.
+
+    The Gram all-reduces (:func:`gram_reductions`, ring: ``2 (g - 1) / g`` of the ``k^2`` elements sent, the
+    first in FP32, the others in the Newton-Schulz dtype) and, for a wide matrix, the two re-layouts
+    (:func:`relayout_elements`, FP32 there and the Newton-Schulz dtype back).
+
+    Args:
+        ns: ``quintic`` or ``gram``.
+        ns_bytes: bytes per element of the Newton-Schulz dtype (2: BF16).
+
+    Returns:
+        ``(bytes sent, synchronous collectives)``.
+    """
+    k = min(split.rows, split.cols)
+    n = gram_reductions(split, ns, steps)
+    ring = 2 * (split.size - 1) / split.size * k * k
+    wide = split.rows < split.cols
+    sent = ring * (4 + (n - 1) * ns_bytes) + relayout_elements(split, member) * (4 + ns_bytes)
+    return sent, n + (2 if wide else 0)
+
+
+def plan_time(
+    specs: list[ParamSpec], dp_size: int, owner: list[int], splits: dict[int, Split], cost: SplitCost = SPLIT_COST
+) -> PlanTime:
+    """The estimated optimizer time per step of an ownership (:class:`PlanTime`: ``owner`` and ``splits`` as
+    :func:`assign_with_splits` returns them)."""
+    F, _ = plan_loads(specs, dp_size, owner, splits)
+    sent, colls = [0.0] * dp_size, [0] * dp_size
+    for i, sp in splits.items():
+        for k in range(sp.size):
+            b, c = member_group_traffic(sp, k, specs[i].ns, specs[i].ns_bytes)
+            sent[sp.first + k] += b
+            colls[sp.first + k] += c
+
+    def comm(r: int) -> float:
+        return sent[r] / cost.link_bytes_per_s + colls[r] * cost.collective_latency_s
+
+    r = max(range(dp_size), key=lambda r: (F[r] / cost.flops_per_s + comm(r), -r))
+    sizes = {sp.size for sp in splits.values()}
+    return PlanTime(
+        group_size=max(sizes, default=1),
+        matrices=len(splits),
+        time_s=F[r] / cost.flops_per_s + comm(r),
+        rank=r,
+        compute_s=F[r] / cost.flops_per_s,
+        comm_s=comm(r),
+        group_bytes=sent[r],
+        collectives=colls[r],
+        max_flops=max(F),
+    )
+
+
+def auto_split(
+    specs: list[ParamSpec],
+    dp_size: int,
+    align: int,
+    bucket_of: dict[int, int],
+    cost: SplitCost = SPLIT_COST,
+    whole: list[int] | None = None,
+) -> tuple[AutoSplit | None, list[int], dict[int, Split]]:
+    """``optimizer.muon_split=auto``: the whole-matrix plan or a split one, whichever :func:`plan_time` estimates
+    faster under ``cost`` (the whole-matrix plan on a tie).
+
+    Candidates are the Muon matrices costing more than the mean per-rank share of the model's optimizer FLOPs;
+    each group size of :func:`_auto_sizes` that can split one of them gives a plan (:func:`assign_with_splits`),
+    and the fastest of those (the first on a tie) is weighed against the whole-matrix plan.
+
+    Args:
+        specs, dp_size, align, bucket_of: as :func:`assign_with_splits`.
+        cost: the assumed machine.
+        whole: :func:`assign_owners` of ``specs`` when already computed.
+
+    Returns:
+        ``(decision, owner, splits)``: ``decision`` None where nothing was weighed (no candidate matrix, or
+        ``dp_size < 2``); ``owner, splits`` the chosen plan as :func:`assign_with_splits` returns it.
+    """
+    whole = assign_owners(specs, dp_size) if whole is None else whole
+    cand = [i for i, s in enumerate(specs) if s.atomic and s.rows > 0 and s.cols > 0]
+    mean_fl = sum(s.flops for s in specs) / max(dp_size, 1)
     big = [i for i in cand if specs[i].flops > mean_fl]
-    if not big:
-        return whole, {}
-    mean_el = max(sum(s.numel for s in specs), 1) / dp_size
-
-    def score(owner: list[int], splits: dict[int, Split]) -> float:
-        F, B = plan_loads(specs, dp_size, owner, splits)
-        return max(max(F) / mean_fl, max(max(B), mean_el) / mean_el)
-
-    best: tuple[list[int], dict[int, Split]] = (whole, {})
-    best_score = score(whole, {})
+    if not big or dp_size < 2:
+        return None, whole, {}
+    whole_time = plan_time(specs, dp_size, whole, {}, cost)
+    best: tuple[list[int], dict[int, Split]] | None = None
+    best_time: PlanTime | None = None
     for g in _auto_sizes(dp_size):
         idx = _splittable(specs, big, g, align)
         if not idx:
             continue
         trial = assign_with_splits(specs, dp_size, g, idx, bucket_of, align)
-        sc = score(*trial)
-        if sc < best_score:
-            best, best_score = trial, sc
-    return best
+        if not trial[1]:
+            continue
+        t = plan_time(specs, dp_size, *trial, cost)
+        if best_time is None or t.time_s < best_time.time_s:
+            best, best_time = trial, t
+    chosen = best is not None and best_time is not None and best_time.time_s < whole_time.time_s
+    decision = AutoSplit(whole_time, best_time, chosen, cost, best)
+    if chosen:
+        assert best is not None
+        return decision, best[0], best[1]
+    return decision, whole, {}
 
 
 def water_level(pre: list[float], rep: float, work: float) -> tuple[float, list[float]]:
