@@ -535,7 +535,15 @@ def headline(name: str, e: dict) -> str:
         if name == "train_600m":
             mfu = f"{100 * e['mfu']:.1f}%" if e.get("mfu") is not None else f"n/a ({e['peak_source']})"
             mem = f", peak {e['peak_memory_gib']:.1f} GiB" if "peak_memory_gib" in e else ""
-            return f"{e['tokens_per_sec']:,.0f} tok/s, {e['tflops_per_gpu']:.1f} TFLOP/s, MFU {mfu}{mem}"
+            eq = e.get("dp64_equivalent") or {}
+            dp64 = ""
+            if "tflops_per_gpu" in eq:
+                m64 = f"{100 * eq['mfu']:.1f}%" if eq.get("mfu") is not None else "n/a"
+                dp64 = f"; with a DP 64 rank's Newton-Schulz: {eq['tflops_per_gpu']:.1f} TFLOP/s, MFU {m64}"
+            return (
+                f"{e['tokens_per_sec']:,.0f} tok/s, {e['tflops_per_gpu']:.1f} TFLOP/s, MFU {mfu} (DP 1, every "
+                f"Newton-Schulz){dp64}{mem}; FLOPs: Megatron-LM's 6 W + 12 L s h"
+            )
         if name == "codec":
             rows = []
             for p, r in e["reducer"]["presets"].items():

@@ -964,11 +964,16 @@ def phase_cuda_tests(ctx_args, rec: Record) -> None:
 def phase_train_600m(ctx: Ctx, rec: Record) -> None:
     """configs/llama_600m.yaml on one device in one process (DP = 1; global batch 8 = 2 micro-batches of 4 at
     seq 2048): tokens/s, step time, peak memory, TFLOP/s and MFU against the device's entry in
-    megatron_geo.training.mfu's table (no entry: no MFU, and the JSON says so)."""
+    megatron_geo.training.mfu's table (no entry: no MFU, and the JSON says so), FLOPs per token in Megatron-LM's
+    convention (``flops_convention``).
+
+    At DP 1 every step orthogonalises every Muon matrix, which a DP 64 rank (the same 16K tokens per step at global
+    batch 512) does for about 1/64 of them: ``dp64_equivalent`` reports the step with that share
+    (:func:`_dp64_equivalent`), next to the measured DP 1 figures."""
     from bench_common import synthetic_batches
 
     from megatron_geo.config import load_config
-    from megatron_geo.model import count_parameters, flops_per_token
+    from megatron_geo.model import FLOPS_CONVENTION, count_parameters, flops_per_token
     from megatron_geo.parallel import init_parallel
     from megatron_geo.parallel.launch_env import LaunchEnv
     from megatron_geo.training.mfu import gpu_flops_metrics, peak_bf16_flops
@@ -1037,6 +1042,7 @@ def phase_train_600m(ctx: Ctx, rec: Record) -> None:
         step_time_s_median=med,
         tokens_per_sec=tps,
         flops_per_token=flops_per_token(cfg.model),
+        flops_convention=FLOPS_CONVENTION,
         tflops_per_gpu=m["tflops_per_gpu"],
         mfu=m["mfu"],
         peak_tflops=m["peak_tflops"],
@@ -1052,6 +1058,7 @@ def phase_train_600m(ctx: Ctx, rec: Record) -> None:
     if ctx.cuda:
         rec["peak_memory_gib"] = torch.cuda.max_memory_allocated(ctx.device) / GiB
     rec["newton_schulz"] = _newton_schulz_share(ctx, opt, med)
+    rec["dp64_equivalent"] = _dp64_equivalent(cfg, rec["newton_schulz"], med, name)
     rec["muon_overlap"] = cfg.optimizer.muon_overlap
     if sync.early_updates is not None:
         rec["early_muon_hits"], rec["early_muon_misses"] = sync.early_updates.hits, sync.early_updates.misses
@@ -1073,7 +1080,7 @@ def _newton_schulz_share(ctx: Ctx, opt, step_s: float) -> dict:
     coeffs, steps, eps = (3.4445, -4.7750, 2.0315), 5, 1e-7
     out: dict = {"matrices": len(mats), "dtype": str(dtype).removeprefix("torch."), "step_s": step_s}
     for ns in ("quintic", "gram"):
-        for g in mats[:2]:  # warm-up (kernels, cuBLAS handles)
+        for g in mats:  # warm-up: every shape once (kernels, cuBLAS handles, CPU primitives)
             orthogonalize(g, ns, coeffs, steps, eps, dtype)
         ctx.sync()
         t = time.perf_counter()
@@ -1082,6 +1089,60 @@ def _newton_schulz_share(ctx: Ctx, opt, step_s: float) -> dict:
         ctx.sync()
         out[f"{ns}_s"] = time.perf_counter() - t
         out[f"{ns}_share_of_step"] = out[f"{ns}_s"] / step_s if step_s > 0 else None
+    return out
+
+
+DP_EQUIVALENT = 64  # the data-parallel size whose rank's Newton-Schulz share the 600M phase reports
+
+
+def _dp64_equivalent(cfg, ns: dict, step_s: float, device_name: str) -> dict:
+    """The measured DP 1 step with a DP 64 rank's share of Muon's Newton-Schulz instead of all of it.
+
+    Method: the step time minus the Newton-Schulz of every Muon matrix timed alone in the run's form
+    (``optimizer.muon_ns``, :func:`_newton_schulz_share`), plus 1/64 of that time (a DP 64 rank orthogonalises the
+    matrices it owns: 1/64 of them on average). ``busiest_rank``: the same with the share of the busiest DP 64 rank
+    of the trainer's shard plan (its optimizer FLOPs over the total, ``plan_figures``). Times in seconds,
+    ``tokens_per_sec`` of the step's own tokens, MFU as the DP 1 figures (Megatron-LM's FLOP convention). The
+    elementwise AdamW update of the embedding and output layer is left whole (about 1% of the step).
+    """
+    from megatron_geo.model import flops_per_token
+    from megatron_geo.training.mfu import gpu_flops_metrics
+
+    ns_s = ns.get(f"{cfg.optimizer.muon_ns}_s")
+    if not isinstance(ns_s, (int, float)):
+        return {"skipped": f"no Newton-Schulz time ({ns.get('skipped', 'not measured')})"}
+    if ns_s >= step_s:  # timed alone it cannot take longer than the step that contains it: a noisy timing
+        return {"skipped": f"the Newton-Schulz timed alone ({ns_s:.4f} s) is not below the step ({step_s:.4f} s)"}
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length
+
+    def at(share: float) -> dict:
+        t = max(step_s - ns_s + share * ns_s, 1e-9)
+        m = gpu_flops_metrics(tokens / t, 1, flops_per_token(cfg.model), device_name)
+        return {
+            "newton_schulz_share": share,
+            "step_time_s": t,
+            "tokens_per_sec": tokens / t,
+            "tflops_per_gpu": m["tflops_per_gpu"],
+            "mfu": m["mfu"],
+        }
+
+    out = {
+        "dp": DP_EQUIVALENT,
+        "method": (
+            f"measured step - the {cfg.optimizer.muon_ns} Newton-Schulz of every Muon matrix timed alone + "
+            f"1/{DP_EQUIVALENT} of it (a DP {DP_EQUIVALENT} rank's mean share)"
+        ),
+        "newton_schulz_s_removed": ns_s,
+        **at(1.0 / DP_EQUIVALENT),
+    }
+    try:
+        from megatron_geo.analysis.plan_report import plan_figures
+
+        f = plan_figures(cfg, DP_EQUIVALENT)
+        share = f["optimizer_flops_max"] / (f["optimizer_flops_mean"] * DP_EQUIVALENT)
+        out["busiest_rank"] = {"optimizer_flops_max_over_mean": f["optimizer_flops_max_over_mean"], **at(share)}
+    except Exception as e:  # noqa: BLE001 -- the mean figure stands without the plan's
+        out["busiest_rank"] = {"error": f"{type(e).__name__}: {e}"}
     return out
 
 
