@@ -1321,8 +1321,10 @@ def _record_dp_check(rec: Record, found: dict, compiled: bool) -> None:
 # -- the codec phase ------------------------------------------------------------------------------------------------
 
 WARM_NUMEL = 1 << 16  # bucket size of the background compiles (the graphs have dynamic lengths)
-COLD_COMPILE_S = 25.0  # what a preset needs whose graphs nobody compiled yet (a GPU's first compile of a codec)
+COLD_COMPILE_S = 25.0  # what a compile group needs whose graphs nobody compiled yet (a GPU's first compile of a codec)
 WARM_COMPILE_S = 6.0  # ... whose graphs are compiled or in the on-disk caches
+PRESET_RUN_S = 2.0  # each preset of a group on top of that: its warm-up and timed reductions
+COMPILED_REPEATS = 5  # timed reductions per compiled row on a GPU (the eager rows: 10)
 
 
 def _bench_row(r: dict, numel: int) -> dict:
@@ -1334,13 +1336,16 @@ def _bench_row(r: dict, numel: int) -> dict:
     return row
 
 
-def _codec_bench(ctx: Ctx, presets: list[str], mode: str, numel: int, out: Path) -> tuple[dict, str | None]:
-    """``benchmarks/codec.py --compile mode --presets ...`` in this process: (its JSON or {}, why it failed or None)."""
+def _codec_bench(
+    ctx: Ctx, presets: list[str], mode: str, numel: int, out: Path, repeats: int = 10
+) -> tuple[dict, str | None]:
+    """``benchmarks/codec.py --compile mode --presets ...`` in this process, ``repeats`` timed reductions (1 in the dry
+    run): (its JSON or {}, why it failed or None)."""
     import codec as reducer_bench
 
     try:
         rc = reducer_bench.main(
-            ["--device", str(ctx.device), "--numel", str(numel), "--repeats", "1" if ctx.dry_run else "10"]
+            ["--device", str(ctx.device), "--numel", str(numel), "--repeats", "1" if ctx.dry_run else str(repeats)]
             + ["--compile", mode, "--presets", *presets, "--json", str(out)]
         )
     except Exception as e:  # noqa: BLE001 -- one failure (a compile error) leaves the other presets to run
@@ -1437,15 +1442,18 @@ def phase_codec(
     DP 2, 3 and 64, eager against an FP64-based reference and compiled against eager, with the count of differing
     values (:func:`codec_dp_check`).
 
-    Time: every preset's eager row comes first (one benchmarks/codec.py run, no compilation); on a GPU each group of
-    presets that compiles the same graphs (:func:`compile_group`) and the DP check are compiled at the same time in
-    background processes that fill Inductor's on-disk caches, so the compiled rows, preset by preset, load their
-    graphs instead of compiling them; a preset is left out (``compiled_skipped``, with the reason) only when less
-    time is left than it needs (:data:`WARM_COMPILE_S` once its graphs are warm, else :data:`COLD_COMPILE_S`).
-    ``time_over_copy`` everywhere: the operation's time / the copy's (> 1: slower than a copy).
+    Time: every preset's eager row comes first (one benchmarks/codec.py run, no compilation), so every preset has a
+    codec figure whatever the time limit leaves; on a GPU each group of presets that compiles the same graphs
+    (:func:`compile_group`) and the DP check are compiled at the same time in background processes that fill
+    Inductor's on-disk caches, then one benchmarks/codec.py run per group (all its presets, :data:`COMPILED_REPEATS`
+    timed reductions each) loads the group's graphs once instead of compiling them; a group is left out (each preset's
+    ``compiled_skipped``, with the reason) only when less time is left than it needs (:data:`WARM_COMPILE_S` once its
+    graphs are warm, else :data:`COLD_COMPILE_S`, plus :data:`PRESET_RUN_S` per preset). ``time_over_copy``
+    everywhere: the operation's time / the copy's (> 1: slower than a copy).
 
     Args:
-        presets: the presets (default: :func:`dry_codec_presets` in the dry run, else :func:`codec_presets`).
+        presets: the presets (default: :func:`codec_presets`, every preset without a learned transform, in the dry
+            run too).
         compiled: run the compiled codecs (default: on a GPU when Inductor can compile; never in the dry run).
         dps / dp_codecs: the DP sizes and codecs of the DP check.
     """
@@ -1465,7 +1473,8 @@ def phase_codec(
         elif problem:
             rec["compiled_skipped"] = problem
     if presets is None:
-        presets = dry_codec_presets() if ctx.dry_run else codec_presets()
+        presets = codec_presets()
+    rec["presets"] = list(presets)
     groups = {p: compile_group(p) for p in presets}
     bg = Background(ctx.work)
     dp_out = ctx.work / "codec_dp_check.json"
@@ -1520,8 +1529,8 @@ def phase_codec(
 
 
 def _codec_rows(ctx: Ctx, rec: Record, presets: list[str], groups: dict, compiled: bool, bg: Background) -> None:
-    """The ``reducer`` rows of :func:`phase_codec`: every preset eagerly, then (``compiled``) preset by preset with
-    ``--compile both`` as time allows, those whose graphs are warm first."""
+    """The ``reducer`` rows of :func:`phase_codec`: every preset eagerly, then (``compiled``) one ``--compile both``
+    run per compile group (the plain casts together) as time allows, those whose graphs are warm first."""
     rnumel = 1 << 20 if ctx.dry_run else 64 * 2**20
     rows: dict = {}
     rec["reducer"] = {"numel": rnumel, "dp": 2, "modes": "both" if compiled else "eager", "presets": rows}
@@ -1533,37 +1542,43 @@ def _codec_rows(ctx: Ctx, rec: Record, presets: list[str], groups: dict, compile
     rec.save()
     if not compiled:
         return
-    pending = list(presets)
-    ready_groups: set = set()  # compiled in this process already
+    batches: dict[str, list[str]] = {}  # compile group (or "casts": nothing compiled) -> its presets, in order
+    for p in presets:
+        batches.setdefault(groups[p] or "casts", []).append(p)
+    pending = list(batches)
     while pending:
-        ready = [p for p in pending if groups[p] is None or groups[p] in ready_groups or bg.done(groups[p])]
-        if not ready and any(groups[p] in bg.running() for p in pending) and ctx.time_left() > COLD_COMPILE_S + 5:
+        ready = [g for g in pending if g == "casts" or bg.done(g)]
+        if not ready and any(g in bg.running() for g in pending) and ctx.time_left() > COLD_COMPILE_S + 5:
             time.sleep(0.5)  # a background compile is still filling the caches: wait for it while time allows
             continue
-        p = (ready or pending)[0]
-        pending.remove(p)
-        need = WARM_COMPILE_S if p in ready else COLD_COMPILE_S
+        g = (ready or pending)[0]
+        pending.remove(g)
+        members = batches[g]
+        need = (WARM_COMPILE_S if g in ready else COLD_COMPILE_S) + PRESET_RUN_S * len(members)
         if ctx.time_left() < need:
-            rows[p]["compiled_skipped"] = (
-                f"{ctx.time_left():.0f} s left of the phase's time limit; the compiled run needs about {need:.0f} s"
-            )
+            for p in members:
+                rows[p]["compiled_skipped"] = (
+                    f"{ctx.time_left():.0f} s left of the phase's time limit; the compiled run of its group "
+                    f"({g}: {', '.join(members)}) needs about {need:.0f} s"
+                )
             rec.save()
             continue
         t0 = time.perf_counter()
-        d, err = _codec_bench(ctx, [p], "both", rnumel, ctx.work / f"codec_{p}.json")
-        if err:
-            rows[p]["compiled_error"] = err
-            rec.check(f"{p}: benchmarks/codec.py ran (compiled)", False, err)
-            rec.save()
-            continue
-        ready_groups.add(groups[p])
-        for m in ("eager", "compiled"):  # the eager row of the same run replaces the first one
-            r = d.get(f"presets_{m}", {}).get(p)
-            if r is not None:
-                rows[p][m] = _bench_row(r, rnumel)
-        rows[p]["compiled_run_s"] = time.perf_counter() - t0
-        same = rows[p].get("compiled", {}).get("bitwise_equal_eager")
-        rec.check(f"{p}: compiled = eager bitwise (DP 2, two reductions)", same is True, same)
+        out = ctx.work / f"codec_{re.sub(r'[^A-Za-z0-9_.-]', '_', g)}.json"
+        d, err = _codec_bench(ctx, members, "both", rnumel, out, COMPILED_REPEATS)
+        run_s = time.perf_counter() - t0
+        for p in members:
+            if err:
+                rows[p]["compiled_error"] = err
+                rec.check(f"{p}: benchmarks/codec.py ran (compiled)", False, err)
+                continue
+            for m in ("eager", "compiled"):  # the eager row of the same run replaces the first one
+                r = d.get(f"presets_{m}", {}).get(p)
+                if r is not None:
+                    rows[p][m] = _bench_row(r, rnumel)
+            rows[p].update(compiled_group=g, compiled_run_s=run_s)
+            same = rows[p].get("compiled", {}).get("bitwise_equal_eager")
+            rec.check(f"{p}: compiled = eager bitwise (DP 2, two reductions)", same is True, same)
         rec.save()
 
 

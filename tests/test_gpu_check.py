@@ -172,7 +172,11 @@ def test_dry_run_figures(dry_run):
     for op in k["ops"].values():  # one convention: time / the copy's time
         assert op["time_over_copy"] == pytest.approx(op["ms"] / k["ops"]["copy"]["ms"])
     rows = k["reducer"]["presets"]
-    assert set(rows) == {"fp8", "nvfp4"} and "compiled_skipped" in k
+    from megatron_geo.config.presets import codec_presets
+
+    # every preset without a learned transform has its eager row, in the dry run as on a GPU
+    assert k["presets"] == list(rows) and set(rows) == set(codec_presets()) and "compiled_skipped" in k
+    assert {"fp32", "bf16", "fp8", "fp8_block", "fp8_e5m2", "fp8_ef", "nvfp4"} <= set(rows)
     assert all(r["eager"]["ms"] > 0 and r["eager"]["syncs_per_bucket"] == 0 for r in rows.values())
     for r in rows.values():
         e = r["eager"]
