@@ -964,11 +964,16 @@ def phase_cuda_tests(ctx_args, rec: Record) -> None:
 def phase_train_600m(ctx: Ctx, rec: Record) -> None:
     """configs/llama_600m.yaml on one device in one process (DP = 1; global batch 8 = 2 micro-batches of 4 at
     seq 2048): tokens/s, step time, peak memory, TFLOP/s and MFU against the device's entry in
-    megatron_geo.training.mfu's table (no entry: no MFU, and the JSON says so)."""
+    megatron_geo.training.mfu's table (no entry: no MFU, and the JSON says so), FLOPs per token in Megatron-LM's
+    convention (``flops_convention``).
+
+    At DP 1 every step orthogonalises every Muon matrix, which a DP 64 rank (the same 16K tokens per step at global
+    batch 512) does for about 1/64 of them: ``dp64_equivalent`` reports the step with that share
+    (:func:`_dp64_equivalent`), next to the measured DP 1 figures."""
     from bench_common import synthetic_batches
 
     from megatron_geo.config import load_config
-    from megatron_geo.model import count_parameters, flops_per_token
+    from megatron_geo.model import FLOPS_CONVENTION, count_parameters, flops_per_token
     from megatron_geo.parallel import init_parallel
     from megatron_geo.parallel.launch_env import LaunchEnv
     from megatron_geo.training.mfu import gpu_flops_metrics, peak_bf16_flops
@@ -1037,6 +1042,7 @@ def phase_train_600m(ctx: Ctx, rec: Record) -> None:
         step_time_s_median=med,
         tokens_per_sec=tps,
         flops_per_token=flops_per_token(cfg.model),
+        flops_convention=FLOPS_CONVENTION,
         tflops_per_gpu=m["tflops_per_gpu"],
         mfu=m["mfu"],
         peak_tflops=m["peak_tflops"],
@@ -1052,6 +1058,7 @@ def phase_train_600m(ctx: Ctx, rec: Record) -> None:
     if ctx.cuda:
         rec["peak_memory_gib"] = torch.cuda.max_memory_allocated(ctx.device) / GiB
     rec["newton_schulz"] = _newton_schulz_share(ctx, opt, med)
+    rec["dp64_equivalent"] = _dp64_equivalent(cfg, rec["newton_schulz"], med, name)
     rec["muon_overlap"] = cfg.optimizer.muon_overlap
     if sync.early_updates is not None:
         rec["early_muon_hits"], rec["early_muon_misses"] = sync.early_updates.hits, sync.early_updates.misses
@@ -1073,7 +1080,7 @@ def _newton_schulz_share(ctx: Ctx, opt, step_s: float) -> dict:
     coeffs, steps, eps = (3.4445, -4.7750, 2.0315), 5, 1e-7
     out: dict = {"matrices": len(mats), "dtype": str(dtype).removeprefix("torch."), "step_s": step_s}
     for ns in ("quintic", "gram"):
-        for g in mats[:2]:  # warm-up (kernels, cuBLAS handles)
+        for g in mats:  # warm-up: every shape once (kernels, cuBLAS handles, CPU primitives)
             orthogonalize(g, ns, coeffs, steps, eps, dtype)
         ctx.sync()
         t = time.perf_counter()
@@ -1082,6 +1089,60 @@ def _newton_schulz_share(ctx: Ctx, opt, step_s: float) -> dict:
         ctx.sync()
         out[f"{ns}_s"] = time.perf_counter() - t
         out[f"{ns}_share_of_step"] = out[f"{ns}_s"] / step_s if step_s > 0 else None
+    return out
+
+
+DP_EQUIVALENT = 64  # the data-parallel size whose rank's Newton-Schulz share the 600M phase reports
+
+
+def _dp64_equivalent(cfg, ns: dict, step_s: float, device_name: str) -> dict:
+    """The measured DP 1 step with a DP 64 rank's share of Muon's Newton-Schulz instead of all of it.
+
+    Method: the step time minus the Newton-Schulz of every Muon matrix timed alone in the run's form
+    (``optimizer.muon_ns``, :func:`_newton_schulz_share`), plus 1/64 of that time (a DP 64 rank orthogonalises the
+    matrices it owns: 1/64 of them on average). ``busiest_rank``: the same with the share of the busiest DP 64 rank
+    of the trainer's shard plan (its optimizer FLOPs over the total, ``plan_figures``). Times in seconds,
+    ``tokens_per_sec`` of the step's own tokens, MFU as the DP 1 figures (Megatron-LM's FLOP convention). The
+    elementwise AdamW update of the embedding and output layer is left whole (about 1% of the step).
+    """
+    from megatron_geo.model import flops_per_token
+    from megatron_geo.training.mfu import gpu_flops_metrics
+
+    ns_s = ns.get(f"{cfg.optimizer.muon_ns}_s")
+    if not isinstance(ns_s, (int, float)):
+        return {"skipped": f"no Newton-Schulz time ({ns.get('skipped', 'not measured')})"}
+    if ns_s >= step_s:  # timed alone it cannot take longer than the step that contains it: a noisy timing
+        return {"skipped": f"the Newton-Schulz timed alone ({ns_s:.4f} s) is not below the step ({step_s:.4f} s)"}
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length
+
+    def at(share: float) -> dict:
+        t = max(step_s - ns_s + share * ns_s, 1e-9)
+        m = gpu_flops_metrics(tokens / t, 1, flops_per_token(cfg.model), device_name)
+        return {
+            "newton_schulz_share": share,
+            "step_time_s": t,
+            "tokens_per_sec": tokens / t,
+            "tflops_per_gpu": m["tflops_per_gpu"],
+            "mfu": m["mfu"],
+        }
+
+    out = {
+        "dp": DP_EQUIVALENT,
+        "method": (
+            f"measured step - the {cfg.optimizer.muon_ns} Newton-Schulz of every Muon matrix timed alone + "
+            f"1/{DP_EQUIVALENT} of it (a DP {DP_EQUIVALENT} rank's mean share)"
+        ),
+        "newton_schulz_s_removed": ns_s,
+        **at(1.0 / DP_EQUIVALENT),
+    }
+    try:
+        from megatron_geo.analysis.plan_report import plan_figures
+
+        f = plan_figures(cfg, DP_EQUIVALENT)
+        share = f["optimizer_flops_max"] / (f["optimizer_flops_mean"] * DP_EQUIVALENT)
+        out["busiest_rank"] = {"optimizer_flops_max_over_mean": f["optimizer_flops_max_over_mean"], **at(share)}
+    except Exception as e:  # noqa: BLE001 -- the mean figure stands without the plan's
+        out["busiest_rank"] = {"error": f"{type(e).__name__}: {e}"}
     return out
 
 
@@ -1260,8 +1321,10 @@ def _record_dp_check(rec: Record, found: dict, compiled: bool) -> None:
 # -- the codec phase ------------------------------------------------------------------------------------------------
 
 WARM_NUMEL = 1 << 16  # bucket size of the background compiles (the graphs have dynamic lengths)
-COLD_COMPILE_S = 25.0  # what a preset needs whose graphs nobody compiled yet (a GPU's first compile of a codec)
+COLD_COMPILE_S = 25.0  # what a compile group needs whose graphs nobody compiled yet (a GPU's first compile of a codec)
 WARM_COMPILE_S = 6.0  # ... whose graphs are compiled or in the on-disk caches
+PRESET_RUN_S = 2.0  # each preset of a group on top of that: its warm-up and timed reductions
+COMPILED_REPEATS = 5  # timed reductions per compiled row on a GPU (the eager rows: 10)
 
 
 def _bench_row(r: dict, numel: int) -> dict:
@@ -1273,13 +1336,16 @@ def _bench_row(r: dict, numel: int) -> dict:
     return row
 
 
-def _codec_bench(ctx: Ctx, presets: list[str], mode: str, numel: int, out: Path) -> tuple[dict, str | None]:
-    """``benchmarks/codec.py --compile mode --presets ...`` in this process: (its JSON or {}, why it failed or None)."""
+def _codec_bench(
+    ctx: Ctx, presets: list[str], mode: str, numel: int, out: Path, repeats: int = 10
+) -> tuple[dict, str | None]:
+    """``benchmarks/codec.py --compile mode --presets ...`` in this process, ``repeats`` timed reductions (1 in the dry
+    run): (its JSON or {}, why it failed or None)."""
     import codec as reducer_bench
 
     try:
         rc = reducer_bench.main(
-            ["--device", str(ctx.device), "--numel", str(numel), "--repeats", "1" if ctx.dry_run else "10"]
+            ["--device", str(ctx.device), "--numel", str(numel), "--repeats", "1" if ctx.dry_run else str(repeats)]
             + ["--compile", mode, "--presets", *presets, "--json", str(out)]
         )
     except Exception as e:  # noqa: BLE001 -- one failure (a compile error) leaves the other presets to run
@@ -1376,15 +1442,18 @@ def phase_codec(
     DP 2, 3 and 64, eager against an FP64-based reference and compiled against eager, with the count of differing
     values (:func:`codec_dp_check`).
 
-    Time: every preset's eager row comes first (one benchmarks/codec.py run, no compilation); on a GPU each group of
-    presets that compiles the same graphs (:func:`compile_group`) and the DP check are compiled at the same time in
-    background processes that fill Inductor's on-disk caches, so the compiled rows, preset by preset, load their
-    graphs instead of compiling them; a preset is left out (``compiled_skipped``, with the reason) only when less
-    time is left than it needs (:data:`WARM_COMPILE_S` once its graphs are warm, else :data:`COLD_COMPILE_S`).
-    ``time_over_copy`` everywhere: the operation's time / the copy's (> 1: slower than a copy).
+    Time: every preset's eager row comes first (one benchmarks/codec.py run, no compilation), so every preset has a
+    codec figure whatever the time limit leaves; on a GPU each group of presets that compiles the same graphs
+    (:func:`compile_group`) and the DP check are compiled at the same time in background processes that fill
+    Inductor's on-disk caches, then one benchmarks/codec.py run per group (all its presets, :data:`COMPILED_REPEATS`
+    timed reductions each) loads the group's graphs once instead of compiling them; a group is left out (each preset's
+    ``compiled_skipped``, with the reason) only when less time is left than it needs (:data:`WARM_COMPILE_S` once its
+    graphs are warm, else :data:`COLD_COMPILE_S`, plus :data:`PRESET_RUN_S` per preset). ``time_over_copy``
+    everywhere: the operation's time / the copy's (> 1: slower than a copy).
 
     Args:
-        presets: the presets (default: :func:`dry_codec_presets` in the dry run, else :func:`codec_presets`).
+        presets: the presets (default: :func:`codec_presets`, every preset without a learned transform, in the dry
+            run too).
         compiled: run the compiled codecs (default: on a GPU when Inductor can compile; never in the dry run).
         dps / dp_codecs: the DP sizes and codecs of the DP check.
     """
@@ -1404,7 +1473,8 @@ def phase_codec(
         elif problem:
             rec["compiled_skipped"] = problem
     if presets is None:
-        presets = dry_codec_presets() if ctx.dry_run else codec_presets()
+        presets = codec_presets()
+    rec["presets"] = list(presets)
     groups = {p: compile_group(p) for p in presets}
     bg = Background(ctx.work)
     dp_out = ctx.work / "codec_dp_check.json"
@@ -1459,8 +1529,8 @@ def phase_codec(
 
 
 def _codec_rows(ctx: Ctx, rec: Record, presets: list[str], groups: dict, compiled: bool, bg: Background) -> None:
-    """The ``reducer`` rows of :func:`phase_codec`: every preset eagerly, then (``compiled``) preset by preset with
-    ``--compile both`` as time allows, those whose graphs are warm first."""
+    """The ``reducer`` rows of :func:`phase_codec`: every preset eagerly, then (``compiled``) one ``--compile both``
+    run per compile group (the plain casts together) as time allows, those whose graphs are warm first."""
     rnumel = 1 << 20 if ctx.dry_run else 64 * 2**20
     rows: dict = {}
     rec["reducer"] = {"numel": rnumel, "dp": 2, "modes": "both" if compiled else "eager", "presets": rows}
@@ -1472,37 +1542,43 @@ def _codec_rows(ctx: Ctx, rec: Record, presets: list[str], groups: dict, compile
     rec.save()
     if not compiled:
         return
-    pending = list(presets)
-    ready_groups: set = set()  # compiled in this process already
+    batches: dict[str, list[str]] = {}  # compile group (or "casts": nothing compiled) -> its presets, in order
+    for p in presets:
+        batches.setdefault(groups[p] or "casts", []).append(p)
+    pending = list(batches)
     while pending:
-        ready = [p for p in pending if groups[p] is None or groups[p] in ready_groups or bg.done(groups[p])]
-        if not ready and any(groups[p] in bg.running() for p in pending) and ctx.time_left() > COLD_COMPILE_S + 5:
+        ready = [g for g in pending if g == "casts" or bg.done(g)]
+        if not ready and any(g in bg.running() for g in pending) and ctx.time_left() > COLD_COMPILE_S + 5:
             time.sleep(0.5)  # a background compile is still filling the caches: wait for it while time allows
             continue
-        p = (ready or pending)[0]
-        pending.remove(p)
-        need = WARM_COMPILE_S if p in ready else COLD_COMPILE_S
+        g = (ready or pending)[0]
+        pending.remove(g)
+        members = batches[g]
+        need = (WARM_COMPILE_S if g in ready else COLD_COMPILE_S) + PRESET_RUN_S * len(members)
         if ctx.time_left() < need:
-            rows[p]["compiled_skipped"] = (
-                f"{ctx.time_left():.0f} s left of the phase's time limit; the compiled run needs about {need:.0f} s"
-            )
+            for p in members:
+                rows[p]["compiled_skipped"] = (
+                    f"{ctx.time_left():.0f} s left of the phase's time limit; the compiled run of its group "
+                    f"({g}: {', '.join(members)}) needs about {need:.0f} s"
+                )
             rec.save()
             continue
         t0 = time.perf_counter()
-        d, err = _codec_bench(ctx, [p], "both", rnumel, ctx.work / f"codec_{p}.json")
-        if err:
-            rows[p]["compiled_error"] = err
-            rec.check(f"{p}: benchmarks/codec.py ran (compiled)", False, err)
-            rec.save()
-            continue
-        ready_groups.add(groups[p])
-        for m in ("eager", "compiled"):  # the eager row of the same run replaces the first one
-            r = d.get(f"presets_{m}", {}).get(p)
-            if r is not None:
-                rows[p][m] = _bench_row(r, rnumel)
-        rows[p]["compiled_run_s"] = time.perf_counter() - t0
-        same = rows[p].get("compiled", {}).get("bitwise_equal_eager")
-        rec.check(f"{p}: compiled = eager bitwise (DP 2, two reductions)", same is True, same)
+        out = ctx.work / f"codec_{re.sub(r'[^A-Za-z0-9_.-]', '_', g)}.json"
+        d, err = _codec_bench(ctx, members, "both", rnumel, out, COMPILED_REPEATS)
+        run_s = time.perf_counter() - t0
+        for p in members:
+            if err:
+                rows[p]["compiled_error"] = err
+                rec.check(f"{p}: benchmarks/codec.py ran (compiled)", False, err)
+                continue
+            for m in ("eager", "compiled"):  # the eager row of the same run replaces the first one
+                r = d.get(f"presets_{m}", {}).get(p)
+                if r is not None:
+                    rows[p][m] = _bench_row(r, rnumel)
+            rows[p].update(compiled_group=g, compiled_run_s=run_s)
+            same = rows[p].get("compiled", {}).get("bitwise_equal_eager")
+            rec.check(f"{p}: compiled = eager bitwise (DP 2, two reductions)", same is True, same)
         rec.save()
 
 

@@ -150,9 +150,20 @@ def test_dry_run_figures(dry_run):
     assert m["tokens_per_sec"] > 0 and m["tflops_per_gpu"] > 0
     assert m["mfu"] is None and "not in megatron_geo.training.mfu.PEAK_BF16_FLOPS" in m["peak_source"]
     assert abs(m["first_loss"] - math.log(512)) < 1.0  # uniform over the dry run's 512-token vocab at init
+    # Megatron-LM's FLOP count of the dry run's model (h 64, 2 layers, 16 heads of 4, 8 KV heads, MLP 128, seq 64,
+    # vocab 512), by hand: 6 x (2 x (q, o 64 x 64; k, v 64 x 32; MLP 3 x 64 x 128) + output 512 x 64) + 12 x 2 x 64 x 64
+    assert m["flops_per_token"] == 6 * (2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128) + 512 * 64) + 12 * 2 * 64 * 64
+    assert m["flops_per_token"] == 737_280 and "Megatron-LM" in m["flops_convention"]
     ns = m["newton_schulz"]  # every Muon matrix of the 2-layer dry-run model, both forms, beside the step time
     assert ns["matrices"] == 14 and ns["quintic_s"] > 0 and ns["gram_s"] > 0
     assert ns["quintic_share_of_step"] == pytest.approx(ns["quintic_s"] / m["step_time_s_median"])
+    # the step with a DP 64 rank's share of the Newton-Schulz (1/64 of it) next to the DP 1 step's (all of it)
+    eq = m["dp64_equivalent"]
+    assert eq["dp"] == 64 and eq["newton_schulz_share"] == 1 / 64 and "1/64" in eq["method"]
+    assert eq["step_time_s"] == pytest.approx(m["step_time_s_median"] - ns["quintic_s"] * (1 - 1 / 64))
+    assert eq["tokens_per_sec"] > m["tokens_per_sec"] and eq["mfu"] is None  # no MFU on the CPU
+    busy = eq["busiest_rank"]  # the shard plan's busiest DP 64 rank owns at least the mean share
+    assert busy["newton_schulz_share"] >= 1 / 64 and busy["step_time_s"] >= eq["step_time_s"]
     assert m["muon_overlap"] is True and m["early_muon_hits"] + m["early_muon_misses"] > 0  # DP 1 owns every matrix
 
     k = d["codec"]
@@ -161,7 +172,11 @@ def test_dry_run_figures(dry_run):
     for op in k["ops"].values():  # one convention: time / the copy's time
         assert op["time_over_copy"] == pytest.approx(op["ms"] / k["ops"]["copy"]["ms"])
     rows = k["reducer"]["presets"]
-    assert set(rows) == {"fp8", "nvfp4"} and "compiled_skipped" in k
+    from megatron_geo.config.presets import codec_presets
+
+    # every preset without a learned transform has its eager row, in the dry run as on a GPU
+    assert k["presets"] == list(rows) and set(rows) == set(codec_presets()) and "compiled_skipped" in k
+    assert {"fp32", "bf16", "fp8", "fp8_block", "fp8_e5m2", "fp8_ef", "nvfp4"} <= set(rows)
     assert all(r["eager"]["ms"] > 0 and r["eager"]["syncs_per_bucket"] == 0 for r in rows.values())
     for r in rows.values():
         e = r["eager"]

@@ -42,7 +42,10 @@ def test_peak_table_matches_device_names():
 def test_mfu_values_for_llama_600m():
     cfg = load_config([str(ROOT / "configs/llama_600m.yaml")])
     fpt = flops_per_token(cfg.model)
-    assert 3.5e9 < fpt < 4.0e9  # 6 x ~0.59B non-embedding-lookup params + attention
+    # Megatron-LM's count: 6 x (20 x (q, o 1536 x 1536; k, v 1536 x 768; MLP 3 x 1536 x 4096) + output 32000 x 1536)
+    # + 12 x 20 layers x 2048 seq x 1536
+    assert fpt == 6 * (20 * (2 * 1536 * 1536 + 2 * 1536 * 768 + 3 * 1536 * 4096) + 32000 * 1536) + 12 * 20 * 2048 * 1536
+    assert fpt == 4_164_157_440
     # 100k tokens/s on one GPU of an H100: fpt * 1e5 FLOP/s
     assert tflops_per_gpu(1e5, fpt) == pytest.approx(fpt * 1e5 / 1e12)
     assert mfu(1e5, fpt, 989.4e12) == pytest.approx(fpt * 1e5 / 989.4e12)
@@ -52,6 +55,30 @@ def test_mfu_values_for_llama_600m():
     unknown = gpu_flops_metrics(1e5, 1, fpt, "Tesla T4")
     assert unknown["mfu"] is None and unknown["gpu"] == "Tesla T4"
     assert gpu_flops_metrics(1e5, 1, fpt, "Tesla T4", peak_flops=65e12)["mfu"] == pytest.approx(fpt * 1e5 / 65e12)
+
+
+def test_flops_per_token_is_megatrons_count_by_hand():
+    """A small config counted by hand in Megatron-LM's convention: 6 FLOPs per GEMM weight and token (forward 2,
+    backward 4; no embedding lookup, no norms) plus 12 L s h for the attention square (no causal halving)."""
+    from megatron_geo.config.schema import ModelConfig
+
+    m = ModelConfig(
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=128,
+        seq_length=64,
+        vocab_size=512,
+        make_vocab_size_divisible_by=128,
+    )
+    # per layer: q 64x64 + o 64x64 + k 64x32 + v 64x32 = 12288, MLP 3 x 64 x 128 = 24576; output 512 x 64 = 32768
+    gemm = 2 * (12288 + 24576) + 32768
+    assert gemm == 106_496
+    attention = 12 * 2 * 64 * 64  # 12 L s h
+    assert flops_per_token(m) == 6 * gemm + attention == 737_280
+    # the causal-half count (6 L s h) would be 49,152 FLOPs lower: MFU differs by 7% here, 10% for Llama-600M
+    assert flops_per_token(m) - 6 * 2 * 64 * 64 == 688_128
 
 
 def test_mfu_rejects_bad_input():

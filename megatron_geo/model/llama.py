@@ -260,8 +260,26 @@ def count_parameters(cfg: ModelConfig) -> int:
     return L * (attn + 3 * h * f + 2 * h) + 2 * v * h + h
 
 
+FLOPS_CONVENTION = (
+    "Megatron-LM / PaLM: 6 x GEMM weights + 12 L s h FLOPs per token (the full attention square, no recomputation)"
+)
+"""One line naming :func:`flops_per_token`'s convention, for reports that print an MFU."""
+
+
 def flops_per_token(cfg: ModelConfig) -> float:
-    """Training FLOPs per token: 6 N (dense matmuls, fwd + bwd) + 6 L s h (causal attention scores/values;
-    Kaplan et al. 2020 / PaLM appendix B counting with the causal half)."""
-    n = count_parameters(cfg) - cfg.vocab_size * cfg.hidden_size  # the embedding lookup costs no matmul
-    return 6.0 * n + 6.0 * cfg.num_layers * cfg.seq_length * cfg.hidden_size
+    """Training FLOPs per token in Megatron-LM's convention, the one every MFU of this repository uses.
+
+    ``6 W + 12 L s q``: ``W`` the GEMM weights (every linear of the layers and the output layer; not the embedding
+    lookup, not the norms), 2 FLOPs per weight and token forward and 4 backward; ``12 L s q`` the attention scores
+    and values (``q`` = heads x head_dim) over the full ``s x s`` square, forward and backward, with no causal
+    halving and no activation recomputation. Sources: Narayanan et al. 2021 (arXiv 2104.04473), appendix
+    "Floating-point operations", as implemented by Megatron-LM's ``num_floating_point_operations``
+    (megatron/training/training.py); PaLM (Chowdhery et al. 2022), appendix B, counts the same ``6 N + 12 L H Q T``.
+    Units: FLOPs per token.
+    """
+    h, f, L, s = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers, cfg.seq_length
+    hd = h // cfg.num_attention_heads
+    q = cfg.num_attention_heads * hd  # query projection width
+    v = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, 1)
+    gemm = L * (2 * h * q + 2 * h * cfg.num_kv_heads * hd + 3 * h * f) + v * h  # q, o, k, v, MLP; output layer
+    return 6.0 * gemm + 12.0 * L * s * q

@@ -6,7 +6,10 @@
     # {"tflops_per_gpu": 412.3, "mfu": 0.417, "peak_tflops": 989.4, "gpu": "H100/H200/GH200 (SXM)"}
 
 MFU = achieved model FLOP/s per GPU / the GPU's peak dense BF16 tensor FLOP/s (PaLM, Chowdhery et al.
-2022, appendix B): ``flops_per_token`` counts 6 N plus causal attention, no recomputation.
+2022, appendix B). FLOPs per token in Megatron-LM's convention, from the one function
+:func:`megatron_geo.model.llama.flops_per_token`: 6 x the GEMM weights + 12 L s h (the full attention square, no
+causal halving, no recomputation), as Megatron-LM's ``num_floating_point_operations`` and PaLM count; the
+training loop's metrics, ``benchmarks/gpu_check.sh`` and ``tools/project_scaling.py`` all use it.
 """
 
 from __future__ import annotations
