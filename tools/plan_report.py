@@ -5,7 +5,8 @@
     python tools/plan_report.py --config configs/llama_600m.yaml --dp 8 16 64 128 --markdown
 
 Prints rank 0, the rank with the most wire bytes and the rank with the most persistent memory (figures defined in
-``megatron_geo/analysis/plan_report.py``); ``--json``
+``megatron_geo/analysis/plan_report.py``), and the DP bytes per rank per step both ways (gradient reduce + parameter
+gather) as a ratio to BF16 both ways (``comm.param_gather=fp8`` sends the parameters' quantised difference); ``--json``
 writes one object per DP size (a list when several are given).
 """
 
@@ -88,7 +89,15 @@ def report_text(f: dict) -> str:
         f"  wire bytes per rank per step (reduce) {f['wire_bytes_per_rank'] / 1e9:.3f} GB vs even reduce-scatter "
         f"{f['even_reduce_scatter_bytes'] / 1e9:.3f} GB "
         f"(x{f['wire_bytes_per_rank'] / max(f['even_reduce_scatter_bytes'], 1):.3f});"
-        f" gather {f['gather_bytes_per_rank'] / 1e9:.3f} GB vs {f['even_all_gather_bytes'] / 1e9:.3f} GB",
+        f" gather {f['gather_bytes_per_rank'] / 1e9:.3f} GB vs {f['even_all_gather_bytes'] / 1e9:.3f} GB"
+        f" (comm.param_gather={f['config']['comm.param_gather']}, {f['gather_bytes_per_element']:.4g} bytes/element)",
+        f"  DP bytes per rank per step, both ways (reduce + gather) {f['dp_bytes_per_rank'] / 1e9:.3f} GB"
+        + (
+            f" = x{f['dp_bytes_vs_bf16']:.3f} of BF16 both ways ({f['bf16_dp_bytes_per_rank'] / 1e9:.3f} GB: BF16 "
+            f"gradients, BF16 parameters gathered as they are)"
+            if "dp_bytes_vs_bf16" in f
+            else ""
+        ),
         f"  optimizer FLOPs max/mean {f['optimizer_flops_max_over_mean']:.3f}; owned elements max/mean "
         f"{f['elements_owned_max_over_mean']:.3f}; codec scratch (largest bucket, transient) "
         f"{f['codec_scratch_bytes'] / GiB:.2f} GiB",
@@ -109,14 +118,14 @@ def markdown_row(name: str, f: dict) -> str:
         f"{f['optimizer_flops_max'] / 1e9:,.1f} | {f['elements_owned_max_over_mean']:.3f} | {split} | "
         f"{f['wire_bytes_per_rank'] / max(f['even_reduce_scatter_bytes'], 1):.3f} | "
         f"{f['gather_bytes_per_rank'] / max(f['even_all_gather_bytes'], 1):.3f} | "
-        f"{f['persistent_bytes_per_rank'] / GiB:.2f} |"
+        f"{f['persistent_bytes_per_rank'] / GiB:.2f} | {f.get('dp_bytes_vs_bf16', float('nan')):.3f} |"
     )
 
 
 MD_HEADER = (
     "| config | DP | padding_ratio | optimizer FLOPs max/mean | max GFLOP | owned elements max/mean | "
     "Muon split (matrices x group) | wire bytes / even reduce-scatter | gather bytes / even all-gather | "
-    "persistent GiB per rank |\n|---|---|---|---|---|---|---|---|---|---|"
+    "persistent GiB per rank | DP bytes / BF16 both ways |\n|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 

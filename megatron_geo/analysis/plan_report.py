@@ -15,7 +15,11 @@
   ring reduce-scatter of an unpadded, evenly split buffer. Wire elements cost b bytes, the format's
   :attr:`~megatron_geo.comm.formats.WireFormat.bytes_per_element` (FP32 4, BF16 2, FP8 1 (+ 4 / block_size
   with block scaling), NVFP4 0.5625; per-tensor scales, a few bytes per parameter, are left out);
-- the parameter gather after the step (``S - own`` per bucket, in the parameter dtype);
+- the parameter gather after the step (``S - own`` elements per bucket, in the parameter dtype, or with
+  ``comm.param_gather=fp8`` / ``nvfp4`` the quantised difference: 1.031 / 0.594 bytes per element, scales included,
+  :mod:`megatron_geo.comm.param_codec`); ``dp_bytes_per_rank``: the worst rank's reduce bytes (the larger direction)
+  plus its gather bytes per step, and ``dp_bytes_vs_bf16`` that over the same figure with BF16 gradients and BF16
+  parameters gathered as they are (``bf16_dp_bytes_per_rank``);
 - optimizer FLOPs per rank (Newton-Schulz ``~4 k^2 K + 2 k^3`` per iteration for Muon matrices, or the Gram
   form's count with ``optimizer.muon_ns=gram``; 12 per element for AdamW) and ``optimizer_flops_max_over_mean``;
   a member of a Muon matrix split over a group of DP ranks (:mod:`megatron_geo.distributed.split_plan`) counts its
@@ -38,11 +42,14 @@ The model is built on the ``meta`` device (shapes only); TP > 1 uses a fake proc
 
 from __future__ import annotations
 
+import copy
+import math
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from ..comm.formats import comm_alignment, get_format
+from ..comm.param_codec import gather_bytes_per_element, param_gather_alignment
 from ..config import Config, ConfigError
 from ..distributed.ownership import ParamInfo, param_infos, param_specs
 from ..distributed.plan_types import ADAMW_FLOPS_PER_ELEMENT, ShardPlan
@@ -124,9 +131,15 @@ def meta_model_params(cfg: Config, tp_size: int = 1) -> ModelParams:
             dist.destroy_process_group()
 
 
+def plan_alignment(cfg: Config) -> int:
+    """Elements every parameter start and rank range is a multiple of, as the trainer plans them: the reducer's
+    alignment and the quantised parameter gather's (``comm.param_gather``)."""
+    return math.lcm(comm_alignment(cfg.comm), param_gather_alignment(cfg.comm))
+
+
 def _planned(cfg: Config, dp_size: int, params: ModelParams):
     back = list(reversed(params.infos))  # backward order, as build_buckets
-    align = comm_alignment(cfg.comm)
+    align = plan_alignment(cfg)
     specs = param_specs(cfg, back, align, params.geo_layers)
     return back, specs, plan_model(specs, cfg.parallel.bucket_size, dp_size, align)
 
@@ -138,10 +151,11 @@ def plan_layout(cfg: Config, dp_size: int, params: ModelParams) -> list[tuple[li
     return [([back[i][0] for i in idx], pl) for idx, pl in plans]
 
 
-def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> dict:
+def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1, bf16_reference: bool = True) -> dict:
     """Every figure of the module docstring for ``cfg`` at ``dp_size`` (JSON-ready dict).
 
-    ``params``: the output of :func:`meta_model_params` (built when None).
+    ``params``: the output of :func:`meta_model_params` (built when None). ``bf16_reference``: also plan the same
+    model with BF16 both ways (:func:`bf16_both_ways`) for ``bf16_dp_bytes_per_rank`` and ``dp_bytes_vs_bf16``.
 
     Raises:
         ConfigError: as :func:`meta_model_params` (when ``params`` is None).
@@ -156,6 +170,7 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
     wire_b = get_format(cfg.comm.dtype).bytes_per_element(cfg.comm)
     all_to_all = not (cfg.comm.dtype == "fp32" and cfg.comm.transform == "none")
     param_b = param_dtype(cfg.train).itemsize
+    gather_b = gather_bytes_per_element(cfg.comm, param_dtype(cfg.train))  # what a gathered element costs on the wire
     own = [0] * dp_size
     sent = [0.0] * dp_size
     recv = [0.0] * dp_size
@@ -234,7 +249,7 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
             "codec_table_bytes": tables,  # the reducer's scale-layout tables (same on every rank)
             "reduce_sent_bytes": sent[r],
             "reduce_received_bytes": recv[r],
-            "gather_sent_bytes": (buffer - own[r]) * param_b if sharded else 0,
+            "gather_sent_bytes": (buffer - own[r]) * gather_b if sharded else 0,
             "optimizer_flops": flops[r],
         }
 
@@ -249,6 +264,8 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
             "optimizer": cfg.optimizer.name,
             "comm.dtype": cfg.comm.dtype,
             "comm.transform": cfg.comm.transform,
+            "comm.param_gather": cfg.comm.param_gather,
+            "param_dtype": cfg.train.param_dtype,
             "bucket_size": cfg.parallel.bucket_size,
             "distributed_optimizer": sharded,
         },
@@ -257,14 +274,19 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
         "parameters": P,
         "buckets": len(plans),
         "uneven_buckets": sum(1 for _, pl in plans if not pl.even),
-        "alignment": comm_alignment(cfg.comm),
+        "alignment": plan_alignment(cfg),
         "buffer_elements_per_rank": buffer,
         "padding_ratio": buffer / max(P, 1),
         "wire_bytes_per_element": wire_b,
         "wire_bytes_per_rank": max(max(sent[r], recv[r]) for r in range(dp_size)),
         "even_reduce_scatter_bytes": even_rs,
-        "gather_bytes_per_rank": max((buffer - own[r]) * param_b for r in range(dp_size)) if sharded else 0,
-        "even_all_gather_bytes": (dp_size - 1) / dp_size * P * param_b if sharded else 0,
+        "gather_bytes_per_element": gather_b,
+        "gather_bytes_per_rank": max((buffer - own[r]) * gather_b for r in range(dp_size)) if sharded else 0,
+        "even_all_gather_bytes": (dp_size - 1) / dp_size * P * gather_b if sharded else 0,
+        # both directions: the worst rank's reduce (larger of sent / received) plus its gather, per step
+        "dp_bytes_per_rank": max(
+            max(sent[r], recv[r]) + (buffer - own[r]) * gather_b * sharded for r in range(dp_size)
+        ),
         "optimizer_flops_max": max(flops),
         "optimizer_flops_mean": mean_flops,
         "optimizer_flops_max_over_mean": max(flops) / mean_flops if mean_flops else 1.0,
@@ -283,12 +305,16 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1) -> di
         "worst_rank": {"rank": worst, **rank_bytes(worst)},  # the most wire bytes
         "most_memory_rank": {"rank": most_mem, **rank_bytes(most_mem)},
     }
+    if bf16_reference:
+        ref = plan_figures(bf16_both_ways(cfg), dp_size, params, tp_size, bf16_reference=False)
+        out["bf16_dp_bytes_per_rank"] = ref["dp_bytes_per_rank"]
+        out["dp_bytes_vs_bf16"] = out["dp_bytes_per_rank"] / max(ref["dp_bytes_per_rank"], 1)
     return out
 
 
 def _auto_split_figures(cfg: Config, specs, dp_size: int) -> dict | None:
     """``muon_split_auto`` of :func:`plan_figures` (JSON-ready; None where ``auto`` weighs nothing)."""
-    d = muon_split_decision(specs, cfg.parallel.bucket_size, dp_size, comm_alignment(cfg.comm))
+    d = muon_split_decision(specs, cfg.parallel.bucket_size, dp_size, plan_alignment(cfg))
     if d is None:
         return None
     return {
@@ -299,3 +325,13 @@ def _auto_split_figures(cfg: Config, specs, dp_size: int) -> dict | None:
         "split": None if d.split is None else asdict(d.split),
         "assumed": asdict(d.cost),
     }
+
+
+def bf16_both_ways(cfg: Config) -> Config:
+    """A copy of ``cfg`` whose DP traffic is BF16 both ways: BF16 gradients (``comm.dtype=bf16``, no transform)
+    and BF16 parameters gathered as they are (``train.param_dtype=bf16``, ``comm.param_gather=auto``): the
+    reference of ``dp_bytes_vs_bf16``."""
+    ref = copy.deepcopy(cfg)
+    ref.comm = type(cfg.comm)(dtype="bf16")
+    ref.train.param_dtype = "bf16"
+    return ref

@@ -10,8 +10,9 @@ the trajectory the checkpoint was on. Keys that would silently change it are ref
   ``data.reset_position_ids``, ``data.reset_attention_mask``. A checkpoint saved before a key existed is compared
   as what that code ran with (:data:`LEGACY_VALUES`), so a new default never slips into a resumed run;
 - the model's function beyond its shapes: ``model.rope_theta``, ``model.norm_eps``;
-- the gradient reduction's numerics: the ``comm`` keys of the wire format (:data:`COMM_KEYS`) and, where GeoFP8
-  transforms, every ``geo`` key (``checkpoint.allow_changes=comm`` / ``geo`` names a whole section);
+- the gradient reduction's numerics: the ``comm`` keys of the wire format (:data:`COMM_KEYS`, with
+  ``comm.param_gather``, which sets the parameters the replicas hold) and, where GeoFP8 transforms, every ``geo``
+  key (``checkpoint.allow_changes=comm`` / ``geo`` names a whole section);
 - the samples per step: ``train.global_batch_size``;
 - the learning-rate schedule: ``optimizer.lr``, ``optimizer.min_lr``, ``optimizer.adamw_lr``,
   ``train.warmup_steps``, ``train.lr_decay_style``, ``train.steps``. These are compared by their effect: a
@@ -62,6 +63,7 @@ LEGACY_VALUES = {
     "data.eod_mask_loss": False,
     "data.reset_position_ids": False,
     "data.reset_attention_mask": False,
+    "comm.param_gather": "auto",
 }
 # the model's function (not its shapes, which a checkpoint's tensors fix): refused on resume like the data keys
 MODEL_KEYS = {
@@ -86,6 +88,8 @@ COMM_KEYS = {
         "wire_sum_prediv",
     )
 }
+# the parameters every replica computes with: the plain gather, or the quantised difference (comm.param_gather)
+COMM_KEYS["comm.param_gather"] = "the parameters every replica computes with (the parameter all-gather)"
 GEO_KEYS = {
     f"geo.{k}": "GeoFP8's coordinates, hence the gradient reduction's numerics"
     for k in (

@@ -9,6 +9,10 @@ Layout-independent entries (reshardable to any DP x TP):
 - ``optim/<name>/<state>``: the per-element optimizer state in the same layout (AdamW ``exp_avg``,
   ``exp_avg_sq``; Muon ``momentum_buffer``), without any padding of the shard plan.
 - ``optim/<name>/step``: AdamW's step count (a replicated scalar).
+- ``held/<name>``: with the quantised parameter gather (``comm.param_gather=fp8`` / ``nvfp4``), the parameters every
+  replica holds (in FP32; they differ from the main params rounded to the model's dtype by the gather's last
+  quantisation error, :mod:`megatron_geo.distributed.param_gather`), in the same layout as ``model/<name>``. A load
+  restores them exactly (a plain gather), so a resume continues bitwise at any DP x TP layout.
 
 Layout-specific entries (restored only when DP and TP sizes are unchanged, otherwise reset and logged):
 
@@ -16,6 +20,9 @@ Layout-specific entries (restored only when DP and TP sizes are unchanged, other
   coordinates it is quantized in: transformed coordinates for GeoFP8 layers).
 - ``dp<d>.tp<t>/rng/*``: torch CPU (and CUDA) RNG state and the reducer's stochastic-rounding generator.
 - ``dp<d>.tp<t>/geo/hits``: GeoFP8 bound-hit profile (select=auto) of this rank.
+- ``dp<d>.tp<t>/param_gather/max_ulps``: the quantised parameter gather's largest deviation so far (float64 ``[1]``,
+  this rank's); a load at any layout starts every rank from the maximum over all saved ranks, so the logged
+  ``param_gather/max_ulps`` of a resumed run is the straight run's.
 - ``tp<t>/geo/<name>/U`` and ``/d``: GeoFP8 transforms (identical on every DP rank; needs the same TP).
 
 The reducer's entries come from its ``state_dict()`` / go back through ``load_state_dict()`` (error-feedback
@@ -40,6 +47,7 @@ from .agreement import agree, all_gather_ints
 from .layout import global_shape, piece_rects
 
 ADAMW_STATES = ("exp_avg", "exp_avg_sq")
+MAX_ULPS = "param_gather/max_ulps"  # per-rank entry of the quantised parameter gather's running deviation
 MUON_STATES = ("momentum_buffer",)
 
 
@@ -238,6 +246,10 @@ def _save_entries(layout: StateLayout, reducer, geo, with_optimizer_state: bool,
         sd[f"model/{name}"] = _sharded_tensor(
             layout.shards(name, lambda m: m.main.detach()), size, everyone, devices, pctx.rank, world
         )
+        if opt.quantized_gather is not None:  # what the replicas hold: not the main params rounded
+            sd[f"held/{name}"] = _sharded_tensor(
+                layout.shards(name, lambda m: held_view(m).float()), size, everyone, devices, pctx.rank, world
+            )
         if not with_optimizer_state:
             continue
         for s in layout.state_names(name):
@@ -254,6 +266,8 @@ def _save_entries(layout: StateLayout, reducer, geo, with_optimizer_state: bool,
             if "step" in st:
                 sd[f"optim/{name}/step"] = torch.as_tensor(st["step"]).detach().to("cpu", torch.float64).clone()
     tag = layout.tag
+    if opt.quantized_gather is not None:
+        sd[f"{tag}/{MAX_ULPS}"] = opt.quantized_gather.max_ulps.detach().to("cpu").clone().view(1)
     sd[f"{tag}/rng/torch"] = torch.get_rng_state()
     if pctx.device.type == "cuda":
         sd[f"{tag}/rng/cuda"] = torch.cuda.get_rng_state(pctx.device)
@@ -271,6 +285,12 @@ def _save_entries(layout: StateLayout, reducer, geo, with_optimizer_state: bool,
             sd[f"tp{pctx.tp_rank}/geo/{name}/U"] = t["U"].detach().cpu().clone()
             sd[f"tp{pctx.tp_rank}/geo/{name}/d"] = t["d"].detach().cpu().clone()
     return sd
+
+
+def held_view(m: MainParam) -> torch.Tensor:
+    """The parameters every replica holds of ``m``'s piece: a view ``[m.main.numel()]`` of the bucket's parameter
+    buffer (the model's dtype)."""
+    return m.bucket.param_data[m.buffer_start : m.buffer_start + m.main.numel()]
 
 
 def residual_views(layout: StateLayout, residuals: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -317,7 +337,9 @@ def load_state(
     Model and optimizer state are resharded to this run's DP x TP layout; error feedback, RNG and the
     GeoFP8 profile are restored only when ``same_layout`` (else they start fresh, which is logged); the
     GeoFP8 transforms (identical on every DP rank) whenever the TP size is unchanged (``same_tp``).
-    Finally the main params are published to the model parameters (all-gathered over DP).
+    Finally the model parameters are set on every rank (a plain all-gather over DP): to the replicas' parameters
+    the checkpoint holds (``held/<name>``, when it and this run gather the quantised difference), else to the main
+    params rounded to the model's dtype (both cases are logged when only one side has them).
 
     Raises:
         CheckpointRankError: on every rank when a rank failed before or after DCP's read, e.g. with
@@ -352,10 +374,12 @@ def load_state(
     except Exception as e:  # noqa: BLE001 - the broadcasts and the parameter gather below are collectives
         err = e
     agree(err, world, dev, "restoring the loaded state")
+    held = req["held"]
     with torch.no_grad():
-        _broadcast_non_writers(layout, req["with_state"])
-    layout.optimizer.publish()
-    layout.optimizer.wait_param_gather()  # the loaded parameters are complete on return
+        _broadcast_non_writers(layout, req["with_state"], list(held.values()))
+    # the replicas' parameters: what the checkpoint says they held (quantised gather), else the main params rounded;
+    # restored, not updated, so every launch continues from the same bits
+    layout.optimizer.load_params(held or None)  # waited: the loaded parameters are complete on return
 
 
 def _tensor_size(keys, key: str) -> torch.Size:
@@ -414,9 +438,25 @@ def _load_request(path: str, target: _LoadTarget, devices: list[torch.device]) -
     sd: dict = {}
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (loaded rectangle, destination view)
     world = pctx.world_group
+    has_held = all(f"held/{n}" in keys for n in names)
+    held: dict[int, torch.Tensor] = {}  # id(main param) -> FP32 replicas' parameters of its piece
+    if opt.quantized_gather is not None and has_held:
+        held = {id(m.main): torch.empty_like(m.main) for m in opt.mains}
+    elif opt.quantized_gather is not None:
+        log(
+            "checkpoint: it holds no replica parameters (saved without a quantised comm.param_gather); they start "
+            "from the main params rounded to train.param_dtype"
+        )
+    elif has_held and opt.sharded and pctx.dp_size > 1:
+        log(
+            "checkpoint: its replica parameters (saved with a quantised comm.param_gather) are not used: this run "
+            "gathers the main params rounded to train.param_dtype"
+        )
     for name in names:
         size, everyone = layout.global_shape(name), layout.global_rects(name)
         kinds: list[tuple[str, Callable[..., torch.Tensor]]] = [(f"model/{name}", lambda m: m.main.data)]
+        if held:
+            kinds.append((f"held/{name}", lambda m: held[id(m.main)]))
         if with_state:
             kinds += [
                 (f"optim/{name}/{s}", lambda m, s=s: opt.optimizer_of(m).state[m.main][s])
@@ -432,6 +472,10 @@ def _load_request(path: str, target: _LoadTarget, devices: list[torch.device]) -
         if with_state and f"optim/{name}/step" in keys and name in layout.by_name:
             sd[f"optim/{name}/step"] = torch.zeros((), dtype=torch.float64, device="cpu")
     tag = layout.tag
+    if opt.quantized_gather is not None:  # every saved rank's (any layout): the load takes their maximum
+        for k in keys:
+            if k.endswith("/" + MAX_ULPS):
+                sd[k] = torch.zeros(1, dtype=torch.float64, device="cpu")
     red = reducer.state_dict()
     ef = residual_views(layout, red.get("residuals", {}))
     live_geo = geo.state_dict() if geo is not None else None
@@ -465,6 +509,7 @@ def _load_request(path: str, target: _LoadTarget, devices: list[torch.device]) -
     return {
         "sd": sd,
         "copies": copies,
+        "held": held,
         "with_state": with_state,
         "ef": ef,
         "tag": tag,
@@ -487,6 +532,9 @@ def _apply_loaded(target: _LoadTarget, req: dict) -> None:
             if with_state and f"optim/{m.name}/step" in sd:
                 st = opt.optimizer_of(m).state[m.main]
                 st["step"].fill_(float(sd[f"optim/{m.name}/step"]))
+        ulps = [float(v) for k, v in sd.items() if k.endswith("/" + MAX_ULPS)]
+        if ulps and opt.quantized_gather is not None:
+            opt.quantized_gather.max_ulps.fill_(max(ulps))
         if f"{tag}/rng/torch" in sd:
             torch.set_rng_state(sd[f"{tag}/rng/torch"])
         if f"{tag}/rng/cuda" in sd:
@@ -515,13 +563,17 @@ def _apply_loaded(target: _LoadTarget, req: dict) -> None:
         _restore_geo(target.geo, req["live_geo"], target.geo_meta, sd, req["geo_tp"], f"{tag}/geo/hits", log)
 
 
-def _broadcast_non_writers(layout: StateLayout, with_state: bool) -> None:
+def _broadcast_non_writers(layout: StateLayout, with_state: bool, held: list[torch.Tensor]) -> None:
     """Copy loaded values to the ranks that did not read them: TP-replicated parameters from TP rank 0,
-    and (without the distributed optimizer) everything from DP rank 0."""
+    and (without the distributed optimizer) everything from DP rank 0. ``held``: the loaded replica parameters of
+    this rank's main params, in the order of ``layout.optimizer.mains`` (or empty)."""
     pctx, opt = layout.pctx, layout.optimizer
+    held_of = {id(m.main): h for m, h in zip(opt.mains, held)}
 
     def tensors(m):
         yield m.main.data
+        if id(m.main) in held_of:
+            yield held_of[id(m.main)]
         if with_state:
             st = opt.optimizer_of(m).state[m.main]
             for s in layout.state_names(m.name):

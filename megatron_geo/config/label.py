@@ -17,6 +17,9 @@ In order:
    given first, then every preset next to it (so ``fp8`` + ``comm.error_feedback=true`` is ``fp8_ef``).
 4. Else a compact label of the counted keys that differ from the defaults (:func:`derive_label`), e.g.
    ``fp8_e4m3+ef+geo(r32,p=search)`` or ``fp8_e4m3+ef+geo(r32,p=0.5,refresh=10)``.
+
+A quantised parameter gather (``comm.param_gather=fp8`` / ``nvfp4``) appends ``+pg=fp8`` / ``+pg=nvfp4`` to the
+preset's name or the derived label (``fp8+pg=fp8``); the plain gathers add nothing.
 """
 
 from __future__ import annotations
@@ -49,9 +52,17 @@ def preset_name(path: str | Path) -> str | None:
     return p.stem if p.parent.name == PRESET_DIR else None
 
 
+def gather_suffix(cfg: Config) -> str:
+    """``+pg=fp8`` / ``+pg=nvfp4`` for a quantised parameter gather (``comm.param_gather``), else empty: the part of
+    the label that says what the parameters travel in (the plain gathers ``auto`` and ``bf16`` add nothing)."""
+    pg = cfg.comm.param_gather
+    return "" if pg in ("auto", "bf16") else f"+pg={pg}"
+
+
 def wire_settings(cfg: Config) -> dict:
-    """The counted settings: comm keys but :data:`NOT_LABELLED`, and the geo section only with ``transform=geo``."""
-    comm = {k: v for k, v in asdict(cfg.comm).items() if k not in NOT_LABELLED}
+    """The counted settings: comm keys but :data:`NOT_LABELLED` and ``param_gather`` (a suffix of the label, see
+    :func:`gather_suffix`), and the geo section only with ``transform=geo``."""
+    comm = {k: v for k, v in asdict(cfg.comm).items() if k not in NOT_LABELLED and k != "param_gather"}
     if cfg.comm.reduce_op != "wire_sum":  # pre-division only matters to the FP8 sum in the collective
         comm.pop("wire_sum_prediv")
     geo = asdict(cfg.geo) if cfg.comm.transform == "geo" else {}
@@ -78,7 +89,7 @@ def derive_label(cfg: Config) -> str:
     rotation), ``geo(r<rank>,p=<power>|auto,...)`` (GeoFP8;
     ``search`` with ``geo.power_search``, ``auto`` with ``geo.power=auto``; ``sel=auto`` / ``sel=gain`` with
     profiled / predicted-gain layer selection; any other geo key that
-    differs from its default as ``short=value``), joined by ``+``.
+    differs from its default as ``short=value``), joined by ``+``; then :func:`gather_suffix`.
     """
     c, g = cfg.comm, cfg.geo
     parts = [c.dtype]
@@ -104,7 +115,7 @@ def derive_label(cfg: Config) -> str:
                 v = getattr(g, f.name)
                 inner.append(f"{_GEO_SHORT[f.name]}={format(v, 'g') if isinstance(v, float) else v}")
         parts.append(f"geo({','.join(inner)})")
-    return "+".join(parts)
+    return "+".join(parts) + gather_suffix(cfg)
 
 
 def reset_comm_sections(cfg: Config) -> None:
@@ -125,9 +136,12 @@ def resolve_label(
     if explicit:
         return explicit
     now = wire_settings(cfg)
-    if file_label is not None and file_label[1] == now:
+    suffix = gather_suffix(cfg)
+    # a file's label (a run's config.yaml) names its parameter gather too: kept while that is unchanged
+    same_gather = file_label is not None and (file_label[0].endswith(suffix) if suffix else "+pg=" not in file_label[0])
+    if file_label is not None and file_label[1] == now and same_gather:
         return file_label[0]
     for name, preset_cfg in presets:
         if wire_settings(preset_cfg) == now:
-            return name
+            return name + suffix
     return derive_label(cfg)

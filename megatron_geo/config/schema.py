@@ -164,6 +164,10 @@ class CommConfig:
     # gradient per low-precision bucket (and GeoFP8 layer, also through the plain codec), DP-averaged with one
     # small all-reduce and logged as comm/rel_err/...; 0: off
     telemetry_interval: int = 50
+    # the parameter all-gather after each step (distributed optimizer, DP > 1): auto = the parameters in
+    # train.param_dtype (bf16: the same, BF16 parameters only) | fp8 / nvfp4 = the owner sends the difference to what
+    # every replica holds, quantised in blocks of 128 (comm/param_codec.py, distributed/param_gather.py)
+    param_gather: str = "auto"
 
 
 @dataclass

@@ -7,7 +7,9 @@ over a group of DP ranks (:mod:`.split_plan`; updated by :class:`~.muon_groups.S
 split pieces of element-wise (AdamW) parameters. ``main.grad`` is a persistent view into the bucket's FP32 gradient
 buffer, so the reduction writes straight into it. After the step the main params are copied into
 the bucket's parameter buffer and gathered over DP (Megatron's ZeRO-1 style distributed optimizer): one
-all-gather per bucket for even plans, one broadcast per owner range for whole-parameter plans.
+all-gather per bucket for even plans, one broadcast per owner range for whole-parameter plans. With
+``param_gather=fp8`` or ``nvfp4`` the owners send the quantised difference between the new parameters and what
+every replica holds instead (:mod:`.param_gather`).
 
 With ``sharded=False`` every rank owns every parameter whole (the all-reduce path, no all-gather).
 
@@ -25,6 +27,7 @@ from typing import Protocol
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from ..comm.param_codec import gather_codec
 from ..config.schema import OptimizerConfig
 from ..optim import build_muon, newton_schulz_dtype
 from ..parallel import ParallelContext
@@ -32,6 +35,7 @@ from ..parallel import collectives as C
 from ..parallel.trace import trace_range
 from .buckets import Bucket
 from .muon_groups import MuonGroups, SplitMuon
+from .param_gather import QuantizedParamGather
 from .plan_types import Split
 
 
@@ -72,7 +76,16 @@ def _make_main(bucket: Bucket, idx: int, start: int, end: int, buffer_start: int
 
 
 class DistributedOptimizer:
-    """Owns main params, the torch optimizers, global-norm clipping and the param all-gather."""
+    """Owns main params, the torch optimizers, global-norm clipping and the param all-gather.
+
+    ``param_gather``: ``comm.param_gather``; ``fp8`` / ``nvfp4`` gather the quantised difference of the parameters
+    (:class:`~.param_gather.QuantizedParamGather`, then :attr:`quantized_gather`) where anything is gathered
+    (``sharded`` and more than one DP rank); ``auto`` / ``bf16`` (or nothing to gather) the parameters themselves.
+    ``gather_bytes_sent``: bytes this rank sent in parameter gathers since the last :meth:`reset_gather_bytes`.
+
+    Raises:
+        ValueError: an unknown ``param_gather``, or buckets not aligned for the quantised gather.
+    """
 
     def __init__(
         self,
@@ -81,10 +94,15 @@ class DistributedOptimizer:
         pctx: ParallelContext,
         sharded: bool,
         overlap_param_gather: bool = False,
+        param_gather: str = "auto",
     ):
         self.buckets, self.cfg, self.pctx, self.sharded = buckets, cfg, pctx, sharded
         self.overlap_param_gather = overlap_param_gather and sharded and pctx.dp_size > 1
         self._gathers: dict[int, _Work] = {}  # bucket index -> in-flight parameter gather
+        codec = gather_codec(param_gather)
+        gathers = sharded and pctx.dp_size > 1
+        self.quantized_gather = QuantizedParamGather(codec, buckets, pctx) if codec and gathers else None
+        self.gather_bytes_sent = 0
         self._hooks: list[RemovableHandle] = []
         self.mains: list[MainParam] = []
         for b in buckets:
@@ -102,6 +120,7 @@ class DistributedOptimizer:
         # every rank holds every bucket's plan, so all create the groups (or none), in the same order
         self.muon_groups = MuonGroups.create(pctx, sizes.pop()) if sizes else None
         self.optimizers = self._build_optimizers()
+        self._owned = {b.index: [(m.buffer_start, m.main) for m in self.mains if m.bucket is b] for b in buckets}
 
     def _build_optimizers(self) -> list[torch.optim.Optimizer]:
         c = self.cfg
@@ -215,26 +234,77 @@ class DistributedOptimizer:
         self.publish()
 
     def publish(self) -> None:
-        """Copy every main param into the model's parameter buffer (model dtype) and gather it over DP.
+        """Copy every main param into the model's parameter buffer (model dtype) and gather it over DP; with the
+        quantised gather (:attr:`quantized_gather`) send the quantised difference to what the replicas hold instead.
 
         With ``overlap_param_gather`` the gathers are only started, in forward order (last bucket first: the
         buckets follow backward order); each is waited by :meth:`wait_param_gather` -- from the forward
         pre-hooks of :meth:`register_forward_hooks` just before its parameters are used, or for all before
         anything else reads the parameters (evaluation, checkpoints, the end of training).
         """
+        if self.quantized_gather is None:
+            self._publish_plain(None)
+            return
+        self.wait_param_gather()
+        q = self.quantized_gather
+        with torch.no_grad(), trace_range("collective"):
+            for b in reversed(self.buckets):
+                self._gathers[b.index] = q.start(b, self._owned[b.index])
+        if not self.overlap_param_gather:
+            self.wait_param_gather()
+
+    def load_params(self, held: dict[int, torch.Tensor] | None = None) -> None:
+        """Set the model's parameters on every DP rank to exactly ``held`` (FP32 values of the parameter pieces this
+        rank owns, by ``id(main param)``: the replicas' parameters a checkpoint saved with the quantised gather), or
+        to the main params rounded to the model's dtype (None), with a plain gather whatever ``param_gather`` is;
+        waited on return. For checkpoint loads, where the replicas' parameters must be restored, not updated.
+
+        Raises:
+            KeyError: ``held`` lacks a main param of this rank.
+        """
+        counted = self.gather_bytes_sent
+        self._publish_plain(held)
+        self.wait_param_gather()
+        self.gather_bytes_sent = counted  # a load is no training step's traffic
+
+    def _publish_plain(self, values: dict[int, torch.Tensor] | None) -> None:
+        """Write ``values[id(m.main)]`` (default: ``m.main``) of every main param into the parameter buffers and
+        start (or, without ``overlap_param_gather``, finish) the plain gather of every bucket."""
         self.wait_param_gather()
         with torch.no_grad():
             for m in self.mains:
                 n = m.main.numel()
-                m.bucket.param_data[m.buffer_start : m.buffer_start + n].copy_(m.main.reshape(-1))
+                src = m.main if values is None else values[id(m.main)]
+                m.bucket.param_data[m.buffer_start : m.buffer_start + n].copy_(src.reshape(-1))
             if self.sharded and self.pctx.dp_size > 1:
                 with trace_range("collective"):
                     for b in reversed(self.buckets):
                         self._gathers[b.index] = C.all_gather_ranges(
                             b.param_data, b.plan.bounds, self.pctx.dp_group, async_op=True
                         )
+                        own = b.plan.sizes[self.pctx.dp_rank]
+                        self.gather_bytes_sent += (b.plan.buffer_numel - own) * b.param_data.element_size()
                 if not self.overlap_param_gather:
                     self.wait_param_gather()
+
+    def reset_gather_bytes(self) -> int:
+        """Bytes this rank sent in parameter gathers (plain or quantised) since the last call."""
+        sent = self.gather_bytes_sent + (self.quantized_gather.reset_bytes() if self.quantized_gather else 0)
+        self.gather_bytes_sent = 0
+        return sent
+
+    def gather_report(self) -> dict:
+        """The quantised gather's log-step figures (``param_gather/max_ulps``; empty with the plain gather), after
+        waiting for the gathers in flight. Collective (DP and world group) with the quantised gather.
+
+        Raises:
+            ReplicaMismatchError: the DP replicas' parameters differ
+                (:meth:`.param_gather.QuantizedParamGather.report`).
+        """
+        if self.quantized_gather is None:
+            return {}
+        self.wait_param_gather()
+        return self.quantized_gather.report(self.buckets)
 
     def wait_param_gather(self, bucket_indices=None) -> None:
         """Finish the in-flight parameter gathers of ``bucket_indices`` (all when None)."""

@@ -4,11 +4,13 @@ reducer, the gradient sync and the distributed optimizer. The datasets are built
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 
 import torch
 
 from ..comm.factory import build_reducer
+from ..comm.param_codec import param_gather_alignment
 from ..config import Config
 from ..distributed import Bucket, DistributedOptimizer, GradSync, build_buckets
 from ..distributed.early_muon import EarlyMuonUpdates
@@ -55,7 +57,9 @@ def build_model_and_optimizer(cfg: Config, pctx: ParallelContext):
         cfg.comm, pctx.dp_group, pctx.dp_size, pctx.dp_rank, seed=cfg.train.seed, device=pctx.device
     )
     sharded = cfg.parallel.distributed_optimizer
-    buckets = build_grad_buckets(cfg, model, pctx.dp_size, reducer.alignment(), set(geo.params) if geo else ())
+    # the reducer's blocks and the quantised parameter gather's (comm.param_gather) never straddle two parameters
+    align = math.lcm(reducer.alignment(), param_gather_alignment(cfg.comm))
+    buckets = build_grad_buckets(cfg, model, pctx.dp_size, align, set(geo.params) if geo else ())
     for b in buckets:
         reducer.register_bucket(b.index, b.plan.offsets, [p.numel() for p in b.params], b.plan.bounds, pctx.device)
     if geo is not None:
@@ -63,7 +67,9 @@ def build_model_and_optimizer(cfg: Config, pctx: ParallelContext):
     grad_sync = GradSync(buckets, reducer, sharded=sharded, overlap=cfg.parallel.overlap_grad_reduce)
     overlap_setting = cfg.parallel.overlap_param_gather
     overlap = pctx.device.type == "cuda" if overlap_setting == "auto" else overlap_setting == "true"
-    optimizer = DistributedOptimizer(buckets, cfg.optimizer, pctx, sharded=sharded, overlap_param_gather=overlap)
+    optimizer = DistributedOptimizer(
+        buckets, cfg.optimizer, pctx, sharded=sharded, overlap_param_gather=overlap, param_gather=cfg.comm.param_gather
+    )
     optimizer.register_forward_hooks(model)
     if cfg.optimizer.name == "muon" and cfg.optimizer.muon_overlap:
         early = EarlyMuonUpdates(optimizer)
@@ -90,7 +96,12 @@ def startup_text(cfg: Config, pctx: ParallelContext, buckets: list[Bucket], opti
         f"device={pctx.device} | {len(buckets)} buckets ({uneven} with uneven owner ranges), shard padding {pad} "
         f"elements | comm={cfg.comm.label} (comm.dtype={cfg.comm.dtype}) "
         f"distributed_optimizer={cfg.parallel.distributed_optimizer} "
-        f"overlap_param_gather={optimizer.overlap_param_gather}",
+        f"overlap_param_gather={optimizer.overlap_param_gather}"
+        + (
+            f" param_gather={cfg.comm.param_gather} (quantised difference)"
+            if getattr(optimizer, "quantized_gather", None) is not None
+            else ""
+        ),
     ]
     if pctx.dp_size == 1 and (cfg.comm.dtype != "fp32" or cfg.comm.transform != "none"):
         lines.append(

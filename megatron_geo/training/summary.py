@@ -19,8 +19,9 @@ class RunStats:
     ``skipped_in_a_row``: non-finite steps skipped in a row (restored from the checkpoint); ``skipped_total``:
     skipped in this launch; ``first_loss``: the loss of this launch's first step (nats); ``last`` / ``last_res``:
     the last step's metrics record and :class:`~.step.StepResult`; ``val_loss``: the latest evaluation;
-    ``tokens_per_sec`` and ``step_times`` (s): per step after this launch's first; ``comm_bytes``: per step,
-    bytes this rank sent; ``saves_logged``: periodic saves already reported in a metrics record;
+    ``tokens_per_sec`` and ``step_times`` (s): per step after this launch's first; ``comm_bytes`` /
+    ``gather_bytes``: per step, bytes this rank sent in the gradient reduction / the parameter gather;
+    ``saves_logged``: periodic saves already reported in a metrics record;
     ``refresh_logged``: a GeoFP8 refresh line was printed.
     """
 
@@ -34,6 +35,7 @@ class RunStats:
     tokens_per_sec: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     comm_bytes: list[float] = field(default_factory=list)
+    gather_bytes: list[float] = field(default_factory=list)
     saves_logged: int = 0
     refresh_logged: bool = False
 
@@ -57,10 +59,12 @@ class RunStats:
             self.step_times.append(record["step_time_s"])
         self.skipped_total += int(res.skipped)
         self.comm_bytes.append(record["comm_bytes"])
+        self.gather_bytes.append(record.get("comm_gather_bytes", 0))
 
     def summary(self, n_params: int, run_dir: str, checkpoint: str | None, comm: str) -> dict:
-        """The run's summary dict (``steps``, losses in nats, ``tokens_per_sec`` global, ``comm_bytes_per_step``
-        per rank, ``run_dir``, ``checkpoint``: the last one saved or None)."""
+        """The run's summary dict (``steps``, losses in nats, ``tokens_per_sec`` global, ``comm_bytes_per_step`` and
+        ``comm_gather_bytes_per_step`` per rank (gradient reduction, parameter gather), ``run_dir``, ``checkpoint``:
+        the last one saved or None)."""
         tps = self.tokens_per_sec
         # called after at least one add (a launch with no step to run uses nothing_to_do)
         assert self.last is not None and self.last_res is not None
@@ -72,6 +76,7 @@ class RunStats:
             "val_loss": self.val_loss,
             "tokens_per_sec": sum(tps) / len(tps) if tps else self.last["tokens_per_sec"],
             "comm_bytes_per_step": sum(self.comm_bytes) / len(self.comm_bytes),
+            "comm_gather_bytes_per_step": sum(self.gather_bytes) / len(self.gather_bytes),
             "run_dir": run_dir,
             "checkpoint": checkpoint,
             "comm": comm,
@@ -89,6 +94,7 @@ def nothing_to_do(n_params: int, start_step: int, run_dir: str) -> dict:
         "val_loss": None,
         "tokens_per_sec": 0.0,
         "comm_bytes_per_step": 0.0,
+        "comm_gather_bytes_per_step": 0.0,
         "run_dir": run_dir,
         "checkpoint": None,
         "start_step": start_step,
@@ -110,6 +116,8 @@ def format_summary(s: dict, cfg: Config) -> str:
             f"  throughput      {s['tokens_per_sec']:,.1f} tokens/s (global"
             f"{', excluding the first step' if s['steps'] > 1 else ''})",
             f"  DP grad comm    {s['comm_bytes_per_step']:,.0f} bytes sent per step per rank",
+            f"  DP param gather {s.get('comm_gather_bytes_per_step', 0.0):,.0f} bytes sent per step per rank"
+            f" (comm.param_gather={cfg.comm.param_gather})",
             f"  outputs         {s['run_dir']}/ (config.yaml, metrics.jsonl"
             f"{', wandb/' if cfg.logging.wandb != 'disabled' else ''})",
             *([f"  checkpoint      {s['checkpoint']} ({resume_hint(cfg)})"] if s.get("checkpoint") else []),

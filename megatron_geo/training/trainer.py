@@ -200,6 +200,12 @@ class LoopState:
                 f"step {step + 1}: GeoFP8 refresh of {len(geo.selected)} layer(s) (rank {self.cfg.geo.rank}); "
                 f"transform checksums equal on all {self.ctx.pctx.dp_size} DP ranks"
             )
+        opt = self.ctx.optimizer
+        # the parameter gather's bytes (its own key; comm_bytes is the gradient direction), and on log steps (the same
+        # on every rank: a collective) the quantised gather's replica check and largest deviation
+        gather = {"comm_gather_bytes": opt.reset_gather_bytes()}
+        if should_log(t, step):
+            gather.update(opt.gather_report())
         return self.records.make(
             step,
             res.lr_scale,
@@ -209,6 +215,7 @@ class LoopState:
             self.ctx.reducer.reset_bytes(),
             rel_err,
             stats.unlogged_saves(self.timer.durations["save"]),
+            gather,
             refreshed=refreshed,
         )
 

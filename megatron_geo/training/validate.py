@@ -105,6 +105,9 @@ def validate_config(cfg: Config, world_size: int) -> None:
         if v <= 0 or v & (v - 1):
             raise ConfigError(f"{name}={v} must be a positive power of two (e.g. 128)")
     fmt.check(c)  # the wire format's own rules (error feedback, rounding, scaling, scale sync, wire_sum)
+    from ..comm.param_codec import check_param_gather
+
+    check_param_gather(c, t.param_dtype)  # comm.param_gather: a known value that fits train.param_dtype
     g = cfg.geo
     if c.transform == "geo":
         if g.select == "auto" and (g.num_layers < 1 or g.profile_steps < 1):
@@ -431,6 +434,13 @@ def _inert_rules(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
             )
         )
     if not cfg.parallel.distributed_optimizer:
+        rules.append(
+            (
+                ("comm.param_gather",),
+                "parallel.distributed_optimizer=false (nothing is gathered)",
+                "set parallel.distributed_optimizer=true",
+            )
+        )
         rules.append(
             (
                 ("parallel.overlap_param_gather",),
