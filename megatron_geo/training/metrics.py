@@ -265,9 +265,10 @@ def _config_record(cfg: Config) -> str:
 
 class StepRecords:
     """The metrics record of each step: ``step`` (1-based), ``lr``, ``grad_norm``, ``tokens_per_sec`` (global),
-    ``comm_bytes`` (this rank, this step), ``step_time_s``, ``consumed_samples``, ``skipped``, then the extras
-    given (telemetry, checkpoint times), with GeoFP8 ``geo_refresh`` and per-layer ``geo/<layer>/<key>`` refresh
-    diagnostics, and on CUDA ``tflops_per_gpu``, ``mfu`` and ``max_memory_gib``."""
+    ``comm_bytes`` (this rank, this step, the gradient reduction), ``step_time_s``, ``consumed_samples``, ``skipped``,
+    then the extras given (telemetry, checkpoint times, ``comm_gather_bytes``: the parameter gather, and on log steps
+    with a quantised gather ``param_gather/max_ulps``), with GeoFP8 ``geo_refresh`` and per-layer
+    ``geo/<layer>/<key>`` refresh diagnostics, and on CUDA ``tflops_per_gpu``, ``mfu`` and ``max_memory_gib``."""
 
     def __init__(self, cfg: Config, pctx: ParallelContext, geo):
         self.lr, self.pctx, self.geo = cfg.optimizer.lr, pctx, geo
