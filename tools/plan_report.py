@@ -100,7 +100,12 @@ def report_text(f: dict) -> str:
         ),
         f"  optimizer FLOPs max/mean {f['optimizer_flops_max_over_mean']:.3f}; owned elements max/mean "
         f"{f['elements_owned_max_over_mean']:.3f}; codec scratch (largest bucket, transient) "
-        f"{f['codec_scratch_bytes'] / GiB:.2f} GiB",
+        f"{f['codec_scratch_bytes'] / GiB:.2f} GiB"
+        + (
+            f"; parameter gather records (all buckets, transient) {f['param_gather_scratch_bytes'] / GiB:.2f} GiB"
+            if f.get("param_gather_scratch_bytes")
+            else ""
+        ),
         *_fmt_auto_split(f),
         *_fmt_split(f),
         *_fmt_rank("rank 0", f["rank0"]),

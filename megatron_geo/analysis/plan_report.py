@@ -35,7 +35,9 @@
   the collective time it adds, the choice, and the assumed machine
   (:data:`~megatron_geo.distributed.split_plan.SPLIT_COST`: FLOP/s, link bytes/s, seconds per collective);
 - the codec scratch of the largest bucket (transient, not persistent): the send codes, the receive buffer of
-  ``dp x own`` codes and its FP32 decode.
+  ``dp x own`` codes and its FP32 decode; ``param_gather_scratch_bytes``: the quantised parameter gather's records of
+  every bucket (transient: from the update to the bucket's first use in the next forward; its FP32 decode, one
+  bucket at a time, comes on top).
 
 The model is built on the ``meta`` device (shapes only); TP > 1 uses a fake process group for TP rank 0.
 """
@@ -49,7 +51,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..comm.formats import comm_alignment, get_format
-from ..comm.param_codec import gather_bytes_per_element, param_gather_alignment
+from ..comm.param_codec import gather_bytes_per_element, gather_codec, param_gather_alignment
 from ..config import Config, ConfigError
 from ..distributed.ownership import ParamInfo, param_infos, param_specs
 from ..distributed.plan_types import ADAMW_FLOPS_PER_ELEMENT, ShardPlan
@@ -213,6 +215,8 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1, bf16_
         muon_own = [sum(s.numel for s, (_, _, um) in zip(specs, back) if muon and um)] * dp_size
         flops = [sum(s.flops for s in specs)] * dp_size
     ef = buffer * 4 if cfg.comm.error_feedback else 0
+    # the quantised gather's records (every rank's, of every bucket: all in flight with the overlapped gather)
+    quantised = sharded and dp_size > 1 and gather_codec(cfg.comm.param_gather) is not None
     geo_bytes = 0
     for n, shape, _ in params.infos:
         if n in geo:
@@ -293,6 +297,7 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1, bf16_
         "elements_owned_max_over_mean": max(own) / (sum(own) / dp_size) if sum(own) else 1.0,
         "persistent_bytes_per_rank": max(rank_bytes(r)["persistent_bytes"] for r in range(dp_size)),
         "codec_scratch_bytes": scratch,
+        "param_gather_scratch_bytes": buffer * gather_b if quantised else 0,
         "muon_split_auto": _auto_split_figures(cfg, specs, dp_size) if muon and sharded else None,
         "muon_split": {
             "matrices": n_split,

@@ -31,6 +31,7 @@ from .buckets import Bucket
 
 _DIGEST_MOD = 2**31 - 1  # digests are sums of products below 2**62, reduced modulo this prime
 _DIGEST_CHUNK = 1 << 14  # blocks per digest pass (bounds its int64 temporary to 16 MiB)
+_HASH = 2654435761  # Knuth's multiplicative hash constant: block index -> digest weight
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -52,7 +53,11 @@ class PendingGather:
 
 
 class QuantizedParamGather:
-    """Per-bucket payload buffers and the encode / gather / decode of the quantised parameter difference.
+    """The encode / gather / decode of the quantised parameter difference, bucket by bucket.
+
+    A gather's records (every rank's, ``record_bytes`` per 128 elements of the bucket) live from :meth:`start` to
+    :meth:`finish` only: with the overlapped gather, from the update to the bucket's first use in the next forward,
+    never through backward. Nothing but the running deviation is kept between steps.
 
     Args:
         codec: the ``comm.param_gather`` codec (:data:`megatron_geo.comm.param_codec.GATHER_CODECS`).
@@ -60,6 +65,7 @@ class QuantizedParamGather:
         pctx: the parallel context (DP group and rank, device).
 
     Attributes:
+        byte_bounds: per bucket index, the ``dp + 1`` byte offsets of the ranks' records (python ints).
         max_ulps: float64 ``[]`` on the device: the largest deviation of this rank's owned held parameters from
             their target since the start of the launch, in BF16 ulps (see :meth:`finish`).
         bytes_sent: bytes this rank put on the wire since the last :meth:`reset_bytes` (``S - own`` record bytes
@@ -72,9 +78,7 @@ class QuantizedParamGather:
 
     def __init__(self, codec: GatherCodec, buckets: list[Bucket], pctx: ParallelContext):
         self.codec, self.pctx = codec, pctx
-        self.payloads: dict[int, torch.Tensor] = {}
         self.byte_bounds: dict[int, list[int]] = {}
-        self._block_weights: dict[int, torch.Tensor] = {}
         dev = buckets[0].param_data.device if buckets else pctx.device
         for b in buckets:
             bad = [x for x in (*b.plan.bounds, *b.plan.offsets) if x % GATHER_BLOCK]
@@ -83,11 +87,7 @@ class QuantizedParamGather:
                     f"bucket {b.index}: offset or rank bound {bad[0]} is not a multiple of {GATHER_BLOCK} elements; "
                     f"comm.param_gather={codec.name} needs the buckets planned with that alignment"
                 )
-            nb = b.plan.buffer_numel // GATHER_BLOCK
-            self.payloads[b.index] = torch.zeros(nb, codec.record_bytes, dtype=torch.uint8, device=dev)
             self.byte_bounds[b.index] = [x // GATHER_BLOCK * codec.record_bytes for x in b.plan.bounds]
-            g = torch.Generator(device="cpu").manual_seed(1000 + b.index)
-            self._block_weights[b.index] = torch.randint(1, _DIGEST_MOD, (nb,), generator=g, device="cpu").to(dev)
         g = torch.Generator(device="cpu").manual_seed(999)
         self._elem_weights = torch.randint(1, 2**31, (GATHER_BLOCK * 2,), generator=g, device="cpu").to(dev)
         self.max_ulps = torch.zeros((), dtype=torch.float64, device=dev)
@@ -110,25 +110,28 @@ class QuantizedParamGather:
         target = held.clone()
         for start, main in owned:
             target[start - lo : start - lo + main.numel()].copy_(main.reshape(-1))
-        payload = self.payloads[b.index]
-        own = payload[lo // GATHER_BLOCK : hi // GATHER_BLOCK]
+        # every range of the records is written by the gather (this rank's by the encode)
+        records = torch.empty(
+            b.plan.buffer_numel // GATHER_BLOCK, self.codec.record_bytes, dtype=torch.uint8, device=held.device
+        )
+        own = records[lo // GATHER_BLOCK : hi // GATHER_BLOCK]
         if hi > lo:
             d = target.float() - held.float()
             self.codec.encode_into(d.view(-1, GATHER_BLOCK), own)
-        self.bytes_sent += payload.numel() - own.numel()
-        work = C.all_gather_ranges(payload.view(-1), self.byte_bounds[b.index], self.pctx.dp_group, async_op=True)
-        return PendingGather(work, lambda: self.finish(b, target))
+        self.bytes_sent += records.numel() - own.numel()
+        work = C.all_gather_ranges(records.view(-1), self.byte_bounds[b.index], self.pctx.dp_group, async_op=True)
+        return PendingGather(work, lambda: self.finish(b, records, target))
 
-    def finish(self, b: Bucket, target: torch.Tensor) -> None:
+    def finish(self, b: Bucket, records: torch.Tensor, target: torch.Tensor) -> None:
         """Add every range's decoded difference to ``b``'s held parameters (rounded to their dtype) and fold this
         rank's deviation into :attr:`max_ulps`.
 
         The deviation of a 128-element block is ``max |held - target| / ulp(max |target|)``: BF16 ulps at the
         block's largest magnitude, the unit the block's scale is set in (an element near zero, whose own ulp is
         tiny, is measured against its block's, not its own). ``target`` is this rank's range of new parameters in
-        the parameter dtype (:meth:`start`).
+        the parameter dtype and ``records`` every rank's gathered records of ``b`` (:meth:`start`).
         """
-        dec = self.codec.decode(self.payloads[b.index]).view(-1)
+        dec = self.codec.decode(records).view(-1)
         dec.add_(b.param_data)
         b.param_data.copy_(dec)
         r = self.pctx.dp_rank
@@ -151,12 +154,14 @@ class QuantizedParamGather:
         arithmetic, so the order of the sums cannot change it). No host sync."""
         halves = b.param_data.view(torch.int16).view(-1, GATHER_BLOCK * b.param_data.element_size() // 2)
         w = self._elem_weights[: halves.shape[1]]
-        bw = self._block_weights[b.index]
         total = torch.zeros((), dtype=torch.int64, device=halves.device)
         for s in range(0, halves.shape[0], _DIGEST_CHUNK):
             h = halves[s : s + _DIGEST_CHUNK].to(torch.int64) & 0xFFFF
             rows = (h * w).sum(dim=1).remainder_(_DIGEST_MOD)  # < 2**31
-            total += (rows * bw[s : s + _DIGEST_CHUNK]).remainder_(_DIGEST_MOD).sum()
+            # a block's weight from its index (a multiplicative hash, < 2**31)
+            idx = torch.arange(s, s + h.shape[0], dtype=torch.int64, device=h.device)
+            bw = (idx * _HASH + 1).remainder_(_DIGEST_MOD) + 1
+            total += (rows * bw).remainder_(_DIGEST_MOD).sum()
         return total.remainder_(_DIGEST_MOD)
 
     def report(self, buckets: list[Bucket]) -> dict:
