@@ -482,3 +482,18 @@ def test_resume_is_bitwise_and_dp2_to_dp3_restores_the_replicas_parameters_exact
         for n in saved:
             for key, v in saved[n].items():
                 assert (v == loaded[n][key]) if isinstance(v, float) else torch.equal(v, loaded[n][key]), (name, n, key)
+
+
+def test_a_resume_refuses_a_changed_param_gather_unless_allowed():
+    from megatron_geo.checkpoint.resume_changes import check_resume_changes
+    from megatron_geo.config import ConfigError, config_to_dict
+
+    saved = config_to_dict(tiny_cfg(*BF16))
+    with pytest.raises(ConfigError, match=r"comm\.param_gather changed on resume: 'auto' -> 'fp8'"):
+        check_resume_changes(saved, tiny_cfg(*BF16, "comm.param_gather=fp8"), 3, "resume")
+    allowed = tiny_cfg(*BF16, "comm.param_gather=fp8", "checkpoint.allow_changes=comm.param_gather")
+    assert any("comm.param_gather" in n for n in check_resume_changes(saved, allowed, 3, "resume"))
+    del saved["comm"]["param_gather"]  # a checkpoint saved before the key existed gathered plainly
+    assert check_resume_changes(saved, tiny_cfg(*BF16), 3, "resume") == []
+    with pytest.raises(ConfigError, match=r"comm\.param_gather"):
+        check_resume_changes(saved, tiny_cfg(*BF16, "comm.param_gather=nvfp4"), 3, "resume")
