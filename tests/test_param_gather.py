@@ -278,11 +278,19 @@ def test_replicas_stay_bitwise_equal_with_adamw_and_muon_whole_split_and_overlap
     assert fp8["gather_bytes"] / plain["gather_bytes"] == pytest.approx(132 / 256, rel=0.05)
 
 
-def _tp_worker(rank, world, pgs):
+def _tp_worker(rank, world, pgs, root):
+    """Two steps at TP 2 x DP 2 per gather; then a save, and a fresh model and optimizer loaded from it (the
+    TP-replicated parameters' replica values are read by TP rank 0 and broadcast)."""
+    from megatron_geo.training.checkpointing import Checkpointer
+
     out = {}
     for pg in pgs:
-        cfg, pctx, model, opt, ctx = _build([*BF16, *_preset("fp8"), f"comm.param_gather={pg}", "parallel.tensor=2"])
+        ov = [*BF16, *_preset("fp8"), f"comm.param_gather={pg}", "parallel.tensor=2", f"checkpoint.dir={root}/{pg}"]
+        cfg, pctx, model, opt, ctx = _build(ov)
         steps = _train(cfg, pctx, model, opt, ctx, 0, 2)
+        Checkpointer(cfg, pctx, model, opt, ctx.reducer, ctx.geo, lambda m: None).save(2, 16)
+        cfg, pctx, loaded, opt, ctx = _build(ov)
+        Checkpointer(cfg, pctx, loaded, opt, ctx.reducer, ctx.geo, lambda m: None).resume()
         replicated = {
             n: p.detach().clone() for n, p in model.named_parameters() if not getattr(p, "tensor_model_parallel", False)
         }
@@ -292,13 +300,15 @@ def _tp_worker(rank, world, pgs):
             "steps": steps,
             "replicated": replicated,
             "digest": _digest(model),
+            "loaded": _digest(loaded),
         }
     return out
 
 
-def test_tp2_dp2_keeps_dp_replicas_and_tp_replicated_norm_weights_bitwise_equal():
-    ranks = run_distributed(_tp_worker, 4, ["fp8", "nvfp4"])
+def test_tp2_dp2_keeps_dp_replicas_and_tp_replicated_norm_weights_bitwise_equal(tmp_path):
+    ranks = run_distributed(_tp_worker, 4, ["fp8", "nvfp4"], str(tmp_path))
     for pg in ("fp8", "nvfp4"):
+        assert all(r[pg]["loaded"] == r[pg]["digest"] for r in ranks), pg  # a load restores every rank's bits
         by = {(r[pg]["tp"], r[pg]["dp"]): r[pg] for r in ranks}
         for tp in (0, 1):  # every step's report checked the DP replicas; the end state too
             assert by[(tp, 0)]["digest"] == by[(tp, 1)]["digest"], pg

@@ -441,7 +441,8 @@ def _load_request(path: str, target: _LoadTarget, devices: list[torch.device]) -
     has_held = all(f"held/{n}" in keys for n in names)
     held: dict[int, torch.Tensor] = {}  # id(main param) -> FP32 replicas' parameters of its piece
     if opt.quantized_gather is not None and has_held:
-        held = {id(m.main): torch.empty_like(m.main) for m in opt.mains}
+        # from the live values: what no rectangle covers (vocabulary padding rows) keeps its value, as the main params
+        held = {id(m.main): held_view(m).float().clone().view_as(m.main) for m in opt.mains}
     elif opt.quantized_gather is not None:
         log(
             "checkpoint: it holds no replica parameters (saved without a quantised comm.param_gather); they start "
