@@ -75,9 +75,6 @@ SLOW = {
     "test_codec_compile.py::test_dp64_mean_is_bitwise_one_value_eager_compiled_and_by_the_fp64_reference",
     "test_gpu_check.py::test_codec_phase_compiled_on_the_cpu_reports_every_preset_and_the_dp_check",  # 66
     "test_benchmarks.py::test_run_gloo_reports_a_dead_worker_instead_of_hanging",  # 26 (benchmarks/ spawns the ranks)
-    # measured with the machine loaded (load average 10): a DP-2 save and resume, then a DP-3 load; TP 2 x DP 2
-    "test_param_gather.py::test_resume_is_bitwise_and_dp2_to_dp3_restores_the_replicas_parameters_exactly",  # 25
-    "test_param_gather.py::test_tp2_dp2_keeps_dp_replicas_and_tp_replicated_norm_weights_bitwise_equal",  # 20
     # over 5 s in the fast tier's --durations (machine loaded): kept out of the first minutes of CI
     "test_megatron_core_split.py::test_training_records_the_rule_and_continues_a_changed_blend",  # 8
     "test_data.py::test_default_corpus_split_and_cache",  # 5
