@@ -108,6 +108,14 @@ def _baseline_build_reducer(tree: str):
     return importlib.import_module("megatron_geo_baseline.comm").build_reducer
 
 
+def _build(build, comm, pctx, dev):
+    """A reducer from ``build``: this tree's ``build_reducer`` (it takes the parallel context) or an earlier tree's
+    that took the DP group, size and rank."""
+    if "pctx" in inspect.signature(build).parameters:
+        return build(comm, pctx, device=dev)
+    return build(comm, pctx.dp_group, pctx.dp_size, pctx.dp_rank, device=dev)
+
+
 def _table_bytes(red) -> int:
     """Bytes of the reducer's scale-layout tables: ``index_table_bytes()`` where it has one, else the tensors of its
     layouts' attributes (an earlier tree's reducer), 0 for the plain reducers."""
@@ -182,12 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(a.threads)
-    from megatron_geo.parallel import indexed_device
+    from megatron_geo.parallel import build_groups, indexed_device
 
     dev = indexed_device(a.device)  # cuda -> cuda:N, as the trainer's devices
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=a.dp)
+    pctx = build_groups(0, a.dp, 1, dev, "fake")  # DP rank 0 of a.dp
     g = torch.Generator().manual_seed(0)
     src = torch.randn(a.numel, generator=g).to(dev)
     dst = torch.empty_like(src)
@@ -204,13 +213,13 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for mode in modes:
             c = dataclasses.replace(comm, compile="true" if mode == "compiled" else "false")
-            red = build_reducer(c, dist.group.WORLD, a.dp, 0, device=dev)
+            red = _build(build_reducer, c, pctx, dev)
             plan = plan_shards(numels, [False] * len(numels), a.dp, red.alignment())
             red.register_bucket(0, plan.offsets, numels, getattr(plan, "bounds", None) or plan.chunk, dev)
             buf = torch.zeros(plan.buffer_numel, device=dev)
             runs[(p, mode)] = (red, buf, plan)
             if base_build is not None:
-                old = base_build(c, dist.group.WORLD, a.dp, 0, device=dev)
+                old = _build(base_build, c, pctx, dev)
                 old.register_bucket(0, plan.offsets, numels, getattr(plan, "bounds", None) or plan.chunk, dev)
                 runs[(p, mode + "@baseline")] = (old, torch.zeros(plan.buffer_numel, device=dev), plan)
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from megatron_geo.config import load_config
 from megatron_geo.config.schema import GeoConfig
 from megatron_geo.geometry import GeoState
-from megatron_geo.parallel import build_groups
+from megatron_geo.parallel import ParallelContext, build_groups
 
 
 def tiny_cfg(*overrides: str):
@@ -34,6 +34,13 @@ def tiny_cfg(*overrides: str):
 
 def pctx_for(tp: int = 1):
     return build_groups(dist.get_rank(), dist.get_world_size(), tp, torch.device("cpu"), "gloo")
+
+
+def dp_pctx(dp_size: int, dp_rank: int = 0, group=None, device="cpu") -> ParallelContext:
+    """A context of ``dp_size`` DP ranks (TP 1; this one is DP rank ``dp_rank``) that creates no process group:
+    ``group`` (None: the default group) stands for every group. For code that runs no collective at that DP size
+    (index tables, argument checks) or runs them on a group the test made."""
+    return ParallelContext(dp_rank, dp_size, 0, 1, dp_rank, dp_size, group, group, group, torch.device(device), "gloo")
 
 
 def global_batch(cfg, step: int, seed: int = 0) -> dict:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from megatron_geo.config import ConfigError
-from megatron_geo.data import GPTDataset, IndexedDataset, IndexedDatasetBuilder, dp_batch_indices
+from megatron_geo.data import GPTDataset, GPTDatasetConfig, IndexedDataset, IndexedDatasetBuilder, dp_batch_indices
 from megatron_geo.data.blending import (
     BlendedDataset,
     BlendingIndex,
@@ -165,7 +165,9 @@ def _component(tmp_path, name, seed, n_docs, **kw):
             doc = rng.integers(3, 300, int(rng.integers(2, 25)))
             doc[-1] = EOD
             b.add_document(doc)
-    return GPTDataset(IndexedDataset(str(tmp_path / name)), 8, seed, eod_id=EOD, sample_order="megatron", **kw)
+    return GPTDataset(
+        IndexedDataset(str(tmp_path / name)), GPTDatasetConfig(8, seed, eod_id=EOD, sample_order="megatron", **kw)
+    )
 
 
 def test_blended_dataset_follows_the_index_and_wraps_components(tmp_path):

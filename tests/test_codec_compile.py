@@ -196,7 +196,7 @@ def _eager_vs_compiled(rank, world):
         comm = load_config([str(ROOT / "configs/comm" / f"{preset}.yaml")]).comm
         res = {}
         for mode in ("false", "true"):
-            red = build_reducer(dataclasses.replace(comm, compile=mode), pctx.dp_group, world, rank, seed=1)
+            red = build_reducer(dataclasses.replace(comm, compile=mode), pctx, seed=1)
             plan = plan_shards(NUMELS, [False] * len(NUMELS), world, red.alignment())
             red.register_bucket(0, plan.offsets, NUMELS, plan.chunk, "cpu")
             g = torch.Generator().manual_seed(rank)

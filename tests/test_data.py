@@ -19,6 +19,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from megatron_geo.data import (  # noqa: E402
     GPTDataset,
+    GPTDatasetConfig,
     IndexedDataset,
     IndexedDatasetBuilder,
     Tokenizer,
@@ -157,7 +158,7 @@ def stream_ds(tmp_path):
 def test_gpt_samples_are_stream_slices(stream_ds):
     ds, stream = stream_ds
     seq = 7
-    g = GPTDataset(ds, seq, seed=0, eod_id=2, sample_order="stream")
+    g = GPTDataset(ds, GPTDatasetConfig(seq, seed=0, eod_id=2, sample_order="stream"))
     assert len(g) == (len(stream) - 1) // seq
     for i in range(len(g)):
         s = g[i]
@@ -177,29 +178,29 @@ def test_gpt_samples_are_stream_slices(stream_ds):
 def test_gpt_errors(stream_ds):
     ds, stream = stream_ds
     with pytest.raises(ValueError, match=f"{len(stream)} tokens.*seq_length"):
-        GPTDataset(ds, len(stream), seed=0)
+        GPTDataset(ds, GPTDatasetConfig(len(stream), seed=0))
     # data made without --append-eod is allowed: the documents without eod are counted in a note
-    g = GPTDataset(ds, 8, seed=0, eod_id=5)
+    g = GPTDataset(ds, GPTDatasetConfig(8, seed=0, eod_id=5))
     assert g.eod_missing == g.eod_checked == 30 and "30 of 30 checked documents" in "\n".join(g.describe())
-    assert GPTDataset(ds, 8, seed=0, eod_id=2).eod_missing == 0
+    assert GPTDataset(ds, GPTDatasetConfig(8, seed=0, eod_id=2)).eod_missing == 0
     # ... unless an option needs eod tokens, or the id is outside the vocabulary
     with pytest.raises(ValueError, match="eod_mask_loss needs end-of-document tokens.*none of the 30"):
-        GPTDataset(ds, 8, seed=0, eod_id=5, eod_mask_loss=True)
+        GPTDataset(ds, GPTDatasetConfig(8, seed=0, eod_id=5, eod_mask_loss=True))
     with pytest.raises(ValueError, match="eod_id=300 outside the vocabulary"):
-        GPTDataset(ds, 8, seed=0, eod_id=300, vocab_size=300)
+        GPTDataset(ds, GPTDatasetConfig(8, seed=0, eod_id=300, vocab_size=300))
     with pytest.raises(ValueError, match="reset_position_ids need the end-of-document id"):
-        GPTDataset(ds, 8, seed=0, reset_position_ids=True)
+        GPTDataset(ds, GPTDatasetConfig(8, seed=0, reset_position_ids=True))
     with pytest.raises(ValueError, match="sample_order='shuffled'"):
-        GPTDataset(ds, 8, seed=0, sample_order="shuffled")
+        GPTDataset(ds, GPTDatasetConfig(8, seed=0, sample_order="shuffled"))
     with pytest.raises(ValueError, match=r"sequences=\(3, 31\).*0 <= start <= stop <= 30"):
-        GPTDataset(ds, 8, seed=0, sequences=(3, 31))
+        GPTDataset(ds, GPTDatasetConfig(8, seed=0), sequences=(3, 31))
     with pytest.raises(ValueError, match=r"seed=.*2\*\*63"):
-        GPTDataset(ds, 8, seed=2**63)
+        GPTDataset(ds, GPTDatasetConfig(8, seed=2**63))
 
 
 def test_shuffle_is_deterministic_per_seed_and_epoch(stream_ds):
     ds, _ = stream_ds
-    a, b, c = (GPTDataset(ds, 4, seed=s, sample_order="stream") for s in (3, 3, 4))
+    a, b, c = (GPTDataset(ds, GPTDatasetConfig(4, seed=s, sample_order="stream")) for s in (3, 3, 4))
     n = len(a)
     order = [a.sample_index(i) for i in range(3 * n)]
     assert order == [b.sample_index(i) for i in range(3 * n)]
@@ -237,12 +238,12 @@ def test_resume_from_consumed_samples(stream_ds):
             )
         return out
 
-    full = run(GPTDataset(ds, 16, seed=7, sample_order="stream"), 0, steps)
-    resumed = run(GPTDataset(ds, 16, seed=7, sample_order="stream"), 0, 5) + run(
-        GPTDataset(ds, 16, seed=7, sample_order="stream"), 5, steps - 5
+    full = run(GPTDataset(ds, GPTDatasetConfig(16, seed=7, sample_order="stream")), 0, steps)
+    resumed = run(GPTDataset(ds, GPTDatasetConfig(16, seed=7, sample_order="stream")), 0, 5) + run(
+        GPTDataset(ds, GPTDatasetConfig(16, seed=7, sample_order="stream")), 5, steps - 5
     )
     assert full == resumed
-    assert len(GPTDataset(ds, 16, seed=7)) < steps * gbs
+    assert len(GPTDataset(ds, GPTDatasetConfig(16, seed=7))) < steps * gbs
 
 
 # ---------------------------------------------------------------- tools
@@ -339,7 +340,8 @@ def test_default_corpus_split_and_cache(tmp_path):
     valid_works = {work_key(f) for f in meta["valid"]["files"]}
     assert not train_works & valid_works  # both editions of a play stay on one side
     assert meta["train"]["tokens"] == train.num_tokens
-    assert GPTDataset(valid, 256, seed=0, eod_id=tok.eod_id).eod_missing == 0  # every document ends with EOD
+    # every document ends with EOD
+    assert GPTDataset(valid, GPTDatasetConfig(256, seed=0, eod_id=tok.eod_id)).eod_missing == 0
     t0 = time.time()
     assert prepare_default_corpus(str(tmp_path), 512) == paths
     assert time.time() - t0 < 0.5

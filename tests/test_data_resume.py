@@ -73,7 +73,7 @@ def test_negative_ids_are_refused_at_start_up_and_when_read(tmp_path):
     """An MMIDIDX file records no vocabulary: ids below 0 or >= vocab are found by the start-up scan (one error line)
     and by the per-sample check (a ConfigError, exit 2, not a traceback)."""
     from megatron_geo.config import ConfigError as CE
-    from megatron_geo.data import GPTDataset, IndexedDataset
+    from megatron_geo.data import GPTDataset, GPTDatasetConfig, IndexedDataset
     from megatron_geo.training.data_setup import _open
 
     with IndexedDatasetBuilder(str(tmp_path / "neg"), vocab_size=100, dtype=np.dtype("<i4")) as b:
@@ -90,7 +90,9 @@ def test_negative_ids_are_refused_at_start_up_and_when_read(tmp_path):
 
     with pytest.raises(CE, match=r"holds token id -7 \(sequence 1\), outside the 100-id vocab"):
         _open(str(tmp_path / "neg"), Tok(), "tok.model", "training")
-    ds = GPTDataset(IndexedDataset(str(tmp_path / "neg")), 2, 0, vocab_size=100, sample_order="stream")
+    ds = GPTDataset(
+        IndexedDataset(str(tmp_path / "neg")), GPTDatasetConfig(2, 0, vocab_size=100, sample_order="stream")
+    )
     with pytest.raises(CE, match="sequence 1 holds token id -7"):
         for g in range(len(ds)):
             ds.sample(g)
@@ -104,12 +106,12 @@ def test_the_validation_samples_do_not_depend_on_the_dp_size(tmp_path):
 
     import torch
 
-    from megatron_geo.data import GPTDataset, IndexedDataset
+    from megatron_geo.data import GPTDataset, GPTDatasetConfig, IndexedDataset
     from megatron_geo.training.data_setup import valid_micro_batches
 
     rng = np.random.default_rng(0)
     _write(tmp_path / "v", [list(rng.integers(1, 100, size=int(n))) + [0] for n in rng.integers(5, 40, size=60)])
-    ds = GPTDataset(IndexedDataset(str(tmp_path / "v")), 8, 3, eod_id=0, sample_order="megatron")
+    ds = GPTDataset(IndexedDataset(str(tmp_path / "v")), GPTDatasetConfig(8, 3, eod_id=0, sample_order="megatron"))
     cfg = _cfg("train.global_batch_size=8", "train.micro_batch_size=2", "train.eval_batches=3")
     expected = torch.stack([ds.sample(g % len(ds))["tokens"] for g in range(3 * 8)])
     for dp in (1, 2, 4):

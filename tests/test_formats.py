@@ -135,7 +135,7 @@ def _rank_grads(world: int) -> list[Tensor]:
 def _toy_reduce_scatter(rank, world, preset):
     register_int8()
     cfg = load_config([preset])
-    red = build_reducer(cfg.comm, pctx_for(1).dp_group, world, rank)
+    red = build_reducer(cfg.comm, pctx_for(1))
     plan = plan_shards(NUMELS, [False] * len(NUMELS), world, red.alignment())
     red.register_bucket(0, plan.offsets, NUMELS, plan.chunk, "cpu")
     buf = torch.zeros(plan.buffer_numel)
@@ -266,7 +266,7 @@ def _same_gradient_reduce(rank, world, names):
     out = {}
     for name in names:
         comm = preset_config(name).comm
-        red = build_reducer(comm, pctx_for(1).dp_group, world, rank, seed=0)
+        red = build_reducer(comm, pctx_for(1), seed=0)
         n = 1000
         plan = plan_shards([n], [False], world, red.alignment())
         red.register_bucket(0, plan.offsets, [n], plan.chunk, "cpu")

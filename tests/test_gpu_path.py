@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import tiny_cfg
+from helpers import dp_pctx, tiny_cfg
 from megatron_geo.config import ConfigError, load_config
 from megatron_geo.model import Llama, flops_per_token
 from megatron_geo.model.compile import compile_blocks, is_compiled
@@ -279,15 +279,18 @@ def test_cuda_step_on_one_gpu_bf16_autocast():
 # -- GradSync side stream ----------------------------------------------------------------------------------------
 
 
-def _sync_for(world, device, comm_stream, dp: int = 1):
+def _sync_for(pctx, comm_stream):
+    """The tiny model (its layers over ``pctx.dp_group``), an FP8 reducer over the DP group and the gradient sync of
+    its buckets on ``pctx.device``."""
     from megatron_geo.comm import build_reducer
     from megatron_geo.distributed import GradSync, build_buckets
 
+    device = pctx.device
     cfg = tiny_cfg("comm.dtype=fp8_e4m3")
-    model = Llama(cfg.model, world, 0, device=device)
-    reducer = build_reducer(cfg.comm, world, dp, 0, seed=0, device=device)
+    model = Llama(cfg.model, pctx.dp_group, 0, device=device)
+    reducer = build_reducer(cfg.comm, pctx, seed=0, device=device)
     buckets = build_buckets(
-        list(model.named_parameters()), 3000, dp, atomic_fn=lambda p: False, align=reducer.alignment()
+        list(model.named_parameters()), 3000, pctx.dp_size, atomic_fn=lambda p: False, align=reducer.alignment()
     )
     for b in buckets:
         reducer.register_bucket(b.index, b.plan.offsets, [p.numel() for p in b.params], b.plan.chunk, device)
@@ -295,11 +298,11 @@ def _sync_for(world, device, comm_stream, dp: int = 1):
 
 
 def test_grad_sync_has_no_side_stream_on_cpu(world):
-    _, _, _, sync = _sync_for(world, torch.device("cpu"), None)
+    _, _, _, sync = _sync_for(dp_pctx(1, group=world), None)
     assert sync._stream is None
     sync.remove_hooks()
     with pytest.raises(ValueError, match="comm_stream=True needs gradient buffers on a CUDA device"):
-        _sync_for(world, torch.device("cpu"), True)
+        _sync_for(dp_pctx(1, group=world), True)
 
 
 def _grad_sync_side_stream_body() -> None:
@@ -316,7 +319,7 @@ def _grad_sync_side_stream_body() -> None:
     dev = pctx.device
     out = {}
     for comm_stream in (False, True):
-        cfg, model, buckets, sync = _sync_for(pctx.dp_group, dev, comm_stream, dp=2)
+        cfg, model, buckets, sync = _sync_for(pctx, comm_stream)
         assert (sync._stream is not None) == comm_stream
         g = torch.Generator().manual_seed(2)
         x, y = torch.randint(0, 131, (4, 16), generator=g).to(dev), torch.randint(0, 131, (4, 16), generator=g).to(dev)

@@ -24,7 +24,7 @@ def _run(rank, world, dtype, sharded, skip):
     torch.manual_seed(0)
     params = nn.ParameterList([nn.Parameter(torch.randn(64)) for _ in range(4)])
     named = [(f"p{i}", p) for i, p in enumerate(params)]
-    reducer = build_reducer(dtype, pctx.dp_group, world, rank)
+    reducer = build_reducer(dtype, pctx)
     buckets = build_buckets(named, 64, world, atomic_fn=lambda p: False, align=reducer.alignment())
     for b in buckets:
         reducer.register_bucket(b.index, b.plan.offsets, [p.numel() for p in b.params], b.plan.bounds, "cpu")

@@ -276,7 +276,7 @@ def test_eval_downstream_scores_the_hf_folder_like_the_consolidated_checkpoint(c
     from megatron_geo.checkpoint import save_consolidated
     from megatron_geo.checkpoint.consolidated import config_from_dict
     from megatron_geo.checkpoint.manager import read_meta
-    from megatron_geo.eval.downstream import _our_lm, evaluate_checkpoint
+    from megatron_geo.eval.downstream import EvalSettings, _our_lm, evaluate_checkpoint
     from megatron_geo.eval.hf_lm import load_hf_lm
 
     cfg = config_from_dict(read_meta(ckpt["step2"])["config"])
@@ -299,7 +299,7 @@ def test_eval_downstream_scores_the_hf_folder_like_the_consolidated_checkpoint(c
         'output_type: multiple_choice\ndoc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\n'
         'target_delimiter: ""\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n'
     )
-    kw = dict(tasks=["corpus_mc"], include_path=str(tasks), include_defaults=False, batch_size=4)
+    kw = dict(tasks=["corpus_mc"], settings=EvalSettings(include_path=str(tasks), include_defaults=False, batch_size=4))
     e_hf = evaluate_checkpoint(str(ckpt["hf"]), **kw)
     scores, i = [], 0  # our wrapper's accuracy from its loglikelihoods above (the requests lm-eval makes)
     for it in MC_ITEMS:

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import dp_pctx
 from megatron_geo.comm import build_reducer
 from megatron_geo.comm.codec_tables import codec_table_bytes
 from megatron_geo.comm.lowp import LowPrecisionReducer
@@ -88,7 +89,7 @@ def test_llama_600m_tables_at_dp64_are_under_a_tenth_of_a_byte_per_element(case)
     preset, opt = case
     cfg = _cfg(preset, opt)
     buckets = _llama_600m_buckets(cfg)
-    red = build_reducer(cfg.comm, None, DP, 0, device="cpu")
+    red = build_reducer(cfg.comm, dp_pctx(DP), device="cpu")
     assert isinstance(red, LowPrecisionReducer)
     grad_elements = 0
     for key, (offsets, numels, bounds) in enumerate(buckets):

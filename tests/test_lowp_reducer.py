@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dist_harness import run_distributed
-from helpers import pctx_for
+from helpers import dp_pctx, pctx_for
 from megatron_geo.comm import build_reducer
 from megatron_geo.config.schema import CommConfig
 from megatron_geo.distributed.shard_plan import plan_shards
@@ -78,7 +78,7 @@ def _reference_fp8(world, fmt, scaling, block, sync, plan) -> torch.Tensor:
 def _run(rank, world, comm_kwargs, mode, steps=1, inputs=None):
     pctx = pctx_for(1)
     comm = CommConfig(**comm_kwargs)
-    red = build_reducer(comm, pctx.dp_group, world, rank, seed=5)
+    red = build_reducer(comm, pctx, seed=5)
     plan = plan_shards(NUMELS, [False] * len(NUMELS), world, red.alignment())
     red.register_bucket(0, plan.offsets, NUMELS, plan.chunk, "cpu")
     outs = []
@@ -277,7 +277,7 @@ def test_dp2_training_keeps_replicas_identical(overrides):
 def _tiny_bucket(rank, world, dtype):
     """A bucket smaller than the DP group: some ranks' shards hold only padding (empty shards)."""
     pctx = pctx_for(1)
-    red = build_reducer(CommConfig(dtype=dtype), pctx.dp_group, world, rank, seed=1)
+    red = build_reducer(CommConfig(dtype=dtype), pctx, seed=1)
     numels = [2, 0]
     plan = plan_shards(numels, [False, False], world, red.alignment())
     red.register_bucket(0, plan.offsets, numels, plan.chunk, "cpu")
@@ -301,7 +301,7 @@ def test_empty_shards_world3(dtype):
 def test_nonfinite_actions():
     from megatron_geo.training.trainer import NonFiniteGradientError, handle_nonfinite
 
-    red = build_reducer(CommConfig(dtype="fp8_e4m3", error_feedback=True), None, 2, 0)
+    red = build_reducer(CommConfig(dtype="fp8_e4m3", error_feedback=True), dp_pctx(2))
     red.register_bucket(0, [0], [4], 16, "cpu")  # one 4-element parameter; chunks of the 16-element granule
     red.residuals[0].fill_(float("nan"))
     handle_nonfinite(7, float("nan"), "skip", red)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_geo.data import GPTDataset, IndexedDataset, IndexedDatasetBuilder, dp_batch_indices
+from megatron_geo.data import GPTDataset, GPTDatasetConfig, IndexedDataset, IndexedDatasetBuilder, dp_batch_indices
 
 EOD = 2
 
@@ -81,7 +81,7 @@ def test_megatron_order_matches_a_loop_reference_over_several_epochs(tmp_path, S
     docs = _corpus(np.random.default_rng(S), 40)
     ds = _build(tmp_path / "c", docs)
     start, stop = subset or (0, len(docs))
-    g = GPTDataset(ds, S, seed, eod_id=EOD, sample_order="megatron", sequences=subset)
+    g = GPTDataset(ds, GPTDatasetConfig(S, seed, eod_id=EOD, sample_order="megatron"), sequences=subset)
     n = len(g)
     assert n == (sum(len(d) for d in docs[start:stop]) - 1) // S
     for epoch in range(3):
@@ -106,7 +106,7 @@ def test_epoch_zero_is_exactly_randomstate_of_the_seed(tmp_path):
     """The first epoch: RandomState(seed) shuffles the int32 sequence ids, then (same state) the sample ids."""
     docs = [[5 + k] * (k % 4 + 1) for k in range(25)]  # sequence k repeats the id 5 + k
     S, seed = 4, 31337
-    g = GPTDataset(_build(tmp_path / "c", docs), S, seed, sample_order="megatron")
+    g = GPTDataset(_build(tmp_path / "c", docs), GPTDatasetConfig(S, seed, sample_order="megatron"))
     rs = np.random.RandomState(seed)
     order = np.arange(25, dtype=np.int32)
     rs.shuffle(order)
@@ -130,7 +130,7 @@ def test_stream_order_is_unchanged(tmp_path):
     docs = _corpus(np.random.default_rng(3), 30, empty_every=0)
     stream = [t for d in docs for t in d]
     S, seed = 7, 11
-    g = GPTDataset(_build(tmp_path / "c", docs), S, seed, eod_id=EOD, sample_order="stream")
+    g = GPTDataset(_build(tmp_path / "c", docs), GPTDatasetConfig(S, seed, eod_id=EOD, sample_order="stream"))
     n = (len(stream) - 1) // S
     assert len(g) == n
     for epoch in range(3):
@@ -145,7 +145,7 @@ def test_stream_order_is_unchanged(tmp_path):
     mb = g.micro_batch([n - 1, n, n + 1])
     assert mb["tokens"].shape == (3, S) and mb["tokens"][1].tolist() == g.sample(n)["tokens"].tolist()
     # a sequence range in the stream order: windows of that part of the file
-    part = GPTDataset(_build(tmp_path / "c", docs), S, seed, sample_order="stream", sequences=(5, 12))
+    part = GPTDataset(_build(tmp_path / "c", docs), GPTDatasetConfig(S, seed, sample_order="stream"), sequences=(5, 12))
     sub = [t for d in docs[5:12] for t in d]
     perm = np.random.default_rng(seed).permutation((len(sub) - 1) // S)
     assert part.sample(0)["tokens"].tolist() == sub[int(perm[0]) * S : int(perm[0]) * S + S]
@@ -186,13 +186,15 @@ def test_eod_options_match_megatrons_rules(tmp_path, order, opts):
     S = 16
     g = GPTDataset(
         _build(tmp_path / "c", docs, vocab_size=5),
-        S,
-        3,
-        eod_id=EOD,
-        sample_order=order,
-        eod_mask_loss=eod_mask_loss,
-        reset_position_ids=reset_position_ids,
-        reset_attention_mask=reset_attention_mask,
+        GPTDatasetConfig(
+            S,
+            3,
+            eod_id=EOD,
+            sample_order=order,
+            eod_mask_loss=eod_mask_loss,
+            reset_position_ids=reset_position_ids,
+            reset_attention_mask=reset_attention_mask,
+        ),
     )
     keys = {"tokens", "labels", "loss_mask"} | ({"position_ids"} if reset_position_ids else set())
     keys |= {"segment_ids"} if reset_attention_mask else set()
@@ -222,13 +224,14 @@ def test_eod_note_counts_documents_not_sequences(tmp_path):
     lengths = [[2, 2], [1, 2], [3, 2]]
     ds = _build(tmp_path / "c", docs, lengths=lengths)
     assert len(ds) == 6
-    g = GPTDataset(ds, 2, 0, eod_id=EOD, sample_order="megatron")
+    g = GPTDataset(ds, GPTDatasetConfig(2, 0, eod_id=EOD, sample_order="megatron"))
     assert (g.eod_checked, g.eod_missing) == (3, 1)
     assert any("1 of 3 checked documents do not end with eod_id=2" in line for line in g.describe())
-    assert GPTDataset(ds, 2, 0, eod_id=EOD, eod_mask_loss=True).eod_missing == 1  # some end with eod: allowed
+    # some end with eod: allowed
+    assert GPTDataset(ds, GPTDatasetConfig(2, 0, eod_id=EOD, eod_mask_loss=True)).eod_missing == 1
     none = _build(tmp_path / "n", [[5, 6, 7], [8, 9]])
     with pytest.raises(ValueError, match="reset_attention_mask needs end-of-document tokens.*none of the 2"):
-        GPTDataset(none, 2, 0, eod_id=EOD, reset_attention_mask=True)
+        GPTDataset(none, GPTDatasetConfig(2, 0, eod_id=EOD, reset_attention_mask=True))
 
 
 def test_an_id_outside_the_vocabulary_names_the_sequence(tmp_path):
@@ -236,7 +239,7 @@ def test_an_id_outside_the_vocabulary_names_the_sequence(tmp_path):
     docs = [[5, 6, 7, EOD]] * 5 + [[], [250, 5, EOD]] + [[5, 6, EOD]] * 6
     ds = _build(tmp_path / "c", docs)
     for order in ("megatron", "stream"):
-        g = GPTDataset(ds, 3, 1, eod_id=EOD, sample_order=order, vocab_size=200)
+        g = GPTDataset(ds, GPTDatasetConfig(3, 1, eod_id=EOD, sample_order=order, vocab_size=200))
         bad = 0
         for c in range(len(g)):
             try:
@@ -246,7 +249,9 @@ def test_an_id_outside_the_vocabulary_names_the_sequence(tmp_path):
                 assert str(tmp_path / "c") in str(e) and "sequence 6" in str(e)
                 assert "250" in str(e) and "vocab_size=200" in str(e)
         assert bad >= 1
-        GPTDataset(ds, 3, 1, eod_id=EOD, sample_order=order, vocab_size=300).micro_batch(list(range(len(g))))
+        GPTDataset(ds, GPTDatasetConfig(3, 1, eod_id=EOD, sample_order=order, vocab_size=300)).micro_batch(
+            list(range(len(g)))
+        )
 
 
 def test_resume_and_dp_resharding_see_the_same_samples(tmp_path):
@@ -259,18 +264,20 @@ def test_resume_and_dp_resharding_see_the_same_samples(tmp_path):
         ]
 
     gbs = 8
-    full = GPTDataset(ds, 6, 21, sample_order="megatron")
+    full = GPTDataset(ds, GPTDatasetConfig(6, 21, sample_order="megatron"))
     steps = 3 * len(full) // gbs + 2  # several epochs
     single = [step(full, s * gbs, gbs, 1) for s in range(steps)]
     for dp in (2, 4):
-        resumed = GPTDataset(ds, 6, 21, sample_order="megatron")
+        resumed = GPTDataset(ds, GPTDatasetConfig(6, 21, sample_order="megatron"))
         assert [step(resumed, s * gbs, gbs, dp) for s in range(steps // 2, steps)] == single[steps // 2 :]
 
 
 def test_describe_names_the_facts(tmp_path):
     docs = _corpus(np.random.default_rng(1), 20)
     g = GPTDataset(
-        _build(tmp_path / "c", docs), 4, 5, eod_id=EOD, sample_order="megatron", sequences=(2, 15), eod_mask_loss=True
+        _build(tmp_path / "c", docs),
+        GPTDatasetConfig(4, 5, eod_id=EOD, sample_order="megatron", eod_mask_loss=True),
+        sequences=(2, 15),
     )
     text = "\n".join(g.describe())
     assert str(tmp_path / "c") in text and "2..14" in text and f"{len(g):,} samples per epoch" in text

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 
-from megatron_geo.training.metrics import MetricsLogger
+from megatron_geo.training.metrics import MetricsLogger, WandbSpec
 
 
 def test_offline_wandb_run_and_resume_keep_one_run_and_the_records(tmp_path):
     def logger(resume_step):
-        return MetricsLogger(
-            str(tmp_path), True, "offline", "megatron-geo-test", "g", "n", ["t"], {"a": 1}, resume_step=resume_step
-        )
+        spec = WandbSpec("offline", "megatron-geo-test", "g", "n", ("t",), {"a": 1})
+        return MetricsLogger(str(tmp_path), True, spec, resume_step=resume_step)
 
     m = logger(0)
     for step in (1, 2, 3):
@@ -34,12 +33,7 @@ def test_a_new_timeline_logs_a_new_wandb_run_forked_from_the_kept_one(tmp_path):
         return MetricsLogger(
             str(tmp_path),
             True,
-            "offline",
-            "megatron-geo-test",
-            "g",
-            "n",
-            [],
-            {"a": 1},
+            WandbSpec("offline", "megatron-geo-test", "g", "n", config={"a": 1}),
             resume_step=resume_step,
             log=None if lines is None else lines.append,
             new_timeline=new_timeline,

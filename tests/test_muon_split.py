@@ -4,10 +4,12 @@ optimizer step of a split plan against the whole-matrix plan with real gloo proc
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from megatron_geo.optim.muon import orthogonalize
+from megatron_geo.optim.muon import NSSettings, orthogonalize
 from megatron_geo.optim.split_ns import even_cuts, local_group, split_orthogonalize
 
 COEFFS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's
@@ -43,7 +45,7 @@ def test_split_newton_schulz_equals_the_unsplit_one(shape, g, ns):
     for dtype, bound in ((torch.float32, 4 * err32), (torch.float64, 4 * kappa * U64)):
         blocks = [w[cuts[i] : cuts[i + 1]].to(dtype) for i in range(g)]
         calls.clear()
-        out = split_orthogonalize(blocks, range(g), cuts, ns, COEFFS, 5, EPS, dtype, counted, exchange)
+        out = split_orthogonalize(blocks, range(g), cuts, NSSettings(ns, COEFFS, 5, EPS, dtype), counted, exchange)
         assert all(o.dtype == dtype for o in out)
         got = torch.cat(out).double()
         assert got.shape == w.shape
@@ -57,11 +59,12 @@ def test_split_newton_schulz_equals_the_unsplit_one(shape, g, ns):
 
 def test_split_newton_schulz_rejects_bad_blocks():
     ar, ex = local_group(2)
+    quintic = NSSettings("quintic", COEFFS, 5, EPS, torch.float32)
     w = torch.randn(10, 4)
     with pytest.raises(ValueError, match="row_cuts"):
-        split_orthogonalize([w[:4], w[4:]], [0, 1], [0, 5, 10], "quintic", COEFFS, 5, EPS, torch.float32, ar, ex)
+        split_orthogonalize([w[:4], w[4:]], [0, 1], [0, 5, 10], quintic, ar, ex)
     with pytest.raises(ValueError, match="muon_ns"):
-        split_orthogonalize([w[:5], w[5:]], [0, 1], [0, 5, 10], "cubic", COEFFS, 5, EPS, torch.float32, ar, ex)
+        split_orthogonalize([w[:5], w[5:]], [0, 1], [0, 5, 10], dataclasses.replace(quintic, ns="cubic"), ar, ex)
 
 
 # -- the optimizer step of a split plan with real gloo processes -----------------------------------------------------

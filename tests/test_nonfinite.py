@@ -80,7 +80,7 @@ def _overflow(rank, world):
     out = {}
     for preset in ("fp32", "bf16", "fp8", "fp8_shared_scale", "nvfp4"):
         comm = load_config([str(ROOT / "configs" / "comm" / f"{preset}.yaml")]).comm
-        red = build_reducer(comm, pctx.dp_group, world, rank)
+        red = build_reducer(comm, pctx)
         n = 64
         red.register_bucket(0, [0], [n], n // world, "cpu")
         buf = torch.full((n,), 3e38)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dist_harness import run_distributed
-from helpers import pctx_for
+from helpers import dp_pctx, pctx_for
 from megatron_geo.comm import build_reducer
 
 
@@ -19,7 +19,7 @@ def _reduce(rank, world, dtype, n):
     pctx = pctx_for(1)
     out = []
     for mode in ("rs", "ar"):
-        red = build_reducer(dtype, pctx.dp_group, world, rank)
+        red = build_reducer(dtype, pctx)
         buf = _inputs(world, n)[rank].float().clone()
         (red.reduce_scatter if mode == "rs" else red.all_reduce)(buf, async_op=True).wait()
         out.append((buf, red.bytes_sent))
@@ -50,7 +50,7 @@ def test_reducer_matches_fp64_average(world, dtype):
 
 def _identical(rank, world, dtype):
     pctx = pctx_for(1)
-    red = build_reducer(dtype, pctx.dp_group, world, rank)
+    red = build_reducer(dtype, pctx)
     x = torch.linspace(-3, 3, 12)
     buf = x.clone()
     red.all_reduce(buf).wait()
@@ -71,4 +71,4 @@ def test_bad_buffer_is_rejected():
     with pytest.raises(ValueError, match="dp_size"):
         red.reduce_scatter(torch.zeros(5))
     with pytest.raises(ValueError, match="comm.dtype"):
-        build_reducer("fp7", None, 1, 0)
+        build_reducer("fp7", dp_pctx(1))

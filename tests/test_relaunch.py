@@ -350,11 +350,12 @@ def test_a_fresh_start_moves_the_folders_earlier_checkpoints_aside(tmp_path):
 
 
 def test_a_copied_run_folder_gets_a_new_wandb_run_id(tmp_path):
-    from megatron_geo.training.metrics import MetricsLogger, choose_wandb_id, read_wandb_id
+    from megatron_geo.training.metrics import MetricsLogger, WandbSpec, choose_wandb_id, read_wandb_id
 
     a = tmp_path / "A"
     a.mkdir()
-    m = MetricsLogger(str(a), True, "offline", "megatron-geo-test", "g", "n", [], {}, resume_step=0)
+    spec = WandbSpec("offline", "megatron-geo-test", "g", "n")
+    m = MetricsLogger(str(a), True, spec, resume_step=0)
     m.log({"step": 1, "loss": 1.0})
     m.close()
     run_id, _ = read_wandb_id(a)
@@ -370,7 +371,7 @@ def test_a_copied_run_folder_gets_a_new_wandb_run_id(tmp_path):
     moved = tmp_path / "A-moved"
     a.rename(moved)  # moved, not copied: the same run
     assert choose_wandb_id(moved, 1)[0] == run_id
-    m = MetricsLogger(str(b), True, "offline", "megatron-geo-test", "g", "n", [], {}, resume_step=1)
+    m = MetricsLogger(str(b), True, spec, resume_step=1)
     m.close()
     assert read_wandb_id(b)[0] not in (None, run_id) and read_wandb_id(moved)[0] == run_id
     # the one-line file of earlier versions is still read (it names no folder: treated as this one)

@@ -180,7 +180,7 @@ def _uneven_reduce(rank, world):
     for mode, kw in MODES.items():
         dtype = "fp8_e4m3" if mode.startswith("fp8") else mode
         red = (
-            build_reducer(dtype, pctx.dp_group, world, rank)
+            build_reducer(dtype, pctx)
             if not kw
             else LowPrecisionReducer(CommConfig(dtype=dtype, **kw), pctx.dp_group, world, rank)
         )

@@ -30,7 +30,7 @@ def _measure(rank, world, fmt):
     from megatron_geo.training import telemetry
 
     pctx = pctx_for(1)
-    red = build_reducer(CommConfig(dtype=fmt, error_feedback=True), pctx.dp_group, world, rank)
+    red = build_reducer(CommConfig(dtype=fmt, error_feedback=True), pctx)
     plan = plan_shards(NUMELS, [False] * len(NUMELS), world, red.alignment())
     red.register_bucket(0, plan.offsets, NUMELS, plan.chunk, "cpu")
     assert not telemetry.arm(red, 0, 50) and telemetry.arm(red, 49, 50)

@@ -17,7 +17,7 @@ import pytest
 from scipy import stats
 
 from megatron_geo.config import dump_config, load_config
-from megatron_geo.training.metrics import MetricsLogger
+from megatron_geo.training.metrics import MetricsLogger, WandbSpec
 
 REPO = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("compare_runs", REPO / "tools" / "compare_runs.py")
@@ -58,7 +58,7 @@ def write_run(
         ],
     )
     (d / "config.yaml").write_text(dump_config(cfg))
-    log = MetricsLogger(str(d), True, "disabled", "p", "", "", [], {})
+    log = MetricsLogger(str(d), True, WandbSpec("disabled", "p"))
     for step in range(1, (stop_at or STEPS) + 1):
         loss = (losses or {}).get(step, 6.0 - 0.3 * step)
         skipped = stop_at == step

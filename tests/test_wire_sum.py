@@ -113,7 +113,7 @@ def _bucket(flat: torch.Tensor, plan) -> torch.Tensor:
 
 def _run(rank, world, fmt, prediv, mode):
     pctx = pctx_for(1)
-    red = build_reducer(CommConfig(dtype=fmt, reduce_op="wire_sum", wire_sum_prediv=prediv), pctx.dp_group, world, rank)
+    red = build_reducer(CommConfig(dtype=fmt, reduce_op="wire_sum", wire_sum_prediv=prediv), pctx)
     plan = plan_shards(NUMELS, [False] * len(NUMELS), world, red.alignment())
     red.register_bucket(0, plan.offsets, NUMELS, plan.chunk, "cpu")
     buf = _bucket(coherent_grads(world, sum(NUMELS), seed=7)[rank], plan)
@@ -250,7 +250,7 @@ def _run_native_vs_emulated(rank, world, fmt, uneven):
     pctx = pctx_for(1)
     outs = []
     for native in (False, True):
-        red = build_reducer(CommConfig(dtype=fmt, reduce_op="wire_sum"), pctx.dp_group, world, rank)
+        red = build_reducer(CommConfig(dtype=fmt, reduce_op="wire_sum"), pctx)
         plan = plan_shards(NUMELS, [False] * len(NUMELS), world, red.alignment())
         bounds = [0, 48, plan.buffer_numel] if uneven else plan.chunk
         red.register_bucket(0, plan.offsets, NUMELS, bounds, "cpu")

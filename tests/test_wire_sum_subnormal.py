@@ -97,9 +97,7 @@ def _reduce_all(rank, world):
             x = rank_grads(world, mag, seed=100 * world + i)
             res = {}
             for mode in ("ar", "rs"):
-                red = build_reducer(
-                    CommConfig(dtype=fmt, reduce_op="wire_sum", wire_sum_prediv=prediv), pctx.dp_group, world, rank
-                )
+                red = build_reducer(CommConfig(dtype=fmt, reduce_op="wire_sum", wire_sum_prediv=prediv), pctx)
                 plan = plan_shards(NUMELS, [False] * len(NUMELS), world, red.alignment())
                 red.register_bucket(0, plan.offsets, NUMELS, plan.chunk, "cpu")
                 buf = _bucket(x[rank], plan)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_geo.eval.downstream import PAPER_TASKS, evaluate_checkpoint, markdown, summarize  # noqa: E402
+from megatron_geo.eval.downstream import PAPER_TASKS, EvalSettings, evaluate_checkpoint, markdown, summarize  # noqa: E402
 
 
 def _clean(o):
@@ -117,19 +117,17 @@ def main(argv: list[str] | None = None) -> int:
         if note:
             print(note, flush=True)
         evals = []
+        settings = EvalSettings(
+            include_path=a.include_path,
+            include_defaults=not a.no_default_tasks,
+            num_fewshot=a.num_fewshot,
+            limit=a.limit,
+            batch_size=a.batch_size,
+            device=a.device,
+        )
         for i, c in enumerate(a.checkpoints):
             print(f"[{i + 1}/{len(a.checkpoints)}] evaluating {c} on {len(tasks)} task(s)", flush=True)
-            e = evaluate_checkpoint(
-                c,
-                tasks,
-                tokenizer=a.tokenizer,
-                include_path=a.include_path,
-                include_defaults=not a.no_default_tasks,
-                num_fewshot=a.num_fewshot,
-                limit=a.limit,
-                batch_size=a.batch_size,
-                device=a.device,
-            )
+            e = evaluate_checkpoint(c, tasks, tokenizer=a.tokenizer, settings=settings)
             if labels:
                 e["label"] = labels[i]
             evals.append(e)

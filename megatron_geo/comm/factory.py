@@ -9,12 +9,13 @@ from __future__ import annotations
 import torch
 
 from ..config.schema import CommConfig
+from ..parallel import ParallelContext
 from .formats import get_format
 from .lowp import LowPrecisionReducer
 from .reducer import CastReducer, FP32Reducer, Reducer
 
 
-def build_reducer(comm: CommConfig | str, dp_group, dp_size: int, dp_rank: int, seed: int = 0, device=None) -> Reducer:
+def build_reducer(comm: CommConfig | str, pctx: ParallelContext, seed: int = 0, device=None) -> Reducer:
     """The reducer for a ``comm`` config section, taken whole (or just a ``comm.dtype`` string: that dtype with the
     section's defaults).
 
@@ -24,8 +25,8 @@ def build_reducer(comm: CommConfig | str, dp_group, dp_size: int, dp_rank: int, 
 
     Args:
         comm: a :class:`~megatron_geo.config.schema.CommConfig` (or anything with its attributes), or a dtype (str).
-        dp_group: the data-parallel process group (None: the default group).
-        dp_size, dp_rank: data-parallel ranks and this rank's index (ints).
+        pctx: the parallel context; the reducer works on its DP group (``pctx.dp_group``, None: the default group)
+            of ``pctx.dp_size`` ranks, as DP rank ``pctx.dp_rank``. Its ``device`` is not used (see ``device``).
         seed: int; Hadamard signs and stochastic rounding (low-precision reducers only).
         device: where the reducer's constants and generator live (None: CPU).
 
@@ -35,6 +36,7 @@ def build_reducer(comm: CommConfig | str, dp_group, dp_size: int, dp_rank: int, 
     """
     if isinstance(comm, str):
         comm = CommConfig(dtype=comm)
+    dp_group, dp_size, dp_rank = pctx.dp_group, pctx.dp_size, pctx.dp_rank
     get_format(comm.dtype).check(comm)
     plain = comm.transform == "none"
     if comm.dtype == "fp32" and plain:

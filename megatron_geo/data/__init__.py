@@ -3,7 +3,7 @@ order), blends, splits, default corpus."""
 
 from .blending import BlendedDataset, blending_index, parse_blend
 from .corpus import CorpusPaths, prepare_default_corpus
-from .gpt_dataset import SAMPLE_ORDERS, GPTDataset, SampleDataset, collate, dp_batch_indices
+from .gpt_dataset import SAMPLE_ORDERS, GPTDataset, GPTDatasetConfig, SampleDataset, collate, dp_batch_indices
 from .hf_tokenizer import TOKENIZER_TYPES, HFTokenizer, load_tokenizer
 from .indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from .splits import parse_split, split_ranges
@@ -15,6 +15,7 @@ __all__ = [
     "BlendedDataset",
     "CorpusPaths",
     "GPTDataset",
+    "GPTDatasetConfig",
     "HFTokenizer",
     "IndexedDataset",
     "IndexedDatasetBuilder",

@@ -43,6 +43,7 @@ equal segment id, i.e. nothing after an eod sees anything up to and including it
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -183,23 +184,44 @@ def build_epoch_index(
     return EpochIndex(document_index, ends, shuffle_index)
 
 
-class GPTDataset(torch.utils.data.Dataset):
-    """Samples of ``seq_length + 1`` tokens of an indexed dataset, in the megatron or stream order (module
-    docstring), addressed by the global consumed-sample counter (`SampleDataset` protocol).
+@dataclass(frozen=True)
+class GPTDatasetConfig:
+    """How a :class:`GPTDataset` cuts, orders and masks its samples (the role of Megatron-Core's
+    ``GPTDatasetConfig``): what the datasets of one run share. Which sequences a dataset covers and megatron-core's
+    plan for it are arguments of the dataset itself. The values are checked by :class:`GPTDataset` (ValueError).
 
-    Args:
-        indexed: the tokenized corpus.
+    Attributes:
         seq_length: tokens per sample (model context length), >= 1.
         seed: base seed, an int in ``[0, 2**63)``.
         eod_id: the end-of-document id: checked to be < the vocabulary; the last tokens of up to 100,000 evenly
             spaced documents (``indexed.document_indices`` when present, else one per sequence) are compared
             with it and the count that does not end with it is a note of `describe`.
         sample_order: ``"megatron"`` or ``"stream"``.
-        sequences: ``(start, stop)``: only sequences ``start .. stop - 1`` (a split); None: all.
         eod_mask_loss, reset_position_ids, reset_attention_mask: the options of the module docstring (need
             ``eod_id``).
         vocab_size: if given, a sample holding an id ``>= vocab_size`` raises ValueError when read; defaults to
             the vocabulary the index records (None for MMIDIDX files: no check).
+    """
+
+    seq_length: int
+    seed: int
+    eod_id: int | None = None
+    sample_order: str = "megatron"
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    vocab_size: int | None = None
+
+
+class GPTDataset(torch.utils.data.Dataset):
+    """Samples of ``seq_length + 1`` tokens of an indexed dataset, in the megatron or stream order (module
+    docstring), addressed by the global consumed-sample counter (`SampleDataset` protocol).
+
+    Args:
+        indexed: the tokenized corpus.
+        config: sample length, seed, order, end-of-document options and vocabulary (:class:`GPTDatasetConfig`);
+            kept as ``config``.
+        sequences: ``(start, stop)``: only sequences ``start .. stop - 1`` (a split); None: all.
         planned_samples: megatron-core's ``num_samples`` for this dataset (a blend component's
             :func:`~megatron_geo.data.blending.samples_needed`), or None; only the megatron order uses it (module
             docstring, :meth:`set_planned_samples`).
@@ -212,27 +234,21 @@ class GPTDataset(torch.utils.data.Dataset):
     def __init__(
         self,
         indexed: IndexedDataset,
-        seq_length: int,
-        seed: int,
-        eod_id: int | None = None,
+        config: GPTDatasetConfig,
         *,
-        sample_order: str = "megatron",
         sequences: tuple[int, int] | None = None,
-        eod_mask_loss: bool = False,
-        reset_position_ids: bool = False,
-        reset_attention_mask: bool = False,
-        vocab_size: int | None = None,
         planned_samples: int | None = None,
     ):
+        self.config = config
         self.indexed = indexed
         self.prefix = str(getattr(indexed, "prefix", "?"))
-        self.seq_length = _check_int("seq_length", seq_length, 1)
-        self.seed = _check_int("seed", seed, 0)
+        self.seq_length = _check_int("seq_length", config.seq_length, 1)
+        self.seed = _check_int("seed", config.seed, 0)
         if self.seed >= MAX_SEED:
-            raise ValueError(f"seed={seed} must be < 2**63 (train.seed).")
-        if sample_order not in SAMPLE_ORDERS:
-            raise ValueError(f"sample_order={sample_order!r}: expected one of {', '.join(SAMPLE_ORDERS)}.")
-        self.sample_order = sample_order
+            raise ValueError(f"seed={config.seed} must be < 2**63 (train.seed).")
+        if config.sample_order not in SAMPLE_ORDERS:
+            raise ValueError(f"sample_order={config.sample_order!r}: expected one of {', '.join(SAMPLE_ORDERS)}.")
+        self.sample_order = config.sample_order
         n_seq = len(indexed)
         if sequences is None:
             start, stop = 0, n_seq
@@ -247,14 +263,14 @@ class GPTDataset(torch.utils.data.Dataset):
                     f"(its sequence count)."
                 )
         self.start, self.stop = start, stop
-        self.eod_mask_loss = bool(eod_mask_loss)
-        self.reset_position_ids = bool(reset_position_ids)
-        self.reset_attention_mask = bool(reset_attention_mask)
-        self.vocab_size = None if vocab_size is None else _check_int("vocab_size", vocab_size, 1)
+        self.eod_mask_loss = bool(config.eod_mask_loss)
+        self.reset_position_ids = bool(config.reset_position_ids)
+        self.reset_attention_mask = bool(config.reset_attention_mask)
+        self.vocab_size = None if config.vocab_size is None else _check_int("vocab_size", config.vocab_size, 1)
         recorded = getattr(indexed, "vocab_size", None)
         if self.vocab_size is None and recorded is not None:
             self.vocab_size = int(recorded)
-        self.eod_id = None if eod_id is None else int(eod_id)
+        self.eod_id = None if config.eod_id is None else int(config.eod_id)
 
         if start < stop:
             self._token_lo = int(indexed.offsets[start])

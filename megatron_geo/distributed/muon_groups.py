@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..optim.muon import NS_CHOICES, MuonNS
+from ..optim.muon import NS_CHOICES, MuonNS, NSSettings
 from ..optim.split_ns import split_orthogonalize
 from ..parallel import ParallelContext
 from ..parallel import collectives as C
@@ -126,11 +126,7 @@ class SplitMuon(MuonNS):
             [upd],
             [self.groups.member],
             split.row_cuts,
-            self.ns,
-            group["ns_coefficients"],
-            group["ns_steps"],
-            group["eps"],
-            self.ns_dtype,
+            NSSettings(self.ns, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype),
             self.groups.all_reduce,
             self.groups.exchange_for(split),
             col_cuts(split) if split.rows < split.cols else None,

@@ -2,6 +2,6 @@
 
 lm-eval is imported lazily (``pip install -e .[test]`` or ``.[eval]`` installs it)."""
 
-from .downstream import PAPER_TASKS, evaluate_checkpoint, markdown, summarize
+from .downstream import PAPER_TASKS, EvalSettings, evaluate_checkpoint, markdown, summarize
 
-__all__ = ["PAPER_TASKS", "evaluate_checkpoint", "markdown", "summarize"]
+__all__ = ["PAPER_TASKS", "EvalSettings", "evaluate_checkpoint", "markdown", "summarize"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 # The paper's 14 downstream tasks (lm-eval task names; rte is the RTE of GLUE/SuperGLUE, wsc SuperGLUE's WSC).
@@ -71,20 +72,36 @@ def primary_metric(metrics: dict[str, float]) -> str | None:
     return names[0] if names else None
 
 
+@dataclass(frozen=True)
+class EvalSettings:
+    """How :func:`evaluate_checkpoint` runs lm-eval (``tools/eval_downstream.py``'s flags of the same names).
+
+    Attributes:
+        include_path: a folder of extra task YAMLs, or None.
+        include_defaults: also index lm-eval's own tasks (False: only ``include_path``'s, a faster start-up).
+        num_fewshot: few-shot examples per request (None: the task's own number).
+        limit: at most this many examples per task (lm-eval's ``limit``: a fraction of the task below 1), or None.
+        batch_size: requests per forward pass of the model.
+        device: where the model runs (``cpu``, ``cuda``, ``cuda:N``).
+        seed: lm-eval's Python, NumPy, torch and few-shot seeds.
+    """
+
+    include_path: str | None = None
+    include_defaults: bool = True
+    num_fewshot: int | None = None
+    limit: float | None = None
+    batch_size: int = 8
+    device: str = "cpu"
+    seed: int = 1234
+
+
 def evaluate_checkpoint(
-    path: str,
-    tasks: list[str],
-    tokenizer: str | None = None,
-    include_path: str | None = None,
-    include_defaults: bool = True,
-    num_fewshot: int | None = None,
-    limit: float | None = None,
-    batch_size: int = 8,
-    device: str = "cpu",
-    seed: int = 1234,
+    path: str, tasks: list[str], tokenizer: str | None = None, settings: EvalSettings | None = None
 ) -> dict:
     """Evaluate one consolidated checkpoint, or a Hugging Face folder (``tools/convert_checkpoint.py --to hf``,
-    scored by lm-eval's own ``hf`` model, :mod:`.hf_lm`), on ``tasks``.
+    scored by lm-eval's own ``hf`` model, :mod:`.hf_lm`), on ``tasks``, lm-eval run as ``settings`` says
+    (:class:`EvalSettings`; None: its defaults: lm-eval's own tasks, each task's few-shot number and every example,
+    batches of 8 on the CPU, seed 1234).
 
     Returns ``{"checkpoint", "label", "seed", "tokenizer", "metrics": {task: {metric: value}},
     "n_samples": {task: n}}`` (``seed`` None for a Hugging Face folder). ``tokenizer`` overrides the
@@ -99,6 +116,8 @@ def evaluate_checkpoint(
 
     from .hf_lm import is_hf_folder, load_hf_lm
 
+    s = settings or EvalSettings()
+    batch_size, device, seed = s.batch_size, s.device, s.seed
     if is_hf_folder(path):
         if tokenizer:
             raise ValueError(
@@ -108,7 +127,7 @@ def evaluate_checkpoint(
         cfg, tok_path, lm = None, str(path), load_hf_lm(path, batch_size, device)
     else:
         cfg, tok_path, lm = _our_lm(path, tokenizer, batch_size, device)
-    tm = TaskManager(include_path=include_path, include_defaults=include_defaults)
+    tm = TaskManager(include_path=s.include_path, include_defaults=s.include_defaults)
     known = set(tm.all_tasks)
     unknown = [t for t in tasks if t not in known]
     if unknown:
@@ -119,8 +138,8 @@ def evaluate_checkpoint(
     res = simple_evaluate(
         model=lm,
         tasks=tasks,
-        num_fewshot=num_fewshot,
-        limit=limit,
+        num_fewshot=s.num_fewshot,
+        limit=s.limit,
         task_manager=tm,
         log_samples=False,
         bootstrap_iters=1000,

@@ -21,6 +21,7 @@ is used on CUDA too (BF16 there, unless ``optimizer.muon_ns_dtype`` says otherwi
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,6 +54,26 @@ def newton_schulz5(
 
 
 NS_CHOICES = ("quintic", "gram")
+
+
+@dataclass(frozen=True)
+class NSSettings:
+    """How to run one Newton-Schulz orthogonalisation: the arguments :func:`orthogonalize` takes besides the matrix,
+    kept together for the functions that pass them on (:func:`~megatron_geo.optim.split_ns.split_orthogonalize`).
+
+    Attributes:
+        ns: ``quintic`` or ``gram`` (:data:`NS_CHOICES`; checked by the function that runs it).
+        coeffs: the quintic's ``(a, b, c)`` (torch.optim.Muon: ``(3.4445, -4.7750, 2.0315)``).
+        steps: number of polynomial applications (torch.optim.Muon: 5).
+        eps: lower bound of the Frobenius norm the matrix is divided by.
+        dtype: the precision of the iteration (FP32, BF16, FP16 or FP64).
+    """
+
+    ns: str
+    coeffs: tuple[float, float, float]
+    steps: int
+    eps: float
+    dtype: torch.dtype
 
 
 def gram_restarts(steps: int) -> tuple[int, ...]:

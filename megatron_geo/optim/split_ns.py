@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .muon import NS_CHOICES, gram_restarts
+from .muon import NS_CHOICES, NSSettings, gram_restarts
 
 AllReduce = Callable[[list[torch.Tensor]], torch.Tensor]
 Exchange = Callable[[list[list[torch.Tensor]]], list[list[torch.Tensor]]]
@@ -139,11 +139,7 @@ def split_orthogonalize(
     row_blocks: Sequence[torch.Tensor],
     members: Sequence[int],
     row_cuts: Sequence[int],
-    ns: str,
-    coeffs: tuple[float, float, float],
-    steps: int,
-    eps: float,
-    dtype: torch.dtype,
+    settings: NSSettings,
     all_reduce: AllReduce,
     exchange: Exchange,
     col_cuts: Sequence[int] | None = None,
@@ -155,8 +151,9 @@ def split_orthogonalize(
             dtype, one device).
         members: the group index of each local block (``0 .. g - 1``).
         row_cuts: ``g + 1`` row offsets of every member's block (``row_cuts[-1] == A``).
-        ns: ``quintic`` or ``gram`` (as ``orthogonalize``: a square matrix uses the quintic).
-        coeffs, steps, eps, dtype: as ``orthogonalize``.
+        settings: the iteration (:class:`~megatron_geo.optim.muon.NSSettings`): ``ns`` (``quintic`` or ``gram``,
+            as ``orthogonalize``: a square matrix uses the quintic), ``coeffs``, ``steps``, ``eps`` and ``dtype`` as
+            ``orthogonalize``.
         all_reduce, exchange: the group's collectives (module docstring). ``exchange`` is used only for a wide
             matrix (``A < B``): its row blocks are not column blocks of ``X = W``, so they are re-laid out to
             column blocks ``W[:, c_j:c_{j+1}]`` (``col_cuts``, default :func:`even_cuts` of ``B``) and back (two
@@ -165,11 +162,12 @@ def split_orthogonalize(
             ``NS(W) = NS(W^T)^T`` in exact arithmetic).
 
     Returns:
-        The local members' row blocks of the result, ``[r_k, B]`` each, in ``dtype``.
+        The local members' row blocks of the result, ``[r_k, B]`` each, in ``settings.dtype``.
 
     Raises:
-        ValueError: ``ns`` unknown, blocks that do not match ``row_cuts``, or members out of range.
+        ValueError: ``settings.ns`` unknown, blocks that do not match ``row_cuts``, or members out of range.
     """
+    ns, coeffs, steps, eps, dtype = settings.ns, settings.coeffs, settings.steps, settings.eps, settings.dtype
     if ns not in NS_CHOICES:
         raise ValueError(f"optimizer.muon_ns={ns!r} is not one of {NS_CHOICES}; set optimizer.muon_ns=quintic or gram")
     g = len(row_cuts) - 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -52,8 +53,23 @@ class StopRequested(Exception):
     """A stop signal arrived; a checkpoint was saved (exit code 4)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class DataFiles:
+    """The run's data files as every checkpoint records them (``meta.json`` ``data_files`` / ``valid_files``) and a
+    resume compares them (:func:`~megatron_geo.checkpoint.resume_changes.check_data_files`): ``train`` the training
+    files, ``valid`` the separate validation files (none when validation is split off the training files), each an
+    identity dict of :func:`megatron_geo.data.identity.dataset_identity`."""
+
+    train: Sequence[dict] = ()
+    valid: Sequence[dict] = ()
+
+
 class Checkpointer:
-    """Save and resume one run's complete training state (collective calls: every rank makes them)."""
+    """Save and resume one run's complete training state (collective calls: every rank makes them).
+
+    ``model``, ``optimizer``, ``reducer`` and ``geo`` (the GeoFP8 state or None) are the state saved and loaded;
+    ``log`` takes one line; ``data_files`` (:class:`DataFiles`; None: none) are recorded and compared on resume.
+    """
 
     def __init__(
         self,
@@ -64,8 +80,7 @@ class Checkpointer:
         reducer,
         geo,
         log,
-        data_files: list | None = None,
-        valid_files: list | None = None,
+        data_files: DataFiles | None = None,
     ):
         self.cfg, self.pctx, self.reducer, self.geo, self.log = cfg, pctx, reducer, geo, log
         self.layout = StateLayout(model, optimizer, pctx, cfg.model.vocab_size, cfg.optimizer.name)
@@ -76,8 +91,9 @@ class Checkpointer:
         self.start: StartPoint | None = None  # set by resume(): what this launch loaded and why
         self.timeline: dict = {"start": "fresh"}  # recorded in every checkpoint this launch saves
         # the training files (data/identity.py): recorded in every checkpoint, compared on resume
-        self.data_files: list[dict] = list(data_files or [])
-        self.valid_files: list[dict] = list(valid_files or [])
+        files = data_files or DataFiles()
+        self.data_files: list[dict] = list(files.train)
+        self.valid_files: list[dict] = list(files.valid)
         self.meta: dict | None = None  # set by resume(): the loaded checkpoint's meta.json (None: a fresh start)
         # the training data's index rule and blend position (training/data_setup.py): recorded as ``data``
         self.data_record: dict | None = None

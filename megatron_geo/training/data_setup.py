@@ -24,7 +24,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..config import Config, ConfigError, config_to_dict
-from ..data import GPTDataset, HFTokenizer, IndexedDataset, Tokenizer, dp_batch_indices, prepare_default_corpus
+from ..data import (
+    GPTDataset,
+    GPTDatasetConfig,
+    HFTokenizer,
+    IndexedDataset,
+    Tokenizer,
+    dp_batch_indices,
+    prepare_default_corpus,
+)
 from ..data.blending import BlendedDataset, greedy_counts, greedy_weights, samples_needed
 from ..data.gpt_dataset import SampleDataset
 from ..data.hf_tokenizer import load_tokenizer
@@ -179,19 +187,18 @@ def build_data(cfg: Config, pctx: ParallelContext, rule: str = "megatron_core") 
     valid_seed = seed + 1 if d.sample_order == "stream" else seed
 
     def dataset(ix: IndexedDataset, s: int, part: tuple[int, int] | None, what: str) -> GPTDataset:
-        try:
-            return GPTDataset(
-                ix,
+        try:  # tok.eod_id included: a SentencePiece model without an EOS piece raises ValueError
+            ds_cfg = GPTDatasetConfig(
                 m.seq_length,
                 s,
                 eod_id=tok.eod_id,
                 sample_order=d.sample_order,
-                sequences=part,
                 eod_mask_loss=d.eod_mask_loss,
                 reset_position_ids=d.reset_position_ids,
                 reset_attention_mask=d.reset_attention_mask,
                 vocab_size=tok.vocab_size,
             )
+            return GPTDataset(ix, ds_cfg, sequences=part)
         except ValueError as e:  # too few tokens, no end-of-document token with an option that needs it
             where = f" (data.split={d.split!r}, {what} part)" if part is not None else ""
             raise ConfigError(f"data: {e}{where}") from None

@@ -8,6 +8,7 @@ import math
 import os
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, cast
 
@@ -113,33 +114,57 @@ def fork_of(run_id: str) -> tuple[str, int] | None:
     return parent, int(step)
 
 
+@dataclass(frozen=True)
+class WandbSpec:
+    """The wandb run a :class:`MetricsLogger` mirrors its records to (the ``logging.wandb*`` keys; built by
+    :func:`open_run_outputs`).
+
+    Attributes:
+        mode: ``offline`` | ``online`` | ``disabled`` (``wandb.init``'s mode; ``disabled``: no wandb run and no
+            ``wandb_run_id`` file).
+        project: the wandb project.
+        group, name: the run's wandb group and name (empty: wandb's default, none and a generated name).
+        tags: the run's tags.
+        config: the run's config as wandb shows it (JSON types).
+        resume: whether a resumed run continues the kept wandb run: ``auto``, ``never`` or ``must``
+            (:func:`choose_wandb_id`'s ``mode``).
+    """
+
+    mode: str
+    project: str
+    group: str = ""
+    name: str = ""
+    tags: tuple[str, ...] = ()
+    config: dict = field(default_factory=dict)
+    resume: str = "auto"
+
+
 class MetricsLogger:
     """Append one JSON object per logged step to ``run_dir/metrics.jsonl`` and mirror it to wandb.
 
     A fresh run (``resume_step=0``) starts a new file; a run resumed from the checkpoint of step
     ``resume_step`` keeps the records up to that step and continues the same wandb run when the folder is
     the one that run was made in (its id and the folder's identity are kept in ``run_dir/wandb_run_id``;
-    see :func:`choose_wandb_id` and ``wandb_resume``). ``new_timeline`` (a roll-back, or a start from another
+    see :func:`choose_wandb_id` and ``wandb_spec.resume``). ``new_timeline`` (a roll-back, or a start from another
     checkpoint): a new wandb run forked from the kept one (its config's ``forked_from`` names that run and the
     step, its name ends in ``-from-step<N>``), and the records after ``resume_step`` are moved to
     ``metrics.abandoned-<time>.jsonl``. The wandb run starts before any file of the folder is rewritten.
 
-    ``wandb_mode``: offline | online | disabled. The wandb group defaults to the comm settings, so runs of
-    different comm modes line up in one project.
+    ``wandb_spec``: the wandb run (:class:`WandbSpec`; its ``mode``: offline | online | disabled). The wandb group
+    defaults to the comm settings, so runs of different comm modes line up in one project. ``enabled``: this rank
+    writes (rank 0); ``log`` takes the lines saying which wandb run is used and where replaced records went.
+
+    Raises:
+        ConfigError: with wandb on, ``wandb_spec.resume`` unknown, or ``must`` with no kept run id
+            (:func:`choose_wandb_id`).
     """
 
     def __init__(
         self,
         run_dir: str,
         enabled: bool,
-        wandb_mode: str,
-        project: str,
-        group: str,
-        name: str,
-        tags: list[str],
-        config: dict,
+        wandb_spec: WandbSpec,
         resume_step: int = 0,
-        wandb_resume: str = "auto",
         log=None,
         new_timeline: bool = False,
     ):
@@ -156,26 +181,28 @@ class MetricsLogger:
                     (kept if json.loads(line).get("step", 0) <= resume_step else dropped).append(line)
                 except ValueError:
                     break  # a line cut by a crash: drop it and what follows
-        if wandb_mode != "disabled":  # first: a wandb run that cannot start leaves the folder's files as they were
+        spec = wandb_spec
+        if spec.mode != "disabled":  # first: a wandb run that cannot start leaves the folder's files as they were
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
 
             folder = Path(run_dir)
-            run_id, why = choose_wandb_id(folder, resume_step, wandb_resume, new_timeline)
+            run_id, why = choose_wandb_id(folder, resume_step, spec.resume, new_timeline)
             if log is not None:
                 log(why)
+            config, name = spec.config, spec.name
             fork = fork_of(run_id) if new_timeline else None
             if fork is not None:
                 config = dict(config, forked_from={"run": fork[0], "step": fork[1]})
                 name = f"{name or 'run'}-from-step{fork[1]}"
             self._wandb = wandb.init(
-                project=project,
-                group=group or None,
+                project=spec.project,
+                group=spec.group or None,
                 name=name or None,
-                tags=tags,
+                tags=list(spec.tags),
                 config=config,
                 dir=run_dir,
-                mode=cast(_WandbMode, wandb_mode),
+                mode=cast(_WandbMode, spec.mode),
                 reinit=True,
                 id=run_id,
                 resume="allow",
@@ -223,27 +250,23 @@ def open_run_outputs(
     run_dir = Path(t.run_dir)
     if pctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-    tags = [
+    tags = (
         f"comm={label}",
         f"comm.dtype={cfg.comm.dtype}",
         f"opt={cfg.optimizer.name}",
         f"tp={pctx.tp_size}",
         f"dp={pctx.dp_size}",
-    ]
-    logger = MetricsLogger(
-        str(run_dir),
-        pctx.is_main,
+    )
+    spec = WandbSpec(
         lg.wandb,
         lg.wandb_project,
-        lg.wandb_group or label,
-        lg.wandb_name or f"{label}-seed{t.seed}",
-        tags,
-        config_to_dict(cfg),
-        resume_step=start_step,
-        wandb_resume=lg.wandb_resume,
-        log=log,
-        new_timeline=new_timeline,
+        group=lg.wandb_group or label,
+        name=lg.wandb_name or f"{label}-seed{t.seed}",
+        tags=tags,
+        config=config_to_dict(cfg),
+        resume=lg.wandb_resume,
     )
+    logger = MetricsLogger(str(run_dir), pctx.is_main, spec, resume_step=start_step, log=log, new_timeline=new_timeline)
     if pctx.is_main:
         try:
             (run_dir / "config.yaml").write_text(_config_record(cfg))

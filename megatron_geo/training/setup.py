@@ -53,9 +53,7 @@ def build_model_and_optimizer(cfg: Config, pctx: ParallelContext):
     """
     model = Llama(cfg.model, pctx.tp_group, cfg.train.seed, dtype=param_dtype(cfg.train), device=pctx.device)
     geo = build_geo(cfg, model, pctx) if cfg.comm.transform == "geo" else None
-    reducer = build_reducer(
-        cfg.comm, pctx.dp_group, pctx.dp_size, pctx.dp_rank, seed=cfg.train.seed, device=pctx.device
-    )
+    reducer = build_reducer(cfg.comm, pctx, seed=cfg.train.seed, device=pctx.device)
     sharded = cfg.parallel.distributed_optimizer
     # the reducer's blocks and the quantised parameter gather's (comm.param_gather) never straddle two parameters
     align = math.lcm(reducer.alignment(), param_gather_alignment(cfg.comm))

@@ -18,7 +18,7 @@ from ..model import count_parameters
 from ..optim.schedule import lr_at
 from ..parallel import ParallelContext
 from . import telemetry
-from .checkpointing import Checkpointer
+from .checkpointing import Checkpointer, DataFiles
 from .data_setup import (
     DataBundle,
     build_data,
@@ -299,8 +299,7 @@ def train(cfg: Config, pctx: ParallelContext) -> dict:
         ctx.reducer,
         ctx.geo,
         log,
-        data_files=data.files,
-        valid_files=data.valid_files,
+        data_files=DataFiles(data.files, data.valid_files),
     )
     start_step, consumed, skipped_in_a_row = ckpt.resume()
     if start_step >= t.steps:  # nothing to train: write nothing (no checkpoint, metrics untouched)
