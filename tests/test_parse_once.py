@@ -7,7 +7,8 @@ bound to such a read, or ``getattr(x, "<key>", ...)``) is allowed only
 - inside the setting's parser,
 - as an argument of a call to the parser,
 - echoed in an f-string (a message that quotes the value as written),
-- stored as written into an object's field (``spec.split = cfg.optimizer.muon_split``: the planner parses it).
+- stored as written into an object's field (``spec.split = cfg.optimizer.muon_split``: the planner parses it) or
+  as a value of a record (``{"param_dtype": cfg.train.param_dtype}`` in a report).
 
 Anything else (a comparison with a literal, ``float()`` / ``str()``, a dict lookup, handing the text to another
 function, a ``getattr`` default, a second table of choices) is a second parser and fails the test. So does a
@@ -41,6 +42,7 @@ OTHER_BF16_MAPPINGS = {
     "megatron_geo/comm/factory.py": "comm.dtype=bf16: the plain cast reducer",
     "megatron_geo/checkpoint/hf_io.py": "the Hugging Face export's --dtype",
     "megatron_geo/training/step.py": "train.autocast_dtype",
+    "megatron_geo/comm/param_codec.py": "comm.param_gather=bf16 against the parsed parameter dtype",
 }
 DTYPE_PARSERS = {(PARSERS[k][1], PARSERS[k][2]) for k in ("muon_ns_dtype", "param_dtype")}
 
@@ -123,6 +125,8 @@ def _uses(node: ast.AST, key: str, sc: _Scopes, depth: int = 0) -> list[tuple[as
         assert isinstance(call, ast.Call)
         return [] if _call_name(call) == parser else [(call, f"handed to {_call_name(call)}() instead of {parser}()")]
     if isinstance(parent, ast.FormattedValue):
+        return []
+    if isinstance(parent, ast.Dict) and node in parent.values:  # a record's value, as written (a report)
         return []
     targets: list[ast.AST] = []
     if isinstance(parent, ast.Assign) and parent.value is node:

@@ -164,8 +164,9 @@ def gather_bytes_per_element(comm, param_dtype: torch.dtype) -> float:
     return float(param_dtype.itemsize) if codec is None else codec.bytes_per_element
 
 
-def check_param_gather(comm, param_dtype: str) -> None:
-    """Reject a ``comm.param_gather`` value, or one that makes no sense with ``train.param_dtype=param_dtype``.
+def check_param_gather(comm, param_dtype: torch.dtype) -> None:
+    """Reject a ``comm.param_gather`` value, or one that makes no sense with parameters of ``param_dtype`` (the
+    model's parameter dtype, as :func:`megatron_geo.model.llama.param_dtype` parses ``train.param_dtype``).
 
     Raises:
         ConfigError: an unknown value (lists the valid ones), or ``bf16`` with FP32 parameters (the fix: ``auto``
@@ -176,12 +177,12 @@ def check_param_gather(comm, param_dtype: str) -> None:
         gather_codec(comm.param_gather)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if comm.param_gather == "bf16" and param_dtype != "bf16":
+    if comm.param_gather == "bf16" and param_dtype != torch.bfloat16:
         raise ConfigError(
-            f"comm.param_gather=bf16 with train.param_dtype={param_dtype}: a plain BF16 gather would round every "
-            f"replica's {param_dtype} parameters to BF16 each step (and the owner's would differ from the others'); "
-            f"use comm.param_gather=auto to gather them as they are, comm.param_gather=fp8 or nvfp4 to send the "
-            f"quantised difference, or train.param_dtype=bf16"
+            "comm.param_gather=bf16 with train.param_dtype=fp32: a plain BF16 gather would round every replica's "
+            "FP32 parameters to BF16 each step (and the owner's would differ from the others'); use "
+            "comm.param_gather=auto to gather them as they are, comm.param_gather=fp8 or nvfp4 to send the "
+            "quantised difference, or train.param_dtype=bf16"
         )
 
 

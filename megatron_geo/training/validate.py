@@ -12,6 +12,7 @@ import math
 import os
 from collections.abc import Callable
 
+from ..comm.param_codec import check_param_gather
 from ..config.loader import ConfigError, resolve_paths
 from ..config.schema import Config, parse_power, parse_power_search
 from ..distributed.split_plan import parse_muon_split
@@ -105,9 +106,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
         if v <= 0 or v & (v - 1):
             raise ConfigError(f"{name}={v} must be a positive power of two (e.g. 128)")
     fmt.check(c)  # the wire format's own rules (error feedback, rounding, scaling, scale sync, wire_sum)
-    from ..comm.param_codec import check_param_gather
-
-    check_param_gather(c, t.param_dtype)  # comm.param_gather: a known value that fits train.param_dtype
+    check_param_gather(c, param_dtype(t))  # comm.param_gather: a known value that fits train.param_dtype
     g = cfg.geo
     if c.transform == "geo":
         if g.select == "auto" and (g.num_layers < 1 or g.profile_steps < 1):
