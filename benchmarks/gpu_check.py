@@ -24,7 +24,7 @@ runner (the overall ``timeout`` of gpu_check.sh) stop the running phase, record 
 Settings (environment): ``GPU_CHECK_ONLY=a,b`` runs those phases only (``env`` always runs on a GPU);
 ``GPU_CHECK_LIMITS=a=30,b=60`` replaces budgets (seconds); ``GPU_CHECK_LAUNCH=exec`` starts every phase as a new
 interpreter (the default on a GPU: a clean CUDA context each) and ``fork`` forks it from the runner after one import
-of torch and megatron_geo (the dry run's default: the CPU time of seven imports saved; the runner never touches a
+of torch and megatron_geo (the dry run's default: the CPU time of eight imports saved; the runner never touches a
 device); ``GPU_CHECK_KEEP_WORK=1`` keeps the work folder (run dirs, checkpoints; printed at the end);
 ``GPU_CHECK_STALL=a=20`` makes phase a sleep that long before it starts (to test the time limits).
 """
@@ -55,11 +55,16 @@ PHASES: list[tuple[str, int, str]] = [
     ("checkpoint", 50, "save and resume on the device (one process): resumed step count and losses continue"),
     ("geo", 35, "GeoFP8 refreshes under BF16 autocast at DP = 2: FP32 factors, refresh count; per-layer cost"),
     ("overlap", 30, "parameter all-gather with and without overlap at DP = 2: time to the first wait, the wait"),
-    ("compile", 90, "train.compile=true with GeoFP8 refreshes and overlap_param_gather: graphs, recompiles"),
+    (
+        "param_gather",
+        20,
+        "parameter gather of llama_600m buckets, plain BF16 vs fp8 / nvfp4 difference: encode, decode, bytes",
+    ),
+    ("compile", 80, "train.compile=true with GeoFP8 refreshes and overlap_param_gather: graphs, recompiles"),
     ("cuda_tests", 60, "python3 -m pytest on the tests that need CUDA"),
     ("train_600m", 50, "Llama-600M on one device: tokens/s, peak memory, TFLOP/s, MFU (DP 1 and a DP 64 rank)"),
     # every preset's eager row, then one compiled run per compile group (its graphs compiled once, in the background)
-    ("codec", 100, "codec kernels and the reducers' bucket path (eager, compiled, bitwise) next to a device copy"),
+    ("codec", 90, "codec kernels and the reducers' bucket path (eager, compiled, bitwise) next to a device copy"),
 ]
 NAMES = [p[0] for p in PHASES]
 OPTIONAL_PACKAGES = ("wandb", "datasets", "lm_eval")
@@ -522,6 +527,18 @@ def headline(name: str, e: dict) -> str:
                 f"{on.get('first_wait_ms', nan):.3f} ms; off: wait in publish "
                 f"{off.get('wait_in_publish_ms', nan):.3f} ms"
             )
+        if name == "param_gather":  # the median bucket at each DP: encode + decode/apply, each x the copy's time
+            rows = []
+            for dp in e["dp_sizes"]:
+                row = e.get(f"dp{dp}", {}).get("median", {})
+                if "modes" in row:
+                    bits = [
+                        f"{m} {r['encode']['time_over_copy']:.1f} + {r['decode_apply']['time_over_copy']:.1f}"
+                        for m, r in row["modes"].items()
+                    ]
+                    rows.append(f"DP {dp}, {row['numel']:,} elements: {', '.join(bits)}")
+            skipped = f"; out of budget: {len(e['out_of_budget'])}" if e.get("out_of_budget") else ""
+            return "; ".join(rows) + (" (encode + decode/apply, x the copy's time)" if rows else "") + skipped
         if name == "compile":
             return (
                 f"{e['compiled_blocks']} blocks, unique graphs {e['unique_graphs']}, graph breaks "

@@ -1,9 +1,10 @@
 #!/bin/bash
 # One prepared check for a single-GPU machine, at most 8 minutes in all (one overall `timeout`): checkpoint save and
 # resume on the GPU; GeoFP8 refreshes under autocast, the overlapped parameter gather and train.compile, each at
-# DP = 2 on the fake process group (this process is rank 0 of 2 on the one GPU); the tests that need CUDA;
-# Llama-600M throughput and MFU; the codecs next to a device-to-device copy. Each phase runs in its own process
-# with its own time limit (benchmarks/gpu_check.py lists them and their budgets, 450 s in all).
+# DP = 2 on the fake process group (this process is rank 0 of 2 on the one GPU); the parameter gather's plain BF16
+# against its fp8 / nvfp4 difference on Llama-600M buckets (encode, decode and apply, bytes; DP 1 and 2); the tests
+# that need CUDA; Llama-600M throughput and MFU; the codecs next to a device-to-device copy. Each phase runs in its
+# own process with its own time limit (benchmarks/gpu_check.py lists them and their budgets, 450 s in all).
 #
 #   benchmarks/gpu_check.sh [DIR]              on a GPU machine
 #   benchmarks/gpu_check.sh --dry-run [DIR]    anywhere: the same phases on the CPU with small sizes, the CUDA
@@ -25,7 +26,7 @@ POS=()
 for a in "$@"; do
     case "$a" in
         --dry-run) DRY=(--dry-run) ;;
-        -h|--help) sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) echo "error: unknown option $a; use --dry-run or --help" >&2; exit 2 ;;
         *) POS+=("$a") ;;
     esac

@@ -4,7 +4,8 @@ Every phase fills one :class:`Record` (saved to its part file after every finish
 its time limit still leaves what it measured) and returns; a failed check (``record["checks"][name] is False``)
 makes the process exit 1. The phases that are about distribution run at DP = 2 on torch's ``fake`` process group:
 this one process is rank 0 of 2 on the one device (the shapes, buckets, shard plan and code paths of a two-rank
-job; the collectives move no data, so times measure this rank's work, never the network).
+job; the collectives move no data, so times measure this rank's work, never the network); ``param_gather`` also
+times DP = 1 (one rank owning every bucket).
 
 Units: times in seconds (``*_s``) or milliseconds (``*_ms``); GB/s = 1e9 bytes of FP32 input per second; memory
 in GiB (2**30 bytes); TFLOP/s and MFU from :mod:`megatron_geo.training.mfu` (MFU only for a device in its table).
@@ -13,6 +14,7 @@ in GiB (2**30 bytes); TFLOP/s and MFU from :mod:`megatron_geo.training.mfu` (MFU
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -769,6 +771,212 @@ def phase_overlap(ctx: Ctx, rec: Record) -> None:
     rec["max_rel_loss_diff_on_vs_off"] = d
     rec.check("same losses with and without overlap (rel. diff <= 1e-3)", d is not None and d <= 1e-3, d)
     rec.save()
+
+
+# -- the parameter gather: plain BF16 against the quantised difference ----------------------------------------------
+
+PARAM_GATHER_MODES = ("bf16", "fp8", "nvfp4")  # comm.param_gather: the plain gather first, then the quantised ones
+PARAM_GATHER_DPS = (1, 2)
+PARAM_GATHER_UPDATE = 5e-4  # the synthetic step's update per element (llama_600m's peak learning rate)
+PARAM_GATHER_NOTE = (
+    "DP 1: this rank owns the whole bucket, so the encode covers all of it; the all-gather over one rank moves "
+    "nothing (the package's all_gather_ranges clones this rank's range as its send buffer, which is in the encode "
+    "time), and a DP 1 training run gathers nothing at all (the distributed optimizer gathers only with more than "
+    "one DP rank): these rows are the codec's cost on a whole bucket. DP 2: rank 0 of 2 on torch's fake process "
+    "group with the two-rank layout: the encode covers rank 0's range, the decode and apply every range; the "
+    "gather moves no data (rank 1's records are unwritten memory, decoded and timed, never checked), so no "
+    "network time is in any figure"
+)
+
+
+def _param_gather_config(ctx: Ctx):
+    """configs/llama_600m.yaml with BF16 parameters and the quantised gather's layout (every parameter start and
+    rank range on the 128-element grid; smaller in the dry run)."""
+    from megatron_geo.config import load_config
+
+    over = ["comm.param_gather=fp8", "train.param_dtype=bf16"]
+    if ctx.dry_run:  # the same layout rules on a model the CPU runs in milliseconds
+        over += [
+            "model.hidden_size=64",
+            "model.num_layers=2",
+            "model.ffn_hidden_size=128",
+            "model.seq_length=64",
+            "model.vocab_size=512",
+            "parallel.bucket_size=20000",
+        ]
+    return load_config([str(ROOT / "configs" / "llama_600m.yaml")], over), over
+
+
+def _pick_buckets(layout: list) -> dict[str, int]:
+    """``{"median": i, "largest": j}``: the bucket of median size (by buffer elements) and the largest one."""
+    by_size = sorted(range(len(layout)), key=lambda i: (layout[i][1].buffer_numel, i))
+    return {"median": by_size[len(by_size) // 2], "largest": by_size[-1]}
+
+
+def _param_gather_row(ctx: Ctx, pctx, comm, index: int, plan, repeats: int) -> dict:
+    """One bucket's gather in every mode of :data:`PARAM_GATHER_MODES`, next to a copy of its BF16 parameter buffer,
+    timed round-robin (one warm-up round) with the parameters reset before every gather: ``encode`` is the start
+    of the gather (the plain gather: this rank's new parameters rounded into the buffer; fp8 / nvfp4:
+    :meth:`~megatron_geo.distributed.param_gather.QuantizedParamGather.start`, the difference quantised into its
+    records) and the launch of the collective; ``decode_apply`` the wait for it (fp8 / nvfp4: every range's
+    records decoded and added to the held parameters, :meth:`.QuantizedParamGather.finish`)."""
+    from megatron_geo.comm.param_codec import gather_bytes_per_element, gather_codec
+    from megatron_geo.distributed import Bucket
+    from megatron_geo.distributed.param_gather import QuantizedParamGather
+    from megatron_geo.parallel import collectives as C
+
+    n, r, dev = plan.buffer_numel, pctx.dp_rank, ctx.device
+    lo, hi = plan.bounds[r], plan.bounds[r + 1]
+    gen = torch.Generator(device=dev).manual_seed(1000 + index)
+    held0 = (0.02 * torch.randn(n, generator=gen, device=dev)).to(torch.bfloat16)  # what every replica holds
+    # this rank's new FP32 main params: the held parameters plus one step's update, piece by piece as the optimizer
+    main = held0[lo:hi].float() + PARAM_GATHER_UPDATE * torch.randn(hi - lo, generator=gen, device=dev)
+    owned = [(pc.buffer_start, main[pc.buffer_start - lo : pc.buffer_start - lo + pc.numel]) for pc in plan.pieces[r]]
+    b = Bucket(index, [], [], plan, torch.empty(0, device=dev), held0.clone())
+    quantized = {m: QuantizedParamGather(gather_codec(m), [b], pctx) for m in PARAM_GATHER_MODES if m != "bf16"}
+
+    def plain_start():  # DistributedOptimizer's plain gather: the owned pieces into the buffer, then the gather
+        for start, m in owned:
+            b.param_data[start : start + m.numel()].copy_(m)
+        return C.all_gather_ranges(b.param_data, plan.bounds, pctx.dp_group, async_op=True)
+
+    starts = {
+        m: (plain_start if m == "bf16" else (lambda q=quantized[m]: q.start(b, owned))) for m in PARAM_GATHER_MODES
+    }
+    dst = torch.empty_like(b.param_data)
+    copy_s: list[float] = []
+    parts: dict = {m: {"encode": [], "decode_apply": []} for m in starts}
+    for rep in range(repeats + 1):
+        ctx.sync()
+        t0 = time.perf_counter()
+        dst.copy_(b.param_data)
+        ctx.sync()
+        if rep:
+            copy_s.append(time.perf_counter() - t0)
+        for m, start in starts.items():
+            b.param_data.copy_(held0)  # every gather starts from the same held parameters
+            ctx.sync()
+            t0 = time.perf_counter()
+            work = start()
+            ctx.sync()
+            t1 = time.perf_counter()
+            work.wait()
+            ctx.sync()
+            if rep:
+                parts[m]["encode"].append(t1 - t0)
+                parts[m]["decode_apply"].append(time.perf_counter() - t1)
+    copy = statistics.median(copy_s)
+    bf16_bytes = n * b.param_data.element_size()
+    row: dict = {
+        "index": index,
+        "numel": n,
+        "owned_numel": hi - lo,
+        "copy": {"ms": copy * 1e3, "gbps": bf16_bytes / copy / 1e9, "bytes": bf16_bytes},
+        "modes": {},
+    }
+    for m in starts:
+        med = {k: statistics.median(v) for k, v in parts[m].items()}
+        med["total"] = med["encode"] + med["decode_apply"]
+        q = quantized.get(m)
+        if q is None:
+            bucket_bytes, sent = bf16_bytes, (n - (hi - lo)) * b.param_data.element_size()
+        else:
+            bucket_bytes, sent = q.byte_bounds[index][-1], q.reset_bytes() // (repeats + 1)
+        out = {k: {"ms": v * 1e3, "time_over_copy": v / copy} for k, v in med.items()}
+        out.update(
+            wire_bytes_per_element=gather_bytes_per_element(dataclasses.replace(comm, param_gather=m), torch.bfloat16),
+            bucket_bytes=bucket_bytes,
+            bytes_sent=sent,
+            bytes_vs_bf16=bucket_bytes / bf16_bytes,
+        )
+        if q is not None:  # the owned range's deviation from its target after the gather, in BF16 ulps
+            out["max_ulps"] = float(q.max_ulps)
+        row["modes"][m] = out
+    return row
+
+
+def phase_param_gather(ctx: Ctx, rec: Record, dps=PARAM_GATHER_DPS) -> None:
+    """The parameter all-gather after the optimizer step (``comm.param_gather``) on llama_600m's buckets with BF16
+    parameters: the plain BF16 gather against the quantised difference (fp8, nvfp4) through the package's own
+    :class:`~megatron_geo.distributed.param_gather.QuantizedParamGather`, each part (``encode``, ``decode_apply``,
+    their ``total``) next to a copy of the bucket's BF16 parameter buffer timed in the same run (``time_over_copy``)
+    and with its bytes (``bucket_bytes``: every rank's records, or parameters, of the bucket; ``bytes_sent``: what
+    this rank sends, ``S - own`` of them as a ring all-gather; ``bytes_vs_bf16``), at DP 1 and at DP 2 on the fake
+    process group (:data:`PARAM_GATHER_NOTE`), for the bucket of median size and the largest one. A bucket left for
+    lack of time is named in ``out_of_budget`` (and its row says why) instead of running into the time limit."""
+    from megatron_geo.analysis.plan_report import meta_model_params, plan_layout
+
+    cfg, over = _param_gather_config(ctx)
+    repeats = 2 if ctx.dry_run else 10
+    rec.update(
+        config="configs/llama_600m.yaml",
+        overrides=over,
+        param_dtype="bf16",
+        modes=list(PARAM_GATHER_MODES),
+        dp_sizes=list(dps),
+        repeats=repeats,
+        update_per_element=PARAM_GATHER_UPDATE,
+        note=PARAM_GATHER_NOTE,
+        layout="the quantised gather's: every parameter start and rank range a multiple of 128 elements, for the "
+        "plain gather too (a plain run plans without that alignment: a few padding elements fewer)",
+        out_of_budget=[],
+    )
+    params = meta_model_params(cfg)  # the model's shapes on the meta device (before this phase's process groups)
+    per_element = None  # seconds per bucket element of the rows timed so far
+    for dp in dps:
+        layout = plan_layout(cfg, dp, params)
+        picks = _pick_buckets(layout)
+        entry: dict = {"buckets_in_layout": len(layout), "bucket_numels": [pl.buffer_numel for _, pl in layout]}
+        rec[f"dp{dp}"] = entry
+        pctx = fake_dp(dp, ctx.device)
+        timed: dict[int, str] = {}  # bucket index -> the label it was timed under
+        try:
+            for label, i in picks.items():
+                plan = layout[i][1]
+                if i in timed:  # one bucket only (the median one is the largest)
+                    entry[label] = {"index": i, "same_as": timed[i]}
+                    continue
+                timed[i] = label
+                need = 2.0 + (1.5 * per_element * plan.buffer_numel if per_element else 0.0)
+                left = ctx.time_left()
+                if left < need:
+                    why = f"{left:.0f} s left of the phase's time limit; this bucket needs about {need:.0f} s"
+                    entry[label] = {"index": i, "numel": plan.buffer_numel, "skipped": why}
+                    rec["out_of_budget"].append(f"dp{dp} {label}: {why}")
+                    rec.save()
+                    continue
+                t0 = time.perf_counter()
+                row = _param_gather_row(ctx, pctx, cfg.comm, i, plan, repeats)
+                per_element = (time.perf_counter() - t0) / plan.buffer_numel
+                entry[label] = row
+                rec.check(
+                    f"dp{dp} {label}: every time > 0 and finite",
+                    all(v["ms"] > 0 and math.isfinite(v["ms"]) for mo in row["modes"].values() for v in _parts(mo)),
+                )
+                rec.check(
+                    f"dp{dp} {label}: the quantised gathers' deviation is finite",
+                    all(math.isfinite(mo["max_ulps"]) for m, mo in row["modes"].items() if m != "bf16"),
+                    {m: mo.get("max_ulps") for m, mo in row["modes"].items()},
+                )
+                print(f"[gpu_check] param_gather dp{dp} {label}: {headline_param_gather(row)}", flush=True)
+                rec.save()
+        finally:
+            dist.destroy_process_group()
+    rec.save()
+
+
+def _parts(mode_row: dict) -> list[dict]:
+    return [mode_row[k] for k in ("encode", "decode_apply", "total")]
+
+
+def headline_param_gather(row: dict) -> str:
+    """One bucket's figures in one line: each mode's encode and decode-and-apply over the copy's time."""
+    bits = [
+        f"{m} {r['encode']['time_over_copy']:.1f} + {r['decode_apply']['time_over_copy']:.1f} "
+        f"({r['bytes_vs_bf16']:.3f} of the BF16 bytes)"
+        for m, r in row["modes"].items()
+    ]
+    return f"bucket {row['index']} ({row['numel']:,} elements): encode + decode/apply x copy: " + "; ".join(bits)
 
 
 def _dynamo_counters() -> dict:
@@ -1610,12 +1818,13 @@ PHASES = {
     "checkpoint": phase_checkpoint,
     "geo": phase_geo,
     "overlap": phase_overlap,
+    "param_gather": phase_param_gather,
     "compile": phase_compile,
     "cuda_tests": phase_cuda_tests,
     "train_600m": phase_train_600m,
     "codec": phase_codec,
 }
-NEEDS_CTX = {"checkpoint", "geo", "overlap", "compile", "train_600m", "codec"}
+NEEDS_CTX = {"checkpoint", "geo", "overlap", "param_gather", "compile", "train_600m", "codec"}
 
 
 def run(name: str, args, rec: Record) -> None:

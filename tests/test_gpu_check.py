@@ -20,7 +20,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-PHASES = ["env", "checkpoint", "geo", "overlap", "compile", "cuda_tests", "train_600m", "codec"]
+PHASES = ["env", "checkpoint", "geo", "overlap", "param_gather", "compile", "cuda_tests", "train_600m", "codec"]
 OUTPUTS = {"gpu_check.json", "gpu_check_logs.tar.gz"}
 
 
@@ -92,7 +92,7 @@ def test_dry_run_writes_two_files_with_every_phase(dry_run):
     assert sum(d["budgets_s"].values()) <= 450 and d["overall_limit_s"] + 10 <= 480
     assert set(d["budgets_s"]) == set(PHASES)
     if not torch.cuda.is_available():
-        for name in ("checkpoint", "geo", "overlap", "compile", "train_600m", "codec"):
+        for name in ("checkpoint", "geo", "overlap", "param_gather", "compile", "train_600m", "codec"):
             assert d[name]["cuda_skipped"].startswith("CUDA is not available on this machine"), name
         assert d["cuda_tests"]["cuda_skipped"].startswith("CUDA is not available")
 
@@ -133,6 +133,8 @@ def test_dry_run_figures(dry_run):
     assert on["median"]["gathers_in_flight_after_publish"] == on["buckets"]  # every bucket's gather left running
     assert off["median"]["gathers_in_flight_after_publish"] == 0 and off["median"]["waits_in_forward"] == 0
     assert on["median"]["publish_to_first_wait_ms"] >= 0 and on["median"]["first_wait_ms"] >= 0
+
+    _check_param_gather(d["param_gather"])
 
     c = d["compile"]
     assert c["compiled_blocks"] == c["num_layers"] > 0 and c["unique_graphs"] >= 1
@@ -190,6 +192,62 @@ def test_dry_run_figures(dry_run):
     assert set(dpc["codecs"]) == {"fp8_e4m3 granule16", "fp8_e4m3 granule128", "fp8_e5m2 granule16", "nvfp4"}
     for per_dp in dpc["codecs"].values():
         assert per_dp == {f"dp{n}": {"eager_differing_from_reference": 0} for n in (2, 3, 64)}
+
+
+GATHER_MODES = ("bf16", "fp8", "nvfp4")
+GATHER_PARTS = ("encode", "decode_apply", "total")
+
+
+def _check_param_gather(g: dict) -> None:
+    """The param_gather phase's figures: per DP size, the median and the largest bucket of llama_600m's layout (the
+    dry run's small model), every mode's parts over the bucket's copy, its bytes, and the quantised deviation."""
+    assert g["config"] == "configs/llama_600m.yaml" and g["param_dtype"] == "bf16"
+    assert g["modes"] == list(GATHER_MODES) and g["dp_sizes"] == [1, 2] and g["out_of_budget"] == []
+    assert "fake process group" in g["note"] and "one rank" in g["note"]
+    for dp in (1, 2):
+        e = g[f"dp{dp}"]
+        assert len(e["bucket_numels"]) == e["buckets_in_layout"] > 1
+        assert e["largest"]["numel"] == max(e["bucket_numels"])
+        for label in ("median", "largest"):
+            r = e[label]
+            n, own = r["numel"], r["owned_numel"]
+            assert n % 128 == 0 and own % 128 == 0 and (own == n if dp == 1 else 0 <= own < n)
+            assert r["copy"]["ms"] > 0 and r["copy"]["bytes"] == 2 * n
+            assert set(r["modes"]) == set(GATHER_MODES)
+            for m, x in r["modes"].items():
+                for part in GATHER_PARTS:  # one convention: time / the bucket copy's time
+                    assert x[part]["ms"] > 0
+                    assert x[part]["time_over_copy"] == pytest.approx(x[part]["ms"] / r["copy"]["ms"])
+                assert x["total"]["ms"] == pytest.approx(x["encode"]["ms"] + x["decode_apply"]["ms"])
+                bpe = {"bf16": 2.0, "fp8": 132 / 128, "nvfp4": 76 / 128}[m]
+                assert x["wire_bytes_per_element"] == bpe and x["bucket_bytes"] == n * bpe
+                assert x["bytes_vs_bf16"] == pytest.approx(bpe / 2)
+                assert x["bytes_sent"] == (n - own) * bpe  # S - own, as a ring all-gather sends
+                # one step's difference: within about a BF16 ulp at fp8, a few at nvfp4 (the plain gather has none)
+                assert ("max_ulps" in x) == (m != "bf16") and 0 <= x.get("max_ulps", 0) <= {"fp8": 1, "nvfp4": 4}.get(
+                    m, 0
+                )
+
+
+def test_param_gather_phase_out_of_budget_names_the_buckets_it_left(tmp_path, monkeypatch):
+    """With time for the first bucket only, the phase times it and names every other one in ``out_of_budget``, each
+    row with the reason, instead of running into its limit."""
+    P = _phases()
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # the phase makes its own (fake) groups, as in its own process on a device
+        dist.destroy_process_group()
+    left = iter([1000.0])
+    monkeypatch.setattr(P.Ctx, "time_left", staticmethod(lambda: next(left, 0.5)))
+    rec = P.Record(str(tmp_path / "param_gather.json"))
+    P.phase_param_gather(P.Ctx(True, str(tmp_path)), rec)
+    d = json.loads((tmp_path / "param_gather.json").read_text())
+    assert d["checks"] and all(d["checks"].values()), d["checks"]
+    assert set(d["dp1"]["median"]["modes"]) == set(GATHER_MODES)
+    skipped = [(dp, k) for dp in ("dp1", "dp2") for k in ("median", "largest") if "skipped" in d[dp][k]]
+    assert skipped == [("dp1", "largest"), ("dp2", "median"), ("dp2", "largest")]
+    assert len(d["out_of_budget"]) == 3 and all("s left of the phase's time limit" in s for s in d["out_of_budget"])
+    assert not dist.is_initialized()  # the phase leaves no process group behind
 
 
 def _keys_containing(obj, text: str, path: str = "") -> list[str]:
