@@ -121,3 +121,24 @@ def test_online_wandb_without_a_key_exits_2_before_anything_starts(tmp_path, mon
     assert (
         sorted(p.name for p in run.iterdir()) == ["config.yaml"] and (run / "config.yaml").read_text() == "kept: true\n"
     )
+
+
+def test_a_long_comm_label_becomes_wandb_tags_and_group_wandb_accepts(tmp_path):
+    from pathlib import Path
+
+    from megatron_geo.config import load_config
+    from megatron_geo.training.metrics import wandb_text
+
+    preset = str(Path(__file__).resolve().parent.parent / "configs/comm/geofp8.yaml")
+    # a GeoFP8 preset with one geo override is labelled by its whole description (> 100 characters)
+    label = load_config([preset], ["geo.refresh_interval=10"]).comm.label
+    assert len(f"comm={label}") > 64
+    other = load_config([preset], ["geo.refresh_interval=11"]).comm.label
+    tags = (f"comm={label}", f"comm={other}", "dp=2")
+    m = MetricsLogger(str(tmp_path), True, WandbSpec("offline", "megatron-geo-test", label * 2, label, tags))
+    m.log({"step": 1, "loss": 1.0})
+    assert all(len(t) <= 64 for t in m._wandb.tags) and len(set(m._wandb.tags)) == 3 and "dp=2" in m._wandb.tags
+    assert len(m._wandb.group) <= 128
+    m.close()
+    assert wandb_text("x" * 64, 64) == "x" * 64 and wandb_text("x" * 65, 64) == wandb_text("x" * 65, 64)
+    assert len(wandb_text("x" * 65, 64)) == 64

@@ -3,6 +3,7 @@ writes."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -114,6 +115,22 @@ def fork_of(run_id: str) -> tuple[str, int] | None:
     return parent, int(step)
 
 
+# wandb refuses a run whose tag is longer than 64 characters (wandb.init raises); groups and names are kept within
+# 128, the length of wandb's other run-text fields
+WANDB_TAG_CHARS = 64
+WANDB_TEXT_CHARS = 128
+
+
+def wandb_text(text: str, limit: int) -> str:
+    """``text`` if it has at most ``limit`` characters, else its head and an 8-hex-digit hash of the whole
+    (``<head>~<hash>``, exactly ``limit`` characters): distinct long texts stay distinct, and the same text always
+    gives the same result (a resumed run keeps its tags). The full comm label is in the run's config either way."""
+    if len(text) <= limit:
+        return text
+    digest = hashlib.sha1(text.encode()).hexdigest()[:8]
+    return f"{text[: limit - 9]}~{digest}"
+
+
 @dataclass(frozen=True)
 class WandbSpec:
     """The wandb run a :class:`MetricsLogger` mirrors its records to (the ``logging.wandb*`` keys; built by
@@ -124,7 +141,7 @@ class WandbSpec:
             ``wandb_run_id`` file).
         project: the wandb project.
         group, name: the run's wandb group and name (empty: wandb's default, none and a generated name).
-        tags: the run's tags.
+        tags: the run's tags (each cut to wandb's 64 characters by :func:`wandb_text`; group and name to 128).
         config: the run's config as wandb shows it (JSON types).
         resume: whether a resumed run continues the kept wandb run: ``auto``, ``never`` or ``must``
             (:func:`choose_wandb_id`'s ``mode``).
@@ -197,9 +214,9 @@ class MetricsLogger:
                 name = f"{name or 'run'}-from-step{fork[1]}"
             self._wandb = wandb.init(
                 project=spec.project,
-                group=spec.group or None,
-                name=name or None,
-                tags=list(spec.tags),
+                group=wandb_text(spec.group, WANDB_TEXT_CHARS) or None,
+                name=wandb_text(name, WANDB_TEXT_CHARS) or None,
+                tags=[wandb_text(t, WANDB_TAG_CHARS) for t in spec.tags],
                 config=config,
                 dir=run_dir,
                 mode=cast(_WandbMode, spec.mode),
