@@ -10,15 +10,22 @@ change of the wire bytes is intended, and say so in the commit) with::
 
     python tests/golden.py --out tests/data/golden
 
-The GeoFP8 presets' transforms come from an FP64 eigendecomposition (LAPACK through MKL), whose last bits differ
-between CPU families even with MKL's reproducibility mode pinned (tests/conftest.py). Their records are therefore
-also kept per LAPACK family, keyed by :func:`lapack_fingerprint`, in ``host_lapack.json``; add the current host's
-family (without touching the other records) with::
+Bitwise records hold for one CPU kernel family. The ranks pin PyTorch's and MKL's code paths to AVX2
+(``cpu_pin.py``), but some hosts still round differently (an AVX-512 Intel Xeon's MKL GEMMs differ in the last bits
+from the AMD EPYC and AVX2 hosts the committed records match), and the GeoFP8 presets' FP64 eigendecomposition differs
+between LAPACK families even pinned. So records are also kept per host family:
 
-    python tests/golden.py --host-variant
+- ``host_kernels.json``, keyed by :func:`kernel_fingerprint` (GEMMs, elementwise kernels and LAPACK under the pin):
+  every preset and both resumes; add the current host's family (without touching the other records) with::
 
-On a host whose family has no entry, ``tests/test_golden.py`` compares those presets by the sequence of calls
-(operation, dtype, size) and by their losses and gradient norms to a relative 1e-6.
+      python tests/golden.py --host-variant
+
+- ``host_lapack.json``, keyed by :func:`lapack_fingerprint`: the GeoFP8 presets of a family whose other kernels
+  match the committed records (made before the kernel-family file; read only).
+
+``tests/test_golden.py`` compares bitwise against the records of this host's family, else against the committed
+ones; where a host of an unrecorded family differs from them it compares the sequence of calls (operation, dtype,
+size) and the losses and gradient norms to a relative 1e-6, and warns with the fingerprint.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ CHECKPOINTS = {
 }
 RUN_TOKEN = "@RUN@"
 HOST_RECORDS = GOLDEN / "host_lapack.json"
+HOST_KERNELS = GOLDEN / "host_kernels.json"
 
 
 def uses_eigh(preset: str) -> bool:
@@ -88,13 +96,35 @@ def lapack_fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
-def pinned_fingerprint() -> str:
-    """:func:`lapack_fingerprint` in a fresh interpreter under the recorded kernel family (``cpu_pin.py``; MKL fixes
-    its code path once per process, so this process may run another)."""
+def kernel_fingerprint() -> str:
+    """16 hex digits of the kernels a training step of the tiny model runs, on fixed inputs: FP32 and BF16 GEMMs, a
+    linear layer's forward and backward (one and two threads), softmax, exp, SiLU, rsqrt and a sum, and
+    :func:`lapack_fingerprint`. Equal on hosts whose kernels give the recorded runs the same bits."""
+    h = hashlib.sha256(lapack_fingerprint().encode())
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        torch.manual_seed(0)
+        x = torch.randn(64, 300, requires_grad=True)
+        lin = torch.nn.Linear(300, 96)
+        b = torch.randn(300, 96)
+        y = lin(x)
+        y.square().mean().backward()
+        outs = (x.detach() @ b, (x.detach().bfloat16() @ b.bfloat16()).float(), y.detach(), lin.weight.grad, x.grad)
+        outs += (torch.softmax(y.detach(), -1), y.detach().exp(), torch.nn.functional.silu(y.detach()))
+        outs += (torch.rsqrt(y.detach().square().mean(-1)), y.detach().sum(0))
+        for t in outs:
+            h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def pinned_fingerprint(kind: str = "lapack") -> str:
+    """:func:`lapack_fingerprint` (``kind="lapack"``) or :func:`kernel_fingerprint` (``"kernel"``) in a fresh
+    interpreter under the recorded kernel family (``cpu_pin.py``; MKL fixes its code path once per process, so this
+    process may run another)."""
     import subprocess
 
     out = subprocess.run(
-        [sys.executable, "-c", "import golden; print(golden.lapack_fingerprint())"],
+        [sys.executable, "-c", f"import golden; print(golden.{kind}_fingerprint())"],
         cwd=HERE,
         env={**os.environ, **pinned_env()},
         capture_output=True,
@@ -105,10 +135,19 @@ def pinned_fingerprint() -> str:
 
 
 def host_records(path: Path = HOST_RECORDS) -> dict | None:
-    """This host's LAPACK family's records ``{"wire": {name: record}, "resume": {name: losses}}``, or None."""
+    """This host's LAPACK family's records ``{"wire": {name: record}, "resume": {name: losses}}`` of the GeoFP8
+    presets, or None."""
     if not path.exists():
         return None
-    return json.loads(path.read_text()).get(pinned_fingerprint())
+    return json.loads(path.read_text()).get(pinned_fingerprint("lapack"))
+
+
+def kernel_records(path: Path = HOST_KERNELS) -> dict | None:
+    """This host's kernel family's records ``{"wire": {name: record}, "resume": {name: losses}}`` of every preset,
+    or None."""
+    if not path.exists():
+        return None
+    return json.loads(path.read_text()).get(pinned_fingerprint("kernel"))
 
 
 def overrides(corpus: Path, run_dir: Path, preset: str, extra: list[str]) -> list[str]:
@@ -219,25 +258,24 @@ def resume_committed(run_distributed, corpus: Path, run: Path, name: str) -> lis
 
 
 def record_host_variant(work: Path) -> None:
-    """Add this host's LAPACK family's records of the GeoFP8 presets to ``host_lapack.json``."""
+    """Add this host's kernel family's records of every preset and both resumes to ``host_kernels.json``."""
     from dist_harness import run_distributed
 
     corpus = (GOLDEN / "corpus").resolve()
     wire = {}
     for name, (preset, extra) in RUNS.items():
-        if uses_eigh(preset):
-            wire[name] = {
-                "preset": preset,
-                "extra": extra,
-                "ranks": run_distributed(record_wire, 2, str(corpus), str(work / name), preset, extra),
-            }
-            print(name, wire[name]["ranks"][0]["losses"][-1])
+        wire[name] = {
+            "preset": preset,
+            "extra": extra,
+            "ranks": run_distributed(record_wire, 2, str(corpus), str(work / name), preset, extra, start="spawn"),
+        }
+        print(name, wire[name]["ranks"][0]["losses"][-1])
     resume = {}
     for name in CHECKPOINTS:
         resume[name] = resume_committed(run_distributed, corpus, work / f"resume_{name}", name)[0]["losses"]
-    have = json.loads(HOST_RECORDS.read_text()) if HOST_RECORDS.exists() else {}
-    have[pinned_fingerprint()] = {"cpu": _cpu_name(), "wire": wire, "resume": resume}
-    HOST_RECORDS.write_text(json.dumps(have, indent=1) + "\n")
+    have = json.loads(HOST_KERNELS.read_text()) if HOST_KERNELS.exists() else {}
+    have[pinned_fingerprint("kernel")] = {"cpu": _cpu_name(), "wire": wire, "resume": resume}
+    HOST_KERNELS.write_text(json.dumps(have, indent=1) + "\n")
 
 
 def _cpu_name() -> str:
@@ -255,7 +293,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(GOLDEN))
     ap.add_argument("--work", default=None, help="scratch folder for the runs (default: a new temporary folder)")
     ap.add_argument(
-        "--host-variant", action="store_true", help="add this host's LAPACK family's GeoFP8 records (host_lapack.json)"
+        "--host-variant", action="store_true", help="add this host's kernel family's records (host_kernels.json)"
     )
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
