@@ -3,51 +3,22 @@
 They live above ``config`` (like Megatron-LM's argument validation in its training package) because they consult
 the wire-format registry, the checkpoint folder, the data files and the launch environment. A setting with a parser
 of its own next to its owner (``optimizer.muon_split``, ``optimizer.muon_ns_dtype``, ``train.param_dtype``,
-``geo.power``) is checked here by calling that parser, never by a second list of its values."""
+``geo.power``) is checked here by calling that parser, never by a second list of its values; the keys with a fixed
+set of values are ``Literal`` fields of the schema, checked by :func:`megatron_geo.config.checks.check_choices`."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import os
-from collections.abc import Callable
 
 from ..comm.param_codec import check_param_gather
+from ..config.checks import check_choices
 from ..config.loader import ConfigError, resolve_paths
 from ..config.schema import Config, parse_power, parse_power_search
 from ..distributed.split_plan import parse_muon_split
 from ..model.llama import param_dtype
 from ..optim.muon import newton_schulz_dtype
-
-# a key's choices, or the key's own parser (given the config; raises ConfigError), checked in this order
-_CHOICES: dict[tuple[str, str], tuple[str, ...] | Callable[[Config], object]] = {
-    ("optimizer", "name"): ("adamw", "muon"),
-    ("optimizer", "muon_ns_dtype"): lambda cfg: newton_schulz_dtype(cfg.optimizer, "cpu"),  # the device: auto only
-    ("optimizer", "muon_ns"): ("quintic", "gram"),
-    ("optimizer", "muon_adjust_lr_fn"): ("match_rms_adamw", "original"),
-    ("train", "lr_decay_style"): ("cosine", "linear", "constant"),
-    ("train", "device"): ("auto", "cpu", "cuda"),
-    ("train", "param_dtype"): lambda cfg: param_dtype(cfg.train),
-    ("train", "autocast_dtype"): ("auto", "none", "bf16"),
-    ("parallel", "backend"): ("auto", "gloo", "nccl"),
-    ("parallel", "overlap_param_gather"): ("auto", "true", "false"),
-    ("comm", "compile"): ("auto", "true", "false"),
-    ("data", "source"): ("shakespeare", "indexed"),
-    ("data", "sample_order"): ("megatron", "stream"),
-    ("data", "tokenizer_type"): ("sentencepiece", "huggingface"),
-    ("comm", "scaling"): ("tensor", "block"),
-    ("comm", "rounding"): ("nearest", "stochastic"),
-    ("comm", "transform"): ("none", "hadamard", "geo"),
-    ("geo", "ef_on_refresh"): ("rebase", "reset"),
-    ("geo", "select"): ("layers", "auto", "gain"),
-    ("geo", "statistics"): ("auto", "full", "sketch"),
-    ("comm", "scale_sync"): ("none", "max"),
-    ("comm", "reduce_op"): ("fp32_sum", "wire_sum"),
-    ("train", "nonfinite"): ("skip", "stop"),
-    ("logging", "wandb"): ("offline", "online", "disabled"),
-    ("logging", "wandb_resume"): ("auto", "never", "must"),
-    ("model", "transformer_impl"): ("local", "transformer_engine"),
-}
 
 _POSITIVE = [
     ("model", "hidden_size"),
@@ -74,13 +45,9 @@ def validate_config(cfg: Config, world_size: int) -> None:
     Raises:
         ConfigError: naming the key, the bad value and how to fix it.
     """
-    for (sec, key), choices in _CHOICES.items():
-        if callable(choices):
-            choices(cfg)
-            continue
-        v = getattr(getattr(cfg, sec), key)
-        if v not in choices:
-            raise ConfigError(f"{sec}.{key}={v!r} is not supported; choose one of {', '.join(choices)}")
+    check_choices(cfg)  # every Literal key of the schema
+    newton_schulz_dtype(cfg.optimizer, "cpu")  # the device: auto only
+    param_dtype(cfg.train)
     fmt = wire_format(cfg.comm)
     for sec, key in _POSITIVE:
         v = getattr(getattr(cfg, sec), key)
