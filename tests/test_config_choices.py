@@ -2,8 +2,10 @@
 refused as the config is read (naming the file or override, the key, the value and the choices), and a config
 changed in code is refused by validation with the same message."""
 
+import ast
 import re
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +99,69 @@ def test_auto_true_false_keys_take_yaml_booleans(tmp_path, key):
         assert getattr(getattr(load_config([], [f"{key}={written}"]), sec), name) == value, written
     with pytest.raises(ConfigError, match=rf"{re.escape(key)}='2' is not supported; choose one of auto, true, false"):
         load_config([], [f"{key}=2"])
+
+
+# -- one list of choices ---------------------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = ROOT / "megatron_geo" / "config" / "schema.py"
+
+
+def _sources() -> list[Path]:
+    """The project's Python outside the tests: the package, tools, benchmarks and the entry points."""
+    files = [*ROOT.glob("*.py")]
+    for folder in ("megatron_geo", "tools", "benchmarks"):
+        files += (ROOT / folder).rglob("*.py")
+    return sorted(files)
+
+
+def restated_choices(path: str, text: str) -> list[str]:
+    """``path:line: key`` of every tuple, list or set of strings (or the keys of a dict) equal, as a set, to the
+    choices of a ``Literal`` field of the schema (``("tensor", "block")``, in any order)."""
+    sets: dict[frozenset, str] = {}
+    for sec, key, values in CHOICES:  # two keys may share their values (auto, true, false)
+        sets[frozenset(values)] = " / ".join(filter(None, (sets.get(frozenset(values)), f"{sec}.{key}")))
+    out = []
+    for node in ast.walk(ast.parse(text, path)):
+        elts = (
+            node.elts
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set))
+            else [k for k in node.keys if k is not None]
+            if isinstance(node, ast.Dict)
+            else None
+        )
+        if not elts or not all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in elts):
+            continue
+        key = sets.get(frozenset(e.value for e in elts))
+        if key is not None:
+            out.append(f"{path}:{node.lineno}: {key}")
+    return out
+
+
+def test_no_module_but_the_schema_lists_the_choices_of_a_literal_key():
+    found = [
+        hit
+        for p in _sources()
+        if p != SCHEMA
+        for hit in restated_choices(str(p.relative_to(ROOT)), p.read_text(encoding="utf-8"))
+    ]
+    assert found == [], "read them with megatron_geo.config.checks.choices_of:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        'SCALINGS = ("tensor", "block")\n',
+        'def f(c):\n    return c.rounding in ["stochastic", "nearest"]\n',
+        'TABLE = {"fp32_sum": 0, "wire_sum": 1}\n',
+        'p.add_argument("--order", choices={"megatron", "stream"})\n',
+    ],
+)
+def test_a_restated_list_of_choices_is_found(code):
+    assert restated_choices("m.py", code), code
+
+
+def test_the_schema_writes_each_list_of_choices_once():
+    text = SCHEMA.read_text(encoding="utf-8")
+    found = restated_choices("schema.py", text)
+    assert len(found) == len(CHOICES) and 'scaling: Literal["tensor", "block"] = "tensor"' in text, found
