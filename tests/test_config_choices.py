@@ -165,3 +165,15 @@ def test_the_schema_writes_each_list_of_choices_once():
     text = SCHEMA.read_text(encoding="utf-8")
     found = restated_choices("schema.py", text)
     assert len(found) == len(CHOICES) and 'scaling: Literal["tensor", "block"] = "tensor"' in text, found
+
+
+def test_the_configuration_doc_names_every_choice():
+    """docs/configuration.md's row of each ``Literal`` key names every value the schema allows."""
+    text = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    sections = {m.group(1): m.group(2) for m in re.finditer(r"^## `(\w+)`.*?$(.*?)(?=^## |\Z)", text, re.M | re.S)}
+    missing = []
+    for sec, key, values in CHOICES:
+        row = next((ln for ln in sections.get(sec, "").splitlines() if ln.startswith(f"| `{key}` |")), "")
+        cells = "|".join(row.split("|")[2:])
+        missing += [f"{sec}.{key}={v}" for v in values if not re.search(rf"(?<![\w.]){re.escape(v)}(?!\w)", cells)]
+    assert missing == [], missing
