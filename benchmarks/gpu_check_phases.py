@@ -1279,7 +1279,7 @@ def _newton_schulz_share(ctx: Ctx, opt, step_s: float) -> dict:
     """Newton-Schulz of every Muon matrix of the run (its gradients after the last step), timed alone per form:
     ``quintic`` (torch.optim.Muon's iteration where it runs, else ours) and ``gram``, in the run's Newton-Schulz
     precision; seconds per step and the share of the measured step time."""
-    from megatron_geo.optim.muon import orthogonalize
+    from megatron_geo.optim.muon import NS_CHOICES, orthogonalize
 
     mats = [m.main.grad for m in opt.mains if getattr(m.param, "use_muon", False) and m.main.grad is not None]
     if not mats or opt.cfg.name != "muon":
@@ -1287,7 +1287,7 @@ def _newton_schulz_share(ctx: Ctx, opt, step_s: float) -> dict:
     dtype = torch.bfloat16 if ctx.cuda and opt.cfg.muon_ns_dtype != "fp32" else torch.float32
     coeffs, steps, eps = (3.4445, -4.7750, 2.0315), 5, 1e-7
     out: dict = {"matrices": len(mats), "dtype": str(dtype).removeprefix("torch."), "step_s": step_s}
-    for ns in ("quintic", "gram"):
+    for ns in NS_CHOICES:
         for g in mats:  # warm-up: every shape once (kernels, cuBLAS handles, CPU primitives)
             orthogonalize(g, ns, coeffs, steps, eps, dtype)
         ctx.sync()

@@ -42,7 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_common import run_gloo, synthetic_batches  # noqa: E402
 
-SETTINGS = [(ns, overlap) for ns in ("quintic", "gram") for overlap in (False, True)]
+from megatron_geo.optim.muon import NS_CHOICES  # noqa: E402
+
+SETTINGS = [(ns, overlap) for ns in NS_CHOICES for overlap in (False, True)]
 
 
 def _label(ns: str, overlap: bool) -> str:

@@ -42,7 +42,7 @@ from bench_common import synthetic_batches  # noqa: E402
 
 from megatron_geo.analysis.plan_report import meta_model_params  # noqa: E402
 from megatron_geo.config import load_config  # noqa: E402
-from megatron_geo.optim.muon import orthogonalize  # noqa: E402
+from megatron_geo.optim.muon import NS_CHOICES, orthogonalize  # noqa: E402
 
 COEFFS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's defaults
 STEPS = 5
@@ -69,7 +69,7 @@ def time_shapes(shapes: list[tuple[int, int]], repeats: int, seed: int = 0) -> d
     out = {}
     for shape in sorted(set(shapes)):
         u = torch.randn(*shape, generator=gen)
-        t: dict[str, list[float]] = {"quintic": [], "gram": []}
+        t: dict[str, list[float]] = {ns: [] for ns in NS_CHOICES}
         if u.numel() < 1 << 20:  # warm-up (allocator, caches) where one call is short
             for ns in t:
                 orthogonalize(u, ns, COEFFS, STEPS, EPS, torch.float32)
@@ -95,7 +95,7 @@ def step_times(config: str, repeats: int) -> dict[str, float]:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     pctx = build_groups(0, 1, 1, torch.device("cpu"), "gloo")
     runs = {}
-    for ns in ("quintic", "gram"):
+    for ns in NS_CHOICES:
         cfg = load_config([config], ["logging.wandb=disabled", "optimizer.name=muon", f"optimizer.muon_ns={ns}"])
         model, _, _, sync, opt = build_model_and_optimizer(cfg, pctx)
         runs[ns] = (cfg, model, sync, opt, [])
@@ -121,7 +121,7 @@ def bench_config(config: str, repeats: int, max_layers_timed: int) -> dict:
         scale = layers
     shapes = [s for _, s in named]
     timed = time_shapes(shapes, repeats)
-    per_step = {ns: scale * sum(timed[s][ns] for s in shapes) for ns in ("quintic", "gram")}
+    per_step = {ns: scale * sum(timed[s][ns] for s in shapes) for ns in NS_CHOICES}
     return {
         "config": os.path.relpath(config, ROOT),
         "num_layers": layers,
@@ -142,7 +142,7 @@ def bench_config(config: str, repeats: int, max_layers_timed: int) -> dict:
             for n, s in named
         ],
         "ns_per_step_ms": {ns: 1e3 * v for ns, v in per_step.items()},
-        "macs_per_step": {ns: scale * sum(macs(s, ns) for s in shapes) for ns in ("quintic", "gram")},
+        "macs_per_step": {ns: scale * sum(macs(s, ns) for s in shapes) for ns in NS_CHOICES},
         "gram_over_quintic_time": per_step["gram"] / per_step["quintic"],
     }
 

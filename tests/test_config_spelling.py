@@ -41,13 +41,15 @@ IDS = [f"{s}.{k}" for s, k, _, _ in FIELDS]
 
 
 def _other_value(typ, default) -> str:
-    """A YAML text for a value of ``typ`` that is not ``default`` (loads without validation)."""
+    """A YAML text for a value of ``typ`` that is not ``default`` (loads without the cross-key validation)."""
     if typ is bool:
         return "false" if default else "true"
     if typ is int:
         return str(default + 3)
     if typ is float:
         return repr(float(default) + 0.25)
+    if typing.get_origin(typ) is typing.Literal:  # another of the key's choices
+        return next(v for v in typing.get_args(typ) if v != default)
     return "spelled-x"
 
 

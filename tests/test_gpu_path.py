@@ -167,8 +167,11 @@ def test_te_requested_without_cuda_or_package_is_a_config_error(world):
     validate_config(cfg, 1)  # a valid choice
     with pytest.raises(ConfigError, match="transformer_impl"):
         Llama(cfg.model, world, 0)  # either TE is missing here, or it needs CUDA: both name the key and the fix
-    bad = tiny_cfg("model.transformer_impl=te")
     with pytest.raises(ConfigError, match="choose one of local, transformer_engine"):
+        tiny_cfg("model.transformer_impl=te")  # refused as the config is read
+    bad = tiny_cfg()
+    bad.model.transformer_impl = "te"  # set in code: validation refuses it too
+    with pytest.raises(ConfigError, match="model.transformer_impl='te' is not supported; choose one of local, tr"):
         validate_config(bad, 1)
 
 

@@ -138,3 +138,60 @@ def test_validation_files_rewritten_between_launches_are_refused(tmp_path):
     # a checkpoint that did not record validation files: nothing to compare
     assert check_data_files(None, [dataset_identity(str(v))], cfg, "resume", None, "validation") == []
     assert os.path.isabs(cfg.data.valid_prefix)
+
+
+def test_the_compared_comm_and_geo_keys_are_the_schemas():
+    """COMM_KEYS and GEO_KEYS are read from the schema: equal to the keys listed by hand before, and a new comm key
+    is compared on resume unless it is named as one that leaves the numerics alone."""
+    import dataclasses
+
+    from megatron_geo.checkpoint.resume_changes import (
+        COMM_KEYS,
+        COMM_UNCOMPARED,
+        GEO_KEYS,
+        LOGGED_KEYS,
+        section_keys,
+    )
+    from megatron_geo.config.schema import CommConfig
+
+    wire = "the gradient reduction's numerics (what every step's update is made of)"
+    comm = (
+        "dtype",
+        "scaling",
+        "block_size",
+        "rounding",
+        "error_feedback",
+        "transform",
+        "hadamard_block",
+        "scale_sync",
+        "reduce_op",
+        "wire_sum_prediv",
+    )
+    expected_comm = {f"comm.{k}": wire for k in comm}
+    expected_comm["comm.param_gather"] = "the parameters every replica computes with (the parameter all-gather)"
+    assert list(COMM_KEYS.items()) == list(expected_comm.items())  # the same keys, effects and order
+    geo = (
+        "layers",
+        "select",
+        "num_layers",
+        "profile_steps",
+        "rank",
+        "damping",
+        "power",
+        "power_search",
+        "refresh_interval",
+        "ef_on_refresh",
+        "statistics",
+        "sketch_size",
+    )
+    expected_geo = {f"geo.{k}": "GeoFP8's coordinates, hence the gradient reduction's numerics" for k in geo}
+    assert list(GEO_KEYS.items()) == list(expected_geo.items())
+    assert COMM_UNCOMPARED == ("compile", "label", "telemetry_interval")
+    assert {f"comm.{k}" for k in COMM_UNCOMPARED} - set(LOGGED_KEYS) == {"comm.label"}  # the others are logged
+
+    @dataclasses.dataclass
+    class NewComm(CommConfig):
+        new_knob: int = 0
+
+    keys = section_keys(NewComm, "comm", wire, COMM_UNCOMPARED)
+    assert keys["comm.new_knob"] == wire and "comm.compile" not in keys

@@ -10,9 +10,10 @@ the trajectory the checkpoint was on. Keys that would silently change it are ref
   ``data.reset_position_ids``, ``data.reset_attention_mask``. A checkpoint saved before a key existed is compared
   as what that code ran with (:data:`LEGACY_VALUES`), so a new default never slips into a resumed run;
 - the model's function beyond its shapes: ``model.rope_theta``, ``model.norm_eps``;
-- the gradient reduction's numerics: the ``comm`` keys of the wire format (:data:`COMM_KEYS`, with
-  ``comm.param_gather``, which sets the parameters the replicas hold) and, where GeoFP8 transforms, every ``geo``
-  key (``checkpoint.allow_changes=comm`` / ``geo`` names a whole section);
+- the gradient reduction's numerics: every ``comm`` key but :data:`COMM_UNCOMPARED` (:data:`COMM_KEYS`, read from
+  the schema, so a new key is compared unless it is listed there; ``comm.param_gather`` sets the parameters the
+  replicas hold) and, where GeoFP8 transforms, every ``geo`` key (``checkpoint.allow_changes=comm`` / ``geo``
+  names a whole section);
 - the samples per step: ``train.global_batch_size``;
 - the learning-rate schedule: ``optimizer.lr``, ``optimizer.min_lr``, ``optimizer.adamw_lr``,
   ``train.warmup_steps``, ``train.lr_decay_style``, ``train.steps``. These are compared by their effect: a
@@ -30,12 +31,13 @@ trajectory, so there every difference is only logged.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
 
 from ..config import Config, ConfigError, config_to_dict
-from ..config.schema import parse_power
+from ..config.schema import CommConfig, GeoConfig, parse_power
 from ..optim.schedule import lr_at
 
 DATA_KEYS = {
@@ -70,43 +72,29 @@ MODEL_KEYS = {
     "model.rope_theta": "the rotary position embedding's base, hence every attention score",
     "model.norm_eps": "every RMSNorm's epsilon",
 }
-# what the gradients carry: the reduction's numerics (compile, label and telemetry_interval do not change them);
-# the geo keys count where either side transforms with GeoFP8
+# what the gradients carry: every comm key but those of COMM_UNCOMPARED sets the reduction's numerics (so a new key is
+# compared on resume, the safe side, unless it is added there); the geo keys count where either side transforms with
+# GeoFP8
 _WIRE = "the gradient reduction's numerics (what every step's update is made of)"
-COMM_KEYS = {
-    f"comm.{k}": _WIRE
-    for k in (
-        "dtype",
-        "scaling",
-        "block_size",
-        "rounding",
-        "error_feedback",
-        "transform",
-        "hadamard_block",
-        "scale_sync",
-        "reduce_op",
-        "wire_sum_prediv",
-    )
-}
-# the parameters every replica computes with: the plain gather, or the quantised difference (comm.param_gather)
-COMM_KEYS["comm.param_gather"] = "the parameters every replica computes with (the parameter all-gather)"
-GEO_KEYS = {
-    f"geo.{k}": "GeoFP8's coordinates, hence the gradient reduction's numerics"
-    for k in (
-        "layers",
-        "select",
-        "num_layers",
-        "profile_steps",
-        "rank",
-        "damping",
-        "power",
-        "power_search",
-        "refresh_interval",
-        "ef_on_refresh",
-        "statistics",
-        "sketch_size",
-    )
-}
+#: comm keys that leave every step's update as it is: how the codecs run (``compile``), the run's name for its
+#: settings (``label``) and a measurement (``telemetry_interval``); ``compile`` and ``telemetry_interval`` are logged
+COMM_UNCOMPARED = ("compile", "label", "telemetry_interval")
+# comm keys whose effect is not the wire's: the parameters every replica computes with (the plain gather, or the
+# quantised difference)
+_COMM_EFFECTS = {"param_gather": "the parameters every replica computes with (the parameter all-gather)"}
+
+
+def section_keys(
+    cls: type, section: str, effect: str, uncompared: tuple[str, ...] = (), effects: dict[str, str] | None = None
+) -> dict[str, str]:
+    """``{"section.key": what it sets}`` for every field of the schema section class ``cls`` but ``uncompared``:
+    ``effects[key]`` where given, else ``effect``."""
+    own = effects or {}
+    return {f"{section}.{f.name}": own.get(f.name, effect) for f in dataclasses.fields(cls) if f.name not in uncompared}
+
+
+COMM_KEYS = section_keys(CommConfig, "comm", _WIRE, COMM_UNCOMPARED, _COMM_EFFECTS)
+GEO_KEYS = section_keys(GeoConfig, "geo", "GeoFP8's coordinates, hence the gradient reduction's numerics")
 SECTIONS = {"comm": tuple(COMM_KEYS), "geo": tuple(GEO_KEYS)}  # checkpoint.allow_changes=comm names them all
 SCHEDULE_KEYS = (
     "optimizer.lr",

@@ -29,7 +29,11 @@ import sys
 import torch
 from torch import Tensor
 
+from ..config.checks import choices_of
+from ..config.schema import CommConfig
+
 FP8_FORMATS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+ROUNDINGS = choices_of(CommConfig, "rounding")  # comm.rounding, as the schema lists them
 
 _FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 
@@ -149,8 +153,8 @@ def _check_fmt(fmt: str) -> None:
 
 
 def _check_rounding(rounding: str) -> None:
-    if rounding not in ("nearest", "stochastic"):
-        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
 
 
 def _check_f32(x: Tensor, name: str) -> None:

@@ -45,7 +45,7 @@ from .formats import comm_alignment, get_format
 from .reducer import PendingReduction, Reducer
 from .scale_layout import ScaleLayout
 from .transforms import CoordinateTransform, build_transform
-from .wire_sum import ring_mean, ring_sum
+from .wire_sum import REDUCE_OPS, ring_mean, ring_sum
 
 
 class LowPrecisionReducer(Reducer):
@@ -77,8 +77,8 @@ class LowPrecisionReducer(Reducer):
     def __init__(self, comm: CommConfig, dp_group, dp_size: int, dp_rank: int, seed: int = 0, device=None):
         super().__init__(dp_group, dp_size, dp_rank)
         wire_format = get_format(comm.dtype)  # ValueError naming the registered formats
-        if comm.reduce_op not in ("fp32_sum", "wire_sum"):  # an invariant, not a rule: nothing else to fall back on
-            raise ValueError(f"comm.reduce_op={comm.reduce_op!r} is not fp32_sum or wire_sum")
+        if comm.reduce_op not in REDUCE_OPS:  # an invariant, not a rule: nothing else to fall back on
+            raise ValueError(f"comm.reduce_op={comm.reduce_op!r} is not one of {', '.join(REDUCE_OPS)}")
         self.comm = copy.copy(comm)
         self.name = self.fmt = comm.dtype
         # comm.reduce_op=wire_sum on an NCCL with FP8 reductions: its own reduce-scatter; else the exact emulation

@@ -34,6 +34,7 @@ import re
 import torch
 from torch import Tensor
 
+from ..config.checks import choices_of
 from ..config.schema import CommConfig
 from .formats import FORMATS, comm_view, get_format
 from .hadamard import exact_fp32, hadamard_matrix, hadamard_signs
@@ -43,6 +44,13 @@ from .scale_layout import ScaleLayout, build_scale_layout
 CODEC_KEYS = ("dtype", "scaling", "block_size", "transform", "hadamard_block", "rounding")
 #: a codec dict's keys and defaults: the schema's ``CommConfig()`` values of :data:`CODEC_KEYS`, and ``seed`` 0
 CODEC_DEFAULTS = {**{k: getattr(CommConfig(), k) for k in CODEC_KEYS}, "seed": 0}
+#: the values a codec's choice keys take: the schema's, less the learned GeoFP8 transform (a per-tensor round trip
+#: has no statistics to build it from)
+CODEC_CHOICES = {
+    "scaling": choices_of(CommConfig, "scaling"),
+    "transform": tuple(t for t in choices_of(CommConfig, "transform") if t != "geo"),
+    "rounding": choices_of(CommConfig, "rounding"),
+}
 
 
 def is_pow2(v: int) -> bool:
@@ -63,12 +71,7 @@ def normalize_codec(codec: dict | str) -> dict:
     if unknown:
         raise ValueError(f"unknown codec keys {sorted(unknown)}; valid keys: {sorted(CODEC_DEFAULTS)}")
     c = {**CODEC_DEFAULTS, **codec}
-    for key, choices in (
-        ("dtype", tuple(FORMATS)),
-        ("scaling", ("tensor", "block")),
-        ("transform", ("none", "hadamard")),
-        ("rounding", ("nearest", "stochastic")),
-    ):
+    for key, choices in {"dtype": tuple(FORMATS), **CODEC_CHOICES}.items():
         if c[key] not in choices:
             raise ValueError(f"codec {key}={c[key]!r} is not supported; choose one of {', '.join(choices)}")
     c["block_size"], c["hadamard_block"], c["seed"] = int(c["block_size"]), int(c["hadamard_block"]), int(c["seed"])

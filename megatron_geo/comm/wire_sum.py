@@ -33,9 +33,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..config.checks import choices_of
+from ..config.schema import CommConfig
 from .codecs import FP8_FORMATS, dp_divisor, fp8_decode, fp8_encode, fp8_max, fp8_scale_from_amax
 
-REDUCE_OPS = ("fp32_sum", "wire_sum")
+REDUCE_OPS = choices_of(CommConfig, "reduce_op")  # comm.reduce_op, as the schema lists them
 
 
 def ring_order(dp: int, owner: int) -> list[int]:

@@ -30,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from .checks import check_choice, literal_values
 from .errors import ConfigError
 from .schema import Config
 from .yaml_read import NULL_WORDS, read_yaml
@@ -59,7 +60,8 @@ _LIST_KEYS = (
     "geo.power_search",
     "checkpoint.allow_changes",
 )  # comma-separated strings that may be written as YAML lists
-_AUTO_BOOL_KEYS = ("parallel.overlap_param_gather", "comm.compile")  # str keys whose values are auto, true or false
+# keys whose values are auto, true or false: a YAML boolean (or yes / on / no / off) is read as true or false
+_AUTO_BOOL_KEYS = ("parallel.overlap_param_gather", "comm.compile")
 
 
 def _int_from_text(text: str) -> int | None:
@@ -77,13 +79,19 @@ def _int_from_text(text: str) -> int | None:
     return int(d) if d.is_finite() and d == d.to_integral_value() else None
 
 
-def _coerce(value: Any, typ: type, where: str) -> Any:
+def _coerce(value: Any, typ: Any, where: str) -> Any:
     """Convert ``value`` to the schema field's type ``typ`` or raise ConfigError.
 
     Values are typed against the field, never guessed first: YAML files are read without implicit typing
     (every scalar is its text) and overrides are their text, so a string key keeps the text exactly as written
-    and a non-integral number for an integer key is an error in every spelling (``2.5``, ``2.5e0``).
+    and a non-integral number for an integer key is an error in every spelling (``2.5``, ``2.5e0``). A ``Literal``
+    key is a string that must be one of the values the schema lists for it.
     """
+    values = literal_values(typ)
+    if values is not None:
+        text = _coerce(value, str, where)
+        check_choice(where, text, values)
+        return text
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -266,8 +274,9 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
 
     Raises:
         ConfigError: missing file, YAML syntax error, a duplicate key (naming both lines), unknown section/key
-            (with the closest valid key suggested), a value of the wrong type, a malformed override, an empty
-            required path, or an unset ``$VAR`` in a path.
+            (with the closest valid key suggested), a value of the wrong type, a value outside a ``Literal`` key's
+            choices (``<file or override>: section.key='value' is not supported; choose one of a, b, c``), a
+            malformed override, an empty required path, or an unset ``$VAR`` in a path.
     """
     from .label import resolve_label
 

@@ -10,6 +10,10 @@ or next to the code that uses it otherwise (``optimizer.muon_split``: ``distribu
 ``optimizer.muon_ns_dtype``: ``optim/muon.py``; ``train.param_dtype``: ``model/llama.py``); validation and every
 reader call that function.
 
+A key with a fixed set of values is a ``Literal`` field: its values are written here and nowhere else. The loader
+refuses any other value when it reads the key, :func:`megatron_geo.config.checks.check_choices` checks a config
+built in code, and code that needs the list reads it with :func:`~megatron_geo.config.checks.choices_of`.
+
 Path-valued keys are declared with :func:`path_field`: the loader expands ``~`` and ``$VAR`` in them once,
 when the config is resolved, so every later reader (and the dumped ``config.yaml``) sees the final path.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 from .errors import ConfigError
 
@@ -48,7 +53,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
-    transformer_impl: str = "local"
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
 
 
 @dataclass
@@ -61,8 +66,8 @@ class ParallelConfig:
     overlap_grad_reduce: bool = True
     # start each bucket's parameter gather right after the update and wait for it in a forward pre-hook of
     # its first module (Megatron's overlap_param_gather); auto = on with CUDA, off on CPU
-    overlap_param_gather: str = "auto"
-    backend: str = "auto"
+    overlap_param_gather: Literal["auto", "true", "false"] = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
     timeout_minutes: float = 30.0
 
 
@@ -70,7 +75,7 @@ class ParallelConfig:
 class OptimizerConfig:
     """``name``: adamw (everything) or muon (Muon on 2-D hidden matrices, AdamW on the rest)."""
 
-    name: str = "adamw"
+    name: Literal["adamw", "muon"] = "adamw"
     lr: float = 1e-3
     min_lr: float = 1e-4
     weight_decay: float = 0.1
@@ -78,9 +83,10 @@ class OptimizerConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     muon_momentum: float = 0.95
-    muon_adjust_lr_fn: str = "match_rms_adamw"
+    muon_adjust_lr_fn: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
     muon_ns_dtype: str = "auto"  # auto: bf16 (torch.optim.Muon) on CUDA, fp32 on CPU
-    muon_ns: str = "quintic"  # Newton-Schulz form: quintic (torch.optim.Muon's) or gram (same result, on X X^T)
+    # Newton-Schulz form: quintic (torch.optim.Muon's) or gram (same result, on X X^T)
+    muon_ns: Literal["quintic", "gram"] = "quintic"
     muon_split: str = "auto"  # split Muon matrices by rows over DP groups: auto (where it saves time), off, 2..
     muon_overlap: bool = True  # orthogonalise each owned Muon matrix when its bucket is reduced (bitwise the same)
     adamw_lr: float = -1.0  # learning rate of the AdamW part under muon; <0 means same as lr
@@ -95,17 +101,18 @@ class TrainConfig:
     global_batch_size: int = 16
     micro_batch_size: int = 4
     warmup_steps: int = 20
-    lr_decay_style: str = "cosine"
+    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
     eval_interval: int = 50
     eval_batches: int = 4
     log_interval: int = 1
     seed: int = 1234
     run_dir: str = path_field("runs/default", required=True)
-    device: str = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     param_dtype: str = "fp32"
-    autocast_dtype: str = "auto"
+    autocast_dtype: Literal["auto", "none", "bf16"] = "auto"
     progress: bool = True
-    nonfinite: str = "skip"  # skip: skip the update on all ranks and log it | stop: stop with an error
+    # skip: skip the update on all ranks and log it | stop: stop with an error
+    nonfinite: Literal["skip", "stop"] = "skip"
     compile: bool = False  # torch.compile each transformer block (inductor on CUDA, eager backend on CPU)
     exit_interval: int = 0  # save a checkpoint and exit (code 0) when the step is a multiple of this; 0: off
     max_skipped_steps: int = 10  # this many consecutive skipped steps stop the run (after a last checkpoint)
@@ -115,14 +122,14 @@ class TrainConfig:
 class DataConfig:
     """``source=shakespeare`` prepares the embedded corpus on first use; ``indexed`` reads your own files."""
 
-    source: str = "shakespeare"
+    source: Literal["shakespeare", "indexed"] = "shakespeare"
     cache_dir: str = path_field("~/.cache/megatron_geo", required=True)
     train_prefix: str = path_field("", required=False)
     valid_prefix: str = path_field("", required=False)
     tokenizer_model: str = path_field("", required=False)
     # sentencepiece: tokenizer_model is a SentencePiece .model | huggingface: a folder AutoTokenizer loads
     # (tokenizer.json; Megatron-LM's --tokenizer-type HuggingFaceTokenizer), also with source=shakespeare
-    tokenizer_type: str = "sentencepiece"
+    tokenizer_type: Literal["sentencepiece", "huggingface"] = "sentencepiece"
     # Megatron-LM's --data-path spelling: "0.3 PREFIX_A 0.7 PREFIX_B" (weights normalised) or prefixes alone
     # (weights = their sample counts); mixed by Megatron's greedy blending index (data/blending.py)
     train_blend: str = ""
@@ -132,7 +139,7 @@ class DataConfig:
     split: str = ""
     # megatron: per-epoch sequence shuffle, sample index over that order, sample shuffle (Megatron-LM's
     # GPTDataset) | stream: windows of the unshuffled token stream, shuffled per epoch
-    sample_order: str = "megatron"
+    sample_order: Literal["megatron", "stream"] = "megatron"
     eod_mask_loss: bool = False  # no loss where the input token is the end-of-document token (Megatron's)
     reset_position_ids: bool = False  # positions restart at 0 after each end-of-document token
     reset_attention_mask: bool = False  # no attention across an end-of-document token (SDPA boolean mask)
@@ -143,20 +150,23 @@ class CommConfig:
     """Gradient-reduction wire format and its options (docs/configuration.md, ``comm``; orthogonal keys)."""
 
     dtype: str = "fp32"  # a format registered in comm/formats.py: fp32, bf16, fp8_e4m3, fp8_e5m2, nvfp4
-    scaling: str = "tensor"  # tensor (one FP32 scale per parameter) | block (one per block_size elements)
+    # tensor (one FP32 scale per parameter) | block (one per block_size elements)
+    scaling: Literal["tensor", "block"] = "tensor"
     block_size: int = 128  # elements per scale with scaling=block
-    rounding: str = "nearest"  # nearest | stochastic (unbiased, seeded)
+    rounding: Literal["nearest", "stochastic"] = "nearest"  # nearest | stochastic (unbiased, seeded)
     error_feedback: bool = False  # keep what quantisation lost and add it back next step
-    transform: str = "none"  # none | hadamard (fixed block-Hadamard rotation) | geo (GeoFP8, see geo.*)
+    # none | hadamard (fixed block-Hadamard rotation) | geo (GeoFP8, see geo.*)
+    transform: Literal["none", "hadamard", "geo"] = "none"
     hadamard_block: int = 128  # rotation block (power of two)
-    scale_sync: str = "none"  # none (per-rank scales, sent with the payload) | max (shared MAX scales)
+    # none (per-rank scales, sent with the payload) | max (shared MAX scales)
+    scale_sync: Literal["none", "max"] = "none"
     # fp32_sum: every rank's codes decoded and summed in FP32 (default) | wire_sum: the paper's Euclidean
     # collective, codes with one DP-shared scale summed in FP8 inside the reduce-scatter (fp8 only)
-    reduce_op: str = "fp32_sum"
+    reduce_op: Literal["fp32_sum", "wire_sum"] = "fp32_sum"
     wire_sum_prediv: bool = True  # wire_sum: divide by the DP size before the sum (in the scale), not after
     # torch.compile(fullgraph=True) each codec's encode and decode (codes bitwise equal to eager);
     # auto = on with CUDA, off on CPU (where a C++ compiler and a first-call compile are needed)
-    compile: str = "auto"
+    compile: Literal["auto", "true", "false"] = "auto"
     # the run's name for its comm settings (wandb group and tag, run name, summary, compare_runs.py); empty:
     # the preset's name (configs/comm/<name>.yaml) or a compact label of the non-default comm/geo keys
     label: str = ""
@@ -181,9 +191,9 @@ class GeoConfig:
     """
 
     layers: str = "layers.*.mlp.down_proj.weight"
-    select: str = "layers"  # layers: use geo.layers | auto: profile bound hits, then pick the top |
-    # gain: at every refresh, the num_layers candidates with the largest
-    # positive predicted gain (geometry/refresh_stats.py; others stay Euclidean)
+    # layers: use geo.layers | auto: profile bound hits, then pick the top | gain: at every refresh, the num_layers
+    # candidates with the largest positive predicted gain (geometry/refresh_stats.py; others stay Euclidean)
+    select: Literal["layers", "auto", "gain"] = "layers"
     num_layers: int = 13  # auto / gain: how many layers get the transform (paper: 13)
     profile_steps: int = 100  # auto: Euclidean steps profiled before choosing (paper: 100)
     rank: int = 32
@@ -195,10 +205,9 @@ class GeoConfig:
     power_search: str = ""  # e.g. "0.5,0.25,0": at each refresh every layer takes the power (0 = Euclidean)
     # with the smallest DP-summed round-trip error of its gradient; overrides power
     refresh_interval: int = 50
-    ef_on_refresh: str = "rebase"  # rebase: R <- R T_old^-1 T_new | reset: R <- 0
-    statistics: str = (
-        "auto"  # full A (d_in^2) | sketch A·Omega (d_in x sketch_size) | auto: sketch if d_in > 4 x sketch_size
-    )
+    ef_on_refresh: Literal["rebase", "reset"] = "rebase"  # rebase: R <- R T_old^-1 T_new | reset: R <- 0
+    # full A (d_in^2) | sketch A·Omega (d_in x sketch_size) | auto: sketch if d_in > 4 x sketch_size
+    statistics: Literal["auto", "full", "sketch"] = "auto"
     sketch_size: int = 64  # columns of Omega (>= rank; 2 x rank is a good choice)
 
 
@@ -287,11 +296,12 @@ class CheckpointConfig:
 class LoggingConfig:
     """``wandb``: offline (default), online or disabled. Group and tags default to the comm settings."""
 
-    wandb: str = "offline"
+    wandb: Literal["offline", "online", "disabled"] = "offline"
     wandb_project: str = "megatron-geo"
     wandb_group: str = ""
     wandb_name: str = ""
-    wandb_resume: str = "auto"  # auto: continue the wandb run only in the folder its id was made in | never | must
+    # auto: continue the wandb run only in the folder its id was made in | never | must
+    wandb_resume: Literal["auto", "never", "must"] = "auto"
 
 
 @dataclass

@@ -49,9 +49,11 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from ..config.checks import choices_of
+from ..config.schema import DataConfig
 from .indexed_dataset import IndexedDataset
 
-SAMPLE_ORDERS = ("megatron", "stream")
+SAMPLE_ORDERS = choices_of(DataConfig, "sample_order")  # data.sample_order, as the schema lists them
 # megatron-core's GPTDataset keeps a final epoch out of the joint shuffle when it is below this fraction of an epoch
 SEPARATE_FINAL_EPOCH_BELOW = 0.80
 MAX_SEED = 2**63  # seeds are ints in [0, MAX_SEED)

@@ -16,10 +16,12 @@ import hashlib
 import os
 from collections.abc import Iterable
 
+from ..config.checks import choices_of
 from ..config.errors import ConfigError
+from ..config.schema import DataConfig
 from .tokenizer import Tokenizer, checked_ids
 
-TOKENIZER_TYPES = ("sentencepiece", "huggingface")
+TOKENIZER_TYPES = choices_of(DataConfig, "tokenizer_type")  # data.tokenizer_type, as the schema lists them
 # Megatron-LM's --tokenizer-type spellings of the two
 MEGATRON_TOKENIZER_TYPES = {"SentencePieceTokenizer": "sentencepiece", "HuggingFaceTokenizer": "huggingface"}
 # Files a transformers tokenizer folder may hold (save_pretrained, a hub snapshot): at least one must be there;

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..optim.muon import gram_restarts
+from ..optim.muon import NS_CHOICES, gram_restarts
 
 
 @dataclass
@@ -150,8 +150,8 @@ def newton_schulz_flops(shape: tuple[int, ...], steps: int = 5, ns: str = "quint
     Raises:
         ValueError: ``ns`` is not ``quintic`` or ``gram``, or ``share`` outside ``[0, 1]``.
     """
-    if ns not in ("quintic", "gram"):
-        raise ValueError(f"ns={ns!r} is not one of ('quintic', 'gram')")
+    if ns not in NS_CHOICES:
+        raise ValueError(f"ns={ns!r} is not one of {NS_CHOICES}")
     if not 0.0 <= share <= 1.0:
         raise ValueError(f"share={share} must be in [0, 1]")
     m, n = shape[0], math.prod(shape[1:]) if len(shape) > 1 else 1

@@ -1,16 +1,54 @@
-"""Start-up checks of the ``model`` section against the data a run reads (the shape checks that need no data,
-such as head counts against ``parallel.tensor``, are in :mod:`megatron_geo.training.validate`)."""
+"""Start-up checks of the ``model`` section: its shape rules (:func:`check_model_config`, before any process group
+starts) and its vocabulary against the data a run reads (:func:`check_vocab_size`, once the tokenizer is known)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..config.checks import check_positive
 from ..config.errors import ConfigError
-from ..config.schema import Config
+from ..config.schema import Config, ModelConfig
 
 if TYPE_CHECKING:
     from ..data.hf_tokenizer import HFTokenizer
     from ..data.tokenizer import Tokenizer
+
+_POSITIVE = (
+    "hidden_size",
+    "num_layers",
+    "num_attention_heads",
+    "num_kv_heads",
+    "ffn_hidden_size",
+    "seq_length",
+    "vocab_size",
+    "make_vocab_size_divisible_by",
+)
+
+
+def check_model_config(m: ModelConfig, tensor: int) -> None:
+    """Check the model's shape for tensor-parallel size ``tensor`` (a positive number, checked first).
+
+    Checked: the sizes positive; ``hidden_size`` divisible by ``num_attention_heads``, with an even head dim (RoPE);
+    ``num_attention_heads`` divisible by ``num_kv_heads``; ``num_attention_heads``, ``num_kv_heads`` and
+    ``ffn_hidden_size`` divisible by ``tensor``.
+
+    Raises:
+        ConfigError: naming the key, the value and what it must divide or be divisible by.
+    """
+    check_positive("model", m, _POSITIVE)
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}"
+        )
+    if (m.hidden_size // m.num_attention_heads) % 2:
+        raise ConfigError(f"head dim {m.hidden_size // m.num_attention_heads} must be even for RoPE")
+    if m.num_attention_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"model.num_attention_heads={m.num_attention_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}"
+        )
+    for name in ("num_attention_heads", "num_kv_heads", "ffn_hidden_size"):
+        if getattr(m, name) % tensor:
+            raise ConfigError(f"model.{name}={getattr(m, name)} is not divisible by parallel.tensor={tensor}")
 
 
 def check_vocab_size(cfg: Config, tokenizer: Tokenizer | HFTokenizer | None = None) -> None:

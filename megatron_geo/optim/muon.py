@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..config.checks import choices_of
 from ..config.errors import ConfigError
+from ..config.schema import OptimizerConfig
 
 if TYPE_CHECKING:
     from ..config.schema import OptimizerConfig
@@ -53,7 +55,8 @@ def newton_schulz5(
     return x.T if tall else x
 
 
-NS_CHOICES = ("quintic", "gram")
+#: the Newton-Schulz forms (``optimizer.muon_ns``), as the schema lists them
+NS_CHOICES = choices_of(OptimizerConfig, "muon_ns")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""Pre-flight checks of the ``data`` section: which prefixes a run reads, and that blends, splits and their
-combinations are well-formed (before any process group starts; errors name the key, the value and the fix).
+"""Pre-flight checks of the ``data`` section: which prefixes a run reads, that blends, splits and their
+combinations are well-formed, which data keys the chosen source gives no effect, and that the files the keys name
+exist (before any process group starts; errors name the key, the value and the fix).
 
 Which keys combine (docs/data.md, "Bring your Megatron data"):
 
@@ -11,8 +12,12 @@ Which keys combine (docs/data.md, "Bring your Megatron data"):
 
 from __future__ import annotations
 
+import os
+
+from ..config.checks import InertRule
 from ..config.loader import ConfigError
 from ..config.schema import Config, DataConfig
+from .train_config import check_output_folder
 
 
 def blend_entries(text: str, key: str) -> list[tuple[float | None, str]]:
@@ -78,9 +83,11 @@ def validate_data_config(cfg: Config) -> None:
     Raises:
         ConfigError: both a prefix and a blend for the same documents, a malformed blend or split, a split whose
             validation part competes with a validation prefix or blend, ``data.source=indexed`` without
-            training documents or tokenizer, or ``data.tokenizer_type=huggingface`` without a tokenizer folder.
+            training documents or tokenizer, ``data.tokenizer_type=huggingface`` without a tokenizer folder, or a
+            ``data.cache_dir`` that a file is in the way of.
     """
     d = cfg.data
+    check_output_folder("data.cache_dir", d.cache_dir)
     for what in ("train", "valid"):
         prefix, blend = getattr(d, f"{what}_prefix"), getattr(d, f"{what}_blend")
         if prefix and blend.strip():
@@ -117,3 +124,50 @@ def validate_data_config(cfg: Config) -> None:
                 f"{'data.valid_blend' if d.valid_blend.strip() else 'data.valid_prefix'} names others; drop one, or "
                 "give the split no validation part (e.g. data.split=99,0,1)"
             )
+
+
+def data_inert_keys(d: DataConfig) -> list[InertRule]:
+    """The ``data`` keys that ``data.source`` gives no effect: the prefixes, blends, split and (with SentencePiece)
+    ``data.tokenizer_model`` with the embedded corpus; ``data.cache_dir`` with ``data.source=indexed``."""
+    if d.source == "shakespeare":
+        # a Hugging Face tokenizer tokenizes the embedded corpus: its folder is then in use
+        tok = ("data.tokenizer_model",) if d.tokenizer_type == "sentencepiece" else ()
+        keys = ("data.train_prefix", "data.valid_prefix", *tok, "data.train_blend", "data.valid_blend", "data.split")
+        return [
+            (keys, "data.source=shakespeare (the embedded corpus)", "set data.source=indexed to train on your files")
+        ]
+    if d.source == "indexed":
+        why = "data.source=indexed (only the embedded corpus is prepared there)"
+        return [(("data.cache_dir",), why, "set data.source=shakespeare")]
+    return []
+
+
+def check_data_paths(cfg: Config) -> None:
+    """The files the ``data`` keys name exist: with ``data.source=indexed`` the ``.bin`` and ``.idx`` of every
+    prefix (and their headers and sizes, :func:`megatron_geo.data.indexed_dataset.check_dataset_files`) and a
+    SentencePiece ``data.tokenizer_model``; with ``data.tokenizer_type=huggingface`` (either source) the
+    tokenizer's folder (:func:`megatron_geo.data.hf_tokenizer.check_tokenizer_folder`).
+
+    Raises:
+        ConfigError: naming the key, the missing or malformed file and the fix.
+    """
+    from ..data.hf_tokenizer import check_tokenizer_folder
+    from ..data.indexed_dataset import check_dataset_files
+
+    d = cfg.data
+    if d.source == "indexed":
+        for key, prefix in data_files(cfg):
+            missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+            if missing:
+                raise ConfigError(
+                    f"{key}={prefix!r}: {' and '.join(repr(m) for m in missing)} not found; write them with "
+                    f"tools/preprocess_data.py --output-prefix {prefix} or fix the path"
+                )
+            check_dataset_files(key, prefix)  # format, header and sizes of both files
+        if d.tokenizer_type == "sentencepiece" and d.tokenizer_model and not os.path.exists(d.tokenizer_model):
+            raise ConfigError(
+                f"data.tokenizer_model={d.tokenizer_model!r} not found; train one with "
+                f"tools/train_tokenizer.py or fix the path"
+            )
+    if d.tokenizer_type == "huggingface":  # with either source: the embedded corpus is tokenized with it too
+        check_tokenizer_folder(d.tokenizer_model, "data.tokenizer_model")

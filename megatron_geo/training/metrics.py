@@ -17,6 +17,8 @@ import torch
 import yaml
 
 from ..config import Config, ConfigError, config_to_dict, dump_config
+from ..config.checks import check_choice, choices_of
+from ..config.schema import LoggingConfig
 from ..model import flops_per_token
 from ..parallel import ParallelContext
 from .checkpointing import launch_neutral
@@ -74,8 +76,7 @@ def choose_wandb_id(run_dir: Path, resume_step: int, mode: str = "auto", new_tim
     Raises:
         ConfigError: ``mode="must"`` and the folder keeps no id, or an unknown mode.
     """
-    if mode not in ("auto", "never", "must"):
-        raise ConfigError(f"logging.wandb_resume={mode!r}; choose auto, never or must")
+    check_choice("logging.wandb_resume", mode, choices_of(LoggingConfig, "wandb_resume"))
     kept, origin = read_wandb_id(run_dir) if resume_step > 0 else (None, None)
     if new_timeline and resume_step > 0:
         if kept is None:

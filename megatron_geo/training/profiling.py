@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 
 from ..config import Config, ConfigError
+from ..config.checks import InertRule
+from ..config.schema import ProfilingConfig
 from ..parallel import ParallelContext
 from ..parallel.trace import RANGE_NAMES
 
@@ -61,6 +63,15 @@ def parse_profile_steps(text: str) -> tuple[int, int] | None:
             f"profiled: {_EXAMPLE})"
         )
     return start, end
+
+
+def profiling_inert_keys(p: ProfilingConfig) -> list[InertRule]:
+    """``profiling.memory_snapshot`` without a profiling window (``profiling.steps`` empty) has no effect."""
+    if p.steps.strip():
+        return []
+    return [
+        (("profiling.memory_snapshot",), "profiling.steps empty (no profiling window)", "set profiling.steps=START:END")
+    ]
 
 
 class StepProfiler:
