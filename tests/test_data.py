@@ -46,6 +46,14 @@ def tok(tmp_path_factory):
     return Tokenizer(model)
 
 
+MMIDIDX = b"MMIDIDX\x00\x00"  # the 9-byte magic of Megatron-Core's index, the one written
+
+
+def _magic(prefix) -> bytes:
+    """The first 9 bytes of ``PREFIX.idx``."""
+    return Path(f"{prefix}.idx").read_bytes()[:9]
+
+
 def _build(prefix, docs, vocab_size):
     with IndexedDatasetBuilder(str(prefix), vocab_size) as b:
         for doc in docs:
@@ -102,7 +110,7 @@ def test_indexed_roundtrip(tmp_path, vocab, dtype):
     docs = _random_docs(np.random.default_rng(0), 40, vocab) + [[]]
     ds = _build(tmp_path / "d", docs, vocab)
     assert len(ds) == len(docs) and ds.tokens.dtype == dtype
-    assert ds.index_format == "MMIDIDX" and ds.vocab_size is None  # Megatron's index records no vocabulary
+    assert _magic(tmp_path / "d") == MMIDIDX  # Megatron's index, which records no vocabulary
     assert ds.num_documents == len(docs) and ds.document_indices.tolist() == list(range(len(docs) + 1))
     assert ds.sizes.dtype == np.int64 and ds.sizes.tolist() == [len(d) for d in docs]
     assert ds.num_tokens == sum(map(len, docs))
@@ -287,7 +295,7 @@ def test_preprocess_data_roundtrip(tok, tmp_path, kind):
     )
     assert r.returncode == 0, r.stderr
     ds = IndexedDataset(prefix)
-    assert len(ds) == len(DOCS) and ds.index_format == "MMIDIDX" and ds.max_token_id() < tok.vocab_size
+    assert len(ds) == len(DOCS) and _magic(prefix) == MMIDIDX and ds.max_token_id() < tok.vocab_size
     for i, text in enumerate(DOCS):
         assert ds[i][-1] == tok.eod_id
         assert tok.decode(ds[i][:-1]) == text
@@ -331,7 +339,7 @@ def test_default_corpus_split_and_cache(tmp_path):
     tok = Tokenizer(paths.tokenizer_model)
     train, valid = IndexedDataset(paths.train_prefix), IndexedDataset(paths.valid_prefix)
     assert tok.vocab_size == 512 and train.max_token_id() < 512 and valid.max_token_id() < 512
-    assert train.index_format == valid.index_format == "MMIDIDX"
+    assert _magic(paths.train_prefix) == _magic(paths.valid_prefix) == MMIDIDX
     assert len(valid) > 0 and len(train) > 5 * len(valid)
     train_docs = {train[i].tobytes() for i in range(len(train))}
     assert not train_docs & {valid[i].tobytes() for i in range(len(valid))}

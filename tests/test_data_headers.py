@@ -1,12 +1,16 @@
-"""Indexed dataset files in neither format, truncated or corrupt: one error before any process group starts,
-naming the file, the field, what was expected and what was found, and the fix; Megatron-LM's files pass.
+"""Indexed dataset files that are not MMIDIDX, truncated or corrupt: one error before any process group starts,
+naming the file, the field, what was expected and what was found, and the fix; Megatron-LM's files pass. An index
+in the earlier MGEOIDX format is refused naming ``python tools/convert_index.py PREFIX``; the converter finds its
+truncated or corrupt files with the same kind of message.
 
 Expected sizes come from the layouts as documented, not from the reader: Megatron-Core's MMIDIDX index, the one
-the writer makes (magic 9 bytes, <Q version 1, <B dtype code, <Q sequence count, <Q document count, then int32
-lengths, int64 byte pointers, int64 document indices) and the earlier MGEOIDX one, still read (magic 8 bytes,
-<I version, <I dtype code, <Q vocab size, <Q documents, then int64 sizes and int64 offsets).
+the writer makes and the package reads (magic 9 bytes, <Q version 1, <B dtype code, <Q sequence count, <Q document
+count, then int32 lengths, int64 byte pointers, int64 document indices) and the earlier MGEOIDX one, which only
+the converter reads (magic 8 bytes, <I version, <I dtype code, <Q vocab size, <Q documents, then int64 sizes and
+int64 offsets).
 """
 
+import importlib.util
 import os
 import struct
 import subprocess
@@ -68,21 +72,54 @@ def _check(prefix: str, key: str = "data.train_prefix") -> str:
     return msg
 
 
+def _check_mgeoidx(prefix: str, key: str = "data.train_prefix") -> None:
+    """An MGEOIDX index, whole or not: refused by its magic, naming the converter with the prefix."""
+    from megatron_geo.data.indexed_dataset import check_dataset_files
+
+    with pytest.raises(ConfigError) as err:
+        check_dataset_files(key, prefix)
+    msg = str(err.value)
+    assert msg.startswith(f"{key}={prefix!r}: {prefix + '.idx'!r} is an MGEOIDX index") and "\n" not in msg, msg
+    assert msg.endswith(f"`python tools/convert_index.py {prefix}`") and FIX not in msg, msg
+    with pytest.raises(ValueError) as opened:
+        IndexedDataset(prefix)
+    assert str(opened.value) in msg
+
+
+def _convert_error(prefix: str, capsys) -> str:
+    """``tools/convert_index.py PREFIX`` on a bad MGEOIDX file: exit 2, one ``error:`` line naming the fix, and
+    the file left as it was."""
+    spec = importlib.util.spec_from_file_location("convert_index", ROOT / "tools" / "convert_index.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    before = Path(prefix + ".idx").read_bytes()
+    capsys.readouterr()
+    assert tool.main([prefix]) == 2
+    captured = capsys.readouterr()
+    lines = [ln for ln in captured.err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("convert_index.py: error: ") and not captured.out, captured
+    assert f"{FIX} {prefix}" in lines[0], lines[0]
+    assert Path(prefix + ".idx").read_bytes() == before
+    return lines[0]
+
+
 def _patch(path: str, offset: int, data: bytes) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
         f.write(data)
 
 
-def test_files_from_the_writer_pass(dataset, legacy):
+def test_files_from_the_writer_pass_and_mgeoidx_is_refused(dataset, legacy):
     from megatron_geo.data.indexed_dataset import check_dataset_files
 
+    check_dataset_files("data.train_prefix", dataset)
     for prefix in (dataset, legacy):
-        check_dataset_files("data.train_prefix", prefix)
         assert os.path.getsize(prefix + ".bin") == 2 * sum(map(len, DOCS))
     assert os.path.getsize(dataset + ".idx") == MM_SIZE
     assert Path(dataset + ".idx").read_bytes()[:9] == b"MMIDIDX\x00\x00"
     assert os.path.getsize(legacy + ".idx") == OUR_HEADER + 16 * len(DOCS)
+    _check_mgeoidx(legacy)
+    _check_mgeoidx(legacy, "data.valid_prefix")
 
 
 def test_every_truncation_of_the_index_is_named(dataset):
@@ -99,30 +136,45 @@ def test_every_truncation_of_the_index_is_named(dataset):
             assert f"{MM_HEADER}-byte MMIDIDX header" in msg
 
 
-def test_every_truncation_of_an_mgeoidx_index_is_named(legacy):
+def test_every_truncation_of_an_mgeoidx_index_is_named_by_the_converter(legacy, capsys):
     idx = legacy + ".idx"
     full = Path(idx).read_bytes()
     for cut in range(len(full)):
         with open(idx, "wb") as f:
             f.write(full[:cut])
-        msg = _check(legacy)
+        if cut >= 8:  # the whole magic: the package sends it to the converter
+            _check_mgeoidx(legacy)
+        msg = _convert_error(legacy, capsys)
         assert repr(idx) in msg and f"{cut} bytes" in msg and "truncated" in msg
         if cut >= OUR_HEADER:
             assert f"expected {OUR_HEADER + 16 * len(DOCS)}" in msg and "3 documents" in msg
-        else:
+        elif cut >= 2:  # b"MG...": the start of no other magic
             assert f"{OUR_HEADER}-byte MGEOIDX header" in msg
+        else:  # b"" and b"M" could be either: the package's message
+            assert f"{MM_HEADER}-byte MMIDIDX header" in msg
 
 
-@pytest.mark.parametrize("which", ["dataset", "legacy"])
 @pytest.mark.parametrize("delta", [-1, -2, -6, 2, 4])
-def test_bin_size_disagreeing_with_the_index(request, which, delta):
-    prefix = request.getfixturevalue(which)
-    bin_path = prefix + ".bin"
+def test_bin_size_disagreeing_with_the_index(dataset, delta):
+    bin_path = dataset + ".bin"
     data = Path(bin_path).read_bytes()
     with open(bin_path, "wb") as f:
         f.write(data[:delta] if delta < 0 else data + b"\0" * delta)
     tokens = sum(map(len, DOCS))
-    msg = _check(prefix)
+    msg = _check(dataset)
+    assert repr(bin_path) in msg and f"{len(data) + delta} bytes" in msg
+    assert f"{tokens} tokens x 2 bytes = {2 * tokens} bytes" in msg
+
+
+@pytest.mark.parametrize("delta", [-1, -2, -6, 2, 4])
+def test_bin_size_disagreeing_with_an_mgeoidx_index_is_named_by_the_converter(legacy, capsys, delta):
+    bin_path = legacy + ".bin"
+    data = Path(bin_path).read_bytes()
+    with open(bin_path, "wb") as f:
+        f.write(data[:delta] if delta < 0 else data + b"\0" * delta)
+    tokens = sum(map(len, DOCS))
+    _check_mgeoidx(legacy)
+    msg = _convert_error(legacy, capsys)
     assert repr(bin_path) in msg and f"{len(data) + delta} bytes" in msg
     assert f"{tokens} tokens x 2 bytes = {2 * tokens} bytes" in msg
 
@@ -145,11 +197,16 @@ def test_corrupt_header_fields(dataset, offset, data, found):
     assert found in msg and repr(dataset + ".idx") in msg
 
 
+def test_a_file_that_lost_the_mgeoidx_magic_is_not_an_index(legacy):
+    _patch(legacy + ".idx", 0, b"XXXXXXXX")
+    msg = _check(legacy)
+    assert "bad magic b'XXXXXXXX\\x01', expected b'MMIDIDX\\x00\\x00' of Megatron-Core's MMIDIDX);" in msg  # 9 bytes
+    assert repr(legacy + ".idx") in msg
+
+
 @pytest.mark.parametrize(
     "offset,data,found",
     [
-        (0, b"XXXXXXXX", "bad magic b'XXXXXXXX\\x01'"),  # the 9 bytes a magic could span
-        (0, b"XXXXXXXX", "or b'MGEOIDX\\x00' of megatron-geo's MGEOIDX"),
         (8, struct.pack("<I", 2), "MGEOIDX format version 2, expected 1"),
         (12, struct.pack("<I", 7), "unknown MGEOIDX dtype code 7, expected 1 (uint16) or 2 (int32)"),
         (12, struct.pack("<I", 2), "vocab_size=300 with dtype code 2"),  # int32 code for a 300-id vocabulary
@@ -158,21 +215,24 @@ def test_corrupt_header_fields(dataset, offset, data, found):
         (24, struct.pack("<Q", 2**40), f"{2**40} documents"),
     ],
 )
-def test_corrupt_mgeoidx_header_fields(legacy, offset, data, found):
+def test_corrupt_mgeoidx_header_fields_are_named_by_the_converter(legacy, capsys, offset, data, found):
     _patch(legacy + ".idx", offset, data)
-    msg = _check(legacy)
+    _check_mgeoidx(legacy)
+    msg = _convert_error(legacy, capsys)
     assert found in msg and repr(legacy + ".idx") in msg
 
 
-def test_inconsistent_document_table(legacy):
+def test_inconsistent_document_table_is_named_by_the_converter(legacy, capsys):
     n = len(DOCS)
     _patch(legacy + ".idx", OUR_HEADER + 8 * n + 8 * 2, struct.pack("<q", 1))  # offset of document 2
-    assert "inconsistent document sizes/offsets (first at document 2" in _check(legacy)
+    _check_mgeoidx(legacy)
+    assert "inconsistent document sizes/offsets (first at document 2" in _convert_error(legacy, capsys)
 
 
-def test_negative_document_size(legacy):
+def test_negative_document_size_is_named_by_the_converter(legacy, capsys):
     _patch(legacy + ".idx", OUR_HEADER + 8, struct.pack("<q", -3))  # size of document 1
-    assert "first at document 1: size -3" in _check(legacy)
+    _check_mgeoidx(legacy)
+    assert "first at document 1: size -3" in _convert_error(legacy, capsys)
 
 
 def test_inconsistent_sequence_table(dataset):
@@ -209,7 +269,7 @@ def test_megatron_lm_index_is_read(tmp_path):
     megatron_lm_index(prefix, DOCS)
     check_dataset_files("data.valid_prefix", prefix)
     ds = IndexedDataset(prefix)
-    assert ds.index_format == "MMIDIDX" and [ds[i].tolist() for i in range(len(ds))] == DOCS
+    assert [ds[i].tolist() for i in range(len(ds))] == DOCS
 
 
 def test_check_inputs_checks_headers_of_both_prefixes(dataset, tmp_path):
@@ -232,6 +292,11 @@ def test_check_inputs_checks_headers_of_both_prefixes(dataset, tmp_path):
         f.truncate(MM_SIZE - 1)
     with pytest.raises(ConfigError, match=r"^data\.valid_prefix=.*truncated"):
         check_inputs(cfg, devices=False)
+    mgeo_index(valid, DOCS)  # the earlier format: refused at start-up, naming the converter
+    with pytest.raises(ConfigError) as err:
+        check_inputs(cfg, devices=False)
+    assert str(err.value).startswith(f"data.valid_prefix={valid!r}: {valid + '.idx'!r} is an MGEOIDX index")
+    assert str(err.value).endswith(f"`python tools/convert_index.py {valid}`")
 
 
 def test_pretrain_refuses_a_corrupt_megatron_lm_index_with_one_line(tmp_path):

@@ -1,5 +1,5 @@
 """Megatron-Core's MMIDIDX indexed dataset: written byte for byte, read as Megatron-LM writes it, the earlier
-MGEOIDX index still read and converted, bad files refused naming the field.
+MGEOIDX index refused naming tools/convert_index.py and converted by it, bad files refused naming the field.
 
 Every expected file is built here with ``struct`` from the layouts as documented (Megatron-Core
 ``megatron/core/datasets/indexed_dataset.py``, version 1, little-endian):
@@ -288,7 +288,6 @@ def test_megatron_files_are_read_exactly(tmp_path, code, vocab, modes):
     check_dataset_files("data.train_prefix", prefix)
     ds = IndexedDataset(prefix)
     assert_reads(ds, docs, CODES[code][1])
-    assert ds.index_format == "MMIDIDX" and ds.vocab_size is None
     assert (ds.sequence_modes is None) if not modes else ds.sequence_modes.tolist() == seq_modes
     assert ds.max_token_id(max_tokens=5) == max([t for s in _seqs(docs) for t in s][:5])
     again = pickle.loads(pickle.dumps(ds))  # by path (DataLoader workers)
@@ -317,28 +316,48 @@ def test_get_spans(tmp_path):
 # ---------------------------------------------------------------- the earlier MGEOIDX index
 
 
+def _refused_mgeoidx(prefix: str) -> None:
+    """Opening and the start-up check refuse an MGEOIDX ``prefix`` with one line naming it and the converter."""
+    fix = f"`python tools/convert_index.py {prefix}`"
+    with pytest.raises(ValueError) as err:
+        IndexedDataset(prefix)
+    msg = str(err.value)
+    assert msg.startswith(f"{prefix + '.idx'!r} is an MGEOIDX index") and msg.endswith(fix) and "\n" not in msg
+    with pytest.raises(ConfigError) as cfg_err:
+        check_dataset_files("data.train_prefix", prefix)
+    assert str(cfg_err.value) == f"data.train_prefix={prefix!r}: {msg}"
+
+
 @pytest.mark.parametrize("vocab,dtype,code", [(300, "uint16", 8), (70000, "int32", 4)])
-def test_mgeoidx_is_read_and_converted(tmp_path, capsys, vocab, dtype, code):
+def test_mgeoidx_is_refused_naming_the_converter_which_converts_it(tmp_path, capsys, vocab, dtype, code):
     docs = [[5, 6, 7, 2], [], [vocab - 1, 2], [9, 2]]
     prefix = str(tmp_path / "old")
     write_mgeo(prefix, docs, vocab)
-    ds = IndexedDataset(prefix)
-    assert_reads(ds, [[d] for d in docs], dtype)
-    assert ds.index_format == "MGEOIDX" and ds.vocab_size == vocab
-    bin_before = Path(prefix + ".bin").read_bytes()
+    idx_before, bin_before = Path(prefix + ".idx").read_bytes(), Path(prefix + ".bin").read_bytes()
+    _refused_mgeoidx(prefix)
+    assert Path(prefix + ".idx").read_bytes() == idx_before  # refused, not touched
     convert = _tool_main("convert_index")
     assert convert([prefix]) == 0
-    assert "MGEOIDX -> MMIDIDX" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "MGEOIDX -> MMIDIDX" in out and f"4 documents, {dtype} tokens" in out
+    assert f"the recorded vocab_size={vocab} is not kept" in out
     assert Path(prefix + ".idx").read_bytes() == expected_idx(code, [[d] for d in docs])
     assert Path(prefix + ".bin").read_bytes() == bin_before
     assert sorted(os.listdir(tmp_path)) == ["old.bin", "old.idx"]
-    converted = IndexedDataset(prefix)
-    assert_reads(converted, [[d] for d in docs], dtype)
-    assert converted.index_format == "MMIDIDX" and converted.vocab_size is None
+    check_dataset_files("data.train_prefix", prefix)
+    assert_reads(IndexedDataset(prefix), [[d] for d in docs], dtype)  # the documents written, read back
     # already MMIDIDX: reported, bytes unchanged
     idx_before = Path(prefix + ".idx").read_bytes()
     assert convert([prefix]) == 0 and "already MMIDIDX" in capsys.readouterr().out
     assert Path(prefix + ".idx").read_bytes() == idx_before
+
+
+def test_a_bare_mgeoidx_magic_is_refused_naming_the_converter(tmp_path):
+    """The magic alone decides: a truncated or corrupt MGEOIDX file is sent to the converter, which checks it."""
+    prefix = str(tmp_path / "old")
+    Path(prefix + ".idx").write_bytes(b"MGEOIDX\x00")
+    Path(prefix + ".bin").write_bytes(b"")
+    _refused_mgeoidx(prefix)
 
 
 def test_convert_index_refuses_bad_input_with_one_line(tmp_path, capsys):
@@ -410,7 +429,7 @@ def test_an_index_with_extra_bytes_other_than_modes_is_corrupt(mm):
 @pytest.mark.parametrize(
     "offset,data,needles",
     [
-        (0, b"XXXXXXXXX", ["bad magic b'XXXXXXXXX'", "MMIDIDX", "MGEOIDX"]),
+        (0, b"XXXXXXXXX", ["bad magic b'XXXXXXXXX'", "MMIDIDX"]),
         (9, struct.pack("<Q", 2), ["MMIDIDX version 2, expected 1"]),
         (17, struct.pack("<B", 0), ["unknown MMIDIDX dtype code 0"] + [f"{c} ({n})" for c, (_, n) in CODES.items()]),
         (17, struct.pack("<B", 9), ["unknown MMIDIDX dtype code 9", "8 (uint16)"]),

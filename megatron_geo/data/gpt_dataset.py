@@ -201,8 +201,8 @@ class GPTDatasetConfig:
         sample_order: ``"megatron"`` or ``"stream"``.
         eod_mask_loss, reset_position_ids, reset_attention_mask: the options of the module docstring (need
             ``eod_id``).
-        vocab_size: if given, a sample holding an id ``>= vocab_size`` raises ValueError when read; defaults to
-            the vocabulary the index records (None for MMIDIDX files: no check).
+        vocab_size: if given, a sample holding an id ``>= vocab_size`` raises ValueError when read (None: no
+            check; the index records no vocabulary).
     """
 
     seq_length: int
@@ -269,9 +269,6 @@ class GPTDataset(torch.utils.data.Dataset):
         self.reset_position_ids = bool(config.reset_position_ids)
         self.reset_attention_mask = bool(config.reset_attention_mask)
         self.vocab_size = None if config.vocab_size is None else _check_int("vocab_size", config.vocab_size, 1)
-        recorded = getattr(indexed, "vocab_size", None)
-        if self.vocab_size is None and recorded is not None:
-            self.vocab_size = int(recorded)
         self.eod_id = None if config.eod_id is None else int(config.eod_id)
 
         if start < stop:

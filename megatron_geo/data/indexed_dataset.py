@@ -1,7 +1,7 @@
 """Indexed token dataset on disk: ``PREFIX.bin`` + ``PREFIX.idx``.
 
 ``PREFIX.bin``: the token ids of all sequences, concatenated in order, little-endian, in the dtype the index
-names. Both index formats below describe the same kind of ``.bin``.
+names.
 
 ``PREFIX.idx`` as written (Megatron-Core's ``MMIDIDX`` layout, version 1, the one of
 ``megatron/core/datasets/indexed_dataset.py`` and of Megatron-LM's ``tools/preprocess_data.py``), little-endian::
@@ -23,20 +23,13 @@ writer adds the ``sequence_modes`` array with ``IndexedDatasetBuilder(..., multi
 ``IndexedDatasetBuilder(multimodal=True)`` does. A multimodal file of no sequences has no mode bytes: it is the
 same file as a plain one and reads back with no modes.
 
-``PREFIX.idx`` of earlier megatron-geo releases (``MGEOIDX``, still read, never written; ``tools/convert_index.py``
-rewrites it as ``MMIDIDX``), little-endian::
+Only MMIDIDX is read. The index of earlier megatron-geo releases (``MGEOIDX``, recognised by its 8-byte magic
+``b"MGEOIDX\\0"``) is refused with the command that converts it: ``python tools/convert_index.py PREFIX``
+rewrites it as MMIDIDX in place, once (the ``.bin`` is the same for both and stays as it is).
 
-    magic       8 bytes   b"MGEOIDX\\0"
-    version     uint32    1
-    dtype_code  uint32    1 = uint16, 2 = int32
-    vocab_size  uint64    size of the tokenizer vocabulary the ids come from
-    num_docs    uint64
-    sizes       int64[num_docs]   document lengths in tokens
-    offsets     int64[num_docs]   document start offsets in tokens (into .bin)
-
-An MGEOIDX file is one sequence per document. Opening either (and :func:`check_dataset_files`, the start-up
-check) validates all of the index against itself and the ``.bin`` size, without reading the tokens: magic,
-version, dtype code, the ``.idx`` size its counts imply, the sequence (or document) table, and the ``.bin`` size.
+Opening a dataset (and :func:`check_dataset_files`, the start-up check) validates all of the index against itself
+and the ``.bin`` size, without reading the tokens: magic, version, dtype code, the ``.idx`` size its counts imply,
+the sequence table, and the ``.bin`` size.
 """
 
 from __future__ import annotations
@@ -48,7 +41,7 @@ from typing import IO, NamedTuple
 
 import numpy as np
 
-# ------------------------------------------------------------------ the two layouts
+# ------------------------------------------------------------------ the layout
 
 MMIDIDX_MAGIC = b"MMIDIDX\x00\x00"
 MMIDIDX_VERSION = 1
@@ -66,11 +59,7 @@ MMIDIDX_DTYPES: dict[int, np.dtype] = {
 }
 MEGATRON_LM_MAGIC = MMIDIDX_MAGIC  # the name earlier releases used
 
-MGEOIDX_MAGIC = b"MGEOIDX\0"
-MAGIC = MGEOIDX_MAGIC  # the name earlier releases used
-VERSION = 1
-_HEADER = struct.Struct("<8sIIQQ")  # MGEOIDX: 32 bytes
-_DTYPES: dict[int, np.dtype] = {1: np.dtype("<u2"), 2: np.dtype("<i4")}  # MGEOIDX dtype codes
+MGEOIDX_MAGIC = b"MGEOIDX\0"  # the index of earlier megatron-geo releases: refused, names tools/convert_index.py
 
 _INT32_MAX = 2**31 - 1
 _CHUNK = 1 << 22  # entries per step when validating large index arrays
@@ -97,13 +86,6 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
     if vocab_size > 2**31:
         raise ValueError(f"vocab_size={vocab_size} does not fit int32 token ids.")
     return MMIDIDX_DTYPES[8] if vocab_size < 65500 else MMIDIDX_DTYPES[4]
-
-
-def _legacy_dtype_for_vocab(vocab_size: int) -> np.dtype | None:
-    """The dtype earlier releases wrote into an MGEOIDX index for ``vocab_size`` (None: no valid dtype)."""
-    if vocab_size <= 0 or vocab_size > 2**31:
-        return None
-    return _DTYPES[1] if vocab_size <= 2**16 else _DTYPES[2]
 
 
 def mmidx_dtype_code(dtype) -> int:
@@ -373,37 +355,20 @@ class IndexedDatasetBuilder:
 
 
 class IndexHeader(NamedTuple):
-    """The validated header of a ``PREFIX.idx``.
+    """The validated header of an MMIDIDX ``PREFIX.idx``.
 
-    Fields: ``dtype`` (storage dtype of the ``.bin``), ``vocab_size`` (recorded by MGEOIDX; None for MMIDIDX,
-    which records none), ``num_docs`` (documents), ``index_format`` (``"MMIDIDX"`` or ``"MGEOIDX"``),
-    ``num_sequences``, ``header_size`` (bytes before the first array) and ``has_modes`` (an MMIDIDX file
-    with the trailing int8 sequence_modes array).
+    Fields: ``dtype`` (storage dtype of the ``.bin``), ``num_docs`` (documents), ``num_sequences`` and
+    ``has_modes`` (the file has the trailing int8 sequence_modes array).
     """
 
     dtype: np.dtype
-    vocab_size: int | None
     num_docs: int
-    index_format: str = "MGEOIDX"
-    num_sequences: int = 0
-    header_size: int = _HEADER.size
+    num_sequences: int
     has_modes: bool = False
 
 
 def _fix(prefix: str) -> str:
     return f"re-run tools/preprocess_data.py --output-prefix {prefix} to rebuild it"
-
-
-def _truncated_magic(idx_path: str, prefix: str, head: bytes, idx_len: int) -> str | None:
-    """The message for a file shorter than the magic of the format(s) it could still be, else None."""
-    sizes = []
-    if MMIDIDX_MAGIC.startswith(head):
-        sizes.append(f"the {_MM_HEADER.size}-byte MMIDIDX header")
-    if MGEOIDX_MAGIC.startswith(head):
-        sizes.append(f"the {_HEADER.size}-byte MGEOIDX header")
-    if not sizes:
-        return None
-    return f"{idx_path!r} is truncated: {idx_len} bytes, shorter than {' or '.join(sizes)}; {_fix(prefix)}"
 
 
 def _read_mmidx_header(idx_path: str, prefix: str, head: bytes, idx_len: int) -> IndexHeader:
@@ -432,49 +397,20 @@ def _read_mmidx_header(idx_path: str, prefix: str, head: bytes, idx_len: int) ->
             f"{f' or {base + seq} with sequence_modes' if seq else ''} for its sequence_count {seq} and "
             f"document_count {doc}; {_fix(prefix)}"
         )
-    return IndexHeader(MMIDIDX_DTYPES[code], None, int(doc) - 1, "MMIDIDX", int(seq), _MM_HEADER.size, idx_len > base)
-
-
-def _read_mgeo_header(idx_path: str, prefix: str, head: bytes, idx_len: int) -> IndexHeader:
-    if len(head) < _HEADER.size:
-        raise ValueError(
-            f"{idx_path!r} is truncated: {idx_len} bytes, shorter than the {_HEADER.size}-byte MGEOIDX header; "
-            f"{_fix(prefix)}"
-        )
-    _, version, code, vocab_size, num_docs = _HEADER.unpack(head[: _HEADER.size])
-    if version != VERSION:
-        raise ValueError(f"{idx_path!r} has MGEOIDX format version {version}, expected {VERSION}; {_fix(prefix)}")
-    if code not in _DTYPES:
-        raise ValueError(
-            f"{idx_path!r} has unknown MGEOIDX dtype code {code}, expected 1 (uint16) or 2 (int32); {_fix(prefix)}"
-        )
-    if _DTYPES[code] != _legacy_dtype_for_vocab(vocab_size):
-        raise ValueError(
-            f"{idx_path!r} records vocab_size={vocab_size} with dtype code {code} "
-            f"({_DTYPES[code].name}); the MGEOIDX writer stored a vocabulary of 1..65536 ids as code 1 and up to "
-            f"2**31 as code 2 (corrupt header); {_fix(prefix)}"
-        )
-    expected = _HEADER.size + 16 * num_docs
-    if idx_len != expected:
-        raise ValueError(
-            f"{idx_path!r} is truncated or corrupt: {idx_len} bytes, expected {expected} "
-            f"({_HEADER.size}-byte header + 16 bytes x {num_docs} documents); {_fix(prefix)}"
-        )
-    return IndexHeader(_DTYPES[code], int(vocab_size), int(num_docs), "MGEOIDX", int(num_docs), _HEADER.size, False)
+    return IndexHeader(MMIDIDX_DTYPES[code], int(doc) - 1, int(seq), idx_len > base)
 
 
 def read_index_header(idx_path: str, prefix: str) -> IndexHeader:
-    """Read and check the header of ``idx_path`` (MMIDIDX or MGEOIDX) against the file's size.
+    """Read and check the MMIDIDX header of ``idx_path`` against the file's size.
 
-    Checks the magic (neither format: both magics are named), the version, the dtype code (MMIDIDX: one of the
-    8 Megatron-Core codes; MGEOIDX: 1 or 2, the one its writer picked for the recorded vocabulary) and that the
-    file is exactly as long as its counts imply (MMIDIDX: 34-byte header + 12 bytes per sequence + 8 per
-    document index, + 1 per sequence with sequence modes; MGEOIDX: 32-byte header + 16 bytes per document).
-    ``prefix`` only goes into the fix of the message.
+    Checks the magic, the version, the dtype code (one of the 8 Megatron-Core codes) and that the file is
+    exactly as long as its counts imply (34-byte header + 12 bytes per sequence + 8 per document index, + 1 per
+    sequence with sequence modes). ``prefix`` only goes into the fix of the message.
 
     Raises:
         ValueError: one line naming the file, the field, what was expected and what was found, and the fix
-            (a short file's message says "truncated").
+            (a short file's message says "truncated"). An MGEOIDX index of earlier releases is refused with
+            the command that converts it, ``python tools/convert_index.py PREFIX``.
         OSError: the file cannot be read.
     """
     idx_len = os.path.getsize(idx_path)
@@ -483,43 +419,20 @@ def read_index_header(idx_path: str, prefix: str) -> IndexHeader:
     if head.startswith(MMIDIDX_MAGIC):
         return _read_mmidx_header(idx_path, prefix, head, idx_len)
     if head.startswith(MGEOIDX_MAGIC):
-        return _read_mgeo_header(idx_path, prefix, head, idx_len)
-    short = _truncated_magic(idx_path, prefix, head, idx_len) if len(head) < len(MMIDIDX_MAGIC) else None
-    if short:
-        raise ValueError(short)
+        raise ValueError(
+            f"{idx_path!r} is an MGEOIDX index, the format of earlier megatron-geo releases, which is no longer "
+            f"read; convert it to MMIDIDX in place once with `python tools/convert_index.py {prefix}`"
+        )
+    if len(head) < len(MMIDIDX_MAGIC) and MMIDIDX_MAGIC.startswith(head):
+        raise ValueError(
+            f"{idx_path!r} is truncated: {idx_len} bytes, shorter than the {_MM_HEADER.size}-byte MMIDIDX header; "
+            f"{_fix(prefix)}"
+        )
     magic = head[: len(MMIDIDX_MAGIC)]
     raise ValueError(
         f"{idx_path!r} is not an indexed dataset index (bad magic {magic!r}, expected {MMIDIDX_MAGIC!r} of "
-        f"Megatron-Core's MMIDIDX or {MGEOIDX_MAGIC!r} of megatron-geo's MGEOIDX); {_fix(prefix)}"
+        f"Megatron-Core's MMIDIDX); {_fix(prefix)}"
     )
-
-
-def check_document_table(idx_path: str, prefix: str, sizes: np.ndarray, offsets: np.ndarray) -> int:
-    """MGEOIDX table check: documents have sizes >= 0 and follow each other from token offset 0; the token count.
-
-    Args:
-        sizes, offsets: int64 [num_docs], tokens per document and token offset of each (memory-mapped is fine:
-            read in chunks).
-
-    Raises:
-        ValueError: naming the file, the first bad document and the fix.
-    """
-    done = 0
-    for start in range(0, sizes.size, _CHUNK):
-        sz = np.asarray(sizes[start : start + _CHUNK], dtype=np.int64)
-        off = np.asarray(offsets[start : start + _CHUNK], dtype=np.int64)
-        bad = np.flatnonzero(sz < 0)
-        if not bad.size:
-            ends = np.cumsum(sz) + done
-            bad = np.flatnonzero(off != ends - sz)
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(
-                f"{idx_path!r} has inconsistent document sizes/offsets (first at document {start + i}: size "
-                f"{sz[i]}, offset {off[i]}); {_fix(prefix)}"
-            )
-        done = int(ends[-1])
-    return done
 
 
 def check_sequence_table(
@@ -602,10 +515,10 @@ def check_bin_size(bin_path: str, idx_path: str, prefix: str, num_tokens: int, d
 
 class _Tables(NamedTuple):
     header: IndexHeader
-    lengths: np.ndarray  # tokens per sequence (int32 MMIDIDX / int64 MGEOIDX, as stored)
-    pointers: np.ndarray  # MMIDIDX: byte offsets (int64); MGEOIDX: token offsets (int64)
-    document_indices: np.ndarray | None  # MMIDIDX only
-    modes: np.ndarray | None
+    lengths: np.ndarray  # int32 [S], tokens per sequence (as stored)
+    pointers: np.ndarray  # int64 [S], byte offsets
+    document_indices: np.ndarray  # int64 [D]
+    modes: np.ndarray | None  # int8 [S] of a multimodal file
     num_tokens: int
 
 
@@ -619,35 +532,30 @@ def _open_checked(prefix: str) -> _Tables:
     """The header and memory-mapped tables of ``PREFIX.idx``, with every check made against ``PREFIX.bin``.
 
     Raises:
-        ValueError: a bad or inconsistent file (see :func:`read_index_header`, :func:`check_sequence_table`,
-            :func:`check_document_table`, :func:`check_bin_size`).
+        ValueError: a bad or inconsistent file, or an MGEOIDX index (see :func:`read_index_header`,
+            :func:`check_sequence_table`, :func:`check_bin_size`).
     """
     idx_path, bin_path = prefix + ".idx", prefix + ".bin"
     h = read_index_header(idx_path, prefix)
     raw = np.memmap(idx_path, dtype=np.uint8, mode="r") if os.path.getsize(idx_path) else None
-    s, pos = h.num_sequences, h.header_size
-    if h.index_format == "MMIDIDX":
-        lengths = _view(raw, "<i4", s, pos)
-        pointers = _view(raw, "<i8", s, pos + 4 * s)
-        docs = _view(raw, "<i8", h.num_docs + 1, pos + 12 * s)
-        modes = _view(raw, "i1", s, pos + 12 * s + 8 * (h.num_docs + 1)) if h.has_modes else None
-        num_tokens = check_sequence_table(idx_path, prefix, lengths, pointers, docs, h.dtype.itemsize)
-    else:
-        lengths = _view(raw, "<i8", s, pos)
-        pointers = _view(raw, "<i8", s, pos + 8 * s)
-        docs, modes = None, None
-        num_tokens = check_document_table(idx_path, prefix, lengths, pointers)
+    s, pos = h.num_sequences, _MM_HEADER.size
+    lengths = _view(raw, "<i4", s, pos)
+    pointers = _view(raw, "<i8", s, pos + 4 * s)
+    docs = _view(raw, "<i8", h.num_docs + 1, pos + 12 * s)
+    modes = _view(raw, "i1", s, pos + 12 * s + 8 * (h.num_docs + 1)) if h.has_modes else None
+    num_tokens = check_sequence_table(idx_path, prefix, lengths, pointers, docs, h.dtype.itemsize)
     check_bin_size(bin_path, idx_path, prefix, num_tokens, h.dtype)
     return _Tables(h, lengths, pointers, docs, modes, num_tokens)
 
 
 def check_dataset_files(key: str, prefix: str) -> None:
     """Pre-flight check of the dataset ``PREFIX.bin``/``PREFIX.idx`` named by config key ``key``: the same checks
-    as opening it (header, index size, sequence/document table, ``.bin`` size), without mapping the tokens.
+    as opening it (header, index size, sequence table, ``.bin`` size), without mapping the tokens.
 
     Raises:
-        ConfigError: one line ``KEY='PREFIX': <file>: <expected vs found>; <fix>``, for a file in neither format,
-            truncated, corrupt, or unreadable.
+        ConfigError: one line ``KEY='PREFIX': <file>: <expected vs found>; <fix>``, for a file that is not
+            MMIDIDX, truncated, corrupt, or unreadable; an MGEOIDX index is refused with the command that
+            converts it (``python tools/convert_index.py PREFIX``).
     """
     from ..config.loader import ConfigError
 
@@ -666,34 +574,33 @@ def check_dataset_files(key: str, prefix: str) -> None:
 
 
 class IndexedDataset:
-    """Read-only, memory-mapped view of ``PREFIX.bin``/``PREFIX.idx``, either index format (module docstring).
+    """Read-only, memory-mapped view of an MMIDIDX ``PREFIX.bin``/``PREFIX.idx`` (layout in the module docstring).
 
-    Both formats give the same view: a list of sequences (an MGEOIDX file: one per document) grouped into
-    documents by ``document_indices``.
+    A list of sequences grouped into documents by ``document_indices``.
 
     Attributes:
         prefix: the path without extension.
-        index_format: ``"MMIDIDX"`` or ``"MGEOIDX"``.
         sizes: int64 [num_sequences], tokens per sequence.
-        offsets: int64 [num_sequences], start of each sequence in ``tokens``, in tokens (an MMIDIDX file's byte
+        offsets: int64 [num_sequences], start of each sequence in ``tokens``, in tokens (the index's byte
             pointers divided by the itemsize).
         document_indices: int64 [num_documents + 1]; document ``d`` is sequences
-            ``document_indices[d]:document_indices[d + 1]`` (MGEOIDX: ``arange``).
-        sequence_modes: int8 [num_sequences] of a multimodal MMIDIDX file, else None.
+            ``document_indices[d]:document_indices[d + 1]``.
+        sequence_modes: int8 [num_sequences] of a multimodal file, else None.
         tokens: 1-D memory map of the whole ``.bin`` in the index's dtype. Float dtypes (codes 6, 7) stay the raw
             float map: ids are its values, convert them (``astype(np.int64)``) before using them as indices.
         dtype: numpy dtype of ``tokens``.
-        vocab_size: the vocabulary an MGEOIDX file records; None for MMIDIDX (it records none: compare
-            :meth:`max_token_id` with the tokenizer instead).
         num_tokens, num_documents: totals.
 
-    Memory: an MGEOIDX index is mapped; an MMIDIDX one is mapped and validated in chunks, but ``sizes`` and
-    ``offsets`` are int64 copies (16 bytes per sequence in RAM). The ``.bin`` is never read at open.
+    The index records no vocabulary: compare :meth:`max_token_id` with the tokenizer's.
+
+    Memory: the index is mapped and validated in chunks, but ``sizes`` and ``offsets`` are int64 copies
+    (16 bytes per sequence in RAM). The ``.bin`` is never read at open.
 
     Raises (at open):
         FileNotFoundError: ``.bin`` or ``.idx`` missing.
-        ValueError: neither format, bad magic/version/dtype code, or a truncated/inconsistent file; the message
-            names the file, the field, the expected and found values and the fix.
+        ValueError: not MMIDIDX, bad magic/version/dtype code, or a truncated/inconsistent file; the message
+            names the file, the field, the expected and found values and the fix. An MGEOIDX index of earlier
+            releases is refused with the command that converts it, ``python tools/convert_index.py PREFIX``.
     """
 
     def __init__(self, prefix: str):
@@ -706,26 +613,19 @@ class IndexedDataset:
                     f"`python tools/preprocess_data.py ... --output-prefix {self.prefix}`."
                 )
         t = _open_checked(self.prefix)
-        h = t.header
-        self.index_format = h.index_format
-        self.dtype = h.dtype
-        self.vocab_size = h.vocab_size
+        self.dtype = t.header.dtype
         self.num_tokens = t.num_tokens
         self.sequence_modes = t.modes
-        if t.document_indices is not None:  # MMIDIDX
-            self.sizes = np.asarray(t.lengths, dtype=np.int64)
-            self.offsets = np.asarray(t.pointers, dtype=np.int64) // self.dtype.itemsize
-            self.document_indices: np.ndarray = t.document_indices
-        else:
-            self.sizes, self.offsets = t.lengths, t.pointers
-            self.document_indices = np.arange(h.num_docs + 1, dtype=np.int64)
+        self.sizes = np.asarray(t.lengths, dtype=np.int64)
+        self.offsets = np.asarray(t.pointers, dtype=np.int64) // self.dtype.itemsize
+        self.document_indices: np.ndarray = t.document_indices
         self.num_documents = int(self.document_indices.size) - 1
         self.tokens = (
             np.memmap(bin_path, dtype=self.dtype, mode="r") if self.num_tokens else np.empty(0, dtype=self.dtype)
         )
 
     def __len__(self) -> int:
-        """Number of sequences (an MGEOIDX file: documents)."""
+        """Number of sequences."""
         return int(self.sizes.size)
 
     def __getitem__(self, i: int) -> np.ndarray:
@@ -764,70 +664,6 @@ class IndexedDataset:
 
     def __repr__(self) -> str:
         return (
-            f"IndexedDataset({self.prefix!r}, format={self.index_format}, sequences={len(self)}, "
-            f"documents={self.num_documents}, tokens={self.num_tokens}, vocab_size={self.vocab_size}, "
-            f"dtype={self.dtype.name})"
+            f"IndexedDataset({self.prefix!r}, sequences={len(self)}, documents={self.num_documents}, "
+            f"tokens={self.num_tokens}, dtype={self.dtype.name})"
         )
-
-
-# ------------------------------------------------------------------ conversion
-
-
-def _convertible(prefix: str) -> _Tables:
-    """The checked tables of ``PREFIX`` (see :func:`check_convertible`)."""
-    for p in (prefix + ".idx", prefix + ".bin"):
-        if not os.path.isfile(p):
-            raise FileNotFoundError(f"{p!r} not found; give the PREFIX of an existing PREFIX.bin/PREFIX.idx pair")
-    t = _open_checked(prefix)
-    if t.header.index_format == "MGEOIDX":
-        for start in range(0, t.lengths.size, _CHUNK):
-            big = np.flatnonzero(t.lengths[start : start + _CHUNK] > _INT32_MAX)
-            if big.size:
-                raise ValueError(
-                    f"{prefix + '.idx'!r}: document {start + int(big[0])} has "
-                    f"{int(t.lengths[start + int(big[0])])} tokens, more than the 2**31 - 1 an MMIDIDX index "
-                    f"records per sequence; {_fix(prefix)}"
-                )
-    return t
-
-
-def check_convertible(prefix: str) -> IndexHeader:
-    """Validate ``PREFIX.idx``/``PREFIX.bin`` (every check of opening them) before :func:`convert_to_mmidx`.
-
-    Returns the header (``index_format`` says whether there is anything to convert).
-
-    Raises:
-        FileNotFoundError: a file is missing.
-        ValueError: a bad or inconsistent file, or an MGEOIDX document longer than 2**31 - 1 tokens (MMIDIDX
-            stores int32 lengths).
-    """
-    return _convertible(prefix).header
-
-
-def convert_to_mmidx(prefix: str) -> bool:
-    """Rewrite an MGEOIDX ``PREFIX.idx`` as MMIDIDX in place: same dtype (uint16 -> code 8, int32 -> code 4),
-    one sequence per document, ``document_indices = 0..num_docs``; the recorded vocab_size is dropped (MMIDIDX
-    has no field for it). The ``.bin`` is not touched. Written to a temporary file, fsynced, then
-    ``os.replace``d, so a crash leaves the old index.
-
-    Returns:
-        True if converted, False if the index already is MMIDIDX (left alone).
-
-    Raises:
-        FileNotFoundError / ValueError: see :func:`check_convertible`; OSError: the index cannot be written.
-    """
-    t = _convertible(prefix)
-    if t.header.index_format == "MMIDIDX":
-        return False
-    idx_path = prefix + ".idx"
-    tmp = f"{idx_path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            write_mmidx_index(f, t.header.dtype, t.lengths, np.arange(t.header.num_docs + 1, dtype=np.int64))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, idx_path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return True

@@ -158,7 +158,8 @@ def checked_ids(ids: Iterable[int], vocab_size: int, who: str) -> list[int]:
     return out
 
 
-_INDEX_MAGICS = (b"MMIDIDX\x00\x00", b"MGEOIDX\x00")  # the two index formats of indexed_dataset.py
+# an indexed dataset's index: MMIDIDX, or the MGEOIDX of earlier releases (refused by indexed_dataset.py)
+_INDEX_MAGICS = (b"MMIDIDX\x00\x00", b"MGEOIDX\x00")
 
 
 def _what_the_file_is(path: str) -> str | None:

@@ -71,30 +71,25 @@ class DataBundle:
 
 
 def _open(prefix: str, tok: Tokenizer | HFTokenizer, tok_path: str, what: str) -> IndexedDataset:
-    """The indexed dataset at ``prefix``, its ids checked against the tokenizer's vocabulary.
+    """The indexed dataset at ``prefix``, its ids checked against the tokenizer's vocabulary (the index records
+    none: the first :data:`VOCAB_SCAN_TOKENS` tokens are scanned).
 
     Raises:
-        ConfigError: an MGEOIDX index made with another vocabulary, or ids outside it in the scanned tokens.
+        ConfigError: ids outside the vocabulary in the scanned tokens.
     """
     ds = IndexedDataset(prefix)
     hf = " --tokenizer-type HuggingFaceTokenizer" if isinstance(tok, HFTokenizer) else ""
     fix = f"rebuild it with tools/preprocess_data.py{hf} --tokenizer-model {tok_path}"
-    if ds.vocab_size is not None and ds.vocab_size != tok.vocab_size:
-        raise ConfigError(
-            f"the {what} dataset {prefix} was tokenized with a {ds.vocab_size}-token vocab but the tokenizer "
-            f"{tok_path} has {tok.vocab_size}; {fix}"
-        )
-    if ds.vocab_size is None:
-        head = np.asarray(ds.tokens[: min(VOCAB_SCAN_TOKENS, ds.num_tokens)])
-        if head.size:
-            bad = np.flatnonzero((head < 0) | (head >= tok.vocab_size))
-            if bad.size:
-                pos = int(bad[0])
-                seq = int(np.searchsorted(ds.offsets, pos, side="right")) - 1
-                raise ConfigError(
-                    f"the {what} dataset {prefix} holds token id {head[pos]} (sequence {seq}), outside the "
-                    f"{tok.vocab_size}-id vocab of the tokenizer {tok_path}; {fix}"
-                )
+    head = np.asarray(ds.tokens[: min(VOCAB_SCAN_TOKENS, ds.num_tokens)])
+    if head.size:
+        bad = np.flatnonzero((head < 0) | (head >= tok.vocab_size))
+        if bad.size:
+            pos = int(bad[0])
+            seq = int(np.searchsorted(ds.offsets, pos, side="right")) - 1
+            raise ConfigError(
+                f"the {what} dataset {prefix} holds token id {head[pos]} (sequence {seq}), outside the "
+                f"{tok.vocab_size}-id vocab of the tokenizer {tok_path}; {fix}"
+            )
     return ds
 
 
