@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         buf[: a.numel].copy_(src)
         _sync(dev)
         t0 = time.perf_counter()
-        red.reduce_scatter(buf, key=0).wait()
+        red.reduce_scatter(buf, 0).wait()  # the bucket's key: a baseline tree's reducers take it too
         _sync(dev)
         return time.perf_counter() - t0
 
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             C._loopback = rec.collective(loopback)
             try:
                 with rec:
-                    red.reduce_scatter(buf, key=0).wait()
+                    red.reduce_scatter(buf, 0).wait()  # the bucket's key: a baseline tree's reducers take it too
             finally:
                 C._loopback = loopback
                 for k, fn in steps.items():

@@ -81,11 +81,11 @@ def _small_param(rank, world, kw):
     for numels, idx in ((NUMELS, [0, 1, 2]), ([NUMELS[1]], [1])):  # the bucket, then the small one alone
         red = LowPrecisionReducer(CommConfig(**{"dtype": "fp8_e4m3", **kw}), pctx.dp_group, world, rank)
         plan = plan_shards(numels, [False] * len(numels), world, red.alignment())
-        red.register_bucket(0, plan.offsets, numels, plan.bounds, "cpu")
+        bucket = red.register_bucket(0, plan.offsets, numels, plan.bounds, "cpu")
         buf = torch.zeros(plan.buffer_numel)
         for j, i in enumerate(idx):
             buf[plan.offsets[j] : plan.offsets[j] + numels[j]] = _grads(world)[rank][i].float()
-        red.all_reduce(buf, key=0).wait()
+        red.all_reduce(buf, bucket).wait()
         j = idx.index(1)
         out.append(buf[plan.offsets[j] : plan.offsets[j] + NUMELS[1]].clone())
     return out

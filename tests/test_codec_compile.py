@@ -203,7 +203,7 @@ def _eager_vs_compiled(rank, world):
             steps = []
             for step in range(2):  # two steps: the error-feedback residual feeds the second
                 buf = torch.randn(plan.buffer_numel, generator=g) * (10.0 ** (rank * 3))
-                (red.reduce_scatter if step == 0 else red.all_reduce)(buf, key=0).wait()
+                (red.reduce_scatter if step == 0 else red.all_reduce)(buf, 0).wait()
                 steps.append(buf[: plan.chunk].clone() if step == 0 else buf.clone())
             res[mode] = steps
         out[preset] = res

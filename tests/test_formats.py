@@ -137,12 +137,12 @@ def _toy_reduce_scatter(rank, world, preset):
     cfg = load_config([preset])
     red = build_reducer(cfg.comm, pctx_for(1))
     plan = plan_shards(NUMELS, [False] * len(NUMELS), world, red.alignment())
-    red.register_bucket(0, plan.offsets, NUMELS, plan.chunk, "cpu")
+    bucket = red.register_bucket(0, plan.offsets, NUMELS, plan.chunk, "cpu")
     buf = torch.zeros(plan.buffer_numel)
     grads = _rank_grads(world)
     for off, n, lo in zip(plan.offsets, NUMELS, itertools.accumulate([0] + NUMELS)):
         buf[off : off + n] = grads[rank][lo : lo + n].float()
-    red.reduce_scatter(buf, key=0).wait()
+    red.reduce_scatter(buf, bucket).wait()
     lo, hi = plan.chunk * rank, plan.chunk * (rank + 1)
     return type(red).__name__, red.alignment(), plan.offsets, lo, buf[lo:hi].clone()
 
@@ -269,11 +269,11 @@ def _same_gradient_reduce(rank, world, names):
         red = build_reducer(comm, pctx_for(1), seed=0)
         n = 1000
         plan = plan_shards([n], [False], world, red.alignment())
-        red.register_bucket(0, plan.offsets, [n], plan.chunk, "cpu")
+        bucket = red.register_bucket(0, plan.offsets, [n], plan.chunk, "cpu")
         g = torch.randn(n, generator=torch.Generator().manual_seed(11)) ** 3  # the same on both ranks
         buf = torch.zeros(plan.buffer_numel)
         buf[:n] = g
-        red.reduce_scatter(buf, key=0).wait()
+        red.reduce_scatter(buf, bucket).wait()
         out[name] = (plan.chunk * rank, buf[plan.chunk * rank : plan.chunk * (rank + 1)].clone(), g)
     return out
 

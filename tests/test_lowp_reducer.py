@@ -80,13 +80,13 @@ def _run(rank, world, comm_kwargs, mode, steps=1, inputs=None):
     comm = CommConfig(**comm_kwargs)
     red = build_reducer(comm, pctx, seed=5)
     plan = plan_shards(NUMELS, [False] * len(NUMELS), world, red.alignment())
-    red.register_bucket(0, plan.offsets, NUMELS, plan.chunk, "cpu")
+    bucket = red.register_bucket(0, plan.offsets, NUMELS, plan.chunk, "cpu")
     outs = []
     for step in range(steps):
         flat = (inputs[step] if inputs is not None else _rank_grads(world, step)[rank]).float()
         buf = _to_buffer(flat.double(), plan).float()
         op = red.reduce_scatter if mode == "rs" else red.all_reduce
-        op(buf, key=0).wait()
+        op(buf, bucket).wait()
         outs.append(buf.clone())
     resid = red.residuals.get(0).clone() if red.residuals else None
     return outs, red.bytes_sent, plan.chunk, resid, plan.offsets
@@ -283,7 +283,7 @@ def _tiny_bucket(rank, world, dtype):
     red.register_bucket(0, plan.offsets, numels, plan.chunk, "cpu")
     buf = torch.zeros(plan.buffer_numel)
     buf[plan.offsets[0] : plan.offsets[0] + 2] = torch.tensor([3.0, -0.5]) * (rank + 1)
-    red.all_reduce(buf, key=0).wait()
+    red.all_reduce(buf, 0).wait()  # by its key
     return buf[plan.offsets[0] : plan.offsets[0] + 2], plan.chunk
 
 

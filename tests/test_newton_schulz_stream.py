@@ -148,10 +148,10 @@ def _record_steps(rank: int, world: int) -> dict:
     assert grad_sync._stream is not None and grad_sync.early_updates is not None
 
     def launch(op):
-        def call(buf, key=None, async_op=True):
-            with labelled("encode", key):
-                pending = op(buf, key=key, async_op=async_op)
-            pending.wait = wrap(pending.wait, "decode", lambda a, k: key)
+        def call(buf, bucket=None, async_op=True):
+            with labelled("encode", bucket):
+                pending = op(buf, bucket, async_op=async_op)
+            pending.wait = wrap(pending.wait, "decode", lambda a, k: bucket)
             return pending
 
         return call

@@ -84,7 +84,7 @@ def _overflow(rank, world):
         n = 64
         red.register_bucket(0, [0], [n], n // world, "cpu")
         buf = torch.full((n,), 3e38)
-        red.reduce_scatter(buf, key=0).wait()
+        red.reduce_scatter(buf, 0).wait()
         out[preset] = buf[rank * (n // world) : (rank + 1) * (n // world)].clone()
     return out
 

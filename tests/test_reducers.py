@@ -72,3 +72,49 @@ def test_bad_buffer_is_rejected():
         red.reduce_scatter(torch.zeros(5))
     with pytest.raises(ValueError, match="comm.dtype"):
         build_reducer("fp7", dp_pctx(1))
+
+
+def test_register_bucket_returns_the_bucket_state():
+    """``register_bucket`` returns the bucket's layout and the reducer's state for it; the reducer keeps that same
+    object under the key, so the checkpoint entries and persistent-tensor names stay keyed as before."""
+    from megatron_geo.comm.reducer import BucketReduction
+    from megatron_geo.config.schema import CommConfig
+
+    red = build_reducer(CommConfig(dtype="fp8_e4m3", error_feedback=True), dp_pctx(2))
+    rb = red.register_bucket(3, [0], [4], 16, "cpu")  # one 4-element parameter; chunks of the 16-element granule
+    assert isinstance(rb, BucketReduction)
+    assert (rb.key, rb.offsets, rb.numels, rb.bounds, rb.device) == (3, [0], [4], [0, 16, 32], torch.device("cpu"))
+    assert rb.even and red.registered == {3: rb} and red.bounds == {3: [0, 16, 32]}
+    assert rb.residual is not None and rb.residual.dtype == torch.float32 and rb.residual.shape == (32,)
+    assert red.layouts[3] is rb.layout and red.residuals[3] is rb.residual
+    assert red.state_dict()["residuals"] == {3: rb.residual}
+    assert {n.split("/")[1] for n in red.persistent_tensors()} == {"3"}
+
+    plain = build_reducer("fp32", dp_pctx(2))
+    other = plain.register_bucket(3, [0, 3], [3, 5], [0, 3, 8], "cpu")
+    assert other.layout is None and other.residual is None and not other.even
+    with pytest.raises(ValueError, match="not registered with this"):  # another reducer's bucket
+        red.reduce_scatter(torch.zeros(32), other)
+    with pytest.raises(ValueError, match="registered with 8 elements"):
+        plain.reduce_scatter(torch.zeros(6), other)
+
+
+def _by_object_and_key(rank, world):
+    """An uneven bucket reduced through its registered object, then through its key: the same result."""
+    pctx = pctx_for(1)
+    out = []
+    for how in ("object", "key"):
+        red = build_reducer("fp32", pctx)
+        rb = red.register_bucket(0, [0, 3], [3, 5], [0, 3, 8], "cpu")
+        buf = _inputs(world, 8)[rank].float().clone()
+        red.reduce_scatter(buf, rb if how == "object" else 0).wait()
+        out.append((buf[rb.bounds[rank] : rb.bounds[rank + 1]].clone(), red.bytes_sent))
+    return out
+
+
+def test_bucket_object_and_key_reduce_alike():
+    ref = torch.stack(_inputs(2, 8)).mean(0)
+    for rank, (by_object, by_key) in enumerate(run_distributed(_by_object_and_key, 2)):
+        assert torch.equal(by_object[0], by_key[0]) and by_object[1] == by_key[1]
+        lo, hi = [0, 3, 8][rank], [0, 3, 8][rank + 1]
+        assert torch.allclose(by_object[0].double(), ref[lo:hi], rtol=1e-6, atol=1e-30)

@@ -186,11 +186,11 @@ def _uneven_reduce(rank, world):
         )
         specs = [ParamSpec(n, True, float(n)) for n in numels]
         plan = _one_bucket(specs, world, red.alignment())
-        red.register_bucket(0, plan.offsets, numels, plan.bounds, "cpu")
+        bucket = red.register_bucket(0, plan.offsets, numels, plan.bounds, "cpu")
         buf = torch.zeros(plan.buffer_numel)
         for i, off in enumerate(plan.offsets):
             buf[off : off + numels[i]] = _rank_grads(world)[rank][i].reshape(-1).float()
-        red.reduce_scatter(buf, key=0).wait()
+        red.reduce_scatter(buf, bucket).wait()
         lo, hi = plan.bounds[rank], plan.bounds[rank + 1]
         out[mode] = {"plan": (plan.bounds, plan.offsets), "own": buf[lo:hi].clone(), "bytes": red.bytes_sent}
     return out

@@ -32,10 +32,10 @@ def _measure(rank, world, fmt):
     pctx = pctx_for(1)
     red = build_reducer(CommConfig(dtype=fmt, error_feedback=True), pctx)
     plan = plan_shards(NUMELS, [False] * len(NUMELS), world, red.alignment())
-    red.register_bucket(0, plan.offsets, NUMELS, plan.chunk, "cpu")
+    bucket = red.register_bucket(0, plan.offsets, NUMELS, plan.chunk, "cpu")
     assert not telemetry.arm(red, 0, 50) and telemetry.arm(red, 49, 50)
     buf = _grads(rank, plan)
-    red.reduce_scatter(buf.clone(), key=0).wait()
+    red.reduce_scatter(buf.clone(), bucket).wait()
     out = telemetry.collect(red, pctx.dp_group, world)
     assert red.telemetry is None
     return out, [p for p in plan.offsets]

@@ -115,12 +115,12 @@ def _run(rank, world, fmt, prediv, mode):
     pctx = pctx_for(1)
     red = build_reducer(CommConfig(dtype=fmt, reduce_op="wire_sum", wire_sum_prediv=prediv), pctx)
     plan = plan_shards(NUMELS, [False] * len(NUMELS), world, red.alignment())
-    red.register_bucket(0, plan.offsets, NUMELS, plan.chunk, "cpu")
+    bucket = red.register_bucket(0, plan.offsets, NUMELS, plan.chunk, "cpu")
     buf = _bucket(coherent_grads(world, sum(NUMELS), seed=7)[rank], plan)
     telemetry.arm(red, 0, 1)
     rec = OpRecorder()
     with rec:  # bound-hit counting included: no host sync, no data-dependent shape
-        (red.reduce_scatter if mode == "rs" else red.all_reduce)(buf, key=0).wait()
+        (red.reduce_scatter if mode == "rs" else red.all_reduce)(buf, bucket).wait()
     assert rec.bad == [], rec.bad
     return buf, telemetry.collect(red, pctx.dp_group, world), plan.chunk, plan.offsets, red.bytes_sent
 
@@ -253,17 +253,17 @@ def _run_native_vs_emulated(rank, world, fmt, uneven):
         red = build_reducer(CommConfig(dtype=fmt, reduce_op="wire_sum"), pctx)
         plan = plan_shards(NUMELS, [False] * len(NUMELS), world, red.alignment())
         bounds = [0, 48, plan.buffer_numel] if uneven else plan.chunk
-        red.register_bucket(0, plan.offsets, NUMELS, bounds, "cpu")
+        bucket = red.register_bucket(0, plan.offsets, NUMELS, bounds, "cpu")
         red.native_wire_sum = native
         buf = _bucket(coherent_grads(world, sum(NUMELS), seed=11)[rank], plan)
         saved = C.reduce_scatter_into, C.reduce_ranges
         if native:
             C.reduce_scatter_into, C.reduce_ranges = _fake_fp8_collectives(fmt)
         try:
-            red.reduce_scatter(buf, key=0).wait()
+            red.reduce_scatter(buf, bucket).wait()
         finally:
             C.reduce_scatter_into, C.reduce_ranges = saved
-        b = red.bounds[0]
+        b = bucket.bounds
         outs.append((buf[b[rank] : b[rank + 1]].clone(), red.bytes_sent))
     return outs
 

@@ -101,7 +101,7 @@ def _reduce_all(rank, world):
                 plan = plan_shards(NUMELS, [False] * len(NUMELS), world, red.alignment())
                 red.register_bucket(0, plan.offsets, NUMELS, plan.chunk, "cpu")
                 buf = _bucket(x[rank], plan)
-                (red.all_reduce if mode == "ar" else red.reduce_scatter)(buf, key=0).wait()
+                (red.all_reduce if mode == "ar" else red.reduce_scatter)(buf, 0).wait()
                 res[mode] = buf.numpy().copy()
             out.append((fmt, prediv, mag, res))
     return out

@@ -42,7 +42,7 @@ from .codec_tables import bucket_scale_layout
 from .codecs import FP8_FORMATS, fp8_max
 from .compiled import resolve_compile
 from .formats import comm_alignment, get_format
-from .reducer import PendingReduction, Reducer
+from .reducer import BucketReduction, PendingReduction, Reducer
 from .scale_layout import ScaleLayout
 from .transforms import CoordinateTransform, build_transform
 from .wire_sum import REDUCE_OPS, ring_mean, ring_sum
@@ -54,9 +54,10 @@ class LowPrecisionReducer(Reducer):
 
     ``wire``: the format's encoder (``formats.get_format(comm.dtype).make_wire``); ``transform``: the one
     :class:`~.transforms.CoordinateTransform` the buckets are quantised in (``comm.transform``; GeoFP8's replaces the
-    identity through :meth:`set_transform`). Per-bucket state (scale layout, error-feedback residual) is registered
-    with :meth:`register_bucket` before the first reduction; ``key`` in the collectives selects it. The residuals and
-    the stochastic-rounding generator are the reducer's :meth:`state_dict`.
+    identity through :meth:`set_transform`). Per-bucket state (scale layout, error-feedback residual) is made by
+    :meth:`register_bucket` before the first reduction and lives in the :class:`~.reducer.BucketReduction` it returns,
+    which the collectives take (or its key) to select it. The residuals and the stochastic-rounding generator are the
+    reducer's :meth:`state_dict`.
 
     Args:
         comm: the ``comm`` config section (:class:`~megatron_geo.config.schema.CommConfig`), whole; its combination
@@ -83,10 +84,7 @@ class LowPrecisionReducer(Reducer):
         self.name = self.fmt = comm.dtype
         # comm.reduce_op=wire_sum on an NCCL with FP8 reductions: its own reduce-scatter; else the exact emulation
         self.native_wire_sum = comm.reduce_op == "wire_sum" and C.supports_fp8_sum(dp_group)
-        self.layouts: dict[int, ScaleLayout] = {}
-        self._registered: dict[int, tuple[list[int], list[int], object]] = {}  # key -> (offsets, numels, device)
-        self._shard_in_wire_coords: dict[int, torch.Tensor] = {}
-        self.residuals: dict[int, torch.Tensor] = {}
+        self._shard_in_wire_coords: dict[int, torch.Tensor] = {}  # bucket key -> an all-reduce's reduced shard
         # comm.telemetry_interval: a list while armed; each reduction appends (name, ||Q(g) - g||^2, ||g||^2)
         self.telemetry: list | None = None
         dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -106,17 +104,42 @@ class LowPrecisionReducer(Reducer):
         """Chunk sizes must be multiples of this (quantisation/rotation blocks never straddle ranks)."""
         return max(comm_alignment(self.comm), self.transform.alignment())
 
-    def register_bucket(self, key: int, offsets: list[int], numels: list[int], bounds, device) -> None:
-        super().register_bucket(key, offsets, numels, bounds, device)
-        bounds = self.bounds[key]
+    @property
+    def layouts(self) -> dict[int, ScaleLayout]:
+        """Bucket key -> the registered bucket's scale layout, a new dict."""
+        return {k: b.layout for k, b in self.registered.items() if b.layout is not None}
+
+    @property
+    def residuals(self) -> dict[int, torch.Tensor]:
+        """Bucket key -> the registered bucket's error-feedback residual (FP32 ``[bucket numel]``, the live tensor), a
+        new dict; empty without ``comm.error_feedback``."""
+        return {k: b.residual for k, b in self.registered.items() if b.residual is not None}
+
+    def register_bucket(
+        self, key: int, offsets: list[int], numels: list[int], bounds: list[int] | int, device
+    ) -> BucketReduction:
+        """:meth:`.reducer.Reducer.register_bucket`, plus the bucket's scale layout and (``comm.error_feedback``) its
+        zero residual in the returned object; the transform registers the bucket too and tracks the residuals."""
+        rb = super().register_bucket(key, offsets, numels, bounds, device)
         # every tensor of the layout is made here, never inside a reduction (codec_tables counts the same bytes)
-        self.layouts[key] = bucket_scale_layout(
-            self.comm, offsets, numels, bounds, self.dp_size, device, alignment=self.alignment()
+        rb.layout = bucket_scale_layout(
+            self.comm, rb.offsets, rb.numels, rb.bounds, self.dp_size, rb.device, alignment=self.alignment()
         )
-        self._registered[key] = (list(offsets), list(numels), device)
-        self.transform.register_bucket(key, offsets, numels, bounds, device)
+        self.transform.register_bucket(key, rb.offsets, rb.numels, rb.bounds, rb.device)
         if self.comm.error_feedback:
-            self.residuals[key] = torch.zeros(bounds[-1], dtype=torch.float32, device=device)
+            rb.residual = torch.zeros(rb.bounds[-1], dtype=torch.float32, device=rb.device)
+            self.transform.track_residuals(self.residuals)
+        return rb
+
+    def _layout(self, rb: BucketReduction | None) -> ScaleLayout:
+        """The scale layout of a registered bucket.
+
+        Raises:
+            KeyError: an unregistered buffer (this reducer has no layout for it).
+        """
+        if rb is None or rb.layout is None:
+            raise KeyError(f"the {self.name} reducer reduces registered buckets only (see register_bucket)")
+        return rb.layout
 
     def set_transform(self, transform: CoordinateTransform) -> None:
         """Quantise in ``transform``'s coordinates from now on (GeoFP8: ``megatron_geo.training.geo_setup``). The
@@ -132,8 +155,8 @@ class LowPrecisionReducer(Reducer):
                 f"transform {transform.name} needs {transform.alignment()}-element alignment; the "
                 f"buckets were laid out for {a}"
             )
-        for key, (offsets, numels, device) in self._registered.items():
-            transform.register_bucket(key, offsets, numels, self.bounds[key], device)
+        for key, rb in self.registered.items():
+            transform.register_bucket(key, rb.offsets, rb.numels, rb.bounds, rb.device)
         transform.track_residuals(self.residuals)
         self.transform = transform
 
@@ -202,12 +225,12 @@ class LowPrecisionReducer(Reducer):
         self.bytes_sent += 2 * (self.dp_size - 1) * nbytes // self.dp_size
 
     # -- collectives --------------------------------------------------------------------------------
-    def _measure(self, buf: torch.Tensor, key) -> None:
+    def _measure(self, buf: torch.Tensor, rb: BucketReduction) -> None:
         """Telemetry: the round trip of this rank's own gradient ``buf`` through the active codec (transform,
         encode, decode, inverse transform; no error feedback, no reduction), squared error and squared norm per
         bucket, and for each selected GeoFP8 layer also through the plain Euclidean codec. Tensors only (no host
         sync here); the trainer reduces them over DP once per telemetry step."""
-        layout, out, t = self.layouts[key], self.telemetry, self.transform
+        layout, out, t, key = self._layout(rb), self.telemetry, self.transform, rb.key
         assert out is not None  # called only while telemetry is armed
         # record=False: the trial round trip leaves no trace (GeoFP8's bound-hit profile counts reductions only)
         err = t.from_wire(self.wire.roundtrip(t.to_wire(buf.clone(), key, record=False), layout), key, 0).sub_(buf)
@@ -221,21 +244,24 @@ class LowPrecisionReducer(Reducer):
                 out.append((f"rel_err/geo/{name}", err[sl].square().sum(), g2))
                 out.append((f"rel_err/euclid/{name}", e_euclid[sl].square().sum(), g2))
 
-    def _reduce_scatter(self, buf: torch.Tensor, key=None, keep_wire: bool = False) -> PendingReduction:
+    def _reduce_scatter(
+        self, buf: torch.Tensor, rb: BucketReduction | None, keep_wire: bool = False
+    ) -> PendingReduction:
+        layout = self._layout(rb)
+        assert rb is not None  # _layout refuses an unregistered buffer
         if self.telemetry is not None:
-            self._measure(buf, key)
-        layout = self.layouts[key]
-        bounds = self.bounds[key]
+            self._measure(buf, rb)
+        key, bounds = rb.key, rb.bounds
         dp, r = self.dp_size, self.dp_rank
         lo, own = bounds[r], layout.sizes[r]
         with self._transform_range():
             x = self.transform.to_wire(buf, key)
-        residual = self.residuals.get(key)
+        residual = rb.residual
         if residual is not None:  # in place: x is the consumed bucket buffer (or the rotated copy of it)
             with trace_range("encode"):
                 x = x.add_(residual)
         if self.comm.reduce_op == "wire_sum":
-            return self._wire_sum(buf, x, key, residual, keep_wire)
+            return self._wire_sum(buf, x, rb, keep_wire)
         sync = self._sync_amax if self.comm.scale_sync == "max" else None
         # the wire format also sets the residual to what this rank's quantiser lost, in place
         with trace_range("encode"):
@@ -275,11 +301,11 @@ class LowPrecisionReducer(Reducer):
 
         return PendingReduction(None, epilogue)
 
-    def _wire_sum(self, buf: torch.Tensor, x: torch.Tensor, key, residual, keep_wire: bool) -> PendingReduction:
+    def _wire_sum(self, buf: torch.Tensor, x: torch.Tensor, rb: BucketReduction, keep_wire: bool) -> PendingReduction:
         """``comm.reduce_op=wire_sum`` (:mod:`.wire_sum`): codes with one DP-shared scale per scale group (times N
         with ``comm.wire_sum_prediv``), summed in FP8 in ring order: NCCL's FP8 reduce-scatter (or one reduce
         per owner range) where it has one, else an all-to-all of the codes and :func:`.wire_sum.ring_sum`."""
-        layout, bounds = self.layouts[key], self.bounds[key]
+        layout, bounds, key, residual = self._layout(rb), rb.bounds, rb.key, rb.residual
         dp, r = self.dp_size, self.dp_rank
         lo, own = bounds[r], layout.sizes[r]
         prediv = self.comm.wire_sum_prediv
@@ -304,13 +330,13 @@ class LowPrecisionReducer(Reducer):
             )
         with trace_range("collective"):
             if self.native_wire_sum:
-                if self._even(buf, key):
+                if self._even(rb):
                     out = torch.empty(own, dtype=torch.uint8, device=buf.device)
                     work = C.reduce_scatter_into(out.view(f8), send.view(f8), self.group, async_op=True)
                 else:  # whole-parameter owners: one reduce per range, in place
                     out = send[lo : lo + own]
                     work = C.reduce_ranges(send.view(f8), bounds, self.group, async_op=True)
-                self._count_sent(buf, key, torch.uint8)
+                self._count_sent(buf, rb, torch.uint8)
             else:
                 out = torch.empty(dp * own, dtype=torch.uint8, device=buf.device)
                 work = C.all_to_all_single(out, send, self.group, [own] * dp, splits, async_op=True)
@@ -348,15 +374,20 @@ class LowPrecisionReducer(Reducer):
 
         return PendingReduction(None, epilogue)
 
-    def all_reduce(self, buf: torch.Tensor, key=None, async_op: bool = True) -> PendingReduction:
-        self._check(buf, key)
+    def all_reduce(
+        self, buf: torch.Tensor, bucket: BucketReduction | int | None = None, async_op: bool = True
+    ) -> PendingReduction:
+        rb = self._resolve(bucket)
+        self._check(buf, rb)
         if self.dp_size == 1:
             return PendingReduction(None)
-        if not self._even(buf, key):
-            raise ValueError(f"all_reduce needs an even plan; bucket {key} has uneven ranges")
-        layout = self.layouts[key]
+        if not self._even(rb):
+            raise ValueError(f"all_reduce needs an even plan; bucket {rb.key if rb else None} has uneven ranges")
+        layout = self._layout(rb)
+        assert rb is not None  # _layout refuses an unregistered buffer
+        key = rb.key
         dp, r = self.dp_size, self.dp_rank
-        rs = self._reduce_scatter(buf, key, keep_wire=True)
+        rs = self._reduce_scatter(buf, rb, keep_wire=True)
 
         def gather():
             rs.wait()

@@ -1,6 +1,7 @@
 """Coordinate transforms of the low-precision reducer: the coordinates a bucket's FP32 gradient is quantised in.
 
-The reducer holds exactly one :class:`CoordinateTransform` and calls it around the codec:
+The reducer holds exactly one :class:`CoordinateTransform` and calls it around the codec (each call names the
+bucket by its int key, under which a transform keeps whatever per-bucket state it has):
 :meth:`~CoordinateTransform.to_wire` before the encode (error feedback is added and kept in those coordinates),
 :meth:`~CoordinateTransform.decode_target`
 and :meth:`~CoordinateTransform.write_back` after the decode of the reduced mean. Implementations here:
@@ -61,8 +62,9 @@ class CoordinateTransform(Protocol):
         layer-specific transform (telemetry compares them with the plain codec); empty for the fixed transforms."""
 
     def track_residuals(self, residuals: dict[int, torch.Tensor]) -> None:
-        """The reducer's error-feedback residuals (bucket key -> FP32 ``[numel]``, in this transform's coordinates):
-        a transform whose coordinates change (GeoFP8 at a refresh) re-expresses them in the new ones."""
+        """The reducer's error-feedback residuals (bucket key -> FP32 ``[numel]``, the live tensors, in this
+        transform's coordinates), handed over again whenever a bucket with a residual is registered: a transform
+        whose coordinates change (GeoFP8 at a refresh) re-expresses them in the new ones."""
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

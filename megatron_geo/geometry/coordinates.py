@@ -130,7 +130,8 @@ class GeoTransform:
         return [s for s in self.slots.get(key, []) if s[0] in self.geo.selected]
 
     def track_residuals(self, residuals: dict[int, torch.Tensor]) -> None:
-        """Re-base these residuals (bucket key -> FP32 ``[numel]``, kept by reference) at every refresh."""
+        """Re-base these residuals (bucket key -> FP32 ``[numel]``, the reducer's live tensors; the dict is kept until
+        the next call) at every refresh."""
         self._residuals = residuals
 
     # -- state ------------------------------------------------------------------------------------------
