@@ -286,7 +286,7 @@ def _sync_for(pctx, comm_stream):
     """The tiny model (its layers over ``pctx.dp_group``), an FP8 reducer over the DP group and the gradient sync of
     its buckets on ``pctx.device``."""
     from megatron_geo.comm import build_reducer
-    from megatron_geo.distributed import GradSync, build_buckets
+    from megatron_geo.distributed import GradSync, build_buckets, register_buckets
 
     device = pctx.device
     cfg = tiny_cfg("comm.dtype=fp8_e4m3")
@@ -295,8 +295,7 @@ def _sync_for(pctx, comm_stream):
     buckets = build_buckets(
         list(model.named_parameters()), 3000, pctx.dp_size, atomic_fn=lambda p: False, align=reducer.alignment()
     )
-    for b in buckets:
-        reducer.register_bucket(b.index, b.plan.offsets, [p.numel() for p in b.params], b.plan.chunk, device)
+    register_buckets(reducer, buckets, device)
     return cfg, model, buckets, GradSync(buckets, reducer, sharded=True, comm_stream=comm_stream)
 
 

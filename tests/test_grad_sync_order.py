@@ -18,7 +18,7 @@ from helpers import pctx_for
 
 def _run(rank, world, dtype, sharded, skip):
     from megatron_geo.comm import build_reducer
-    from megatron_geo.distributed import GradSync, build_buckets
+    from megatron_geo.distributed import GradSync, build_buckets, register_buckets
 
     pctx = pctx_for(1)
     torch.manual_seed(0)
@@ -26,8 +26,7 @@ def _run(rank, world, dtype, sharded, skip):
     named = [(f"p{i}", p) for i, p in enumerate(params)]
     reducer = build_reducer(dtype, pctx)
     buckets = build_buckets(named, 64, world, atomic_fn=lambda p: False, align=reducer.alignment())
-    for b in buckets:
-        reducer.register_bucket(b.index, b.plan.offsets, [p.numel() for p in b.params], b.plan.bounds, "cpu")
+    register_buckets(reducer, buckets, "cpu")
     sync = GradSync(buckets, reducer, sharded=sharded)
     g = torch.Generator().manual_seed(100 + rank)
     xs = [torch.randn(64, generator=g) for _ in range(4)]

@@ -149,9 +149,9 @@ def _record_steps(rank: int, world: int) -> dict:
 
     def launch(op):
         def call(buf, bucket=None, async_op=True):
-            with labelled("encode", bucket):
+            with labelled("encode", bucket.key):
                 pending = op(buf, bucket, async_op=async_op)
-            pending.wait = wrap(pending.wait, "decode", lambda a, k: bucket)
+            pending.wait = wrap(pending.wait, "decode", lambda a, k: bucket.key)
             return pending
 
         return call

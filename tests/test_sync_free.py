@@ -59,13 +59,13 @@ def preset_ops(preset: str, rank: int, dp: int) -> dict:
     g = torch.Generator().manual_seed(rank)
     for b in buckets:  # warm-up: constant tables (codec grids, per-bucket layouts) are built on first use
         b.grad_data.copy_(torch.randn(b.grad_data.shape, generator=g))
-        reducer.reduce_scatter(b.grad_data, b.index).wait()
+        reducer.reduce_scatter(b.grad_data, b.reduction).wait()
     out = []
     for b in buckets:
         b.grad_data.copy_(torch.randn(b.grad_data.shape, generator=g))
         rec = OpRecorder()
         with rec:
-            reducer.reduce_scatter(b.grad_data, b.index).wait()
+            reducer.reduce_scatter(b.grad_data, b.reduction).wait()
         out.append({"compute": rec.work, "c10d": rec.collectives, "bad": rec.bad, "uneven": not b.plan.even})
     return {"buckets": out}
 

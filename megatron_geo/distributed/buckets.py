@@ -8,7 +8,9 @@ uneven ranges when some parameters must be owned whole). Each bucket owns
 - ``grad_data``: FP32 ``[plan.buffer_numel]`` (the parameters plus alignment padding); ``param.main_grad``
   is a view into it (gradients are accumulated here in FP32 across micro-batches);
 - ``param_data``: model dtype ``[plan.buffer_numel]``; ``param.data`` is re-pointed to a view into it,
-  so the gather of updated ranges writes the model parameters in place.
+  so the gather of updated ranges writes the model parameters in place;
+- ``reduction``: what the gradient reducer registered for it (:func:`register_buckets`), which the gradient sync
+  hands to the reducer's collectives.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..comm.reducer import BucketReduction, GradientReducer
 from .plan_types import ADAMW_FLOPS_PER_ELEMENT, ParamSpec, ShardPlan
 from .shard_plan import plan_model
 
 
 @dataclass
 class Bucket:
-    """One bucket: its parameters (with names), layout and buffers."""
+    """One bucket: its parameters (with names), layout and buffers, and the reducer's registered state for it
+    (``reduction``: ``None`` until :func:`register_buckets`)."""
 
     index: int
     params: list[nn.Parameter]
@@ -32,6 +36,7 @@ class Bucket:
     plan: ShardPlan
     grad_data: torch.Tensor
     param_data: torch.Tensor
+    reduction: BucketReduction | None = None
 
     def numel(self) -> int:
         return sum(p.numel() for p in self.params)
@@ -87,3 +92,12 @@ def build_buckets(
             p.main_grad = grad_data[off : off + n].view_as(p)  # type: ignore[attr-defined]
         buckets.append(Bucket(bi, params, [group[i][0] for i in idx], plan, grad_data, param_data))
     return buckets
+
+
+def register_buckets(reducer: GradientReducer, buckets: list[Bucket], device) -> None:
+    """Register every bucket's layout with ``reducer`` under its ``index`` (parameter offsets and sizes, the plan's
+    owner ranges; ``device``: a ``torch.device`` or its name) and keep what it returns as ``bucket.reduction``."""
+    for b in buckets:
+        b.reduction = reducer.register_bucket(
+            b.index, b.plan.offsets, [p.numel() for p in b.params], b.plan.bounds, device
+        )

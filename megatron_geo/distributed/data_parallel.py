@@ -24,6 +24,8 @@ class GradSync:
 
     ``sharded=True`` (distributed optimizer): reduce-scatter, each rank keeps its chunk's average.
     ``sharded=False``: all-reduce, every rank holds the whole average.
+    Each bucket is reduced with the state the reducer registered for it, ``bucket.reduction``
+    (:func:`~.buckets.register_buckets`; ``None``: the reducer's even chunks of an unregistered buffer).
 
     ``comm_stream``: run each bucket's reduction (encode, collectives, decode and FP32 sum) on a separate
     CUDA stream, all queued when the bucket is launched, so the codec kernels of low-precision reducers overlap
@@ -127,11 +129,11 @@ class GradSync:
         the Newton-Schulz stream, behind an event recorded on the reduction stream after the decode."""
         op = self.reducer.reduce_scatter if self.sharded else self.reducer.all_reduce
         if self._stream is None:
-            self._pending[bucket.index] = op(bucket.grad_data, bucket.index, async_op=True)
+            self._pending[bucket.index] = op(bucket.grad_data, bucket.reduction, async_op=True)
             return
         self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
         with torch.cuda.stream(self._stream):
-            pending = op(bucket.grad_data, bucket.index, async_op=True)
+            pending = op(bucket.grad_data, bucket.reduction, async_op=True)
             # NCCL's wait() only makes this stream wait for the collective (no host wait), so the bucket's
             # decode and FP32 sum are queued right behind it and overlap the rest of backward
             pending.wait()

@@ -12,7 +12,7 @@ import torch
 from ..comm.factory import build_reducer
 from ..comm.param_codec import param_gather_alignment
 from ..config import Config
-from ..distributed import Bucket, DistributedOptimizer, GradSync, build_buckets
+from ..distributed import Bucket, DistributedOptimizer, GradSync, build_buckets, register_buckets
 from ..distributed.early_muon import EarlyMuonUpdates
 from ..distributed.ownership import param_infos, param_specs
 from ..model import Llama, param_dtype
@@ -58,8 +58,7 @@ def build_model_and_optimizer(cfg: Config, pctx: ParallelContext):
     # the reducer's blocks and the quantised parameter gather's (comm.param_gather) never straddle two parameters
     align = math.lcm(reducer.alignment(), param_gather_alignment(cfg.comm))
     buckets = build_grad_buckets(cfg, model, pctx.dp_size, align, set(geo.params) if geo else ())
-    for b in buckets:
-        reducer.register_bucket(b.index, b.plan.offsets, [p.numel() for p in b.params], b.plan.bounds, pctx.device)
+    register_buckets(reducer, buckets, pctx.device)  # each bucket's reducer state: bucket.reduction
     if geo is not None:
         attach_geo(reducer, geo, buckets)
     grad_sync = GradSync(buckets, reducer, sharded=sharded, overlap=cfg.parallel.overlap_grad_reduce)
