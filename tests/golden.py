@@ -278,6 +278,29 @@ def record_host_variant(work: Path) -> None:
     HOST_KERNELS.write_text(json.dumps(have, indent=1) + "\n")
 
 
+def add_preset(name: str, work: Path) -> None:
+    """Record a preset that has no records yet (a new ``configs/comm`` file) into ``wire_codes.json`` and into this
+    host's kernel-family entry of ``host_kernels.json``, without touching any other record. A host of another
+    family then compares it by its calls and losses until its family records it (``--host-variant``)."""
+    from dist_harness import run_distributed
+
+    preset, extra = RUNS[name]
+    wire_file = GOLDEN / "wire_codes.json"
+    wire = json.loads(wire_file.read_text())
+    if name in wire:
+        raise SystemExit(f"{name} has records already; regenerate them all (--out) if its wire bytes should change")
+    corpus = (GOLDEN / "corpus").resolve()
+    ranks = run_distributed(record_wire, 2, str(corpus), str(work / name), preset, extra, start="spawn")
+    wire[name] = {"preset": preset, "extra": extra, "ranks": ranks}
+    wire_file.write_text(json.dumps(wire, indent=1) + "\n")
+    have = json.loads(HOST_KERNELS.read_text()) if HOST_KERNELS.exists() else {}
+    family = have.get(pinned_fingerprint("kernel"))
+    if family is not None:
+        family["wire"][name] = wire[name]
+        HOST_KERNELS.write_text(json.dumps(have, indent=1) + "\n")
+    print(name, ranks[0]["losses"][-1])
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -295,10 +318,16 @@ def main() -> None:
     ap.add_argument(
         "--host-variant", action="store_true", help="add this host's kernel family's records (host_kernels.json)"
     )
+    ap.add_argument("--add-preset", metavar="NAME", help="record a new preset's runs (wire_codes.json, this family)")
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
     from dist_harness import run_distributed
 
+    if args.add_preset:
+        add_preset(
+            args.add_preset, Path(args.work).resolve() if args.work else Path(tempfile.mkdtemp(prefix="golden-"))
+        )
+        return
     if args.host_variant:
         work = Path(args.work).resolve() if args.work else Path(tempfile.mkdtemp(prefix="golden-"))
         record_host_variant(work)

@@ -52,6 +52,7 @@ DEFAULT_PRESETS = (
     "fp8_block",
     "fp8_hadamard",
     "geofp8",
+    "geofp8_block",
     "geofp8_paper",
     "bf16",
     "nvfp4",
