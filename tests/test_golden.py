@@ -105,7 +105,7 @@ def _first_difference(want: list, got: list) -> str:
 
 @pytest.mark.parametrize("group", [0, 1, 2])
 def test_every_preset_hands_the_collectives_the_recorded_bytes(tmp_path, group):
-    assert sorted(RECORDED) == sorted(RUNS), "a preset was added or removed: regenerate tests/data/golden"
+    assert sorted(RECORDED) == sorted(RUNS), "a preset without records: python tests/golden.py --add-preset NAME"
     names = sorted(RUNS)[group::3]
     out = run_distributed(_record_many, 2, str(GOLDEN / "corpus"), str(tmp_path), names, start="spawn")
     for name in names:
