@@ -520,3 +520,18 @@ def test_the_auto_power_log_line_summarises_many_layers_per_kind():
     line = _powers_line(many)
     assert line.startswith(f"attn.q_proj x20: median {statistics.median_high(ps):.3g} [0, 0.375], 5 Euclidean")
     assert line.endswith("output x1: median 0.25 [0.25, 0.25], 0 Euclidean")
+
+
+def test_geo_layers_select_linear_weights_only_never_the_embedding_table(world):
+    from megatron_geo.geometry import select_parameters
+    from megatron_geo.model.llama import Llama
+
+    cfg = tiny_cfg()
+    model = Llama(cfg.model, world, 0)
+    every = select_parameters(model, "*")
+    m = cfg.model
+    assert sorted(every) == sorted(n for n, p in model.named_parameters() if p.ndim == 2 and n != "embed.weight")
+    assert len(every) == 7 * m.num_layers + 1  # q, k, v, o, gate, up, down per layer and the output layer
+    # the embedding's input is token ids: never an input-side transform, even named alone (seq length != hidden)
+    with pytest.raises(ValueError, match=r"'embed\.weight' matches no linear weight \(embed\.weight is not a linear"):
+        select_parameters(model, "embed.weight")

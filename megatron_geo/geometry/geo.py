@@ -53,20 +53,33 @@ class TransformMismatchError(RuntimeError):
     """The GeoFP8 transform of a layer differs between DP ranks."""
 
 
+def _is_linear(module: nn.Module) -> bool:
+    """Whether ``module`` computes ``Y = X W^T`` with its ``weight`` (see :func:`select_parameters`)."""
+    return isinstance(module, nn.Linear) or bool(getattr(module, "is_linear", False))
+
+
 def select_parameters(model: nn.Module, patterns: str) -> dict[str, nn.Module]:
     """Linear weights matching any comma-separated glob of ``patterns`` -> their modules.
 
+    A linear weight is the ``weight`` of a module that computes ``Y = X W^T`` (``nn.Linear``, or a module whose class
+    sets ``is_linear = True``: the tensor-parallel linear layers): the input-side transform needs the layer's input
+    ``X``. An embedding table (its input is token ids) never is one, whatever the pattern.
+
     Raises:
-        ValueError: a pattern matches no 2-D weight (names the pattern and lists a few valid names).
+        ValueError: a pattern matches no linear weight (names the pattern, any non-linear 2-D weight it matched, and
+            lists a few valid names).
     """
     pats = [p.strip() for p in patterns.split(",") if p.strip()]
     mods = dict(model.named_modules())
     chosen: dict[str, nn.Module] = {}
-    weights = [n for n, p in model.named_parameters() if p.ndim == 2 and n.endswith(".weight")]
+    matrices = [n for n, p in model.named_parameters() if p.ndim == 2 and n.endswith(".weight")]
+    weights = [n for n in matrices if _is_linear(mods[n[: -len(".weight")]])]
     for pat in pats:
         hits = [n for n in weights if fnmatch.fnmatchcase(n, pat)]
         if not hits:
-            raise ValueError(f"geo.layers pattern {pat!r} matches no linear weight; e.g. {', '.join(weights[:4])}")
+            other = [n for n in matrices if fnmatch.fnmatchcase(n, pat)]
+            why = f" ({', '.join(other[:3])} is not a linear layer's weight)" if other else ""
+            raise ValueError(f"geo.layers pattern {pat!r} matches no linear weight{why}; e.g. {', '.join(weights[:4])}")
         for n in hits:
             chosen[n] = mods[n[: -len(".weight")]]
     return chosen

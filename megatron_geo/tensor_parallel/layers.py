@@ -51,8 +51,11 @@ class ColumnParallelLinear(nn.Module):
     """Y = X W^T with W split along its output dim: weight ``[out_features / tp, in_features]``.
 
     Input ``[..., in_features]`` (replicated over TP); output ``[..., out_features / tp]``, or the full
-    ``[..., out_features]`` with ``gather_output=True``.
+    ``[..., out_features]`` with ``gather_output=True``. ``is_linear``: its weight's gradient is ``G = dY^T X``, so
+    GeoFP8 may send it in input-side coordinates (``geometry.select_parameters``).
     """
+
+    is_linear = True
 
     def __init__(
         self,
@@ -78,8 +81,10 @@ class RowParallelLinear(nn.Module):
     """Y = X W^T with W split along its input dim: weight ``[out_features, in_features / tp]``.
 
     Input ``[..., in_features / tp]`` (already split, e.g. a column-parallel output); output
-    ``[..., out_features]`` summed over the TP group.
+    ``[..., out_features]`` summed over the TP group. ``is_linear`` as :class:`ColumnParallelLinear`.
     """
+
+    is_linear = True
 
     def __init__(self, in_features: int, out_features: int, group, init_fn: InitFn, dtype=torch.float32, device=None):
         super().__init__()
