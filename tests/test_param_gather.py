@@ -170,6 +170,22 @@ def test_plan_report_at_llama_600m_dp64_sends_at_most_052_of_bf16_both_ways():
     assert f["gather_bytes_per_rank"] < 0.3 * plain["gather_bytes_per_rank"]  # FP32 parameters before
 
 
+def test_plan_report_counts_both_halves_of_the_all_reduce_without_the_distributed_optimizer():
+    from megatron_geo.analysis.plan_report import plan_figures
+    from megatron_geo.config import load_config
+
+    for dtype, b in (("fp32", 4), ("bf16", 2)):
+        cfg = load_config([str(ROOT / "configs/tiny.yaml"), str(ROOT / f"configs/comm/{dtype}.yaml")])
+        rs = plan_figures(cfg, 4, bf16_reference=False)
+        cfg.parallel.distributed_optimizer = False
+        ar = plan_figures(cfg, 4, bf16_reference=False)
+        # reducer.py: an all-reduce is a reduce-scatter and an all-gather of the averaged ranges, each sending
+        # S - own elements in the wire format; nothing else is gathered
+        assert ar["wire_bytes_per_rank"] == 2 * 3 * ar["buffer_elements_per_rank"] // 4 * b
+        assert ar["wire_bytes_per_rank"] == 2 * rs["wire_bytes_per_rank"]
+        assert ar["gather_bytes_per_rank"] == 0 and ar["dp_bytes_per_rank"] == ar["wire_bytes_per_rank"]
+
+
 # -- training at DP 2 ------------------------------------------------------------------------------------------------
 def _digest(model) -> str:
     h = hashlib.sha256()

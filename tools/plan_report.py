@@ -89,8 +89,14 @@ def report_text(f: dict) -> str:
         f"  wire bytes per rank per step (reduce) {f['wire_bytes_per_rank'] / 1e9:.3f} GB vs even reduce-scatter "
         f"{f['even_reduce_scatter_bytes'] / 1e9:.3f} GB "
         f"(x{f['wire_bytes_per_rank'] / max(f['even_reduce_scatter_bytes'], 1):.3f});"
-        f" gather {f['gather_bytes_per_rank'] / 1e9:.3f} GB vs {f['even_all_gather_bytes'] / 1e9:.3f} GB"
-        f" (comm.param_gather={f['config']['comm.param_gather']}, {f['gather_bytes_per_element']:.4g} bytes/element)",
+        + (
+            f" gather {f['gather_bytes_per_rank'] / 1e9:.3f} GB vs {f['even_all_gather_bytes'] / 1e9:.3f} GB"
+            f" (comm.param_gather={f['config']['comm.param_gather']}, {f['gather_bytes_per_element']:.4g} "
+            f"bytes/element)"
+            if f["config"]["distributed_optimizer"]
+            else " an all-reduce (reduce-scatter + all-gather of the averaged ranges, both counted above); no "
+            "parameter gather (parallel.distributed_optimizer=false)"
+        ),
         f"  DP bytes per rank per step, both ways (reduce + gather) {f['dp_bytes_per_rank'] / 1e9:.3f} GB"
         + (
             f" = x{f['dp_bytes_vs_bf16']:.3f} of BF16 both ways ({f['bf16_dp_bytes_per_rank'] / 1e9:.3f} GB: BF16 "

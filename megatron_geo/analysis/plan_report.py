@@ -197,6 +197,9 @@ def plan_figures(cfg: Config, dp_size: int, params=None, tp_size: int = 1, bf16_
             own[r] += sizes[r]
             sent[r] += (S - sizes[r]) * wire_b
             recv[r] += ((dp_size - 1) * sizes[r] if all_to_all else S - sizes[r]) * wire_b
+            if not sharded:  # the all-reduce's second half: the averaged ranges gathered in the wire format
+                sent[r] += (S - sizes[r]) * wire_b
+                recv[r] += (S - sizes[r]) * wire_b
             for pc in pl.pieces[r]:
                 s = specs[idx[pc.index]]
                 if pc.index in pl.splits:
