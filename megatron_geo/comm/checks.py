@@ -11,6 +11,7 @@ from ..config.errors import ConfigError
 from ..config.schema import CommConfig
 from .formats import FORMATS, WireFormat, get_format
 from .param_codec import check_param_gather
+from .roundtrip import is_pow2
 
 
 def wire_format(comm) -> WireFormat:
@@ -43,7 +44,7 @@ def check_comm_config(c: CommConfig, param_dtype: torch.dtype) -> None:
     """
     fmt = wire_format(c)
     for name, v in (("comm.block_size", c.block_size), ("comm.hadamard_block", c.hadamard_block)):
-        if v <= 0 or v & (v - 1):
+        if not is_pow2(v):
             raise ConfigError(f"{name}={v} must be a positive power of two (e.g. 128)")
     fmt.check(c)
     check_param_gather(c, param_dtype)
