@@ -52,23 +52,23 @@ ROOT = HERE.parent
 GOLDEN = HERE / "data" / "golden"
 CORPUS_TOKEN = "@CORPUS@"  # the corpus folder in the committed checkpoint's meta.json / config.yaml
 
-# the layer selection the geofp8 records were made with (the preset's default then): a preset whose default
-# selection changes keeps its records, which pin the reduction path of that selection
+# the layer selection the tensor-scaled GeoFP8 records were made with (the preset's default then): a preset whose
+# default selection changes keeps its records, which pin the reduction path of that selection
 GEOFP8_DOWN = ["geo.layers=layers.*.mlp.down_proj.weight"]
 # preset file (configs/comm) -> extra overrides
 RUNS: dict[str, tuple[str, list[str]]] = {
     **{p.stem: (p.name, []) for p in sorted((ROOT / "configs" / "comm").glob("*.yaml"))},
-    "geofp8": ("geofp8.yaml", GEOFP8_DOWN),
+    "geofp8_tensor": ("geofp8_tensor.yaml", GEOFP8_DOWN),
     "fp8_allreduce": ("fp8.yaml", ["parallel.distributed_optimizer=false"]),
     "fp8_wire_sum": ("fp8.yaml", ["comm.reduce_op=wire_sum"]),
     "muon_fp8_ef": ("fp8_ef.yaml", ["optimizer.name=muon"]),
-    "muon_geofp8": ("geofp8.yaml", ["optimizer.name=muon", *GEOFP8_DOWN]),
+    "muon_geofp8": ("geofp8_tensor.yaml", ["optimizer.name=muon", *GEOFP8_DOWN]),
 }
 STEPS = 4
 # checkpointed at step 2 of STEPS (its meta.json / config.yaml with the corpus and run folder as placeholders)
 CHECKPOINTS = {
     "adamw_geofp8": ("geofp8.yaml", GEOFP8_DOWN),
-    "muon_geofp8": ("geofp8.yaml", ["optimizer.name=muon", *GEOFP8_DOWN]),
+    "muon_geofp8": ("geofp8_tensor.yaml", ["optimizer.name=muon", *GEOFP8_DOWN]),
 }
 RUN_TOKEN = "@RUN@"
 HOST_RECORDS = GOLDEN / "host_lapack.json"

@@ -60,12 +60,19 @@ def test_relative_errors_match_torch_casts_on_the_tiny_model(monkeypatch):
     monkeypatch.setattr(preset_fidelity, "capture_all", keep)
     sess = open_session([str(ROOT / "configs" / "tiny.yaml")], ["model.num_layers=2", "logging.wandb=disabled"])
     try:
-        doc = run_presets(sess, 2, ["bf16", "geofp8_paper", "geofp8"], candidates=False, log=lambda m: None)
+        doc = run_presets(
+            sess,
+            2,
+            ["bf16", "fp8_block", "geofp8_paper", "geofp8_tensor", "geofp8"],
+            candidates=False,
+            log=lambda m: None,
+        )
     finally:
         close_session(sess)
     grads = captured["grads"]
     names = list(grads)
-    fp8, bf16, paper, geo = (doc["presets"][p]["rel_l2"] for p in ("fp8", "bf16", "geofp8_paper", "geofp8"))
+    fp8, bf16, paper, geo = (doc["presets"][p]["rel_l2"] for p in ("fp8", "bf16", "geofp8_paper", "geofp8_tensor"))
+    block, geo_block = (doc["presets"][p]["rel_l2"] for p in ("fp8_block", "geofp8"))
     assert bf16["whole"] == pytest.approx(_torch_reference(grads, names, lambda x: x.bfloat16().float()), rel=1e-6)
     down = [n for n in names if kind_of(n) == "down"]
     assert fp8["down"] == pytest.approx(_torch_reference(grads, down, _e4m3), rel=1e-6)
@@ -76,10 +83,13 @@ def test_relative_errors_match_torch_casts_on_the_tiny_model(monkeypatch):
     assert doc["presets"]["geofp8_paper"]["transformed_layers"] == len(down)
     summary = doc["summary"]["geofp8_paper"]
     assert summary["transformed_change_pct"] == pytest.approx(100 * (paper["down"] / fp8["down"] - 1))
-    # geofp8 takes every linear weight; the embedding and the norms are never transformed
+    # geofp8(_tensor) take every linear weight; the embedding and the norms are never transformed, so they are
+    # sent as the same format without geometry: fp8 for geofp8_tensor, fp8_block (per-128 scales) for geofp8
     linear = [n for n in names if kind_of(n) in ("q", "k", "v", "o", "gate", "up", "down", "output")]
+    assert doc["presets"]["geofp8_tensor"]["transformed_layers"] == len(linear)
     assert doc["presets"]["geofp8"]["transformed_layers"] == len(linear)
     assert (geo["embedding"], geo["norm"]) == (fp8["embedding"], fp8["norm"])
+    assert (geo_block["embedding"], geo_block["norm"]) == (block["embedding"], block["norm"])
     # the spectrum's share of trace in the top 32 eigenvalues, for one down projection
     a = captured["A"][down[0]].double()
     ev = torch.linalg.eigvalsh(a).flip(0)

@@ -40,19 +40,19 @@ P = lambda name: str(ROOT / "configs/comm" / f"{name}.yaml")  # noqa: E731
         ([TINY], ["comm.dtype=fp8_e4m3"], "fp8"),
         ([TINY, P("fp8")], ["comm.rounding=stochastic"], "fp8_e4m3+sr"),
         (
-            [TINY, P("geofp8")],
+            [TINY, P("geofp8_tensor")],
             ["geo.refresh_interval=10"],
             "fp8_e4m3+ef+geo(r32,p=auto,layers=layers.*.attn.*_proj.weight,layers.*.mlp.*_proj.weight,output.weight,refresh=10)",
         ),
         (
-            [TINY, P("geofp8")],
+            [TINY, P("geofp8_tensor")],
             ["geo.damping=0.1", "geo.statistics=sketch"],
             "fp8_e4m3+ef+geo(r32,p=auto,layers=layers.*.attn.*_proj.weight,layers.*.mlp.*_proj.weight,output.weight,damp=0.1,stats=sketch)",
         ),
         ([TINY, P("fp8")], ["comm.compile=true", "train.steps=3"], "fp8"),  # how it runs, not what it sends
         ([TINY, P("geofp8_search")], ["comm.telemetry_interval=20", "logging.wandb=disabled"], "geofp8_search"),
         (
-            [TINY, P("geofp8")],
+            [TINY, P("geofp8_tensor")],
             ["geo.rank=16"],
             "fp8_e4m3+ef+geo(r16,p=auto,layers=layers.*.attn.*_proj.weight,layers.*.mlp.*_proj.weight,output.weight)",
         ),

@@ -109,7 +109,7 @@ def parse_args(argv):
         default=None,
         metavar="NAME",
         help="one-step fidelity of comm presets (configs/comm/NAME.yaml; none named: fp8, fp8_e5m2, fp8_block, "
-        "fp8_hadamard, geofp8, geofp8_block, geofp8_paper, bf16, nvfp4, geonvfp4) on every parameter's gradient, "
+        "fp8_hadamard, geofp8, geofp8_tensor, geofp8_paper, bf16, nvfp4, geonvfp4) on every parameter's gradient, "
         "per layer kind, vs Euclidean FP8 (fp8), plus GeoFP8 on each linear layer kind, the K-FAC spectrum and the "
         "massive activations",
     )

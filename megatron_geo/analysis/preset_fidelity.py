@@ -52,7 +52,7 @@ DEFAULT_PRESETS = (
     "fp8_block",
     "fp8_hadamard",
     "geofp8",
-    "geofp8_block",
+    "geofp8_tensor",
     "geofp8_paper",
     "bf16",
     "nvfp4",
@@ -300,12 +300,12 @@ def run_presets(sess, ranks: int, presets: list[str], candidates: bool = True, l
 
 
 def layer_choice(cap: Capture, grads: dict, tf: _Transforms, fp8_errs: dict, log=print) -> dict:
-    """GeoFP8 (``geofp8``'s rank, damping and ``power=auto``; E4M3, tensor scaling) on each linear kind alone, and
+    """GeoFP8 (``geofp8_tensor``: rank 32, damping, ``power=auto``; E4M3, tensor scaling) on each linear kind alone, and
     on sets of kinds: ``{kinds: {kind: {layers, fp8_rel_l2, geo_rel_l2, change_pct, median_power,
     euclidean_layers (auto chose p = 0)}}, sets: {label: {kinds, transformed_change_pct, whole_change_pct}}}``.
     The sets are every linear kind, and the kinds in order of their own gain (best first), each prefix once; a
     set's whole-gradient change counts every other parameter as Euclidean FP8."""
-    plan = preset_plan("geofp8")
+    plan = preset_plan("geofp8_tensor")
     kinds, geo_errs = {}, {}
     for kind, glob in KIND_GLOBS.items():
         layer_names = [n for n in cap.names if fnmatch.fnmatchcase(n, glob)]
@@ -394,7 +394,7 @@ def preset_report(doc: dict, markdown: bool = False) -> str:
     ]
     if "layer_choice" in doc:
         parts += [
-            "GeoFP8 (geofp8: rank 32, damping 1e-3, power=auto) on each linear layer kind alone",
+            "GeoFP8 (geofp8_tensor: rank 32, damping 1e-3, power=auto, tensor scales) on each linear layer kind alone",
             table(
                 ["kind", "layers", "fp8 RelL2", "geo RelL2", "change %", "median p", "kept Euclidean"],
                 [
