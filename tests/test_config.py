@@ -93,6 +93,39 @@ def test_cli_reports_config_errors_before_any_process_group():
     assert "train.global_batch_size=6 is not divisible" in out.stderr
 
 
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_sketch_size_below_rank_is_refused_only_where_a_sketch_is_used():
+    """geo.sketch_size bounds the rank of a sketched factor only; full statistics keep any rank."""
+    validate_config(load_config(GEO, ["geo.statistics=full", "geo.rank=96"]), 1)  # the default sketch is 64
+    for stats in ("sketch", "auto"):
+        with pytest.raises(ConfigError, match=r"geo.sketch_size=64 must be >= geo.rank=96"):
+            validate_config(load_config(GEO, [f"geo.statistics={stats}", "geo.rank=96"]), 1)
+
+
+def test_print_config_under_a_launcher_prints_once(tmp_path):
+    """Every process of a launch checks the config, only rank 0 prints it (one copy in a torchrun log)."""
+    args = ["--config", str(ROOT / "configs/tiny.yaml"), "train.steps=3", "--print-config"]
+    outs = []
+    for rank in (0, 1):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
+        r = subprocess.run(
+            [sys.executable, str(ROOT / "pretrain_llama.py"), *args],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=env,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr
+        outs.append(r.stdout)
+    assert load_config([str(_write(tmp_path / "r.yaml", outs[0]))]).train.steps == 3 and outs[1] == ""
+
+
 def test_print_config_roundtrip(tmp_path):
     out = subprocess.run(
         [

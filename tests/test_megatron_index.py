@@ -350,6 +350,9 @@ def test_mgeoidx_is_refused_naming_the_converter_which_converts_it(tmp_path, cap
     idx_before = Path(prefix + ".idx").read_bytes()
     assert convert([prefix]) == 0 and "already MMIDIDX" in capsys.readouterr().out
     assert Path(prefix + ".idx").read_bytes() == idx_before
+    # the pair named by either file (as tab completion gives it): the same pair, not old.idx.idx
+    for named in (prefix + ".idx", prefix + ".bin"):
+        assert convert([named]) == 0 and f"{prefix}.idx is already MMIDIDX" in capsys.readouterr().out
 
 
 def test_a_bare_mgeoidx_magic_is_refused_naming_the_converter(tmp_path):

@@ -57,7 +57,18 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/verdict.py, also when imported from tests
 
-DEFAULT_ORDER = ["fp32", "bf16", "fp8", "fp8_ef", "fp8_hadamard", "geofp8", "nvfp4", "geonvfp4"]
+DEFAULT_ORDER = [
+    "fp32",
+    "bf16",
+    "fp8",
+    "fp8_ef",
+    "fp8_hadamard",
+    "fp8_block",
+    "geofp8_tensor",
+    "geofp8",
+    "nvfp4",
+    "geonvfp4",
+]
 
 
 class CompareError(ValueError):

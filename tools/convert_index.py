@@ -204,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("prefix", nargs="+", metavar="PREFIX", help="dataset path without .bin/.idx")
     args = ap.parse_args(argv)
     checked: dict[str, Legacy | None] = {}
+    # a path given with its .idx / .bin suffix names the same pair (tab completion gives one)
+    args.prefix = [p[: -len(ext)] if (ext := os.path.splitext(p)[1]) in (".idx", ".bin") else p for p in args.prefix]
     for prefix in args.prefix:
         try:
             checked[prefix] = check_convertible(prefix)

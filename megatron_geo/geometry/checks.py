@@ -18,7 +18,7 @@ def check_geo_config(g: GeoConfig, comm: CommConfig, fp8_dtypes: Sequence[str]) 
 
     Checked: ``geo.select=auto`` needs ``geo.num_layers >= 1``, ``geo.profile_steps >= 1`` and an FP8
     ``comm.dtype`` (it profiles FP8 bound hits); ``geo.select=gain`` needs ``geo.num_layers >= 1``;
-    ``geo.sketch_size >= geo.rank``; ``geo.rank`` and ``geo.refresh_interval >= 1``; ``geo.damping > 0``.
+    ``geo.sketch_size >= geo.rank`` (with sketched statistics); ``geo.rank`` and ``geo.refresh_interval >= 1``; ``geo.damping > 0``.
 
     Raises:
         ConfigError: naming the key, the bad value and the fix.
@@ -35,7 +35,7 @@ def check_geo_config(g: GeoConfig, comm: CommConfig, fp8_dtypes: Sequence[str]) 
         )
     if comm.dtype not in fp8_dtypes and g.select == "auto":
         raise ConfigError(f"geo.select=auto profiles FP8 bound hits; use comm.dtype={' or '.join(fp8_dtypes)}")
-    if g.sketch_size < g.rank:
+    if g.statistics != "full" and g.sketch_size < g.rank:
         raise ConfigError(f"geo.sketch_size={g.sketch_size} must be >= geo.rank={g.rank}")
     for key, v in (("rank", g.rank), ("refresh_interval", g.refresh_interval)):
         if v < 1:

@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         check_inputs(cfg, devices=not args.print_config)  # files always; devices where the run will happen
         check_data_inputs(cfg, write=not args.print_config)  # tokenizer, vocabulary, corpus cache
         if args.print_config:
-            print(dump_config(cfg), end="")
+            if env.rank == 0:  # under a launcher every process checks the config; one prints it
+                print(dump_config(cfg), end="")
             return 0
         # every rank (the check reads files only): a rank that went on would create the run's folders while rank 0
         # stops; the wandb run itself is made on rank 0

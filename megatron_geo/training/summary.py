@@ -107,7 +107,7 @@ def format_summary(s: dict, cfg: Config) -> str:
     return "\n".join(
         [
             "=" * 72,
-            f"summary: {s['steps']} steps"
+            f"summary: {s['steps']} step{'' if s['steps'] == 1 else 's'}"
             f"{'' if s['steps'] == cfg.train.steps else f' of train.steps={cfg.train.steps}'}, "
             f"{s['parameters']:,} parameters, comm={cfg.comm.label} (comm.dtype={cfg.comm.dtype})",
             f"  train loss      {s['start_loss']:.4f} (step {s.get('start_step', 0) + 1}"
