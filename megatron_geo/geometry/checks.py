@@ -18,7 +18,8 @@ def check_geo_config(g: GeoConfig, comm: CommConfig, fp8_dtypes: Sequence[str]) 
 
     Checked: ``geo.select=auto`` needs ``geo.num_layers >= 1``, ``geo.profile_steps >= 1`` and an FP8
     ``comm.dtype`` (it profiles FP8 bound hits); ``geo.select=gain`` needs ``geo.num_layers >= 1``;
-    ``geo.sketch_size >= geo.rank`` (with sketched statistics); ``geo.rank`` and ``geo.refresh_interval >= 1``; ``geo.damping > 0``.
+    ``geo.sketch_size >= geo.rank`` (with sketched statistics); ``geo.rank`` and ``geo.refresh_interval >= 1``;
+    ``geo.damping > 0``.
 
     Raises:
         ConfigError: naming the key, the bad value and the fix.
