@@ -5,6 +5,7 @@ Euclidean FP8 outside the layers they transform, and the K-FAC spectrum against 
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,13 @@ def test_an_unknown_preset_is_refused_before_the_model_is_built(tmp_path, capsys
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "nope" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "x.json").exists()
+
+
+def test_report_paths_name_no_machine(tmp_path, monkeypatch):
+    """A path the loader made absolute is written relative to the working directory, outside it unchanged."""
+    shown = load_tool("grad_fidelity")._shown_path
+    monkeypatch.chdir(tmp_path)
+    assert shown(str(tmp_path / "runs" / "init")) == os.path.join("runs", "init")
+    assert shown("runs/init") == "runs/init" and shown("") == ""
+    outside = str(tmp_path.parent / "elsewhere")
+    assert shown(outside) == outside

@@ -408,6 +408,15 @@ def _run_info(args, cfg) -> dict:
     }
 
 
+def _shown_path(path: str) -> str:
+    """``path`` as written into a committed report: relative to the working directory when inside it (the loader
+    resolves paths to absolute ones, which name the machine the report was made on), else unchanged."""
+    if not path or not os.path.isabs(path):
+        return path
+    rel = os.path.relpath(path)
+    return path if rel == ".." or rel.startswith(".." + os.sep) else rel
+
+
 def _main_presets(sess, args, losses: list[float], t_start: float) -> int:
     from megatron_geo.analysis.preset_fidelity import preset_report, run_presets
 
@@ -417,7 +426,7 @@ def _main_presets(sess, args, losses: list[float], t_start: float) -> int:
         "mode": "presets",
         **doc,
         **_run_info(args, cfg),
-        "checkpoint_load": cfg.checkpoint.load,
+        "checkpoint_load": _shown_path(cfg.checkpoint.load),
         "train_loss_first": losses[0] if losses else None,
     }
     out["wall_s"] = time.perf_counter() - t_start
