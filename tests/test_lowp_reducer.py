@@ -308,3 +308,33 @@ def test_nonfinite_actions():
     assert torch.equal(red.residuals[0], torch.zeros(32))
     with pytest.raises(NonFiniteGradientError, match="step 7: the gradient norm is inf .* train.nonfinite=stop"):
         handle_nonfinite(7, float("inf"), "stop", red)
+
+
+def _run_uneven(rank, world, bounds):
+    comm = CommConfig(dtype="fp8_e4m3", scaling="block", block_size=16)
+    red = build_reducer(comm, pctx_for(1), seed=5)
+    plan = plan_shards(NUMELS, [False] * len(NUMELS), world, red.alignment())
+    bucket = red.register_bucket(0, plan.offsets, NUMELS, bounds, "cpu")
+    buf = _to_buffer(_rank_grads(world)[rank], plan).float()
+    buf = torch.cat([buf, torch.zeros(bounds[-1] - buf.numel())])
+    red.reduce_scatter(buf, bucket).wait()
+    return buf, red.bytes_sent
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_block_scales_of_uneven_ranges_travel_unpadded(world):
+    """Uneven owner ranges (whole matrices, GeoFP8 rows): each rank is sent the scales of its own blocks only, so
+    a rank sends its codes plus one FP32 scale per block of every other range (not the longest range's count per
+    destination), and the reduced values are the independent reference's."""
+    plan = plan_shards(NUMELS, [False] * len(NUMELS), world, 16)
+    total = -(-plan.buffer_numel // 16) * 16 + 16 * 6
+    # rank 0 owns one block, rank 1 (of 3) none, the last rank the rest
+    bounds = [0, 16] + ([16] if world == 3 else []) + [total]
+    out = run_distributed(_run_uneven, world, bounds)
+    ref = _reference_fp8(world, "fp8_e4m3", "block", 16, False, plan)
+    ref = torch.cat([ref, torch.zeros(total - ref.numel(), dtype=ref.dtype)])
+    for r, (buf, sent) in enumerate(out):
+        lo, hi = bounds[r], bounds[r + 1]
+        torch.testing.assert_close(buf[lo:hi].double(), ref[lo:hi], rtol=1e-6, atol=1e-9)
+        others = total - (hi - lo)
+        assert sent == others + 4 * (others // 16)

@@ -10,7 +10,8 @@ uneven whole-parameter ranges, see :mod:`megatron_geo.distributed.shard_plan`):
 3. local scales from the amax of each scale group (:mod:`.scale_layout`), or, with
    ``comm.scale_sync=max``, the MAX over the DP group (NaN mapped to +inf so it survives the MAX);
 4. encode the buffer; a uint8 all-to-all with split sizes moves range r's codes to rank r, and a small
-   FP32 all-to-all its scales (FP8: one per segment; NVFP4: the E4M3 block scales travel with the codes,
+   FP32 all-to-all its scales (FP8: one per segment, with block scaling exactly one per block of the
+   destination's range, so uneven ranges send no padding; NVFP4: the E4M3 block scales travel with the codes,
    the FP32 per-parameter global scales here, one per segment; every segment is a whole number of 16- or
    128-element blocks, so scales reach the elements one per block, see :mod:`.scale_layout`);
 5. decode each source's copy of this rank's range with that source's scales, sum in FP32 in rank order, divide by
@@ -275,7 +276,16 @@ class LowPrecisionReducer(Reducer):
                 recvs.append(recv)
                 self.bytes_sent += send.numel() - splits[r]
             recv_scales = None
-            if scales is not None:
+            if scales is not None and layout.block_size is not None:
+                # block scaling: each destination gets the scales of its own range's blocks only, not a row padded
+                # to the longest range's block count (uneven ranges: whole Muon matrices, GeoFP8 rows)
+                n = [layout.row_num_blocks(j) for j in range(dp)]
+                send_scales = layout.block_values(scales)  # [num_blocks]: the ranges' blocks back to back
+                recv_flat = torch.empty(dp * n[r], dtype=scales.dtype, device=scales.device)
+                works.append(C.all_to_all_single(recv_flat, send_scales, self.group, [n[r]] * dp, n, async_op=True))
+                recv_scales = recv_flat.view(dp, n[r])
+                self.bytes_sent += (sum(n) - n[r]) * 4
+            elif scales is not None:
                 recv_scales = torch.empty_like(scales)
                 works.append(C.all_to_all_single(recv_scales, scales, self.group, async_op=True))
                 self.bytes_sent += (dp - 1) * scales.shape[1] * 4

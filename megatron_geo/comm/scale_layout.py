@@ -10,7 +10,9 @@ plan). Each range is cut into consecutive segments; every segment has one scale 
 - ``block`` scaling: a group is one block of ``block_size`` elements; ranges are multiples of
   ``block_size`` (the shard plan aligns them), so blocks never straddle two ranks' shards.
 
-``seg_scales[r]`` (``[K]``, padded to the same K for every range) is what the all-to-all sends to rank r.
+With tensor scaling ``seg_scales[r]`` (``[K]``, padded to the same K for every range) is what the all-to-all sends
+to rank r; with block scaling each rank is sent the scales of its own range's blocks only (``row_num_blocks(r)``),
+so uneven ranges (whole Muon matrices, GeoFP8 rows) cost no padding on the wire.
 
 No table has an entry per block: the block -> segment maps are derived on the device when a reduction needs
 them, with one fixed list of ops whatever the DP size, whether the ranges are even and how long the segments are
