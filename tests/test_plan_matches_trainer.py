@@ -50,6 +50,11 @@ def _layouts(cases, extra=()) -> dict:
                 for names, pl in plan_layout(cfg, dp, params)
             ],
             "report_buffer": figs["buffer_elements_per_rank"],
+            # rank 0's reduce bytes by the report's count: S - own elements per bucket at the wire's bytes/element
+            "report_rank0_bytes": sum(
+                (pl.buffer_numel - (pl.bounds[1] - pl.bounds[0])) * figs["wire_bytes_per_element"]
+                for _, pl in plan_layout(cfg, dp, params)
+            ),
             "report_alignment": figs["alignment"],
         }
     for dp in sorted({c[2] for c in cases}):
@@ -57,7 +62,13 @@ def _layouts(cases, extra=()) -> dict:
         try:
             pctx = build_groups(0, dp, 1, torch.device("cpu"), "fake")
             for case in (c for c in cases if c[2] == dp):
-                _, buckets, reducer, _, _ = build_model_and_optimizer(_cfg(case[0], case[1], extra), pctx)
+                cfg = _cfg(case[0], case[1], extra)
+                _, buckets, reducer, _, _ = build_model_and_optimizer(cfg, pctx)
+                if cfg.comm.scaling == "block":  # what rank 0's reducer hands the collectives for one reduction
+                    before = reducer.bytes_sent
+                    for b in buckets:
+                        reducer.reduce_scatter(torch.zeros(b.plan.buffer_numel), b.reduction).wait()
+                    out[case]["trainer_rank0_bytes"] = reducer.bytes_sent - before
                 out[case].update(
                     trainer=[
                         (list(b.names), list(b.plan.offsets), list(b.plan.bounds), b.plan.buffer_numel) for b in buckets
@@ -84,6 +95,17 @@ def test_the_report_shows_the_trainers_buckets(layouts, case):
     for i, (rep, tr) in enumerate(zip(got["report"], got["trainer"])):
         assert rep == tr, f"bucket {i}: report {rep[1:]} vs trainer {tr[1:]}"
         assert all(b % got["trainer_alignment"] == 0 for b in tr[2])  # every DP range is aligned
+
+
+BLOCK_CASES = [c for c in CASES if c[0] in ("fp8_block", "geofp8")]
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=[f"{p}-{o}-dp{d}" for p, o, d in BLOCK_CASES])
+def test_block_scaled_reducers_send_the_bytes_the_report_counts(layouts, case):
+    """Codes plus one FP32 scale per 128 elements of every other rank's range, also where the ranges are uneven
+    (whole Muon matrices, GeoFP8 rows): the scales travel without padding to the longest range."""
+    got = layouts[case]
+    assert got["trainer_rank0_bytes"] == got["report_rank0_bytes"]
 
 
 def test_tensor_scaled_fp8_is_laid_out_with_its_16_element_granule(layouts):
