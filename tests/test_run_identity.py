@@ -206,3 +206,20 @@ def test_print_config_outside_a_launcher_checks_the_smallest_fitting_world():
     )
     assert r.returncode == 0, r.stderr
     assert yaml.safe_load(r.stdout)["parallel"]["tensor"] == 2
+
+
+def test_a_renamed_preset_is_named_with_its_new_name(tmp_path):
+    """The block-scaled GeoFP8 preset was folded into geofp8: the old file name says so where it is refused."""
+    from megatron_geo.config.presets import RENAMED_PRESETS
+
+    assert set(RENAMED_PRESETS).isdisjoint(p.stem for p in (ROOT / "configs/comm").glob("*.yaml"))
+    with pytest.raises(ConfigError, match=r"not found .*; preset geofp8_block is now geofp8 "):
+        load_config([TINY, str(ROOT / "configs/comm/geofp8_block.yaml")])
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tools/run_comparison.py"), "--config", TINY, "--presets", "geofp8_block"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "unknown comm preset 'geofp8_block'; preset geofp8_block is now geofp8" in r.stderr

@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PRESET_DIR = ROOT / "configs" / "comm"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from megatron_geo.config.presets import comm_presets  # noqa: E402
+from megatron_geo.config.presets import comm_presets, renamed_hint  # noqa: E402
 
 DEFAULT_PRESETS = list(comm_presets(PRESET_DIR))  # every configs/comm/*.yaml, by name
 SBATCH_SCRIPT = ROOT / "scripts" / "slurm" / "pretrain.sbatch"
@@ -72,7 +72,8 @@ def resolve_preset(name: str) -> tuple[str, Path]:
     if not path.is_file():
         known = list(comm_presets(PRESET_DIR))
         raise SweepError(
-            f"unknown comm preset '{name}'; choose from {', '.join(known)} (configs/comm/) or pass a YAML file path"
+            f"unknown comm preset '{name}'{renamed_hint(name)}; choose from {', '.join(known)} (configs/comm/) or pass "
+            f"a YAML file path"
         )
     return name, path
 

@@ -322,7 +322,9 @@ def _build(files, overrides):
     for f in files:
         path = Path(f)
         if not path.is_file():
-            raise ConfigError(f"config file '{f}' not found (pass an existing YAML file to --config)")
+            from .presets import renamed_hint
+
+            raise ConfigError(f"config file '{f}' not found (pass an existing YAML file to --config){renamed_hint(f)}")
         name = preset_name(path)
         if name is not None:
             if preset is not None:

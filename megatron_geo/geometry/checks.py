@@ -37,7 +37,10 @@ def check_geo_config(g: GeoConfig, comm: CommConfig, fp8_dtypes: Sequence[str]) 
     if comm.dtype not in fp8_dtypes and g.select == "auto":
         raise ConfigError(f"geo.select=auto profiles FP8 bound hits; use comm.dtype={' or '.join(fp8_dtypes)}")
     if g.statistics != "full" and g.sketch_size < g.rank:
-        raise ConfigError(f"geo.sketch_size={g.sketch_size} must be >= geo.rank={g.rank}")
+        raise ConfigError(
+            f"geo.sketch_size={g.sketch_size} must be >= geo.rank={g.rank}; raise geo.sketch_size (2 x geo.rank is a "
+            f"good choice) or set geo.statistics=full"
+        )
     for key, v in (("rank", g.rank), ("refresh_interval", g.refresh_interval)):
         if v < 1:
             raise ConfigError(f"geo.{key}={v} must be >= 1")
