@@ -210,7 +210,7 @@ def test_print_config_outside_a_launcher_checks_the_smallest_fitting_world():
 
 def test_a_renamed_preset_is_named_with_its_new_name(tmp_path):
     """The block-scaled GeoFP8 preset was folded into geofp8: the old file name says so where it is refused."""
-    from megatron_geo.config.presets import RENAMED_PRESETS
+    from megatron_geo.config.renamed import RENAMED_PRESETS
 
     assert set(RENAMED_PRESETS).isdisjoint(p.stem for p in (ROOT / "configs/comm").glob("*.yaml"))
     with pytest.raises(ConfigError, match=r"not found .*; preset geofp8_block is now geofp8 "):

@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PRESET_DIR = ROOT / "configs" / "comm"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from megatron_geo.config.presets import comm_presets, renamed_hint  # noqa: E402
+from megatron_geo.config.presets import comm_presets  # noqa: E402
+from megatron_geo.config.renamed import renamed_hint  # noqa: E402
 
 DEFAULT_PRESETS = list(comm_presets(PRESET_DIR))  # every configs/comm/*.yaml, by name
 SBATCH_SCRIPT = ROOT / "scripts" / "slurm" / "pretrain.sbatch"

@@ -322,7 +322,7 @@ def _build(files, overrides):
     for f in files:
         path = Path(f)
         if not path.is_file():
-            from .presets import renamed_hint
+            from .renamed import renamed_hint
 
             raise ConfigError(f"config file '{f}' not found (pass an existing YAML file to --config){renamed_hint(f)}")
         name = preset_name(path)

@@ -11,15 +11,6 @@ from pathlib import Path
 from .schema import Config
 
 PRESET_FOLDER = Path(__file__).resolve().parents[2] / "configs" / "comm"
-# presets that were renamed or folded into another: old name -> what to pass now (named in the errors)
-RENAMED_PRESETS = {"geofp8_block": "geofp8 (GeoFP8 with per-128 scales is now the default GeoFP8 preset)"}
-
-
-def renamed_hint(name: str) -> str:
-    """``"; preset <name> is now <new>"`` for a renamed preset (a file stem or a path to one), else ``""``."""
-    stem = Path(name).stem if name.endswith((".yaml", ".yml")) else name
-    new = RENAMED_PRESETS.get(stem)
-    return f"; preset {stem} is now {new}" if new else ""
 
 
 def comm_presets(folder: str | Path | None = None) -> dict[str, Path]:
