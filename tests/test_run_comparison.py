@@ -231,6 +231,9 @@ def test_ctrl_c_during_a_sweep_is_one_line_and_exit_130(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # a suite started in the background (`make test &`, nohup) passes SIGINT on ignored, and Python then keeps
+        # it ignored: give the tool the default disposition a terminal's Ctrl-C meets
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 300
     while not (tmp_path / "sw" / "fp8-seed1" / "sweep_args.json").exists() and time.monotonic() < deadline:
