@@ -51,7 +51,7 @@ class Wire(Protocol):
 
     def decode_own(self, recv: list[Tensor], scales, layout: ScaleLayout, r: int, out: Tensor) -> Tensor:
         """``out`` (FP32 ``[own]``, returned) <- the DP mean of range ``r`` from every source's payloads ``recv``
-        and scales ``[dp, K]`` (summed in FP32 in rank order, divided by dp once)."""
+        and scales ``[dp, K']``, K' at least range r's segments (summed in FP32 in rank order, divided by dp once)."""
 
     def encode_chunk(self, x: Tensor, layout: ScaleLayout, r: int) -> Tensor:
         """uint8 ``[1, bytes]``: range ``r`` (``x``) encoded with its own scales, scales appended (the all-gather

@@ -139,7 +139,8 @@ class FP8Wire:
 
     def decode_own(self, recv: list[Tensor], scales: Tensor, layout: ScaleLayout, r: int, out: Tensor) -> Tensor:
         """``out`` (FP32 ``[own]``, returned) <- the mean over sources of this rank's range ``r`` from the received
-        codes ``recv[0]`` ``[dp * own]`` and every source's scales ``[dp, K]``."""
+        codes ``recv[0]`` ``[dp * own]`` and every source's scales ``[dp, K']``, K' at least range r's segments
+        (with block scaling the reducer sends exactly range r's blocks' scales, K' = ``layout.row_num_blocks(r)``)."""
         dp, g = scales.shape[0], layout.granule
         codes = recv[0].view(dp, -1, g)
         return self.decode_sum(codes, layout.row_block_values(scales, r), out, dp_divisor(dp, codes.device))
