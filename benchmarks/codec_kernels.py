@@ -52,7 +52,8 @@ def wire_roundtrip(x: torch.Tensor, codec: dict | str):
 
     def run():
         codes, scales, _ = wire.encode_ranges(x, layout)
-        return wire.decode_own([p for p, _ in codes], scales, layout, 0, out)
+        per_rank = None if scales is None else scales[0].view(1, -1)  # one rank: its scales as a [1, n] row
+        return wire.decode_own([p for p, _ in codes], per_rank, layout, 0, out)
 
     return run
 

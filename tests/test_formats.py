@@ -73,7 +73,7 @@ class Int8Wire:
         codes = self._encode(x2, bscale)
         if residual is not None:
             residual.copy_(x - self._decode(codes, bscale))
-        return [(codes.view(-1), list(layout.sizes))], seg.contiguous(), None
+        return [(codes.view(-1), list(layout.sizes))], (seg.contiguous().view(-1), layout.scale_splits()), None
 
     def roundtrip(self, x, layout):
         x2 = x.view(-1, layout.granule)

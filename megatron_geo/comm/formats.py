@@ -42,9 +42,10 @@ class Wire(Protocol):
 
     def encode_ranges(self, x: Tensor, layout: ScaleLayout, sync_amax=None, residual: Tensor | None = None):
         """Encode all of ``x`` for the reduce-scatter's all-to-all: ``(codes, scales, shared)``; ``codes`` a list of
-        ``(uint8 payload, split sizes in bytes per destination DP rank)``, ``scales`` FP32 ``[dp, K]`` (row r: what
-        rank r needs to decode its range) or None, ``shared`` the MAX-synchronised ``[dp, K]`` scales (with
-        ``sync_amax``) or None. ``residual`` (``[numel]``, optional) <- ``x - decode(codes)`` in place."""
+        ``(uint8 payload, split sizes in bytes per destination DP rank)``, ``scales`` ``(FP32 payload, split sizes
+        per destination DP rank)`` (what each rank needs to decode its range; ``layout.scale_splits()``) or None,
+        ``shared`` the MAX-synchronised ``[dp, K]`` scales (with ``sync_amax``) or None. ``residual``
+        (``[numel]``, optional) <- ``x - decode(codes)`` in place."""
 
     def roundtrip(self, x: Tensor, layout: ScaleLayout) -> Tensor:
         """FP32 ``[numel]`` ``decode(encode(x))`` with this rank's own scales, round to nearest."""

@@ -276,19 +276,12 @@ class LowPrecisionReducer(Reducer):
                 recvs.append(recv)
                 self.bytes_sent += send.numel() - splits[r]
             recv_scales = None
-            if scales is not None and layout.block_size is not None:
-                # block scaling: each destination gets the scales of its own range's blocks only, not a row padded
-                # to the longest range's block count (uneven ranges: whole Muon matrices, GeoFP8 rows)
-                n = [layout.row_num_blocks(j) for j in range(dp)]
-                send_scales = layout.block_values(scales)  # [num_blocks]: the ranges' blocks back to back
-                recv_flat = torch.empty(dp * n[r], dtype=scales.dtype, device=scales.device)
-                works.append(C.all_to_all_single(recv_flat, send_scales, self.group, [n[r]] * dp, n, async_op=True))
-                recv_scales = recv_flat.view(dp, n[r])
-                self.bytes_sent += (sum(n) - n[r]) * 4
-            elif scales is not None:
-                recv_scales = torch.empty_like(scales)
-                works.append(C.all_to_all_single(recv_scales, scales, self.group, async_op=True))
-                self.bytes_sent += (dp - 1) * scales.shape[1] * 4
+            if scales is not None:  # split like the codes: each destination gets what its range needs, unpadded
+                send, splits = scales
+                recv = torch.empty(dp * splits[r], dtype=send.dtype, device=send.device)
+                works.append(C.all_to_all_single(recv, send, self.group, [splits[r]] * dp, splits, async_op=True))
+                recv_scales = recv.view(dp, splits[r])
+                self.bytes_sent += (send.numel() - splits[r]) * send.element_size()
         if shared is not None:  # every rank derived the same scales, so this range's are known locally
             recv_scales = shared[r : r + 1].expand(dp, -1)
 

@@ -11,8 +11,8 @@ plan). Each range is cut into consecutive segments; every segment has one scale 
   ``block_size`` (the shard plan aligns them), so blocks never straddle two ranks' shards.
 
 With tensor scaling ``seg_scales[r]`` (``[K]``, padded to the same K for every range) is what the all-to-all sends
-to rank r; with block scaling each rank is sent the scales of its own range's blocks only (``row_num_blocks(r)``),
-so uneven ranges (whole Muon matrices, GeoFP8 rows) cost no padding on the wire.
+to rank r; with block scaling each rank is sent the scales of its own range's blocks only
+(:meth:`ScaleLayout.scale_splits`), so uneven ranges (whole Muon matrices, GeoFP8 rows) cost no padding on the wire.
 
 No table has an entry per block: the block -> segment maps are derived on the device when a reduction needs
 them, with one fixed list of ops whatever the DP size, whether the ranges are even and how long the segments are
@@ -156,6 +156,14 @@ class ScaleLayout:
             return group_values[group].masked_fill_(self.seg_index >= self.row_blocks, 1.0)
         assert self.groups is not None and self.empty is not None
         return group_values[self.groups].masked_fill_(self.empty, 1.0)
+
+    def scale_splits(self) -> list[int]:
+        """Scales each DP rank's range needs, as split sizes of the reduce-scatter's scale all-to-all (python ints):
+        block scaling one per block of the range (nothing padded; uneven ranges differ), tensor scaling the ``K``
+        segments of a padded row."""
+        if self.block_size is not None:
+            return [n // self.granule for n in self.sizes]
+        return [self.K] * self.dp_size
 
     def block_values(self, seg_vals: torch.Tensor) -> torch.Tensor:
         """Per-block values ``[num_blocks]`` of the whole buffer from ``seg_vals`` ``[dp, K]`` (every range's

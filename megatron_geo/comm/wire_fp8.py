@@ -113,8 +113,9 @@ class FP8Wire:
 
         Returns:
             ``(codes, scales, shared)``: ``codes`` a list of ``(uint8 tensor, split sizes in bytes per
-            destination rank)``; ``scales`` float32 ``[dp, K]`` (row r: what rank r needs to decode its range),
-            None with shared scales; ``shared`` the MAX-synchronised ``[dp, K]`` scales or None.
+            destination rank)``; ``scales`` ``(float32 payload, split sizes per destination rank)``: the scales
+            each rank needs to decode its range (:meth:`.scale_layout.ScaleLayout.scale_splits`), None with
+            shared scales; ``shared`` the MAX-synchronised ``[dp, K]`` scales or None.
         """
         g = layout.granule
         x2 = x.view(-1, g)
@@ -122,11 +123,14 @@ class FP8Wire:
         if sync_amax is not None:
             amax = sync_amax(amax)
         seg = layout.segment_values(self.scales(amax))  # [dp, K]
-        encoded = self._encode(x2, layout.block_values(seg), None if residual is None else residual.view(-1, g))
+        blocks = layout.block_values(seg)  # [num_blocks]
+        encoded = self._encode(x2, blocks, None if residual is None else residual.view(-1, g))
         codes = [(encoded.view(-1), list(layout.sizes))]
         if sync_amax is not None:
             return codes, None, seg
-        return codes, seg.contiguous(), None
+        # block scaling: the per-block scales are the ranges' blocks back to back, what each destination needs
+        send = blocks if layout.block_size is not None else seg.contiguous().view(-1)
+        return codes, (send, layout.scale_splits()), None
 
     def roundtrip(self, x: Tensor, layout: ScaleLayout) -> Tensor:
         """FP32 ``decode(encode(x))`` of the whole buffer ``x`` ``[numel]`` with this rank's own scales (round to

@@ -118,7 +118,7 @@ class NVFP4Wire:
         )
         sizes = layout.sizes
         codes = [(packed.view(-1), [n // 2 for n in sizes]), (bscale.view(-1), [n // NVFP4_BLOCK for n in sizes])]
-        return codes, seg.contiguous(), None
+        return codes, (seg.contiguous().view(-1), layout.scale_splits()), None
 
     def roundtrip(self, x: Tensor, layout: ScaleLayout) -> Tensor:
         """FP32 ``decode(encode(x))`` of the whole buffer ``x`` ``[numel]`` (round to nearest, this rank's scales)."""
