@@ -32,6 +32,7 @@ import yaml
 
 from .checks import check_choice, literal_values
 from .errors import ConfigError
+from .renamed import renamed_hint
 from .schema import Config
 from .yaml_read import NULL_WORDS, read_yaml
 
@@ -322,8 +323,6 @@ def _build(files, overrides):
     for f in files:
         path = Path(f)
         if not path.is_file():
-            from .renamed import renamed_hint
-
             raise ConfigError(f"config file '{f}' not found (pass an existing YAML file to --config){renamed_hint(f)}")
         name = preset_name(path)
         if name is not None:
